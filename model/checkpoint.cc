@@ -1,0 +1,172 @@
+#include "model/checkpoint.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "model/file_util.h"
+#include "model/status_macros.h"
+#include "nlohmann/json.hpp"
+#include "xxhash.h"
+
+namespace engram {
+namespace {
+
+using nlohmann::json;
+
+bool IsFile(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+std::string Shape(const std::vector<int64_t>& s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
+
+absl::Status CheckTensor(const TensorRef& ref, const std::string& name, DType dtype,
+                         const std::vector<int64_t>& shape) {
+  if (!ref) return absl::NotFoundError(absl::StrCat("checkpoint has no tensor `", name, "` (nor `model.", name, "`)"));
+  const TensorInfo& t = *ref.info;
+  if (t.dtype != dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(ref.file->path(), ": tensor `", t.name, "` has dtype ",
+                                                   DTypeName(t.dtype), ", expected ", DTypeName(dtype)));
+  }
+  if (t.shape != shape) {
+    return absl::InvalidArgumentError(absl::StrCat(ref.file->path(), ": tensor `", t.name, "` has shape ",
+                                                   Shape(t.shape), ", the config implies ", Shape(shape)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string CanonicalTensorName(const std::string& name) {
+  return absl::StartsWith(name, "model.") ? name.substr(6) : name;
+}
+
+absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::string& dir) {
+  auto ck = std::make_shared<Checkpoint>();
+  ck->dir_ = dir;
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::NotFoundError(absl::StrCat(dir, ": not a checkpoint directory"));
+  }
+  ASSIGN_OR_RETURN(ck->config_, LoadEngramConfig(ck->config_path()));
+
+  // Which files hold the tensors, and (with an index) which tensor each must hold.
+  std::vector<std::string> names;
+  std::map<std::string, std::string> weight_map;
+  const std::string index_path = dir + "/model.safetensors.index.json";
+  if (IsFile(index_path)) {
+    ASSIGN_OR_RETURN(std::string text, ReadSmallFile(index_path, size_t{256} << 20));
+    json idx = json::parse(text, nullptr, false);
+    if (idx.is_discarded() || !idx.is_object() || !idx.contains("weight_map") || !idx["weight_map"].is_object()) {
+      return absl::DataLossError(absl::StrCat(index_path, ": not a safetensors index (no `weight_map` object)"));
+    }
+    for (auto it = idx["weight_map"].begin(); it != idx["weight_map"].end(); ++it) {
+      if (!it.value().is_string()) {
+        return absl::DataLossError(absl::StrCat(index_path, ": weight_map entry `", it.key(), "` is not a string"));
+      }
+      std::string f = it.value().get<std::string>();
+      if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..") {
+        return absl::DataLossError(absl::StrCat(index_path, ": weight_map entry `", it.key(), "` names file `", f,
+                                                "`, which is not a file in the checkpoint directory"));
+      }
+      weight_map[it.key()] = f;
+      if (std::find(names.begin(), names.end(), f) == names.end()) names.push_back(f);
+    }
+  } else if (IsFile(dir + "/model.safetensors")) {
+    names.push_back("model.safetensors");
+  } else {
+    DIR* d = ::opendir(dir.c_str());
+    if (d == nullptr) return absl::PermissionDeniedError(absl::StrCat(dir, ": cannot list"));
+    while (dirent* e = ::readdir(d)) {
+      std::string n = e->d_name;
+      if (absl::EndsWith(n, ".safetensors")) names.push_back(n);
+    }
+    ::closedir(d);
+    std::sort(names.begin(), names.end());
+  }
+  if (names.empty()) return absl::NotFoundError(absl::StrCat(dir, ": no safetensors files"));
+
+  std::map<std::string, std::shared_ptr<const SafetensorsFile>> by_name;
+  for (const auto& n : names) {
+    ASSIGN_OR_RETURN(auto f, SafetensorsFile::Open(dir + "/" + n));
+    by_name[n] = f;
+    ck->files_.push_back(f);
+    for (const auto& [tname, info] : f->tensors()) {
+      std::string canon = CanonicalTensorName(tname);
+      if (ck->tensors_.count(canon)) {
+        return absl::DataLossError(absl::StrCat(f->path(), ": tensor `", tname, "` also appears in ",
+                                                ck->tensors_[canon].file->path()));
+      }
+      ck->tensors_[canon] = TensorRef{f, &info};
+    }
+  }
+  for (const auto& [tname, fname] : weight_map) {
+    auto ref = ck->Find(CanonicalTensorName(tname));
+    if (!ref || ref.file->path() != dir + "/" + fname) {
+      return absl::DataLossError(absl::StrCat(index_path, ": says tensor `", tname, "` is in ", fname,
+                                              ", but that file does not hold it"));
+    }
+  }
+  return std::shared_ptr<const Checkpoint>(std::move(ck));
+}
+
+TensorRef Checkpoint::Find(const std::string& name) const {
+  auto it = tensors_.find(name);
+  return it == tensors_.end() ? TensorRef{} : it->second;
+}
+
+EngramTensors Checkpoint::engram(int64_t l) const {
+  EngramTensors t;
+  t.layer_id = config_.layer_ids[l];
+  const std::string p = absl::StrCat("layers.", t.layer_id, ".engram.");
+  t.embed_weight = Find(p + "embed.weight");
+  t.embed_scale = Find(p + "embed.scale");
+  t.wkv_weight = Find(p + "wkv.weight");
+  t.wkv_scale = Find(p + "wkv.scale");
+  t.q_weight = Find(p + "q_weight");
+  t.k_weight = Find(p + "k_weight");
+  return t;
+}
+
+absl::Status Checkpoint::ValidateEngramTensors() const {
+  const EngramConfig& c = config_;
+  if (c.kind != ModelKind::kEngram) {
+    return absl::UnimplementedError(absl::StrCat(c.architecture, ": PLE tensors are not validated (layout not public)"));
+  }
+  const int64_t kv_rows = c.hidden_size * (c.hc_mult + 1);
+  const int64_t kv_cols = c.n_cols() * c.head_dim;
+  for (int64_t l = 0; l < c.n_layers(); ++l) {
+    EngramTensors t = engram(l);
+    const std::string p = absl::StrCat("layers.", t.layer_id, ".engram.");
+    const int64_t rows = c.num_embeddings[l];
+    RETURN_IF_ERROR(CheckTensor(t.embed_weight, p + "embed.weight", DType::kF8E4M3, {rows, c.head_dim}));
+    RETURN_IF_ERROR(CheckTensor(t.embed_scale, p + "embed.scale", DType::kF8E8M0, {rows, c.head_dim / 32}));
+    RETURN_IF_ERROR(CheckTensor(t.wkv_weight, p + "wkv.weight", DType::kF8E4M3, {kv_rows, kv_cols}));
+    RETURN_IF_ERROR(
+        CheckTensor(t.wkv_scale, p + "wkv.scale", DType::kF8E8M0, {(kv_rows + 31) / 32, (kv_cols + 31) / 32}));
+    RETURN_IF_ERROR(CheckTensor(t.q_weight, p + "q_weight", DType::kBF16, {c.hc_mult, c.hidden_size}));
+    RETURN_IF_ERROR(CheckTensor(t.k_weight, p + "k_weight", DType::kBF16, {c.hc_mult, c.hidden_size}));
+  }
+  return absl::OkStatus();
+}
+
+uint64_t Checkpoint::Fingerprint() const {
+  const EngramConfig& c = config_;
+  std::string s = absl::StrCat(c.architecture, "|", absl::StrJoin(c.layer_ids, ","), "|",
+                               absl::StrJoin(c.num_embeddings, ","), "|", c.max_ngram_size, "|", c.n_heads, "|",
+                               c.head_dim, "|", c.vocab_size_engram, "|", c.compressed_vocab_size, "|",
+                               c.pad_token_id, "|", c.hidden_size, "|", c.hc_mult);
+  for (const auto& [name, ref] : tensors_) {
+    if (name.find(".engram.") == std::string::npos) continue;
+    absl::StrAppend(&s, "|", name, ":", DTypeName(ref.info->dtype), ":", Shape(ref.info->shape), ":",
+                    ref.info->bytes());
+  }
+  return XXH3_64bits(s.data(), s.size());
+}
+
+}  // namespace engram

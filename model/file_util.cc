@@ -1,0 +1,69 @@
+#include "model/file_util.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace engram {
+
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path, size_t max_bytes) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    auto msg = absl::StrCat(path, ": cannot open: ", std::strerror(e));
+    return e == ENOENT ? absl::NotFoundError(msg) : absl::PermissionDeniedError(msg);
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+  }
+  if (static_cast<size_t>(st.st_size) > max_bytes) {
+    ::close(fd);
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", st.st_size, " bytes, more than the ", max_bytes, " allowed for this file"));
+  }
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  size_t done = 0;
+  while (done < out.size()) {
+    ssize_t n = ::read(fd, out.data() + done, out.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ::close(fd);
+      return absl::DataLossError(absl::StrCat(path, ": short read at byte ", done));
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  return out;
+}
+
+absl::Status WriteFileAtomic(const std::string& path, const std::string& data) {
+  std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return absl::PermissionDeniedError(absl::StrCat(tmp, ": cannot create: ", std::strerror(errno)));
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      int e = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      return absl::ResourceExhaustedError(absl::StrCat(tmp, ": write failed: ", std::strerror(e)));
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::close(fd) != 0 || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    ::unlink(tmp.c_str());
+    return absl::InternalError(absl::StrCat(path, ": cannot finish write: ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace engram

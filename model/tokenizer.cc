@@ -1,0 +1,352 @@
+#include "model/tokenizer.h"
+
+#include <unicode/regex.h>
+#include <unicode/unistr.h>
+
+#include <array>
+
+#include "absl/strings/str_cat.h"
+#include "model/file_util.h"
+#include "model/normalize.h"
+#include "model/status_macros.h"
+#include "nlohmann/json.hpp"
+
+namespace engram {
+
+using nlohmann::json;
+
+// One step of the decoder pipeline. Each works on the list of token strings, as `decode_chain` does.
+struct DecoderStep {
+  enum Kind { kByteLevel, kMetaspace, kByteFallback, kFuse, kReplace, kStrip } kind;
+  // Metaspace
+  std::string replacement;  // UTF-8 of the replacement char
+  bool strip_first_space = true;
+  // Replace
+  std::string pattern;  // String pattern (UTF-8), or regex source
+  bool is_regex = false;
+  std::string content;
+  std::unique_ptr<icu::RegexPattern> regex;
+  // Strip
+  std::string strip_content;
+  int64_t strip_start = 0, strip_stop = 0;
+};
+
+namespace {
+
+// GPT-2's bytes_to_unicode table, inverted: code point -> byte, -1 when not a byte-level char.
+const std::array<int, 512>& ByteLevelInverse() {
+  static const std::array<int, 512> table = [] {
+    std::array<int, 512> t{};
+    t.fill(-1);
+    int extra = 0;
+    for (int b = 0; b < 256; ++b) {
+      bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
+      if (printable) {
+        t[b] = b;
+      } else {
+        t[256 + extra] = b;
+        ++extra;
+      }
+    }
+    return t;
+  }();
+  return table;
+}
+
+// Decodes one UTF-8 code point at s[i]; returns -1 on malformed input (pieces from JSON are valid UTF-8).
+int32_t NextCodePoint(const std::string& s, size_t& i) {
+  icu::UnicodeString u;
+  const auto b = static_cast<unsigned char>(s[i]);
+  size_t len = b < 0x80 ? 1 : (b & 0xE0) == 0xC0 ? 2 : (b & 0xF0) == 0xE0 ? 3 : 4;
+  if (i + len > s.size()) {
+    i = s.size();
+    return -1;
+  }
+  uint32_t cp = len == 1 ? b : len == 2 ? (b & 0x1F) : len == 3 ? (b & 0x0F) : (b & 0x07);
+  for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
+  i += len;
+  return static_cast<int32_t>(cp);
+}
+
+std::string ReplaceAll(const std::string& s, const std::string& from, const std::string& to) {
+  if (from.empty()) return s;
+  std::string out;
+  size_t pos = 0;
+  while (true) {
+    size_t hit = s.find(from, pos);
+    if (hit == std::string::npos) break;
+    out.append(s, pos, hit - pos);
+    out += to;
+    pos = hit + from.size();
+  }
+  out.append(s, pos, std::string::npos);
+  return out;
+}
+
+bool ParseByteToken(const std::string& t, unsigned char* byte) {
+  // "<0xXX>" exactly, hex digits in either case.
+  if (t.size() != 6 || t.compare(0, 3, "<0x") != 0 || t[5] != '>') return false;
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  int hi = hex(t[3]), lo = hex(t[4]);
+  if (hi < 0 || lo < 0) return false;
+  *byte = static_cast<unsigned char>(hi * 16 + lo);
+  return true;
+}
+
+absl::StatusOr<std::unique_ptr<DecoderStep>> ParseStep(const json& d, const std::string& origin);
+
+absl::Status ParseDecoder(const json& d, const std::string& origin, std::vector<std::unique_ptr<DecoderStep>>& out) {
+  if (d.is_null()) return absl::OkStatus();
+  if (!d.is_object() || !d.contains("type") || !d["type"].is_string()) {
+    return absl::InvalidArgumentError(absl::StrCat(origin, ": decoder has no `type`"));
+  }
+  if (d["type"] == "Sequence") {
+    if (!d.contains("decoders") || !d["decoders"].is_array()) {
+      return absl::InvalidArgumentError(absl::StrCat(origin, ": Sequence decoder without `decoders`"));
+    }
+    for (const auto& sub : d["decoders"]) RETURN_IF_ERROR(ParseDecoder(sub, origin, out));
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(auto step, ParseStep(d, origin));
+  out.push_back(std::move(step));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<DecoderStep>> ParseStep(const json& d, const std::string& origin) {
+  const std::string type = d["type"].get<std::string>();
+  auto step = std::make_unique<DecoderStep>();
+  auto str = [&](const char* key, const std::string& fallback) {
+    return d.contains(key) && d[key].is_string() ? d[key].get<std::string>() : fallback;
+  };
+  if (type == "ByteLevel") {
+    step->kind = DecoderStep::kByteLevel;
+  } else if (type == "Metaspace") {
+    step->kind = DecoderStep::kMetaspace;
+    step->replacement = str("replacement", "\u2581");
+    if (d.contains("prepend_scheme") && d["prepend_scheme"].is_string()) {
+      step->strip_first_space = d["prepend_scheme"] != "never";
+    } else if (d.contains("add_prefix_space") && d["add_prefix_space"].is_boolean()) {
+      step->strip_first_space = d["add_prefix_space"].get<bool>();
+    }
+  } else if (type == "ByteFallback") {
+    step->kind = DecoderStep::kByteFallback;
+  } else if (type == "Fuse") {
+    step->kind = DecoderStep::kFuse;
+  } else if (type == "Replace") {
+    step->kind = DecoderStep::kReplace;
+    const json& p = d.value("pattern", json());
+    step->content = str("content", "");
+    if (p.is_object() && p.contains("String") && p["String"].is_string()) {
+      step->pattern = p["String"].get<std::string>();
+    } else if (p.is_object() && p.contains("Regex") && p["Regex"].is_string()) {
+      step->pattern = p["Regex"].get<std::string>();
+      step->is_regex = true;
+      UErrorCode e = U_ZERO_ERROR;
+      UParseError pe;
+      step->regex.reset(icu::RegexPattern::compile(icu::UnicodeString::fromUTF8(step->pattern), 0, pe, e));
+      if (U_FAILURE(e)) {
+        return absl::InvalidArgumentError(absl::StrCat(origin, ": Replace decoder regex `", step->pattern,
+                                                       "` does not compile: ", u_errorName(e)));
+      }
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(origin, ": Replace decoder without a String or Regex pattern"));
+    }
+  } else if (type == "Strip") {
+    step->kind = DecoderStep::kStrip;
+    step->strip_content = str("content", " ");
+    step->strip_start = d.value("start", int64_t{0});
+    step->strip_stop = d.value("stop", int64_t{0});
+  } else {
+    return absl::UnimplementedError(absl::StrCat(origin, ": decoder type `", type,
+                                                 "` is not supported (supported: ByteLevel, Metaspace, ByteFallback, "
+                                                 "Fuse, Replace, Strip, Sequence)"));
+  }
+  return step;
+}
+
+// Applies one step to the token list (the library's decode_chain); `lossy` records U+FFFD substitutions.
+void Apply(const DecoderStep& s, std::vector<std::string>& toks, bool& lossy) {
+  switch (s.kind) {
+    case DecoderStep::kByteLevel: {
+      std::string bytes;
+      const auto& inv = ByteLevelInverse();
+      for (const auto& t : toks) {
+        std::string mapped;
+        bool all = true;
+        for (size_t i = 0; i < t.size();) {
+          int32_t cp = NextCodePoint(t, i);
+          if (cp < 0 || cp >= 512 || inv[static_cast<size_t>(cp)] < 0) {
+            all = false;
+            break;
+          }
+          mapped.push_back(static_cast<char>(inv[static_cast<size_t>(cp)]));
+        }
+        bytes += all ? mapped : t;
+      }
+      if (!IsValidUtf8(bytes)) lossy = true;
+      toks = {bytes};
+      break;
+    }
+    case DecoderStep::kMetaspace:
+      for (size_t i = 0; i < toks.size(); ++i) {
+        std::string t = ReplaceAll(toks[i], s.replacement, " ");
+        if (i == 0 && s.strip_first_space && !t.empty() && t[0] == ' ') t.erase(0, 1);
+        toks[i] = t;
+      }
+      break;
+    case DecoderStep::kByteFallback: {
+      std::vector<std::string> out;
+      std::string pending;
+      size_t pending_count = 0;
+      auto flush = [&] {
+        if (pending_count == 0) return;
+        if (IsValidUtf8(pending)) {
+          out.push_back(pending);
+        } else {
+          std::string repl;
+          for (size_t k = 0; k < pending_count; ++k) repl += "\xEF\xBF\xBD";
+          out.push_back(repl);
+          lossy = true;
+        }
+        pending.clear();
+        pending_count = 0;
+      };
+      for (const auto& t : toks) {
+        unsigned char b;
+        if (ParseByteToken(t, &b)) {
+          pending.push_back(static_cast<char>(b));
+          ++pending_count;
+        } else {
+          flush();
+          out.push_back(t);
+        }
+      }
+      flush();
+      toks = out;
+      break;
+    }
+    case DecoderStep::kFuse: {
+      std::string all;
+      for (const auto& t : toks) all += t;
+      toks = {all};
+      break;
+    }
+    case DecoderStep::kReplace:
+      for (auto& t : toks) {
+        if (!s.is_regex) {
+          t = ReplaceAll(t, s.pattern, s.content);
+        } else {
+          UErrorCode e = U_ZERO_ERROR;
+          icu::UnicodeString u = icu::UnicodeString::fromUTF8(t);
+          std::unique_ptr<icu::RegexMatcher> m(s.regex->matcher(u, e));
+          icu::UnicodeString r = m->replaceAll(icu::UnicodeString::fromUTF8(s.content), e);
+          t.clear();
+          r.toUTF8String(t);
+        }
+      }
+      break;
+    case DecoderStep::kStrip:
+      for (auto& t : toks) {
+        icu::UnicodeString u = icu::UnicodeString::fromUTF8(t);
+        UChar32 c = icu::UnicodeString::fromUTF8(s.strip_content).char32At(0);
+        int32_t begin = 0, end = u.length();
+        for (int64_t k = 0; k < s.strip_start && begin < end && u.char32At(begin) == c; ++k) begin += U16_LENGTH(c);
+        for (int64_t k = 0; k < s.strip_stop && end > begin && u.char32At(end - 1) == c; ++k) end -= U16_LENGTH(c);
+        t.clear();
+        u.tempSubStringBetween(begin, end).toUTF8String(t);
+      }
+      break;
+  }
+}
+
+}  // namespace
+
+Tokenizer::Tokenizer() = default;
+Tokenizer::~Tokenizer() = default;
+Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
+Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
+
+absl::StatusOr<Tokenizer> Tokenizer::Load(const std::string& path) {
+  ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, size_t{512} << 20));
+  return Parse(text, path);
+}
+
+absl::StatusOr<Tokenizer> Tokenizer::Parse(const std::string& json_text, const std::string& origin) {
+  json root = json::parse(json_text, nullptr, false);
+  if (root.is_discarded() || !root.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(origin, ": not a JSON object"));
+  }
+  if (!root.contains("model") || !root["model"].is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(origin, ": no `model` object"));
+  }
+  const json& model = root["model"];
+  constexpr int64_t kMaxIds = int64_t{1} << 24;
+  std::vector<std::pair<int64_t, std::string>> entries;
+  const json& vocab = model.value("vocab", json());
+  if (vocab.is_object()) {  // BPE, WordLevel, WordPiece
+    for (auto it = vocab.begin(); it != vocab.end(); ++it) {
+      if (!it.value().is_number_integer()) {
+        return absl::InvalidArgumentError(absl::StrCat(origin, ": vocab entry `", it.key(), "` has a non-integer id"));
+      }
+      entries.emplace_back(it.value().get<int64_t>(), it.key());
+    }
+  } else if (vocab.is_array()) {  // Unigram: [[piece, score], ...], id = position
+    int64_t id = 0;
+    for (const auto& e : vocab) {
+      if (!e.is_array() || e.empty() || !e[0].is_string()) {
+        return absl::InvalidArgumentError(absl::StrCat(origin, ": Unigram vocab entry ", id, " is not [piece, score]"));
+      }
+      entries.emplace_back(id++, e[0].get<std::string>());
+    }
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(origin, ": model has no `vocab`"));
+  }
+  std::vector<std::pair<int64_t, std::string>> added;
+  if (root.contains("added_tokens") && root["added_tokens"].is_array()) {
+    for (const auto& a : root["added_tokens"]) {
+      if (!a.is_object() || !a.contains("id") || !a["id"].is_number_integer() || !a.contains("content") ||
+          !a["content"].is_string()) {
+        return absl::InvalidArgumentError(absl::StrCat(origin, ": malformed added_tokens entry ", a.dump()));
+      }
+      added.emplace_back(a["id"].get<int64_t>(), a["content"].get<std::string>());
+    }
+  }
+  int64_t max_id = -1;
+  for (const auto* list : {&entries, &added}) {
+    for (const auto& [id, piece] : *list) {
+      if (id < 0 || id >= kMaxIds) {
+        return absl::InvalidArgumentError(absl::StrCat(origin, ": token `", piece, "` has id ", id, " out of range"));
+      }
+      max_id = std::max(max_id, id);
+    }
+  }
+  if (max_id < 0) return absl::InvalidArgumentError(absl::StrCat(origin, ": empty vocabulary"));
+  Tokenizer t;
+  t.pieces_.resize(static_cast<size_t>(max_id + 1));
+  for (const auto& [id, piece] : entries) t.pieces_[static_cast<size_t>(id)] = piece;
+  for (const auto& [id, piece] : added) t.pieces_[static_cast<size_t>(id)] = piece;  // added vocabulary wins
+  RETURN_IF_ERROR(ParseDecoder(root.value("decoder", json()), origin, t.decoder_));
+  return t;
+}
+
+std::optional<std::string> Tokenizer::IdToToken(int64_t id) const {
+  if (id < 0 || id >= size()) return std::nullopt;
+  return pieces_[static_cast<size_t>(id)];
+}
+
+DecodedToken Tokenizer::Decode(int64_t id) const {
+  DecodedToken out;
+  auto piece = IdToToken(id);
+  if (!piece) return out;  // no token: the library decodes an empty list to ""
+  std::vector<std::string> toks = {*piece};
+  for (const auto& step : decoder_) Apply(*step, toks, out.lossy);
+  for (const auto& t : toks) out.text += t;
+  return out;
+}
+
+}  // namespace engram

@@ -1,0 +1,52 @@
+// Tokenizer: the parts of a Hugging Face `tokenizer.json` that the Engram token map needs (SPEC 2.1): the id ->
+// piece table (model vocab plus added tokens, added tokens taking precedence as in the `tokenizers` library) and
+// the decoder pipeline applied to a single id, special tokens kept, no clean-up.
+//
+// Supported models: BPE, WordLevel (vocab maps) and Unigram (vocab list). Supported decoders: ByteLevel, Metaspace,
+// ByteFallback, Fuse, Replace (String or Regex pattern), Strip and Sequence of these; a tokenizer.json with another
+// decoder is refused with its name rather than decoded approximately.
+//
+// Immutable after Load; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace engram {
+
+struct DecoderStep;  // one step of the decoder pipeline (tokenizer.cc)
+
+// What decoding one id produced: UTF-8 bytes, and whether they were lossy (invalid UTF-8 replaced by U+FFFD in the
+// reference library). `text` holds the bytes as produced; when `lossy` the reference's text contains U+FFFD.
+struct DecodedToken {
+  std::string text;
+  bool lossy = false;
+};
+
+class Tokenizer {
+ public:
+  static absl::StatusOr<Tokenizer> Load(const std::string& path);
+  static absl::StatusOr<Tokenizer> Parse(const std::string& json_text, const std::string& origin);
+
+  Tokenizer();
+  ~Tokenizer();
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+
+  // Number of raw ids: max id over vocab and added tokens, plus one. Ids without a piece decode to "".
+  int64_t size() const { return static_cast<int64_t>(pieces_.size()); }
+  // The raw piece (`id_to_token`): added token content or vocab entry; nullopt for a hole.
+  std::optional<std::string> IdToToken(int64_t id) const;
+  DecodedToken Decode(int64_t id) const;
+
+ private:
+  std::vector<std::optional<std::string>> pieces_;
+  std::vector<std::unique_ptr<DecoderStep>> decoder_;  // empty: tokens joined by " " (a single token as is)
+};
+
+}  // namespace engram
