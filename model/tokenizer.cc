@@ -4,6 +4,7 @@
 #include <unicode/unistr.h>
 
 #include <array>
+#include <unordered_map>
 
 #include "absl/strings/str_cat.h"
 #include "model/file_util.h"
@@ -193,10 +194,10 @@ void Apply(const DecoderStep& s, std::vector<std::string>& toks, bool& lossy) {
       break;
     }
     case DecoderStep::kMetaspace:
+      // As the reference library (tokenizers, pinned by ../shared/tools) does: in the first token every
+      // replacement char is dropped when a prefix space is prepended; elsewhere each becomes a space.
       for (size_t i = 0; i < toks.size(); ++i) {
-        std::string t = ReplaceAll(toks[i], s.replacement, " ");
-        if (i == 0 && s.strip_first_space && !t.empty() && t[0] == ' ') t.erase(0, 1);
-        toks[i] = t;
+        toks[i] = ReplaceAll(toks[i], s.replacement, i == 0 && s.strip_first_space ? "" : " ");
       }
       break;
     case DecoderStep::kByteFallback: {
@@ -316,26 +317,52 @@ absl::StatusOr<Tokenizer> Tokenizer::Parse(const std::string& json_text, const s
       added.emplace_back(a["id"].get<int64_t>(), a["content"].get<std::string>());
     }
   }
-  int64_t max_id = -1;
-  for (const auto* list : {&entries, &added}) {
-    for (const auto& [id, piece] : *list) {
-      if (id < 0 || id >= kMaxIds) {
-        return absl::InvalidArgumentError(absl::StrCat(origin, ": token `", piece, "` has id ", id, " out of range"));
-      }
-      max_id = std::max(max_id, id);
+  for (const auto& [id, piece] : entries) {
+    if (id < 0 || id >= kMaxIds) {
+      return absl::InvalidArgumentError(absl::StrCat(origin, ": token `", piece, "` has id ", id, " out of range"));
     }
   }
-  if (max_id < 0) return absl::InvalidArgumentError(absl::StrCat(origin, ": empty vocabulary"));
+  if (entries.empty()) return absl::InvalidArgumentError(absl::StrCat(origin, ": empty vocabulary"));
+  // Added tokens get their ids the way the reference library assigns them on load (the ids written in the JSON are
+  // not used): a content already in the model vocab takes that id; a new content takes the next id after the model
+  // vocab (or after the largest added id, once that is past it). Empty or repeated contents are skipped.
+  std::unordered_map<std::string, int64_t> model_ids, added_ids;
+  int64_t max_model_id = -1;
+  for (const auto& [id, piece] : entries) {
+    model_ids.emplace(piece, id);
+    max_model_id = std::max(max_model_id, id);
+  }
+  const auto vocab_len = static_cast<int64_t>(entries.size());
+  int64_t max_added = -1;
+  std::vector<std::pair<int64_t, std::string>> added_final;
+  for (const auto& [json_id, content] : added) {
+    if (content.empty() || added_ids.count(content)) continue;
+    int64_t id;
+    if (auto m = model_ids.find(content); m != model_ids.end()) {
+      id = m->second;
+    } else if (max_added < 0) {
+      id = vocab_len;
+    } else {
+      id = max_added >= vocab_len ? max_added + 1 : vocab_len;
+    }
+    if (id >= kMaxIds) return absl::InvalidArgumentError(absl::StrCat(origin, ": too many added tokens"));
+    added_ids.emplace(content, id);
+    max_added = std::max(max_added, id);
+    added_final.emplace_back(id, content);
+  }
   Tokenizer t;
-  t.pieces_.resize(static_cast<size_t>(max_id + 1));
+  t.pieces_.resize(static_cast<size_t>(std::max(max_model_id, max_added) + 1));
   for (const auto& [id, piece] : entries) t.pieces_[static_cast<size_t>(id)] = piece;
-  for (const auto& [id, piece] : added) t.pieces_[static_cast<size_t>(id)] = piece;  // added vocabulary wins
+  for (const auto& [id, piece] : added_final) t.pieces_[static_cast<size_t>(id)] = piece;  // added vocabulary wins
+  // len(tokenizer) in the reference library: distinct contents over the model vocab and the added tokens.
+  t.size_ = static_cast<int64_t>(model_ids.size());
+  for (const auto& [content, id] : added_ids) t.size_ += model_ids.count(content) ? 0 : 1;
   RETURN_IF_ERROR(ParseDecoder(root.value("decoder", json()), origin, t.decoder_));
   return t;
 }
 
 std::optional<std::string> Tokenizer::IdToToken(int64_t id) const {
-  if (id < 0 || id >= size()) return std::nullopt;
+  if (id < 0 || id >= static_cast<int64_t>(pieces_.size())) return std::nullopt;
   return pieces_[static_cast<size_t>(id)];
 }
 

@@ -1,6 +1,7 @@
 // Tokenizer: the parts of a Hugging Face `tokenizer.json` that the Engram token map needs (SPEC 2.1): the id ->
 // piece table (model vocab plus added tokens, added tokens taking precedence as in the `tokenizers` library) and
-// the decoder pipeline applied to a single id, special tokens kept, no clean-up.
+// the decoder pipeline applied to a single id, special tokens kept, no clean-up. Added tokens take the ids the
+// reference library gives them on load (see Parse), which equal the JSON's ids in every well-formed tokenizer.
 //
 // Supported models: BPE, WordLevel (vocab maps) and Unigram (vocab list). Supported decoders: ByteLevel, Metaspace,
 // ByteFallback, Fuse, Replace (String or Regex pattern), Strip and Sequence of these; a tokenizer.json with another
@@ -38,14 +39,16 @@ class Tokenizer {
   Tokenizer(Tokenizer&&) noexcept;
   Tokenizer& operator=(Tokenizer&&) noexcept;
 
-  // Number of raw ids: max id over vocab and added tokens, plus one. Ids without a piece decode to "".
-  int64_t size() const { return static_cast<int64_t>(pieces_.size()); }
+  // Number of raw ids, as the reference library's len(tokenizer): distinct contents over the model vocab and the
+  // added tokens. For a dense vocabulary this is max id + 1; ids without a piece (holes) decode to "".
+  int64_t size() const { return size_; }
   // The raw piece (`id_to_token`): added token content or vocab entry; nullopt for a hole.
   std::optional<std::string> IdToToken(int64_t id) const;
   DecodedToken Decode(int64_t id) const;
 
  private:
-  std::vector<std::optional<std::string>> pieces_;
+  std::vector<std::optional<std::string>> pieces_;  // indexed by id, up to max id
+  int64_t size_ = 0;
   std::vector<std::unique_ptr<DecoderStep>> decoder_;  // empty: tokens joined by " " (a single token as is)
 };
 

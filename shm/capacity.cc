@@ -1,0 +1,86 @@
+#include "shm/capacity.h"
+
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+
+#include <climits>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace engram {
+namespace {
+
+// The mountinfo entry whose mount point is the longest prefix of `dir` (dir must be canonical).
+void ReadMountInfo(const std::string& dir, ShmCapacity& out) {
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line;
+  size_t best = 0;
+  while (std::getline(in, line)) {
+    // id parent major:minor root mount-point options ... - fstype source super-options
+    std::vector<std::string> f = absl::StrSplit(line, ' ');
+    if (f.size() < 10) continue;
+    const std::string& mp = f[4];
+    if (!(dir == mp || (dir.rfind(mp, 0) == 0 && (mp == "/" || dir[mp.size()] == '/')))) continue;
+    if (mp.size() < best) continue;
+    size_t dash = 6;
+    while (dash < f.size() && f[dash] != "-") ++dash;
+    if (dash + 3 >= f.size()) continue;  // need fstype, source and super options after "-"
+    best = mp.size();
+    out.fs_type = f[dash + 1];
+    out.huge_pages = out.fs_type == "hugetlbfs" ? "hugetlbfs" : "never";
+    for (absl::string_view o : absl::StrSplit(f[dash + 3], ',')) {
+      if (absl::StartsWith(o, "huge=")) out.huge_pages = std::string(o.substr(5));
+    }
+  }
+}
+
+uint64_t HugetlbFreeBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t free_pages = 0, page_kb = 0;
+  while (in >> key) {
+    uint64_t v = 0;
+    in >> v;
+    if (key == "HugePages_Free:") free_pages = v;
+    if (key == "Hugepagesize:") page_kb = v;
+    in.ignore(256, '\n');
+  }
+  return free_pages * page_kb * 1024;
+}
+
+}  // namespace
+
+absl::StatusOr<ShmCapacity> ProbeShm(const std::string& dir) {
+  ShmCapacity c;
+  char real[PATH_MAX];
+  if (::realpath(dir.c_str(), real) == nullptr) {
+    return absl::NotFoundError(absl::StrCat(dir, ": shared-memory directory does not exist"));
+  }
+  c.path = real;
+  struct stat st {};
+  if (::stat(real, &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::NotFoundError(absl::StrCat(dir, ": not a directory"));
+  }
+  c.device = st.st_dev;
+  c.inode = st.st_ino;
+  struct statvfs vfs {};
+  if (::statvfs(real, &vfs) != 0) return absl::InternalError(absl::StrCat(dir, ": statvfs failed"));
+  c.total_bytes = static_cast<uint64_t>(vfs.f_blocks) * vfs.f_frsize;
+  c.free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  ReadMountInfo(c.path, c);
+  c.hugetlb_free_bytes = HugetlbFreeBytes();
+  struct rlimit rl {};
+  if (::getrlimit(RLIMIT_MEMLOCK, &rl) == 0) {
+    c.memlock_limit = rl.rlim_cur == RLIM_INFINITY ? UINT64_MAX : static_cast<uint64_t>(rl.rlim_cur);
+  }
+  return c;
+}
+
+}  // namespace engram
