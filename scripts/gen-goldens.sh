@@ -27,3 +27,9 @@ if [ "${1:-}" != "--multipliers-only" ]; then
     NODE_PATH=$GOLDEN_NPM/node_modules node "$shared/tools/golden-tokenmap.js" "$tok" "$data/goldens/tokenmap-$name.bin"
   done
 fi
+
+if [ "${1:-}" != "--tokenizers-only" ]; then
+  "$py" "$data/golden_hash.py" "$data/configs/bytelevel-hash.json" "$data/goldens/multipliers-bytelevel-hash.json" \
+    "$data/goldens/tokenmap-bytelevel-mixed.bin" > "$data/goldens/hash-bytelevel.json"
+  echo "hash-bytelevel.json"
+fi
