@@ -2,7 +2,8 @@
 //   e4m3  OCP FP8 E4M3 (__nv_fp8_e4m3): 1 sign, 4 exponent (bias 7), 3 mantissa bits; S.1111.111 is NaN, no inf.
 //   ue8m0 an unsigned power-of-two scale, decoded exactly as the float whose bits are `byte << 23`
 //         (byte 0 -> +0.0, 127 -> 1.0, 255 -> +inf).
-//   bf16  the upper half of a float; FloatToBf16 rounds to nearest even (as __float2bfloat16_rn), NaN stays NaN.
+//   bf16  the upper half of a float; FloatToBf16 rounds to nearest even (as __float2bfloat16_rn); any NaN becomes
+//         the canonical 0x7FFF, so CPU and GPU agree bit for bit even on NaN (0 x inf from a 255 scale).
 // Header-only pure functions; thread-safe.
 #pragma once
 
@@ -56,7 +57,7 @@ ENGRAM_HD float Ue8m0ToFloat(uint8_t v) { return BitsToFloat(static_cast<uint32_
 ENGRAM_HD uint16_t FloatToBf16(float f) {
   const uint32_t bits = FloatToBits(f);
   if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x007FFFFFu) != 0) {
-    return static_cast<uint16_t>((bits >> 16) | 0x0040u);  // quiet NaN, sign kept
+    return 0x7FFFu;  // every NaN becomes the canonical NaN, as the GPU's cvt.rn.bf16.f32 does
   }
   const uint32_t rounding = 0x7FFFu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>((bits + rounding) >> 16);

@@ -274,7 +274,8 @@ absl::StatusOr<SyntheticResult> WriteSyntheticCheckpoint(const SyntheticSpec& sp
   RETURN_IF_ERROR(WriteFileAtomic(spec.out_dir + "/tokenizer_config.json", tok_cfg.dump(2) + "\n"));
 
   // Tensors, layers spread round-robin over the shard files.
-  std::vector<std::vector<PlannedTensor>> files(static_cast<size_t>(spec.shards));
+  std::vector<std::vector<PlannedTensor>> files(
+      static_cast<size_t>(std::min<int64_t>(spec.shards, static_cast<int64_t>(spec.layers.size()))));
   const std::string prefix = spec.model_prefix ? "model." : "";
   const int64_t kv_rows = spec.hidden * (spec.hc_mult + 1), kv_cols = n_cols * spec.head_dim;
   for (size_t l = 0; l < spec.layers.size(); ++l) {

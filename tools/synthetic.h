@@ -26,7 +26,7 @@ struct SyntheticSpec {
   int64_t hidden = 256;
   int64_t hc_mult = 4;
   uint64_t seed = 1;
-  int64_t shards = 2;                // safetensors files (layers spread round-robin); >1 writes an index
+  int64_t shards = 2;                // safetensors files, at most one per layer (round-robin); >1 writes an index
   bool model_prefix = false;         // name tensors "model.layers..." as some exporters do
   int threads = 0;                   // 0 = hardware concurrency
 };

@@ -1,0 +1,72 @@
+// Helpers shared by engram's tests: temporary directories, file I/O, test-data paths and running the project's
+// binaries as real processes. Test-only; not thread-safe.
+#pragma once
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace engram::testing {
+
+inline std::string DataPath(const std::string& rel) { return std::string(ENGRAM_TEST_DATA_DIR) + "/" + rel; }
+inline std::string BinPath(const std::string& name) { return std::string(ENGRAM_BIN_DIR) + "/" + name; }
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "engram-test-XXXXXX").string();
+    path_ = ::mkdtemp(tmpl.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+inline void WriteFile(const std::string& path, const std::string& data) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(data.data(), static_cast<std::streamsize>(data.size()));
+}
+
+inline std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string out;  // stdout
+  std::string err;  // stderr
+};
+
+// Runs a shell command line, capturing stdout and stderr separately.
+inline CommandResult Run(const std::string& cmd) {
+  TempDir tmp;
+  const std::string err_path = tmp / "stderr";
+  CommandResult r;
+  FILE* p = ::popen((cmd + " 2>" + err_path).c_str(), "r");
+  if (p == nullptr) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  int status = ::pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.err = ReadFile(err_path);
+  return r;
+}
+
+}  // namespace engram::testing

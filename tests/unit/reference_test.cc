@@ -1,0 +1,295 @@
+// The CPU reference kernels: hash ids against the independent Python golden (tests/data/golden_hash.py), FP8/bf16
+// conversions against their definitions in float64, lookups on fresh random tables with poisoned outputs, and the
+// gate against a float64 oracle.
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "model/fp8.h"
+#include "model/reference.h"
+#include "nlohmann/json.hpp"
+#include "tests/test_util.h"
+
+namespace engram {
+namespace {
+
+using nlohmann::json;
+
+uint64_t FreshSeed() {
+  uint64_t s = std::random_device{}();
+  std::cout << "[ seed ] " << s << "\n";
+  return s;
+}
+
+TokenMap GoldenMap() {
+  std::string raw = testing::ReadFile(testing::DataPath("goldens/tokenmap-bytelevel-mixed.bin"));
+  std::vector<int32_t> ids(raw.size() / 4);
+  std::memcpy(ids.data(), raw.data(), ids.size() * 4);
+  return TokenMap::FromIds(ids);
+}
+
+TEST(HashReferenceTest, MatchesTheIndependentGolden) {
+  auto cfg = LoadEngramConfig(testing::DataPath("configs/bytelevel-hash.json"));
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  auto layout = Layout::Build(*cfg);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  TokenMap map = GoldenMap();
+  json gold = json::parse(testing::ReadFile(testing::DataPath("goldens/hash-bytelevel.json")));
+  ASSERT_GE(gold["cases"].size(), 5u);
+  for (const auto& c : gold["cases"]) {
+    SCOPED_TRACE(c["name"].get<std::string>());
+    auto tokens = c["tokens"].get<std::vector<int32_t>>();
+    auto positions = c["positions"].get<std::vector<int64_t>>();
+    auto qsl = c["query_start_loc"].get<std::vector<int32_t>>();
+    auto lookback = c["lookback"].get<std::vector<int32_t>>();
+    auto dead = c["dead"].get<std::vector<uint8_t>>();
+    const size_t per_token = static_cast<size_t>(layout->n_layers() * layout->n_cols());
+    std::vector<int32_t> out(tokens.size() * per_token, -7);
+    ASSERT_TRUE(HashIdsCpu(*layout, map, {tokens, positions, qsl, lookback, dead}, out).ok());
+    for (size_t t = 0; t < tokens.size(); ++t) {
+      for (size_t l = 0; l < 2; ++l) {
+        auto want = c["ids"][t][l].get<std::vector<int32_t>>();
+        std::vector<int32_t> got(out.begin() + static_cast<long>(t * per_token + l * want.size()),
+                                 out.begin() + static_cast<long>(t * per_token + (l + 1) * want.size()));
+        ASSERT_EQ(got, want) << "token " << t << " layer " << l;
+      }
+    }
+  }
+}
+
+TEST(HashReferenceTest, IdsStayInsideTheirColumnBuckets) {
+  auto cfg = LoadEngramConfig(testing::DataPath("configs/bytelevel-hash.json"));
+  auto layout = Layout::Build(*cfg);
+  ASSERT_TRUE(layout.ok());
+  TokenMap map = GoldenMap();
+  std::mt19937_64 rng(FreshSeed());
+  const int T = 500;
+  std::vector<int32_t> tokens(T);
+  std::vector<int64_t> pos(T);
+  std::vector<uint8_t> dead(T);
+  for (int i = 0; i < T; ++i) {
+    tokens[i] = static_cast<int32_t>(rng() % static_cast<uint64_t>(map.raw_size()));
+    pos[i] = i;
+    dead[i] = rng() % 10 == 0;
+  }
+  std::vector<int32_t> qsl = {0, T};
+  std::vector<int32_t> out(static_cast<size_t>(T * layout->n_layers() * layout->n_cols()));
+  ASSERT_TRUE(HashIdsCpu(*layout, map, {tokens, pos, qsl, {}, dead}, out).ok());
+  for (int t = 0; t < T; ++t) {
+    for (int64_t l = 0; l < layout->n_layers(); ++l) {
+      for (int64_t c = 0; c < layout->n_cols(); ++c) {
+        const int32_t id = out[static_cast<size_t>((t * layout->n_layers() + l) * layout->n_cols() + c)];
+        EXPECT_GE(id, layout->offsets(l)[c]);
+        EXPECT_LT(id, layout->offsets(l)[c] + layout->primes(l)[c]);
+      }
+    }
+  }
+}
+
+TEST(HashReferenceTest, MalformedBatchesAreErrors) {
+  auto cfg = LoadEngramConfig(testing::DataPath("configs/bytelevel-hash.json"));
+  auto layout = Layout::Build(*cfg);
+  ASSERT_TRUE(layout.ok());
+  TokenMap map = GoldenMap();
+  std::vector<int32_t> tokens = {1, 2, 3};
+  std::vector<int64_t> pos = {0, 1, 2};
+  std::vector<int32_t> qsl = {0, 3};
+  std::vector<int32_t> out(3 * 2 * 9);
+  struct Case {
+    const char* name;
+    HashBatch b;
+    size_t out_size;
+    const char* expect;
+  };
+  std::vector<int64_t> gap = {0, 1, 3}, neg = {-1, 0, 1}, short_pos = {0, 1};
+  std::vector<int32_t> bad_qsl = {0, 2}, dec_qsl = {0, 2, 1, 3}, one = {0};
+  std::vector<int32_t> big = {1, 999999, 3}, lb_short = {1};
+  std::vector<uint8_t> dead_short = {0};
+  Case cases[] = {
+      {"positions count", {tokens, short_pos, qsl, {}, {}}, out.size(), "positions has 2"},
+      {"gap in positions", {tokens, gap, qsl, {}, {}}, out.size(), "not contiguous"},
+      {"negative position", {tokens, neg, qsl, {}, {}}, out.size(), "not contiguous"},
+      {"qsl end", {tokens, pos, bad_qsl, {}, {}}, out.size(), "must run from 0 to 3"},
+      {"qsl decreasing", {tokens, pos, dec_qsl, {}, {}}, out.size(), "decreases"},
+      {"qsl too short", {tokens, pos, one, {}, {}}, out.size(), "at least two"},
+      {"token out of range", {big, pos, qsl, {}, {}}, out.size(), "token id 999999"},
+      {"lookback size", {tokens, pos, qsl, lb_short, {}}, out.size(), "lookback has 1"},
+      {"dead size", {tokens, pos, qsl, {}, dead_short}, out.size(), "dead mask has 1"},
+      {"output size", {tokens, pos, qsl, {}, {}}, out.size() - 1, "output has"},
+  };
+  for (auto& c : cases) {
+    auto st = HashIdsCpu(*layout, map, c.b, std::span<int32_t>(out.data(), c.out_size));
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << c.name;
+    EXPECT_NE(st.message().find(c.expect), std::string::npos) << c.name << ": " << st;
+  }
+}
+
+double E4M3Definition(uint8_t b) {
+  const int s = b >> 7, e = (b >> 3) & 0xF, m = b & 7;
+  if (e == 15 && m == 7) return std::nan("");
+  double mag = e == 0 ? m / 8.0 * std::ldexp(1.0, -6) : (1 + m / 8.0) * std::ldexp(1.0, e - 7);
+  return s ? -mag : mag;
+}
+
+// Round-to-nearest-even of a double onto bf16, by comparing the two neighbouring bf16 values in float64.
+uint16_t Bf16Oracle(double x) {
+  if (std::isnan(x)) return 0x7FFF;
+  float f = static_cast<float>(x);  // exact for every product in these tests (few significant bits)
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  uint32_t lo = bits & 0xFFFF0000u, hi = lo + 0x10000u;
+  float flo, fhi;
+  std::memcpy(&flo, &lo, 4);
+  std::memcpy(&fhi, &hi, 4);
+  // Past the largest finite bf16 the upper neighbour is 2^128 (rounding there gives infinity).
+  const double up = std::isinf(fhi) ? std::copysign(std::ldexp(1.0, 128), x) : static_cast<double>(fhi);
+  double dlo = std::fabs(static_cast<double>(flo) - x), dhi = std::fabs(up - x);
+  if (dlo < dhi) return static_cast<uint16_t>(lo >> 16);
+  if (dhi < dlo) return static_cast<uint16_t>(hi >> 16);
+  return static_cast<uint16_t>(((lo >> 16) & 1) ? hi >> 16 : lo >> 16);
+}
+
+TEST(Fp8Test, E4M3AndUe8m0MatchTheirDefinitions) {
+  for (int b = 0; b < 256; ++b) {
+    const double want = E4M3Definition(static_cast<uint8_t>(b));
+    const float got = E4M3ToFloat(static_cast<uint8_t>(b));
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(got)) << b;
+    } else {
+      EXPECT_EQ(static_cast<double>(got), want) << b;
+    }
+  }
+  EXPECT_EQ(E4M3ToFloat(0x7E), 448.0f);
+  EXPECT_EQ(Ue8m0ToFloat(0), 0.0f);
+  EXPECT_EQ(Ue8m0ToFloat(127), 1.0f);
+  EXPECT_EQ(Ue8m0ToFloat(1), std::ldexp(1.0f, -126));
+  EXPECT_EQ(Ue8m0ToFloat(254), std::ldexp(1.0f, 127));
+  EXPECT_TRUE(std::isinf(Ue8m0ToFloat(255)));
+}
+
+TEST(Fp8Test, Bf16RoundsToNearestEven) {
+  std::mt19937_64 rng(FreshSeed());
+  for (int i = 0; i < 200000; ++i) {
+    uint32_t bits = static_cast<uint32_t>(rng());
+    if ((bits & 0x7F800000u) == 0x7F800000u) continue;  // inf/nan handled below
+    float f;
+    std::memcpy(&f, &bits, 4);
+    ASSERT_EQ(FloatToBf16(f), Bf16Oracle(f)) << std::hex << bits;
+  }
+  EXPECT_EQ(FloatToBf16(std::nanf("")), 0x7FFF);
+  EXPECT_EQ(FloatToBf16(-std::nanf("")), 0x7FFF);
+  EXPECT_EQ(FloatToBf16(INFINITY), 0x7F80);
+}
+
+TEST(LookupReferenceTest, DequantisesOwnedRowsAndZeroesTheRest) {
+  std::mt19937_64 rng(FreshSeed());
+  const int64_t D = 256, rows = 1000, begin = 5000;
+  const int64_t rb = D + D / 32;
+  std::vector<uint8_t> weight(rows * D), scale(rows * D / 32), records(rows * rb);
+  for (auto& b : weight) b = static_cast<uint8_t>(rng());
+  for (auto& b : scale) b = static_cast<uint8_t>(rng() % 256);  // every scale, 0 and 255 included
+  PackRecords(weight.data(), scale.data(), rows, D, records.data());
+  RecordTable table{records.data(), begin, begin + rows, D};
+  std::vector<int32_t> ids;
+  for (int i = 0; i < 3000; ++i) ids.push_back(static_cast<int32_t>(begin - 50 + static_cast<int64_t>(rng() % (rows + 100))));
+  ids.push_back(-1);
+  ids.push_back(static_cast<int32_t>(begin));
+  ids.push_back(static_cast<int32_t>(begin + rows - 1));
+  ids.push_back(static_cast<int32_t>(begin + rows));
+  std::vector<uint16_t> out(ids.size() * D, 0xFFFF);  // poisoned: NaN
+  ASSERT_TRUE(LookupBf16Cpu(table, ids, out).ok());
+  std::vector<uint8_t> packed(ids.size() * rb, 0xAB);
+  ASSERT_TRUE(LookupPackedCpu(table, ids, packed).ok());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int64_t id = ids[i];
+    const bool owned = id >= begin && id < begin + rows;
+    for (int64_t j = 0; j < D; ++j) {
+      uint16_t want = 0;
+      if (owned) {
+        const int64_t r = id - begin;
+        want = Bf16Oracle(E4M3Definition(weight[r * D + j]) *
+                          std::ldexp(1.0, scale[r * D / 32 + j / 32] == 0 ? -100000 : scale[r * D / 32 + j / 32] - 127));
+        if (scale[r * D / 32 + j / 32] == 255) want = FloatToBf16(E4M3ToFloat(weight[r * D + j]) * INFINITY);
+      }
+      ASSERT_EQ(out[i * D + j], want) << "id " << id << " j " << j;
+    }
+    for (int64_t k = 0; k < rb; ++k) {
+      const uint8_t want = owned ? records[(id - begin) * rb + k] : 0;
+      ASSERT_EQ(packed[i * rb + k], want);
+    }
+  }
+  std::vector<uint16_t> small(3);
+  EXPECT_FALSE(LookupBf16Cpu(table, ids, small).ok());
+  EXPECT_FALSE(LookupPackedCpu(table, ids, std::span<uint8_t>(packed.data(), 5)).ok());
+  EXPECT_FALSE(LookupBf16Cpu(RecordTable{records.data(), 0, 10, 48}, ids, out).ok());
+}
+
+std::vector<uint16_t> RandomBf16(std::mt19937_64& rng, size_t n, float scale) {
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = FloatToBf16(dist(rng));
+  return v;
+}
+
+TEST(GateReferenceTest, AgreesWithAFloat64Oracle) {
+  std::mt19937_64 rng(FreshSeed());
+  for (int64_t D : {64, 512, 5120}) {
+    GateShape s{37, 4, D, 1e-6f};
+    auto hidden = RandomBf16(rng, static_cast<size_t>(s.tokens * s.hc_mult * D), 1.0f);
+    auto kv = RandomBf16(rng, static_cast<size_t>(s.tokens * (s.hc_mult + 1) * D), 0.5f);
+    auto q = RandomBf16(rng, static_cast<size_t>(s.hc_mult * D), 1.0f);
+    auto k = RandomBf16(rng, static_cast<size_t>(s.hc_mult * D), 1.0f);
+    // Make some tokens strongly aligned so gates span (0, 1).
+    for (int64_t t = 0; t < s.tokens; t += 3) {
+      for (int64_t j = 0; j < D; ++j) kv[static_cast<size_t>(t * (s.hc_mult + 1) * D + j)] = hidden[static_cast<size_t>(t * s.hc_mult * D + j)];
+    }
+    std::vector<uint8_t> mask(static_cast<size_t>(s.tokens), 0);
+    mask[5] = mask[6] = 1;
+    std::vector<uint16_t> out(hidden.size(), 0xFFFF);
+    ASSERT_TRUE(GateCpu(s, hidden, kv, q, k, mask, out).ok());
+    for (int64_t t = 0; t < s.tokens; ++t) {
+      const uint16_t* value = kv.data() + (t * (s.hc_mult + 1) + s.hc_mult) * D;
+      for (int64_t c = 0; c < s.hc_mult; ++c) {
+        const uint16_t* h = hidden.data() + (t * s.hc_mult + c) * D;
+        const uint16_t* key = kv.data() + (t * (s.hc_mult + 1) + c) * D;
+        double dot = 0, hh = 0, kk = 0;
+        for (int64_t j = 0; j < D; ++j) {
+          const double hj = Bf16ToFloat(h[j]), kj = Bf16ToFloat(key[j]);
+          dot += hj * Bf16ToFloat(q[c * D + j]) * Bf16ToFloat(k[c * D + j]) * kj;
+          hh += hj * hj;
+          kk += kj * kj;
+        }
+        dot = dot / std::sqrt(hh / D + 1e-6) / std::sqrt(kk / D + 1e-6) / std::sqrt(static_cast<double>(D));
+        const double x = (dot > 0 ? 1 : dot < 0 ? -1 : 0) * std::sqrt(std::max(std::fabs(dot), 1e-6));
+        const double g = mask[static_cast<size_t>(t)] ? 0.0 : 1.0 / (1.0 + std::exp(-x));
+        for (int64_t j = 0; j < D; ++j) {
+          const double want = Bf16ToFloat(h[j]) + g * Bf16ToFloat(value[j]);
+          const double got = Bf16ToFloat(out[static_cast<size_t>((t * s.hc_mult + c) * D + j)]);
+          ASSERT_FALSE(std::isnan(got));
+          ASSERT_LE(std::fabs(got - want), 1e-2 * std::max(std::fabs(want), 1e-2))
+              << "D " << D << " t " << t << " c " << c << " j " << j;
+          if (mask[static_cast<size_t>(t)]) {
+            ASSERT_EQ(out[static_cast<size_t>((t * s.hc_mult + c) * D + j)], h[j]);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(GateReferenceTest, ShapeErrors) {
+  GateShape s{2, 2, 4, 1e-6f};
+  std::vector<uint16_t> h(16), kv(24), q(8), k(8), out(16);
+  EXPECT_TRUE(GateCpu(s, h, kv, q, k, {}, out).ok());
+  std::vector<uint16_t> kv_bad(23);
+  auto st = GateCpu(s, h, kv_bad, q, k, {}, out);
+  EXPECT_NE(st.message().find("kv has 23 values, expected 24"), std::string::npos) << st;
+  std::vector<uint8_t> mask(3);
+  EXPECT_FALSE(GateCpu(s, h, kv, q, k, mask, out).ok());
+  EXPECT_FALSE(GateCpu(GateShape{2, 0, 4}, h, kv, q, k, {}, out).ok());
+}
+
+}  // namespace
+}  // namespace engram
