@@ -54,7 +54,7 @@ struct CommandResult {
 };
 
 // Runs a shell command line, capturing stdout and stderr separately.
-inline CommandResult Run(const std::string& cmd) {
+inline CommandResult RunCmd(const std::string& cmd) {
   TempDir tmp;
   const std::string err_path = tmp / "stderr";
   CommandResult r;
