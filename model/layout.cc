@@ -4,6 +4,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "model/fast_mod.h"
 #include "model/numpy_random.h"
 #include "model/primes.h"
 
@@ -70,6 +71,9 @@ absl::StatusOr<Layout> Layout::Build(const EngramConfig& config) {
           ": the table does not match the hashing"));
     }
     l.offsets_.push_back(std::move(offsets));
+    std::vector<uint64_t> magics;
+    for (int64_t p : l.primes_[i]) magics.push_back(FastModMagic(static_cast<uint64_t>(p)));
+    l.magics_.push_back(std::move(magics));
     l.rows_.push_back(sum);
   }
   return l;

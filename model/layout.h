@@ -45,6 +45,8 @@ class Layout {
   const std::vector<int64_t>& multipliers(int64_t layer) const { return multipliers_[layer]; }  // N values
   const std::vector<int64_t>& primes(int64_t layer) const { return primes_[layer]; }            // n_cols values
   const std::vector<int64_t>& offsets(int64_t layer) const { return offsets_[layer]; }          // n_cols values
+  // FastModMagic of every prime (fast_mod.h), for division-free `rolling % prime`.
+  const std::vector<uint64_t>& mod_magics(int64_t layer) const { return magics_[layer]; }
   int64_t rows(int64_t layer) const { return rows_[layer]; }
   int64_t total_rows() const;
   int64_t table_bytes() const { return total_rows() * record_bytes(); }
@@ -59,6 +61,7 @@ class Layout {
   std::vector<std::vector<int64_t>> multipliers_;
   std::vector<std::vector<int64_t>> primes_;
   std::vector<std::vector<int64_t>> offsets_;
+  std::vector<std::vector<uint64_t>> magics_;
   std::vector<int64_t> rows_;
 };
 

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "model/fast_mod.h"
 #include "model/fp8.h"
 
 namespace engram {
@@ -13,6 +14,15 @@ namespace {
 absl::Status Invalid(const std::string& what) { return absl::InvalidArgumentError(what); }
 
 constexpr int32_t kDead = -1;  // internal marker for a position outside every n-gram
+
+// e4m3 byte -> float, all 256 values.
+const struct E4M3Table {
+  float v[256];
+  E4M3Table() {
+    for (int b = 0; b < 256; ++b) v[b] = E4M3ToFloat(static_cast<uint8_t>(b));
+  }
+  float operator[](uint8_t b) const { return v[b]; }
+} kE4M3;
 
 }  // namespace
 
@@ -87,6 +97,7 @@ absl::Status HashIdsCpu(const Layout& layout, const TokenMap& token_map, const H
         const auto& mult = layout.multipliers(l);
         const auto& primes = layout.primes(l);
         const auto& offsets = layout.offsets(l);
+        const auto& magics = layout.mod_magics(l);
         int32_t* row = out.data() + (t * L + l) * C;
         int64_t rolling = 0;
         bool blocked = false;
@@ -97,7 +108,9 @@ absl::Status HashIdsCpu(const Layout& layout, const TokenMap& token_map, const H
           if (s == 0) continue;
           for (int64_t h = 0; h < H; ++h) {
             const int64_t c = (s - 1) * H + h;
-            row[c] = static_cast<int32_t>(rolling % primes[static_cast<size_t>(c)] + offsets[static_cast<size_t>(c)]);
+            const auto cc = static_cast<size_t>(c);
+            const uint64_t bucket = FastMod(static_cast<uint64_t>(rolling), static_cast<uint64_t>(primes[cc]), magics[cc]);
+            row[c] = static_cast<int32_t>(static_cast<int64_t>(bucket) + offsets[cc]);
           }
         }
       }
@@ -140,7 +153,10 @@ absl::Status LookupBf16Cpu(const RecordTable& t, std::span<const int32_t> ids, s
       continue;
     }
     const uint8_t* rec = t.records + (id - t.row_begin) * t.record_bytes();
-    for (int64_t j = 0; j < D; ++j) dst[j] = DequantBf16(rec[j], rec[D + j / 32]);
+    for (int64_t b = 0; b < D / 32; ++b) {
+      const float scale = Ue8m0ToFloat(rec[D + b]);
+      for (int64_t j = b * 32; j < b * 32 + 32; ++j) dst[j] = FloatToBf16(kE4M3[rec[j]] * scale);
+    }
   }
   return absl::OkStatus();
 }

@@ -1,9 +1,11 @@
 // Layout against NumPy's goldens (tests/data/goldens/multipliers-*.json, from ../shared/tools/golden-multipliers.py):
 // multipliers, primes, offsets and row counts for every committed config; TP shard ranges; prime testing.
 #include <filesystem>
+#include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "model/fast_mod.h"
 #include "model/layout.h"
 #include "model/numpy_random.h"
 #include "model/primes.h"
@@ -145,6 +147,28 @@ TEST(NumpyRandomTest, SeedZeroAndStateWords) {
   SeedSequence seq(0);
   auto w = seq.GenerateState32(4);
   EXPECT_EQ(w, (std::vector<uint32_t>{2968811710u, 3677149159u, 745650761u, 2884920346u}));
+}
+
+}  // namespace
+}  // namespace engram
+
+namespace engram {
+namespace {
+
+TEST(FastModTest, EqualsTheDivisionForEveryKindOfDivisor) {
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<uint64_t> divisors = {2, 3, 4, 7, 8, 1024, 65537, 16000057, 2147483647, 4294967291ull, 4294967295ull};
+  for (int i = 0; i < 50; ++i) divisors.push_back(2 + rng() % 4294967294ull);
+  for (uint64_t p : divisors) {
+    const uint64_t m = FastModMagic(p);
+    for (uint64_t x : {uint64_t{0}, p - 1, p, p + 1, ~uint64_t{0}, ~uint64_t{0} >> 1, (~uint64_t{0} / p) * p}) {
+      ASSERT_EQ(FastMod(x, p, m), x % p) << x << " % " << p;
+    }
+    for (int k = 0; k < 20000; ++k) {
+      const uint64_t x = rng();
+      ASSERT_EQ(FastMod(x, p, m), x % p) << x << " % " << p;
+    }
+  }
 }
 
 }  // namespace
