@@ -1,0 +1,363 @@
+// Implementation of the kernels declared in engram_kernels.h. See that header for the contract.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/engram_kernels.h"
+#include "model/fast_mod.h"
+#include "model/fp8.h"
+
+namespace engram::kernels {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Hash: one thread per (token, layer, head). Each recomputes the rolling n-gram hash (N multiply-xors) and writes
+// the N-1 bucket ids of its head: threads of consecutive heads write consecutive columns.
+
+__device__ __forceinline__ int32_t CompressOrDead(int64_t raw, const LayoutView& L, int32_t* error_flag) {
+  if (raw < 0 || raw >= L.vocab) {
+    if (error_flag) atomicExch(error_flag, 1);
+    return -1;
+  }
+  return L.token_map[raw];
+}
+
+__global__ void HashKernel(LayoutView L, HashArgs a) {
+  const int32_t H = L.n_heads, NL = L.n_layers, N = L.max_ngram, C = (N - 1) * H;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= static_cast<int64_t>(a.num_tokens) * NL * H) return;
+  const int32_t h = static_cast<int32_t>(idx % H);
+  const int32_t l = static_cast<int32_t>((idx / H) % NL);
+  const int32_t t = static_cast<int32_t>(idx / (static_cast<int64_t>(H) * NL));
+  // Request of token t: the last r with qsl[r] <= t.
+  int32_t lo = 0, hi = a.num_requests - 1;
+  while (lo < hi) {
+    const int32_t mid = (lo + hi + 1) >> 1;
+    if (a.query_start_loc[mid] <= t) lo = mid; else hi = mid - 1;
+  }
+  const int32_t r = lo;
+  const int32_t begin = a.query_start_loc[r];
+  const int64_t start_pos = a.positions[begin];
+  const int64_t pos = a.positions[t];
+  bool blocked = false;
+  if (pos != start_pos + (t - begin) || pos < 0) {
+    if (a.error_flag) atomicExch(a.error_flag, 1);
+    blocked = true;
+  }
+  const int64_t* mult = L.multipliers + static_cast<int64_t>(l) * N;
+  const int64_t base = static_cast<int64_t>(l) * C;
+  int32_t* out = a.out + (static_cast<int64_t>(t) * NL + l) * C;
+  int64_t rolling = 0;
+  for (int32_t s = 0; s < N; ++s) {
+    const int64_t lb = pos - s;
+    int32_t src = -1;
+    if (!blocked && lb >= 0) {
+      if (lb >= start_pos) {
+        const int64_t tt = begin + (lb - start_pos);
+        if (a.dead == nullptr || a.dead[tt] == 0) src = CompressOrDead(a.tokens[tt], L, a.error_flag);
+      } else if (a.lookback != nullptr) {
+        const int32_t raw = a.lookback[static_cast<int64_t>(r) * (N - 1) + (lb - start_pos + (N - 1))];
+        if (raw != -1) src = CompressOrDead(raw, L, a.error_flag);
+      }
+    }
+    blocked = blocked || src < 0;
+    const int64_t v = blocked ? L.pad_compressed : src;
+    rolling ^= v * mult[s];
+    if (s > 0) {
+      const int32_t c = (s - 1) * H + h;
+      const uint64_t bucket = FastMod(static_cast<uint64_t>(rolling), static_cast<uint64_t>(L.primes[base + c]),
+                                      L.magics[base + c]);
+      out[c] = static_cast<int32_t>(static_cast<int64_t>(bucket) + L.offsets[base + c]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Lookup: one warp per (token, column) item, kRows items in flight per warp, a persistent grid-stride loop.
+// Fast path: records whose size is a multiple of 8 bytes (head_dim a multiple of 256): each lane moves 8-byte words.
+
+constexpr int kWarpsPerBlock = 8;
+constexpr int kRows = 4;
+
+struct LookupGeometry {
+  int64_t items;       // T * C
+  int32_t words;       // head_dim / 8: 8-value chunks per row
+  int32_t rec_bytes;
+};
+
+__device__ __forceinline__ int64_t ItemId(const LookupArgs& a, int64_t item) {
+  const int64_t t = item / a.num_cols, c = item % a.num_cols;
+  return a.ids[t * a.ids_stride + c];
+}
+
+__device__ __forceinline__ uint4 Dequant8(uint64_t w, uint8_t scale_byte) {
+  const float scale = Ue8m0ToFloat(scale_byte);
+  uint32_t packed[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint16_t lo = FloatToBf16(E4M3ToFloat(static_cast<uint8_t>(w >> (16 * k))) * scale);
+    const uint16_t hi = FloatToBf16(E4M3ToFloat(static_cast<uint8_t>(w >> (16 * k + 8))) * scale);
+    packed[k] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  }
+  return make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+// Words per lane known at compile time (1 for head_dim 256, 2 for 512).
+template <int kWordsPerLane>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupWordsKernel(LookupArgs a, LookupGeometry g) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int32_t D = a.head_dim;
+  for (int64_t first = warp * kRows; first < g.items; first += n_warps * kRows) {
+    int64_t row[kRows];
+    bool owned[kRows];
+    uint64_t w[kRows][kWordsPerLane];
+    uint8_t sc[kRows][kWordsPerLane];
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const int64_t item = first + k;
+      const int64_t id = item < g.items ? ItemId(a, item) : -1;
+      owned[k] = item < g.items && id >= a.row_begin && id < a.row_end;
+      row[k] = owned[k] ? id - a.row_begin : 0;
+    }
+    // Issue every load before the first use.
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const uint8_t* rec = a.records + row[k] * g.rec_bytes;
+#pragma unroll
+      for (int j = 0; j < kWordsPerLane; ++j) {
+        const int word = lane + 32 * j;
+        if (owned[k] && word < g.words) {
+          w[k][j] = *reinterpret_cast<const uint64_t*>(rec + 8 * word);
+          sc[k][j] = rec[D + word / 4];
+        } else {
+          w[k][j] = 0;
+          sc[k][j] = 0;
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const int64_t item = first + k;
+      if (item >= g.items) break;
+      uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.out) + item * D);
+#pragma unroll
+      for (int j = 0; j < kWordsPerLane; ++j) {
+        const int word = lane + 32 * j;
+        if (word < g.words) dst[word] = owned[k] ? Dequant8(w[k][j], sc[k][j]) : make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+}
+
+// Packed rows: copy the record bytes (8-byte words when the record size allows, else bytes).
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupPackedKernel(LookupArgs a, LookupGeometry g) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const bool words = g.rec_bytes % 8 == 0;
+  for (int64_t first = warp * kRows; first < g.items; first += n_warps * kRows) {
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const int64_t item = first + k;
+      if (item >= g.items) break;
+      const int64_t id = ItemId(a, item);
+      const bool owned = id >= a.row_begin && id < a.row_end;
+      const uint8_t* rec = a.records + (owned ? id - a.row_begin : 0) * g.rec_bytes;
+      uint8_t* dst = static_cast<uint8_t*>(a.out) + item * g.rec_bytes;
+      if (words) {
+        for (int j = lane; j < g.rec_bytes / 8; j += 32) {
+          reinterpret_cast<uint64_t*>(dst)[j] = owned ? reinterpret_cast<const uint64_t*>(rec)[j] : 0;
+        }
+      } else {
+        for (int j = lane; j < g.rec_bytes; j += 32) dst[j] = owned ? rec[j] : 0;
+      }
+    }
+  }
+}
+
+// Any head_dim (multiple of 32) whose record is not 8-byte sized: byte loads, 8 values per lane chunk.
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupBytesKernel(LookupArgs a, LookupGeometry g) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int32_t D = a.head_dim;
+  for (int64_t item = warp; item < g.items; item += n_warps) {
+    const int64_t id = ItemId(a, item);
+    const bool owned = id >= a.row_begin && id < a.row_end;
+    const uint8_t* rec = a.records + (owned ? id - a.row_begin : 0) * g.rec_bytes;
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.out) + item * D);
+    for (int word = lane; word < g.words; word += 32) {
+      uint64_t w = 0;
+      if (owned) {
+        for (int b = 0; b < 8; ++b) w |= static_cast<uint64_t>(rec[8 * word + b]) << (8 * b);
+      }
+      dst[word] = owned ? Dequant8(w, rec[D + word / 4]) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Gate: one block per (token, branch). Pass 1 reduces dot(h*q*k, key), |h|^2, |key|^2 in fp32 over 8-value vectors;
+// pass 2 writes h + g * value.
+
+constexpr int kGateThreads = 256;
+
+__device__ __forceinline__ void Unpack8(uint4 v, float* f) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    f[2 * k] = Bf16ToFloat(static_cast<uint16_t>(u[k] & 0xFFFF));
+    f[2 * k + 1] = Bf16ToFloat(static_cast<uint16_t>(u[k] >> 16));
+  }
+}
+
+__global__ void __launch_bounds__(kGateThreads) GateKernel(GateArgs a) {
+  const int32_t HC = a.hc_mult, D = a.dim, V = D / 8;
+  const int64_t t = blockIdx.x / HC;
+  const int32_t c = blockIdx.x % HC;
+  const uint4* h = reinterpret_cast<const uint4*>(a.hidden + (t * HC + c) * D);
+  const uint4* key = reinterpret_cast<const uint4*>(a.kv + (t * (HC + 1) + c) * D);
+  const uint4* value = reinterpret_cast<const uint4*>(a.kv + (t * (HC + 1) + HC) * D);
+  const uint4* q = reinterpret_cast<const uint4*>(a.q_weight + static_cast<int64_t>(c) * D);
+  const uint4* k = reinterpret_cast<const uint4*>(a.k_weight + static_cast<int64_t>(c) * D);
+  uint4* out = reinterpret_cast<uint4*>(a.out + (t * HC + c) * D);
+  const bool dead = a.mask != nullptr && a.mask[t] != 0;
+
+  __shared__ float red[3][kGateThreads / 32];
+  __shared__ float gate;
+  if (!dead) {
+    float dot = 0.f, hh = 0.f, kk = 0.f;
+    for (int32_t v = threadIdx.x; v < V; v += kGateThreads) {
+      float fh[8], fk[8], fq[8], fw[8];
+      Unpack8(h[v], fh);
+      Unpack8(key[v], fk);
+      Unpack8(q[v], fq);
+      Unpack8(k[v], fw);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        dot += fh[j] * fq[j] * fw[j] * fk[j];
+        hh += fh[j] * fh[j];
+        kk += fk[j] * fk[j];
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      dot += __shfl_xor_sync(0xffffffffu, dot, off);
+      hh += __shfl_xor_sync(0xffffffffu, hh, off);
+      kk += __shfl_xor_sync(0xffffffffu, kk, off);
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) {
+      red[0][warp] = dot;
+      red[1][warp] = hh;
+      red[2][warp] = kk;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float sd = 0.f, sh = 0.f, sk = 0.f;
+      for (int w = 0; w < kGateThreads / 32; ++w) {
+        sd += red[0][w];
+        sh += red[1][w];
+        sk += red[2][w];
+      }
+      const float Df = static_cast<float>(D);
+      const float x = sd / sqrtf(sh / Df + a.eps) / sqrtf(sk / Df + a.eps) / sqrtf(Df);
+      const float mag = sqrtf(fmaxf(fabsf(x), 1e-6f));
+      const float z = x > 0.f ? mag : (x < 0.f ? -mag : 0.f);
+      gate = 1.f / (1.f + expf(-z));
+    }
+    __syncthreads();
+  }
+  const float g = dead ? 0.f : gate;
+  for (int32_t v = threadIdx.x; v < V; v += kGateThreads) {
+    float fh[8], fv[8];
+    Unpack8(h[v], fh);
+    Unpack8(value[v], fv);
+    uint32_t u[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      u[j] = static_cast<uint32_t>(FloatToBf16(fh[2 * j] + g * fv[2 * j])) |
+             (static_cast<uint32_t>(FloatToBf16(fh[2 * j + 1] + g * fv[2 * j + 1])) << 16);
+    }
+    out[v] = make_uint4(u[0], u[1], u[2], u[3]);
+  }
+}
+
+bool Aligned(const void* p, uintptr_t n) { return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0; }
+
+}  // namespace
+
+int DeviceSmCount() {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 1;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 1;
+  return sms > 0 ? sms : 1;
+}
+
+cudaError_t LaunchHash(const LayoutView& layout, const HashArgs& a, cudaStream_t stream) {
+  if (a.num_tokens < 0 || a.num_requests < 1 || layout.n_layers < 1 || layout.max_ngram < 2 || layout.n_heads < 1 ||
+      layout.multipliers == nullptr || layout.primes == nullptr || layout.offsets == nullptr ||
+      layout.magics == nullptr || layout.token_map == nullptr || a.query_start_loc == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  if (a.num_tokens == 0) return cudaSuccess;
+  if (a.tokens == nullptr || a.positions == nullptr || a.out == nullptr) return cudaErrorInvalidValue;
+  const int64_t threads = static_cast<int64_t>(a.num_tokens) * layout.n_layers * layout.n_heads;
+  const int block = 256;
+  HashKernel<<<static_cast<unsigned>((threads + block - 1) / block), block, 0, stream>>>(layout, a);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
+  if (a.head_dim < 32 || a.head_dim % 32 != 0 || a.num_tokens < 0 || a.num_cols < 1 || a.row_end < a.row_begin ||
+      a.ids_stride < a.num_cols) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t items = static_cast<int64_t>(a.num_tokens) * a.num_cols;
+  if (items == 0) return cudaSuccess;
+  if (a.ids == nullptr || a.out == nullptr || (a.records == nullptr && a.row_end > a.row_begin)) {
+    return cudaErrorInvalidValue;
+  }
+  LookupGeometry g{items, a.head_dim / 8, a.head_dim + a.head_dim / 32};
+  if (!a.packed && !Aligned(a.out, 16)) return cudaErrorInvalidValue;
+  const int64_t warps_needed = a.packed || g.rec_bytes % 8 != 0 ? items : (items + kRows - 1) / kRows;
+  int64_t blocks = (warps_needed + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int64_t persistent = static_cast<int64_t>(DeviceSmCount()) * 8;  // 64 warps per SM
+  blocks = std::min(blocks, a.max_blocks > 0 ? static_cast<int64_t>(a.max_blocks) : persistent);
+  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(blocks, 1))), block(kWarpsPerBlock * 32);
+  const bool words = g.rec_bytes % 8 == 0 && Aligned(a.records, 8);
+  if (a.packed) {
+    if (g.rec_bytes % 8 == 0 && !(Aligned(a.records, 8) && Aligned(a.out, 8))) {
+      return cudaErrorInvalidValue;
+    }
+    LookupPackedKernel<<<grid, block, 0, stream>>>(a, g);
+  } else if (words && a.head_dim == 256) {
+    LookupWordsKernel<1><<<grid, block, 0, stream>>>(a, g);
+  } else if (words && a.head_dim == 512) {
+    LookupWordsKernel<2><<<grid, block, 0, stream>>>(a, g);
+  } else {
+    LookupBytesKernel<<<grid, block, 0, stream>>>(a, g);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchGate(const GateArgs& a, cudaStream_t stream) {
+  if (a.num_tokens < 0 || a.hc_mult < 1 || a.dim < 8 || a.dim % 8 != 0) return cudaErrorInvalidValue;
+  if (a.num_tokens == 0) return cudaSuccess;
+  if (a.hidden == nullptr || a.kv == nullptr || a.q_weight == nullptr || a.k_weight == nullptr || a.out == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  for (const void* p : {static_cast<const void*>(a.hidden), static_cast<const void*>(a.kv),
+                        static_cast<const void*>(a.q_weight), static_cast<const void*>(a.k_weight),
+                        static_cast<const void*>(a.out)}) {
+    if (!Aligned(p, 16)) return cudaErrorInvalidValue;
+  }
+  const int64_t blocks = static_cast<int64_t>(a.num_tokens) * a.hc_mult;
+  if (blocks > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  GateKernel<<<static_cast<unsigned>(blocks), kGateThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace engram::kernels

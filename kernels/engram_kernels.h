@@ -1,0 +1,83 @@
+// The fused Engram GPU kernels (SPEC 2.4 hash, 3 lookup, 4 gate) and their launch wrappers. Callable from plain
+// C++ (no CUDA compiler needed to include this header). Every pointer is a device pointer (or, for lookup records,
+// a host pointer registered with CUDA and usable through UVA); shapes are runtime values, so one build serves any
+// batch. Launches are asynchronous on the given stream; the wrappers validate what they can see on the host
+// (shapes, nulls) and return cudaErrorInvalidValue for misuse, or the launch's error. Results equal the CPU
+// reference in model/reference.h bit for bit (hash, lookup) or within bf16 rounding of a float64 oracle (gate).
+//
+// Stateless; thread-safe as far as the CUDA runtime is.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace engram::kernels {
+
+// The layout tables of a model on the device (see DeviceLayout in device_layout.h for the owner).
+struct LayoutView {
+  int32_t n_layers = 0;
+  int32_t max_ngram = 0;   // N
+  int32_t n_heads = 0;     // H; n_cols = (N-1) * H
+  const int64_t* multipliers = nullptr;  // [L, N]
+  const int64_t* primes = nullptr;       // [L, C]
+  const int64_t* offsets = nullptr;      // [L, C]
+  const uint64_t* magics = nullptr;      // [L, C] FastModMagic(prime)
+  const int32_t* token_map = nullptr;    // [vocab] raw id -> compressed id
+  int32_t vocab = 0;
+  int64_t pad_compressed = 0;            // token_map[pad_token_id]
+  int32_t n_cols() const { return (max_ngram - 1) * n_heads; }
+};
+
+struct HashArgs {
+  const int32_t* tokens = nullptr;           // [T] raw ids
+  const int64_t* positions = nullptr;        // [T]
+  const int32_t* query_start_loc = nullptr;  // [R+1]
+  const int32_t* lookback = nullptr;         // [R, N-1] raw ids, -1 unknown; may be null (all unknown)
+  const uint8_t* dead = nullptr;             // [T], nonzero = DEAD; may be null
+  int32_t num_tokens = 0;
+  int32_t num_requests = 0;
+  int32_t* out = nullptr;                    // [T, L, C]
+  // Raised (set to 1) when a raw id lies outside the token map or positions are not contiguous; such a token is
+  // hashed as DEAD. May be null.
+  int32_t* error_flag = nullptr;
+};
+
+cudaError_t LaunchHash(const LayoutView& layout, const HashArgs& args, cudaStream_t stream);
+
+struct LookupArgs {
+  const uint8_t* records = nullptr;  // record of row `row_begin` first; record = head_dim e4m3 + head_dim/32 ue8m0
+  int64_t row_begin = 0;             // owned range [row_begin, row_end) of this layer's global row ids
+  int64_t row_end = 0;
+  int32_t head_dim = 0;              // multiple of 32
+  const int32_t* ids = nullptr;      // ids[t * ids_stride + c]
+  int32_t num_tokens = 0;
+  int32_t num_cols = 0;
+  int64_t ids_stride = 0;            // usually L * C (the hash output of all layers), pointer offset by layer*C
+  void* out = nullptr;               // bf16 [T, C, head_dim] or packed bytes [T, C, record_bytes]
+  bool packed = false;
+  // Grid size cap: 0 = a persistent grid sized to the whole GPU; the background variant passes about half the SMs.
+  int32_t max_blocks = 0;
+};
+
+cudaError_t LaunchLookup(const LookupArgs& args, cudaStream_t stream);
+
+struct GateArgs {
+  const uint16_t* hidden = nullptr;    // bf16 [T, hc, D]
+  const uint16_t* kv = nullptr;        // bf16 [T, (hc+1)*D]
+  const uint16_t* q_weight = nullptr;  // bf16 [hc, D]
+  const uint16_t* k_weight = nullptr;  // bf16 [hc, D]
+  const uint8_t* mask = nullptr;       // [T] nonzero = DEAD (gate 0); may be null
+  uint16_t* out = nullptr;             // bf16 [T, hc, D]
+  int32_t num_tokens = 0;
+  int32_t hc_mult = 0;
+  int32_t dim = 0;                     // D, multiple of 8
+  float eps = 1e-6f;
+};
+
+cudaError_t LaunchGate(const GateArgs& args, cudaStream_t stream);
+
+// Multiprocessor count of the current device (cached per device).
+int DeviceSmCount();
+
+}  // namespace engram::kernels

@@ -1,0 +1,56 @@
+// Prefetcher: runs the lookups of every Engram layer on a side CUDA stream, as soon as the hash ids are known,
+// into staging buffers at fixed device addresses (CUDA-graph friendly), with one event per layer.
+//
+//   Prefetcher p;  p.Init(tables, max_tokens, n_cols, head_dim)          // once
+//   p.Prefetch(ids_on_device, T, ids_stride, main_stream)                 // after the hash kernel on main_stream
+//   ... main stream runs the earlier layers ...
+//   p.Wait(layer, main_stream); use p.staging(layer)                      // main stream now ordered after it
+//
+// Prefetch makes the side stream wait for the work already queued on `main_stream` (the ids), then launches each
+// layer's lookup with the background grid (about half the SMs) and records that layer's event. Wait makes
+// `main_stream` wait for that event; it never blocks the host. Owns its stream, events and buffers. One thread
+// drives one Prefetcher.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace engram::kernels {
+
+struct LayerTable {
+  const uint8_t* records = nullptr;  // device-visible (UVA host or HBM)
+  int64_t row_begin = 0;
+  int64_t row_end = 0;
+};
+
+class Prefetcher {
+ public:
+  Prefetcher() = default;
+  ~Prefetcher();
+  Prefetcher(const Prefetcher&) = delete;
+  Prefetcher& operator=(const Prefetcher&) = delete;
+
+  absl::Status Init(std::vector<LayerTable> tables, int32_t max_tokens, int32_t n_cols, int32_t head_dim,
+                    int32_t max_blocks = 0);
+  // ids: device [T, L, C] hash ids (layer l's columns at ids + l * n_cols, stride L * C).
+  absl::Status Prefetch(const int32_t* ids, int32_t num_tokens, cudaStream_t main_stream);
+  absl::Status Wait(int32_t layer, cudaStream_t main_stream);
+  // bf16 [max_tokens, n_cols, head_dim] per layer; fixed for the Prefetcher's life.
+  uint16_t* staging(int32_t layer) const { return staging_[static_cast<size_t>(layer)]; }
+  cudaEvent_t layer_event(int32_t layer) const { return done_[static_cast<size_t>(layer)]; }
+  cudaStream_t side_stream() const { return side_; }
+
+ private:
+  std::vector<LayerTable> tables_;
+  int32_t max_tokens_ = 0, n_cols_ = 0, head_dim_ = 0, max_blocks_ = 0;
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t ids_ready_ = nullptr;
+  std::vector<cudaEvent_t> done_;
+  std::vector<uint16_t*> staging_;
+};
+
+}  // namespace engram::kernels
