@@ -15,8 +15,16 @@
 
 namespace engram::testing {
 
-inline std::string DataPath(const std::string& rel) { return std::string(ENGRAM_TEST_DATA_DIR) + "/" + rel; }
-inline std::string BinPath(const std::string& name) { return std::string(ENGRAM_BIN_DIR) + "/" + name; }
+// Test data and binaries; the environment (ENGRAM_TEST_DATA_DIR, ENGRAM_BIN_DIR) overrides the build-time paths,
+// so a bundle copied to another machine finds them.
+inline std::string DataPath(const std::string& rel) {
+  const char* env = std::getenv("ENGRAM_TEST_DATA_DIR");
+  return std::string(env ? env : ENGRAM_TEST_DATA_DIR) + "/" + rel;
+}
+inline std::string BinPath(const std::string& name) {
+  const char* env = std::getenv("ENGRAM_BIN_DIR");
+  return std::string(env ? env : ENGRAM_BIN_DIR) + "/" + name;
+}
 
 class TempDir {
  public:
