@@ -1,0 +1,286 @@
+// bench_kernels: the GPU kernels against ceilings measured in the same run (../shared/MEASURED.md says which).
+//   ceilings   H2D cudaMemcpy from pinned memory (PCIe), D2D copy (HBM, bytes read + written)
+//   lookup     from a shared /dev/shm segment through UVA (default 16 GiB), 196K and 1M rows; latency for
+//              1/2/4/64 tokens x 24 columns; from HBM, 1M rows
+//   gate       T = 4096, 8192, D = 5120, hc_mult = 4
+//   hash       T = 8192, V4.1-Flash layout (2 layers)
+//   prefetch   8192-token lookup on the side stream during a busy main stream
+// Usage: bench_kernels FLASH_CONFIG_JSON [TABLE_GIB]   (prints a table; times are medians of CUDA-event timings)
+#include <cuda_runtime_api.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "kernels/device_layout.h"
+#include "kernels/engram_kernels.h"
+#include "kernels/prefetch.h"
+#include "model/layout.h"
+#include "model/token_map.h"
+
+namespace {
+
+#define CHECK(x)                                                                                  \
+  do {                                                                                            \
+    cudaError_t e_ = (x);                                                                         \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));    \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+// Median milliseconds of `reps` timed calls of f on `stream` (after `warm` untimed ones).
+double MedianMs(const std::function<void()>& f, cudaStream_t stream, int reps = 20, int warm = 3) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < warm; ++i) f();
+  CHECK(cudaStreamSynchronize(stream));
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    CHECK(cudaEventRecord(a, stream));
+    f();
+    CHECK(cudaEventRecord(b, stream));
+    CHECK(cudaEventSynchronize(b));
+    float m = 0;
+    CHECK(cudaEventElapsedTime(&m, a, b));
+    ms.push_back(m);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+void FillRandom(uint8_t* p, size_t n, int threads) {
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([=] {
+      const size_t begin = n / threads * t, end = t == threads - 1 ? n : n / threads * (t + 1);
+      uint64_t x = 0x9E3779B97F4A7C15ull * (t + 1);
+      for (size_t i = begin; i + 8 <= end; i += 8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        uint64_t v = x & 0x7E7E7E7E7E7E7E7Eull;  // no NaN bytes, moderate scales
+        std::memcpy(p + i, &v, 8);
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: bench_kernels FLASH_CONFIG_JSON [TABLE_GIB]\n");
+    return 2;
+  }
+  const double table_gib = argc > 2 ? std::atof(argv[2]) : 16.0;
+  cudaDeviceProp prop{};
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  cudaStream_t s;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+
+  // --- Ceilings -------------------------------------------------------------------------------------------------
+  const size_t kCeil = size_t{2} << 30;
+  void *pinned = nullptr, *d0 = nullptr, *d1 = nullptr;
+  CHECK(cudaMallocHost(&pinned, kCeil));
+  FillRandom(static_cast<uint8_t*>(pinned), kCeil, threads);
+  CHECK(cudaMalloc(&d0, kCeil));
+  CHECK(cudaMalloc(&d1, kCeil));
+  const double h2d_ms = MedianMs([&] { CHECK(cudaMemcpyAsync(d0, pinned, kCeil, cudaMemcpyHostToDevice, s)); }, s, 5);
+  const double d2d_ms = MedianMs([&] { CHECK(cudaMemcpyAsync(d1, d0, kCeil, cudaMemcpyDeviceToDevice, s)); }, s, 10);
+  const double h2d = kCeil / h2d_ms / 1e6, d2d = 2.0 * kCeil / d2d_ms / 1e6;
+  std::printf("ceiling  H2D pinned memcpy %.1f GB/s   D2D copy %.0f GB/s (read + write)\n", h2d, d2d);
+  CHECK(cudaFreeHost(pinned));
+
+  // --- UVA lookup from a shared segment ---------------------------------------------------------------------------
+  const int64_t D = 256, rb = 264;
+  const size_t seg_bytes = static_cast<size_t>(table_gib * (1ull << 30)) / rb * rb;
+  const int64_t rows = static_cast<int64_t>(seg_bytes / rb);
+  const std::string path = "/dev/shm/engram-bench-" + std::to_string(::getpid());
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
+  if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(seg_bytes)) != 0) {
+    std::perror("segment");
+    return 1;
+  }
+  auto* seg = static_cast<uint8_t*>(::mmap(nullptr, seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  ::close(fd);
+  if (seg == MAP_FAILED) return 1;
+  auto t0 = std::chrono::steady_clock::now();
+  FillRandom(seg, seg_bytes, threads);
+  const double fill_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  t0 = std::chrono::steady_clock::now();
+  CHECK(cudaHostRegister(seg, seg_bytes, cudaHostRegisterMapped | cudaHostRegisterReadOnly));
+  const double reg_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  void* dseg = nullptr;
+  CHECK(cudaHostGetDevicePointer(&dseg, seg, 0));
+  std::printf("segment  %.1f GiB in /dev/shm: first-touch fill %.2f s (%.1f GiB/s, %d threads), "
+              "cudaHostRegister %.2f s\n", seg_bytes / 1073741824.0, fill_s, seg_bytes / 1073741824.0 / fill_s,
+              threads, reg_s);
+
+  std::mt19937_64 rng(7);
+  const int C = 24;
+  const int64_t max_items = 1 << 20;
+  std::vector<int32_t> ids(static_cast<size_t>(max_items));
+  int32_t* d_ids = nullptr;
+  uint16_t* d_out = nullptr;
+  CHECK(cudaMalloc(reinterpret_cast<void**>(&d_ids), max_items * 4));
+  CHECK(cudaMalloc(reinterpret_cast<void**>(&d_out), max_items * D * 2));
+  auto lookup = [&](const uint8_t* table, int64_t table_rows, int64_t items, bool packed, int max_blocks) {
+    engram::kernels::LookupArgs a;
+    a.records = table;
+    a.row_begin = 0;
+    a.row_end = table_rows;
+    a.head_dim = static_cast<int32_t>(D);
+    a.ids = d_ids;
+    a.num_tokens = static_cast<int32_t>(items / C);
+    a.num_cols = C;
+    a.ids_stride = C;
+    a.out = d_out;
+    a.packed = packed;
+    a.max_blocks = max_blocks;
+    CHECK(engram::kernels::LaunchLookup(a, s));
+  };
+  auto new_ids = [&](int64_t table_rows) {
+    for (auto& id : ids) id = static_cast<int32_t>(rng() % static_cast<uint64_t>(table_rows));
+    CHECK(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  };
+  std::printf("\n%-44s %-12s %-12s %s\n", "lookup", "time", "GB/s rec.", "vs ceiling");
+  for (int64_t n_rows : {int64_t{196608}, int64_t{1} << 20}) {
+    for (bool packed : {false, true}) {
+      new_ids(rows);
+      const int64_t items = n_rows / C * C;
+      const double ms = MedianMs([&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, packed, 0); }, s, 10, 2);
+      const double gbs = items * rb / ms / 1e6;
+      std::printf("UVA %5.1f GiB shm, %7lld rows, %-6s         %8.3f ms  %8.2f     %.3f of H2D (bar 8.0 GB/s: %.2fx)\n",
+                  seg_bytes / 1073741824.0, static_cast<long long>(items), packed ? "packed" : "bf16", ms, gbs,
+                  gbs / h2d, gbs / 8.0);
+    }
+  }
+  for (int tokens : {1, 2, 4, 64}) {
+    new_ids(rows);
+    const double ms = MedianMs([&] { lookup(static_cast<const uint8_t*>(dseg), rows, tokens * C, false, 0); }, s, 200, 20);
+    const double bar = tokens == 1 ? 5 : tokens == 2 ? 6 : tokens == 4 ? 8 : 20;
+    std::printf("UVA latency %2d tokens x 24 columns               %8.2f us                (bar %.0f us)\n", tokens,
+                ms * 1e3, bar);
+  }
+  // Side-stream prefetch of 8192 tokens (2 layers) during a busy main stream (gate kernels, HBM-bound).
+  const int T = 8192, HC = 4, HD = 5120;
+  uint16_t *hidden = nullptr, *kv = nullptr, *qk = nullptr, *gout = nullptr;
+  CHECK(cudaMalloc(reinterpret_cast<void**>(&hidden), size_t{T} * HC * HD * 2));
+  CHECK(cudaMalloc(reinterpret_cast<void**>(&kv), size_t{T} * (HC + 1) * HD * 2));
+  CHECK(cudaMalloc(reinterpret_cast<void**>(&qk), size_t{HC} * HD * 2));
+  CHECK(cudaMalloc(reinterpret_cast<void**>(&gout), size_t{T} * HC * HD * 2));
+  CHECK(cudaMemcpy(hidden, d0, size_t{T} * HC * HD * 2, cudaMemcpyDeviceToDevice));
+  CHECK(cudaMemcpy(kv, d0, size_t{T} * (HC + 1) * HD * 2, cudaMemcpyDeviceToDevice));
+  CHECK(cudaMemset(qk, 0x3F, size_t{HC} * HD * 2));
+  auto gate = [&](int t, cudaStream_t st) {
+    engram::kernels::GateArgs g{hidden, kv, qk, qk, nullptr, gout, t, HC, HD, 1e-6f};
+    CHECK(engram::kernels::LaunchGate(g, st));
+  };
+  std::printf("\n%-44s %-12s %-12s %s\n", "gate (D=5120, hc=4)", "time", "GB/s", "vs D2D");
+  for (int t : {4096, 8192}) {
+    const double ms = MedianMs([&] { gate(t, s); }, s, 20, 3);
+    const double bytes = double(t) * (HC * HD * 2 * 2 + (HC + 1) * HD * 2);  // hidden in+out, kv in
+    std::printf("T=%-42d %8.3f ms  %8.0f     %.3f (bar 0.70)\n", t, ms, bytes / ms / 1e6, bytes / ms / 1e6 / d2d);
+  }
+
+  // HBM lookup: 1M rows from a device table (the ceiling copies' buffers, 2 GiB of records).
+  {
+    const int64_t hbm_rows = static_cast<int64_t>(kCeil / rb);
+    new_ids(hbm_rows);
+    const int64_t items = (int64_t{1} << 20) / C * C;
+    const double ms = MedianMs([&] { lookup(static_cast<const uint8_t*>(d0), hbm_rows, items, false, 0); }, s, 20, 3);
+    const double rec = items * rb / ms / 1e6, moved = items * (rb + D * 2) / ms / 1e6;
+    std::printf("\nlookup HBM 2 GiB table, %lld rows, bf16        %8.3f ms  %8.0f rec.  %.3f of D2D counting rows "
+                "read + bf16 written (bar 1.1 TB/s of records)\n",
+                static_cast<long long>(items), ms, rec, moved / d2d);
+  }
+
+  // Hash, V4.1-Flash layout.
+  {
+    auto cfg = engram::LoadEngramConfig(argv[1]);
+    if (!cfg.ok()) return 1;
+    auto layout = engram::Layout::Build(*cfg);
+    std::vector<int32_t> map_ids(static_cast<size_t>(cfg->compressed_vocab_size));
+    for (size_t i = 0; i < map_ids.size(); ++i) map_ids[i] = static_cast<int32_t>(i);
+    auto map = engram::TokenMap::FromIds(map_ids);
+    auto dl = engram::kernels::DeviceLayout::Upload(*layout, map);
+    if (!dl.ok()) return 1;
+    std::vector<int32_t> tok(T), qsl = {0, T / 2, T};
+    std::vector<int64_t> pos(T);
+    for (int i = 0; i < T; ++i) {
+      tok[i] = static_cast<int32_t>(rng() % map_ids.size());
+      pos[i] = i < T / 2 ? i : i - T / 2 + 100;
+    }
+    int32_t *dt, *dq, *dout;
+    int64_t* dp;
+    CHECK(cudaMalloc(reinterpret_cast<void**>(&dt), T * 4));
+    CHECK(cudaMalloc(reinterpret_cast<void**>(&dq), 12));
+    CHECK(cudaMalloc(reinterpret_cast<void**>(&dp), T * 8));
+    CHECK(cudaMalloc(reinterpret_cast<void**>(&dout), size_t{T} * 48 * 4));
+    CHECK(cudaMemcpy(dt, tok.data(), T * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(dq, qsl.data(), 12, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(dp, pos.data(), T * 8, cudaMemcpyHostToDevice));
+    engram::kernels::HashArgs h{dt, dp, dq, nullptr, nullptr, T, 2, dout, nullptr};
+    const double ms = MedianMs([&] { CHECK(engram::kernels::LaunchHash((*dl)->view(), h, s)); }, s, 100, 10);
+    std::printf("hash T=8192, 2 layers x 24 columns               %8.2f us                (bar 15 us)\n", ms * 1e3);
+
+    // Prefetch during a busy main stream: main = 10 gate kernels of T=8192.
+    engram::kernels::Prefetcher p;
+    std::vector<engram::kernels::LayerTable> tables = {{static_cast<const uint8_t*>(dseg), 0, rows / 2},
+                                                       {static_cast<const uint8_t*>(dseg) + (rows / 2) * rb, 0, rows / 2}};
+    if (!p.Init(tables, T, 24, static_cast<int32_t>(D)).ok()) return 1;
+    // hash ids for the prefetch: random in range
+    std::vector<int32_t> pid(size_t{T} * 48);
+    for (auto& v : pid) v = static_cast<int32_t>(rng() % static_cast<uint64_t>(rows / 2));
+    CHECK(cudaMemcpy(dout, pid.data(), pid.size() * 4, cudaMemcpyHostToDevice));
+    auto busy = [&] {
+      for (int i = 0; i < 10; ++i) gate(T, s);
+    };
+    const double alone = MedianMs(busy, s, 10, 2);
+    const double side_alone = MedianMs([&] { (void)p.Prefetch(dout, T, s); (void)p.Wait(1, s); }, s, 10, 2);
+    cudaEvent_t a, b;
+    CHECK(cudaEventCreate(&a));
+    CHECK(cudaEventCreate(&b));
+    std::vector<float> with;
+    int finished_first = 0;
+    for (int r = 0; r < 10; ++r) {
+      CHECK(cudaEventRecord(a, s));
+      (void)p.Prefetch(dout, T, s);
+      busy();
+      CHECK(cudaEventRecord(b, s));
+      CHECK(cudaEventSynchronize(b));
+      finished_first += cudaEventQuery(p.layer_event(1)) == cudaSuccess;
+      (void)p.Wait(1, s);
+      float m = 0;
+      CHECK(cudaEventElapsedTime(&m, a, b));
+      with.push_back(m);
+      CHECK(cudaStreamSynchronize(s));
+    }
+    std::sort(with.begin(), with.end());
+    std::printf("\nprefetch 8192 tokens x 2 layers (UVA) alone     %8.3f ms\n", side_alone);
+    std::printf("main stream (10 gates T=8192) alone            %8.3f ms\n", alone);
+    std::printf("main stream with side-stream prefetch          %8.3f ms  slowed %.1f%% (bar 5%%); lookup done before "
+                "the main stream in %d/10 runs\n", with[with.size() / 2], (with[with.size() / 2] / alone - 1) * 100,
+                finished_first);
+  }
+  CHECK(cudaHostUnregister(seg));
+  ::munmap(seg, seg_bytes);
+  ::unlink(path.c_str());
+  return 0;
+}

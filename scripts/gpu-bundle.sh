@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Builds the GPU tests and benchmarks here (sm_90, static cudart) and bundles them with the shared libraries they
+# need into .gpu-bundle/ (git-ignored), for the GPU machine, which lacks our Debian libraries. Name .gpu-bundle in
+# the device tool's `carry` and run `.gpu-bundle/run.sh [tests|sanitize|bench|all]` there; logs go to $OUT.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${ENGRAM_BUILD_DIR:-$root/build}
+"$root/scripts/build.sh" -DENGRAM_CUDA=ON -DENGRAM_CUDA_ARCHS=90 > /dev/null
+out=$root/.gpu-bundle
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/lib"
+bins=("$build/tests/gpu_kernels_test" "$build/tests/gpu_prefetch_test" "$build/tests/uva_lookup_helper"
+      "$build/bench/bench_kernels")
+for b in "${bins[@]}"; do
+  cp "$b" "$out/bin/"
+  # Everything ldd resolves except the C library family and the driver (the GPU machine has its own).
+  ldd "$b" | awk '/=> \// {print $3}' | grep -vE '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libcuda)\.so' |
+    while read -r lib; do cp -Lu "$lib" "$out/lib/"; done
+done
+mkdir -p "$out/data"
+cp -r "$root/tests/data/configs" "$root/tests/data/goldens" "$root/tests/data/tokenizers" "$out/data/"
+strip --strip-debug "$out"/lib/*.so* "$out"/bin/* 2>/dev/null || true
+cat > "$out/run.sh" <<'RUN'
+#!/usr/bin/env bash
+# Runs the bundled GPU tests / sanitizers / benchmarks; writes logs under $OUT (or /tmp/engram-gpu-out).
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+export LD_LIBRARY_PATH=$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export ENGRAM_TEST_DATA_DIR=$here/data
+out=${OUT:-/tmp/engram-gpu-out}
+mkdir -p "$out"
+what=${1:-all}
+rc=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  for t in gpu_kernels_test gpu_prefetch_test; do
+    "$here/bin/$t" 2>&1 | tee "$out/$t.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED|seed' ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  done
+fi
+if [ "$what" = sanitize ] || [ "$what" = all ]; then
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+  for tool in memcheck racecheck; do
+    ENGRAM_GPU_QUICK=1 "$cs" --tool $tool --error-exitcode 9 "$here/bin/gpu_kernels_test" \
+      --gtest_filter='GpuHash*:GpuGate*:GpuLookupTest.EqualsTheCpuReferenceBitForBit' > "$out/sanitize-$tool.log" 2>&1
+    r=$?; echo "compute-sanitizer $tool: exit $r ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize-$tool.log" | tail -1))"
+    [ $r = 0 ] || rc=1
+  done
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  "$here/bin/bench_kernels" "$here/data/configs/v41-flash.json" "${ENGRAM_TABLE_GIB:-16}" 2>&1 | tee "$out/bench_kernels.log" || rc=1
+fi
+exit $rc
+RUN
+chmod +x "$out/run.sh"
+du -sh "$out"
