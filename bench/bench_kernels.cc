@@ -175,9 +175,19 @@ int main(int argc, char** argv) {
   for (int tokens : {1, 2, 4, 64}) {
     new_ids(footprint_rows);
     const double ms = MedianMs([&] { lookup(static_cast<const uint8_t*>(dseg), rows, tokens * C, false, 0); }, s, 200, 20);
+    // On the stream as a CUDA graph replays it: 20 dependent lookups per replay, time per lookup.
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < 20; ++i) lookup(static_cast<const uint8_t*>(dseg), rows, tokens * C, false, 0);
+    CHECK(cudaStreamEndCapture(s, &graph));
+    CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const double graph_ms = MedianMs([&] { CHECK(cudaGraphLaunch(exec, s)); }, s, 50, 5) / 20;
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
     const double bar = tokens == 1 ? 5 : tokens == 2 ? 6 : tokens == 4 ? 8 : 20;
-    std::printf("UVA latency %2d tokens x 24 columns, %5.0f MiB   %8.2f us                (bar %.0f us)\n", tokens,
-                footprint_rows * rb / 1048576.0, ms * 1e3, bar);
+    std::printf("UVA latency %2d tokens x 24 columns, %5.0f MiB   %8.2f us  launch+run, %6.2f us in a graph (bar %.0f us)\n",
+                tokens, footprint_rows * rb / 1048576.0, ms * 1e3, graph_ms * 1e3, bar);
   }
   }
   // Side-stream prefetch of 8192 tokens (2 layers) during a busy main stream (gate kernels, HBM-bound).
@@ -243,10 +253,11 @@ int main(int argc, char** argv) {
     std::printf("hash T=8192, 2 layers x 24 columns               %8.2f us                (bar 15 us)\n", ms * 1e3);
 
     // Prefetch during a busy main stream: main = 10 gate kernels of T=8192.
+    for (int blocks : {0, 32, 16, 8}) {
     engram::kernels::Prefetcher p;
     std::vector<engram::kernels::LayerTable> tables = {{static_cast<const uint8_t*>(dseg), 0, rows / 2},
                                                        {static_cast<const uint8_t*>(dseg) + (rows / 2) * rb, 0, rows / 2}};
-    if (!p.Init(tables, T, 24, static_cast<int32_t>(D)).ok()) return 1;
+    if (!p.Init(tables, T, 24, static_cast<int32_t>(D), blocks).ok()) return 1;
     // hash ids for the prefetch: random in range
     std::vector<int32_t> pid(size_t{T} * 48);
     for (auto& v : pid) v = static_cast<int32_t>(rng() % static_cast<uint64_t>(rows / 2));
@@ -278,11 +289,12 @@ int main(int argc, char** argv) {
       CHECK(cudaStreamSynchronize(s));
     }
     std::sort(with.begin(), with.end());
-    std::printf("\nprefetch 8192 tokens x 2 layers (UVA) alone     %8.3f ms\n", side_alone);
-    std::printf("main stream (60 gates T=8192) alone            %8.3f ms\n", alone);
-    std::printf("main stream with side-stream prefetch          %8.3f ms  slowed %.1f%% (bar 5%%); lookup done before "
-                "the main stream in %d/10 runs\n", with[with.size() / 2], (with[with.size() / 2] / alone - 1) * 100,
-                finished_first);
+    std::printf("\nprefetch, background grid %s blocks: 8192 tokens x 2 layers (UVA) alone %.3f ms\n",
+                blocks ? std::to_string(blocks).c_str() : "default", side_alone);
+    std::printf("  main stream (60 gates T=8192) alone %.3f ms, with the prefetch %.3f ms: slowed %.1f%% (bar 5%%); "
+                "lookup done before the main stream in %d/10 runs\n", alone, with[with.size() / 2],
+                (with[with.size() / 2] / alone - 1) * 100, finished_first);
+    }
   }
   CHECK(cudaHostUnregister(seg));
   ::munmap(seg, seg_bytes);

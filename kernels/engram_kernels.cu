@@ -1,4 +1,7 @@
 // Implementation of the kernels declared in engram_kernels.h. See that header for the contract.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -94,14 +97,24 @@ __device__ __forceinline__ int64_t ItemId(const LookupArgs& a, int64_t item) {
   return a.ids[static_cast<int64_t>(t) * a.ids_stride + c];
 }
 
+// 8 e4m3 values times one ue8m0 scale, rounded to bf16. On sm_89+ the conversions are the hardware's (e4m3x2 ->
+// f16x2 is exact, f32x2 -> bf16x2 rounds to nearest even and makes every NaN 0x7FFF): the same bits as the
+// portable path below and the CPU reference (model/fp8.h).
 __device__ __forceinline__ uint4 Dequant8(uint64_t w, uint8_t scale_byte) {
   const float scale = Ue8m0ToFloat(scale_byte);
   uint32_t packed[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    const __half2_raw h2 = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> (16 * k)), __NV_E4M3);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+    packed[k] = *reinterpret_cast<const uint32_t*>(&b);
+#else
     const uint16_t lo = FloatToBf16(E4M3ToFloat(static_cast<uint8_t>(w >> (16 * k))) * scale);
     const uint16_t hi = FloatToBf16(E4M3ToFloat(static_cast<uint8_t>(w >> (16 * k + 8))) * scale);
     packed[k] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+#endif
   }
   return make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
@@ -329,7 +342,14 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
   if (!a.packed && !Aligned(a.out, 16)) return cudaErrorInvalidValue;
   const int64_t warps_needed = a.packed || g.rec_bytes % 8 != 0 ? items : (items + kRows - 1) / kRows;
   int64_t blocks = (warps_needed + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  const int64_t persistent = static_cast<int64_t>(DeviceSmCount()) * 8;  // 64 warps per SM
+  // Persistent grid: exactly the blocks that fit at once (more would run as a second, partial wave).
+  int per_sm = 1;
+  const void* fn = a.packed ? reinterpret_cast<const void*>(LookupPackedKernel)
+                   : (g.rec_bytes % 8 == 0 && a.head_dim == 256) ? reinterpret_cast<const void*>(LookupWordsKernel<1>)
+                   : (g.rec_bytes % 8 == 0 && a.head_dim == 512) ? reinterpret_cast<const void*>(LookupWordsKernel<2>)
+                                                                 : reinterpret_cast<const void*>(LookupBytesKernel);
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kWarpsPerBlock * 32, 0) != cudaSuccess) per_sm = 1;
+  const int64_t persistent = static_cast<int64_t>(DeviceSmCount()) * std::max(per_sm, 1);
   blocks = std::min(blocks, a.max_blocks > 0 ? static_cast<int64_t>(a.max_blocks) : persistent);
   const dim3 grid(static_cast<unsigned>(std::max<int64_t>(blocks, 1))), block(kWarpsPerBlock * 32);
   const bool words = g.rec_bytes % 8 == 0 && Aligned(a.records, 8);
