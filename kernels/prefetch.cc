@@ -16,10 +16,11 @@ absl::Status Prefetcher::Init(std::vector<LayerTable> tables, int32_t max_tokens
   max_tokens_ = max_tokens;
   n_cols_ = n_cols;
   head_dim_ = head_dim;
-  // Background grid: one block on about half the SMs. Blocks are persistent, so a larger grid would hold
-  // registers on every SM for the whole lookup and starve the main stream (measured: 4x slower main stream with 8
-  // blocks per SM); 66 blocks x 8 warps x 4 rows keep ~2K rows in flight, more than the UVA path needs.
-  max_blocks_ = max_blocks > 0 ? max_blocks : std::max(1, DeviceSmCount() / 2);
+  // Background grid: 4 blocks (32 warps, 128 rows in flight). The UVA gather is bound by address translation, not
+  // by SMs: on an H200, 4 blocks gather as fast as the whole GPU (12.4 vs 12.1 ms for 8192 tokens x 2 layers),
+  // while a larger grid slows an HBM-bound main stream far more (half the SMs: +50%, 16 blocks: +25%, 4: +3%;
+  // bench/RESULTS.md).
+  max_blocks_ = max_blocks > 0 ? max_blocks : 4;
   int lo = 0, hi = 0;
   cudaDeviceGetStreamPriorityRange(&lo, &hi);
   if (auto st = CudaStatus(cudaStreamCreateWithPriority(&side_, cudaStreamNonBlocking, hi), "side stream");
