@@ -184,6 +184,32 @@ int main(int argc, char** argv) {
     std::printf("UVA %5.1f GiB shm, %7lld rows, bf16, ids sorted  %8.3f ms  %8.2f     %.3f of H2D\n",
                 seg_bytes / 1073741824.0, static_cast<long long>(items), ms, gbs, gbs / h2d);
   }
+  // The kernel's own row-order gather (radix sort of (row, item) pairs in scratch), random ids.
+  {
+    const size_t scratch_bytes = engram::kernels::LookupSortScratchBytes(max_items);
+    void* scratch = nullptr;
+    CHECK(cudaMalloc(&scratch, scratch_bytes));
+    for (int64_t n_rows : {int64_t{196608}, int64_t{1} << 20}) {
+      new_ids(rows);
+      const int64_t items = n_rows / C * C;
+      engram::kernels::LookupArgs a;
+      a.records = static_cast<const uint8_t*>(dseg);
+      a.row_end = rows;
+      a.head_dim = static_cast<int32_t>(D);
+      a.ids = d_ids;
+      a.num_tokens = static_cast<int32_t>(items / C);
+      a.num_cols = C;
+      a.ids_stride = C;
+      a.out = d_out;
+      a.sort_scratch = scratch;
+      a.sort_scratch_bytes = scratch_bytes;
+      const double ms = MedianMs([&] { CHECK(engram::kernels::LaunchLookup(a, s)); }, s, 10, 2);
+      const double gbs = items * rb / ms / 1e6;
+      std::printf("UVA %5.1f GiB shm, %7lld rows, bf16, sort in kernel %8.3f ms %8.2f     %.3f of H2D (bar 8.0 GB/s: %.2fx)\n",
+                  seg_bytes / 1073741824.0, static_cast<long long>(items), ms, gbs, gbs / h2d, gbs / 8.0);
+    }
+    CHECK(cudaFree(scratch));
+  }
   // Grid size: does the UVA gather need the whole GPU?
   for (int blocks : {4, 16}) {
     new_ids(rows);
@@ -274,7 +300,7 @@ int main(int argc, char** argv) {
     std::printf("hash T=8192, 2 layers x 24 columns               %8.2f us                (bar 15 us)\n", ms * 1e3);
 
     // Prefetch during a busy main stream: main = 10 gate kernels of T=8192.
-    for (int blocks : {0, 4, 66}) {
+    for (int blocks : {0, 16, 66}) {
     engram::kernels::Prefetcher p;
     std::vector<engram::kernels::LayerTable> tables = {{static_cast<const uint8_t*>(dseg), 0, rows / 2},
                                                        {static_cast<const uint8_t*>(dseg) + (rows / 2) * rb, 0, rows / 2}};

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cub/device/device_radix_sort.cuh>
 
 #include "kernels/engram_kernels.h"
 #include "model/fast_mod.h"
@@ -81,11 +82,17 @@ __global__ void HashKernel(LayoutView L, HashArgs a) {
 
 constexpr int kWarpsPerBlock = 8;
 constexpr int kRows = 4;
+constexpr int64_t kSortMinItems = 8192;  // below this, sorting costs more than the locality it buys
 
 struct LookupGeometry {
   int64_t items;       // T * C
   int32_t words;       // head_dim / 8: 8-value chunks per row
   int32_t rec_bytes;
+  // Sorted order (optional): position p reads row sorted_rows[p] (relative to row_begin; `sentinel` = not owned)
+  // and writes item sorted_items[p].
+  const uint32_t* sorted_rows = nullptr;
+  const uint32_t* sorted_items = nullptr;
+  uint32_t sentinel = 0;
 };
 
 // The id of item = t * num_cols + c. Contiguous ids need no division; strided ones use a 32-bit division (items
@@ -95,6 +102,27 @@ __device__ __forceinline__ int64_t ItemId(const LookupArgs& a, int64_t item) {
   const uint32_t i = static_cast<uint32_t>(item), cols = static_cast<uint32_t>(a.num_cols);
   const uint32_t t = i / cols, c = i - t * cols;
   return a.ids[static_cast<int64_t>(t) * a.ids_stride + c];
+}
+
+// Position p of the gather: the row to read (relative to row_begin, -1 when not owned) and the item to write.
+__device__ __forceinline__ int64_t RowAt(const LookupArgs& a, const LookupGeometry& g, int64_t p, int64_t* item) {
+  if (g.sorted_rows != nullptr) {
+    *item = g.sorted_items[p];
+    const uint32_t r = g.sorted_rows[p];
+    return r == g.sentinel ? -1 : static_cast<int64_t>(r);
+  }
+  *item = p;
+  const int64_t id = ItemId(a, p);
+  return id >= a.row_begin && id < a.row_end ? id - a.row_begin : -1;
+}
+
+// Keys for the sorted gather: owned rows relative to row_begin, everything else the sentinel (sorted last).
+__global__ void SortKeysKernel(LookupArgs a, int64_t items, uint32_t sentinel, uint32_t* keys, uint32_t* vals) {
+  const int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (p >= items) return;
+  const int64_t id = ItemId(a, p);
+  keys[p] = id >= a.row_begin && id < a.row_end ? static_cast<uint32_t>(id - a.row_begin) : sentinel;
+  vals[p] = static_cast<uint32_t>(p);
 }
 
 // 8 e4m3 values times one ue8m0 scale, rounded to bf16. On sm_89+ the conversions are the hardware's (e4m3x2 ->
@@ -127,16 +155,15 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupWordsKernel(LookupA
   const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   const int32_t D = a.head_dim;
   for (int64_t first = warp * kRows; first < g.items; first += n_warps * kRows) {
-    int64_t row[kRows];
+    int64_t row[kRows], item[kRows];
     bool owned[kRows];
     uint64_t w[kRows][kWordsPerLane];
     uint8_t sc[kRows][kWordsPerLane];
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
-      const int64_t item = first + k;
-      const int64_t id = item < g.items ? ItemId(a, item) : -1;
-      owned[k] = item < g.items && id >= a.row_begin && id < a.row_end;
-      row[k] = owned[k] ? id - a.row_begin : 0;
+      const int64_t r = first + k < g.items ? RowAt(a, g, first + k, &item[k]) : -1;
+      owned[k] = r >= 0;
+      row[k] = owned[k] ? r : 0;
     }
     // Issue every load before the first use.
 #pragma unroll
@@ -156,9 +183,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupWordsKernel(LookupA
     }
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
-      const int64_t item = first + k;
-      if (item >= g.items) break;
-      uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.out) + item * D);
+      if (first + k >= g.items) break;
+      uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.out) + item[k] * D);
 #pragma unroll
       for (int j = 0; j < kWordsPerLane; ++j) {
         const int word = lane + 32 * j;
@@ -177,11 +203,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupPackedKernel(Lookup
   for (int64_t first = warp * kRows; first < g.items; first += n_warps * kRows) {
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
-      const int64_t item = first + k;
-      if (item >= g.items) break;
-      const int64_t id = ItemId(a, item);
-      const bool owned = id >= a.row_begin && id < a.row_end;
-      const uint8_t* rec = a.records + (owned ? id - a.row_begin : 0) * g.rec_bytes;
+      if (first + k >= g.items) break;
+      int64_t item;
+      const int64_t r = RowAt(a, g, first + k, &item);
+      const bool owned = r >= 0;
+      const uint8_t* rec = a.records + (owned ? r : 0) * g.rec_bytes;
       uint8_t* dst = static_cast<uint8_t*>(a.out) + item * g.rec_bytes;
       if (words) {
         for (int j = lane; j < g.rec_bytes / 8; j += 32) {
@@ -200,10 +226,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupBytesKernel(LookupA
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   const int32_t D = a.head_dim;
-  for (int64_t item = warp; item < g.items; item += n_warps) {
-    const int64_t id = ItemId(a, item);
-    const bool owned = id >= a.row_begin && id < a.row_end;
-    const uint8_t* rec = a.records + (owned ? id - a.row_begin : 0) * g.rec_bytes;
+  for (int64_t p = warp; p < g.items; p += n_warps) {
+    int64_t item;
+    const int64_t r = RowAt(a, g, p, &item);
+    const bool owned = r >= 0;
+    const uint8_t* rec = a.records + (owned ? r : 0) * g.rec_bytes;
     uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.out) + item * D);
     for (int word = lane; word < g.words; word += 32) {
       uint64_t w = 0;
@@ -306,6 +333,16 @@ bool Aligned(const void* p, uintptr_t n) { return (reinterpret_cast<uintptr_t>(p
 
 }  // namespace
 
+size_t LookupSortScratchBytes(int64_t max_items) {
+  if (max_items <= 0 || max_items >= (int64_t{1} << 31)) return 0;
+  size_t temp = 0;
+  cub::DeviceRadixSort::SortPairs(nullptr, temp, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+                                  static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+                                  static_cast<int>(max_items), 0, 32);
+  const size_t arr = (static_cast<size_t>(max_items) * 4 + 255) / 256 * 256;
+  return 4 * arr + temp;
+}
+
 int DeviceSmCount() {
   int dev = 0, sms = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return 1;
@@ -339,6 +376,33 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   LookupGeometry g{items, a.head_dim / 8, a.head_dim + a.head_dim / 32};
+  if (a.sort_scratch != nullptr && items >= kSortMinItems) {
+    // Sort (row, item) pairs by row so that the gather walks the table in address order.
+    const int64_t count = a.row_end - a.row_begin;
+    if (count >= 0xFFFFFFFFll) return cudaErrorInvalidValue;
+    const uint32_t sentinel = static_cast<uint32_t>(count);
+    int end_bit = 1;
+    while (end_bit < 32 && (uint64_t{1} << end_bit) <= sentinel) ++end_bit;
+    const size_t arr = (static_cast<size_t>(items) * 4 + 255) / 256 * 256;
+    auto* base = static_cast<uint8_t*>(a.sort_scratch);
+    auto* keys_in = reinterpret_cast<uint32_t*>(base);
+    auto* keys_out = reinterpret_cast<uint32_t*>(base + arr);
+    auto* vals_in = reinterpret_cast<uint32_t*>(base + 2 * arr);
+    auto* vals_out = reinterpret_cast<uint32_t*>(base + 3 * arr);
+    size_t temp = 0;
+    cub::DeviceRadixSort::SortPairs(nullptr, temp, keys_in, keys_out, vals_in, vals_out, static_cast<int>(items), 0,
+                                    end_bit, stream);
+    if (4 * arr + temp > a.sort_scratch_bytes) return cudaErrorInvalidValue;
+    SortKeysKernel<<<static_cast<unsigned>((items + 255) / 256), 256, 0, stream>>>(a, items, sentinel, keys_in, vals_in);
+    if (cudaError_t e = cub::DeviceRadixSort::SortPairs(base + 4 * arr, temp, keys_in, keys_out, vals_in, vals_out,
+                                                        static_cast<int>(items), 0, end_bit, stream);
+        e != cudaSuccess) {
+      return e;
+    }
+    g.sorted_rows = keys_out;
+    g.sorted_items = vals_out;
+    g.sentinel = sentinel;
+  }
   if (!a.packed && !Aligned(a.out, 16)) return cudaErrorInvalidValue;
   const int64_t warps_needed = a.packed || g.rec_bytes % 8 != 0 ? items : (items + kRows - 1) / kRows;
   int64_t blocks = (warps_needed + kWarpsPerBlock - 1) / kWarpsPerBlock;

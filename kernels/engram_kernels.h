@@ -56,9 +56,16 @@ struct LookupArgs {
   int64_t ids_stride = 0;            // usually L * C (the hash output of all layers), pointer offset by layer*C
   void* out = nullptr;               // bf16 [T, C, head_dim] or packed bytes [T, C, record_bytes]
   bool packed = false;
-  // Grid size cap: 0 = a persistent grid sized to the whole GPU; the background variant passes about half the SMs.
+  // Grid size cap: 0 = a persistent grid sized to the whole GPU; a background lookup passes a few blocks.
   int32_t max_blocks = 0;
+  // Optional device scratch of LookupSortScratchBytes(items) bytes. With it, batches of 8192 items or more are
+  // gathered in row order (sorted (row, item) pairs): same output, and through UVA several times faster, because
+  // address translation, not PCIe, bounds a random gather from a large host table (bench/RESULTS.md).
+  void* sort_scratch = nullptr;
+  size_t sort_scratch_bytes = 0;
 };
+
+size_t LookupSortScratchBytes(int64_t max_items);
 
 cudaError_t LaunchLookup(const LookupArgs& args, cudaStream_t stream);
 

@@ -30,6 +30,8 @@ absl::Status Prefetcher::Init(std::vector<LayerTable> tables, int32_t max_tokens
   if (auto st = CudaStatus(cudaEventCreateWithFlags(&ids_ready_, cudaEventDisableTiming), "event"); !st.ok()) {
     return st;
   }
+  sort_bytes_ = LookupSortScratchBytes(static_cast<int64_t>(max_tokens) * n_cols);
+  if (auto st = CudaStatus(cudaMalloc(&sort_scratch_, sort_bytes_), "sort scratch"); !st.ok()) return st;
   for (size_t l = 0; l < tables_.size(); ++l) {
     cudaEvent_t e = nullptr;
     if (auto st = CudaStatus(cudaEventCreateWithFlags(&e, cudaEventDefault), "event"); !st.ok()) return st;
@@ -63,6 +65,8 @@ absl::Status Prefetcher::Prefetch(const int32_t* ids, int32_t num_tokens, cudaSt
     a.ids_stride = static_cast<int64_t>(L) * n_cols_;
     a.out = staging_[static_cast<size_t>(l)];
     a.max_blocks = max_blocks_;
+    a.sort_scratch = sort_scratch_;  // layers run one after another on the side stream: one scratch serves all
+    a.sort_scratch_bytes = sort_bytes_;
     if (auto st = CudaStatus(LaunchLookup(a, side_), "lookup launch"); !st.ok()) return st;
     if (auto st = CudaStatus(cudaEventRecord(done_[static_cast<size_t>(l)], side_), "record layer event");
         !st.ok()) {
@@ -82,6 +86,7 @@ absl::Status Prefetcher::Wait(int32_t layer, cudaStream_t main_stream) {
 Prefetcher::~Prefetcher() {
   if (side_ != nullptr) cudaStreamSynchronize(side_);
   for (auto* b : staging_) cudaFree(b);
+  cudaFree(sort_scratch_);
   for (auto e : done_) cudaEventDestroy(e);
   if (ids_ready_ != nullptr) cudaEventDestroy(ids_ready_);
   if (side_ != nullptr) cudaStreamDestroy(side_);

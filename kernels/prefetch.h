@@ -52,6 +52,8 @@ class Prefetcher {
   cudaEvent_t ids_ready_ = nullptr;
   std::vector<cudaEvent_t> done_;
   std::vector<uint16_t*> staging_;
+  void* sort_scratch_ = nullptr;  // row-order gather of large batches (engram_kernels.h)
+  size_t sort_bytes_ = 0;
 };
 
 }  // namespace engram::kernels

@@ -205,6 +205,10 @@ TEST(GpuLookupTest, EqualsTheCpuReferenceBitForBit) {
           DeviceBuffer<int32_t> d_ids(ids);
           DeviceBuffer<uint16_t> out(want.size());
           DeviceBuffer<uint8_t> out_packed(want_packed.size());
+          // Large batches also go through the sorted (row-order) gather when given scratch.
+          const bool sort = max_blocks == 0 && T >= 4096;
+          const size_t scratch_bytes = sort ? kernels::LookupSortScratchBytes(static_cast<int64_t>(T) * C) : 0;
+          DeviceBuffer<uint8_t> scratch(scratch_bytes);
           out.Fill(0xFF);
           out_packed.Fill(0xCD);
           kernels::LookupArgs a;
@@ -218,6 +222,8 @@ TEST(GpuLookupTest, EqualsTheCpuReferenceBitForBit) {
           a.ids_stride = stride;
           a.out = out.get();
           a.max_blocks = max_blocks;
+          a.sort_scratch = sort ? scratch.get() : nullptr;
+          a.sort_scratch_bytes = scratch_bytes;
           CUDA_OK(kernels::LaunchLookup(a, nullptr));
           a.out = out_packed.get();
           a.packed = true;
@@ -230,6 +236,29 @@ TEST(GpuLookupTest, EqualsTheCpuReferenceBitForBit) {
       if (where == Residency::kHostUva) CUDA_OK(cudaHostUnregister(host_copy.data()));
     }
   }
+}
+
+TEST(GpuLookupTest, SortedGatherNeedsEnoughScratch) {
+  SKIP_WITHOUT_GPU();
+  const int T = 1024, C = 24;
+  std::vector<int32_t> ids(static_cast<size_t>(T * C), 3);
+  std::vector<uint8_t> table(100 * 264, 1);
+  DeviceBuffer<int32_t> d_ids(ids);
+  DeviceBuffer<uint8_t> d_table(table), scratch(64);
+  DeviceBuffer<uint16_t> out(ids.size() * 256);
+  kernels::LookupArgs a;
+  a.records = d_table.get();
+  a.row_end = 100;
+  a.head_dim = 256;
+  a.ids = d_ids.get();
+  a.num_tokens = T;
+  a.num_cols = C;
+  a.ids_stride = C;
+  a.out = out.get();
+  a.sort_scratch = scratch.get();
+  a.sort_scratch_bytes = 64;
+  EXPECT_EQ(kernels::LaunchLookup(a, nullptr), cudaErrorInvalidValue);
+  EXPECT_GT(kernels::LookupSortScratchBytes(static_cast<int64_t>(T) * C), 4u * T * C * 4);
 }
 
 TEST(GpuLookupTest, MisuseIsInvalidValue) {
