@@ -3,6 +3,7 @@
 #include <cstring>
 #include <iostream>
 
+#include "tools/ctl_daemon.h"
 #include "tools/ctl_offline.h"
 
 namespace {
@@ -12,7 +13,15 @@ int Help(int code) {
       << "usage: engramctl COMMAND [options]\n"
          "  plan (--checkpoint DIR | --config FILE) [--tp N] [--shm-dir DIR] [--json]\n"
          "  tokenmap --tokenizer FILE [--out FILE] [--json]\n"
-         "  hash (--checkpoint DIR | --config FILE --tokenizer FILE) --tokens a,b,... [--dead 0,1,...] [--json]\n";
+         "  hash (--checkpoint DIR | --config FILE --tokenizer FILE) --tokens a,b,... [--dead 0,1,...] [--json]\n"
+         "  status [--socket PATH] [--json]\n"
+         "  load --checkpoint DIR [--tp 1,2] [--socket PATH]\n"
+         "  unload --checkpoint DIR [--socket PATH]\n"
+         "  drain [--socket PATH]\n"
+         "  attach --checkpoint DIR [--tp-size N --tp-rank R --dp-size N --dp-rank R --local-dp-size N]\n"
+         "         [--cpu-offload auto|true|false] [--dp-shared-memory auto|true|false] [--embedding-across-dp]\n"
+         "         [--elastic-ep] [--shm-dir DIR] [--ticket] [--register-ok true|false] [--verify N] [--hold S]\n"
+         "         [--socket PATH]\n";
   return code;
 }
 
@@ -25,6 +34,11 @@ int main(int argc, char** argv) {
   if (cmd == "plan") return engram::tools::CmdPlan(argc, argv);
   if (cmd == "tokenmap") return engram::tools::CmdTokenMap(argc, argv);
   if (cmd == "hash") return engram::tools::CmdHash(argc, argv);
+  if (cmd == "status") return engram::tools::CmdStatus(argc, argv);
+  if (cmd == "load") return engram::tools::CmdLoad(argc, argv);
+  if (cmd == "unload") return engram::tools::CmdUnload(argc, argv);
+  if (cmd == "drain") return engram::tools::CmdDrain(argc, argv);
+  if (cmd == "attach") return engram::tools::CmdAttach(argc, argv);
   std::cerr << "engramctl: unknown command '" << cmd << "'\n";
   return Help(2);
 }

@@ -1,0 +1,40 @@
+// The sharing decision (SPEC 6, DESIGN.md "Fallback reasons"): given what a replica declared and what the node
+// offers, either the replica may share the node's segment, or it falls back to a mode with every reason that
+// applies, each with a hint that says what to do about it. Pure function; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engram/v1/engram.pb.h"
+
+namespace engram::daemon {
+
+// What the daemon knows about the node and the checkpoint the replica asked for.
+struct NodeView {
+  bool checkpoint_served = false;   // a configured checkpoint has the replica's fingerprint
+  bool model_shareable = true;      // false for Qwen4Exp PLE
+  bool shm_exists = true;
+  uint64_t shm_dev = 0, shm_ino = 0;
+  std::string shm_path;
+  uint64_t shm_free_bytes = 0;      // at the time the tables were planned
+  uint64_t tables_bytes = 0;        // all TP shards of the replica's TP size
+  bool shm_too_small = false;       // the daemon could not create the segments for lack of room
+  bool segment_failed = false;      // loading failed for another reason
+  std::string segment_error;
+};
+
+struct Decision {
+  bool share = false;
+  engram::v1::Mode mode = engram::v1::MODE_UNSPECIFIED;
+  std::vector<engram::v1::Reason> reasons;
+};
+
+Decision Decide(const engram::v1::Hello& hello, const NodeView& node);
+
+engram::v1::Reason MakeReason(engram::v1::FallbackReason code, const std::string& hint);
+std::string ReasonName(engram::v1::FallbackReason code);
+std::string ModeName(engram::v1::Mode mode);
+
+}  // namespace engram::daemon

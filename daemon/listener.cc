@@ -1,0 +1,140 @@
+#include "daemon/listener.h"
+
+#include <fcntl.h>
+#include <grp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
+
+namespace engram::daemon {
+namespace {
+
+bool SomeoneListens(const std::string& path) {
+  int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s < 0) return false;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  const bool ok = ::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  ::close(s);
+  return ok;
+}
+
+// Supplementary groups of a live process, from /proc/<pid>/status.
+std::vector<uint32_t> GroupsOf(int32_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  std::vector<uint32_t> out;
+  while (std::getline(in, line)) {
+    if (line.rfind("Groups:", 0) != 0) continue;
+    std::istringstream ss(line.substr(7));
+    uint32_t g;
+    while (ss >> g) out.push_back(g);
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::Status UdsListener::Bind(const std::string& path, const std::string& group) {
+  path_ = path;
+  if (path.size() >= sizeof(sockaddr_un::sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("socket path too long: ", path));
+  }
+  if (!group.empty()) {
+    struct group* g = ::getgrnam(group.c_str());
+    if (g == nullptr) return absl::InvalidArgumentError(absl::StrCat("group '", group, "' does not exist"));
+    group_gid_ = static_cast<int>(g->gr_gid);
+  }
+  const std::string dir = path.substr(0, path.rfind('/'));
+  if (!dir.empty() && ::mkdir(dir.c_str(), 0750) == 0 && group_gid_ >= 0) {
+    if (::chown(dir.c_str(), static_cast<uid_t>(-1), static_cast<gid_t>(group_gid_)) != 0) {
+      spdlog::warn("event=chown_failed path={} errno={}", dir, errno);
+    }
+  }
+  if (SomeoneListens(path)) {
+    return absl::AlreadyExistsError(absl::StrCat("another engramd is already serving ", path));
+  }
+  ::unlink(path.c_str());  // a stale socket left by a killed daemon
+  fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd_ < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  if (::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat("bind ", path, ": ", std::strerror(errno)));
+  }
+  ::chmod(path.c_str(), 0660);
+  if (group_gid_ >= 0 && ::chown(path.c_str(), static_cast<uid_t>(-1), static_cast<gid_t>(group_gid_)) != 0) {
+    spdlog::warn("event=chown_failed path={} errno={}", path, errno);
+  }
+  if (::listen(fd_, 256) != 0) return absl::InternalError(absl::StrCat("listen: ", std::strerror(errno)));
+  return absl::OkStatus();
+}
+
+void UdsListener::Start(std::function<void(int)> on_connection) {
+  thread_ = std::thread([this, on_connection] {
+    while (!stop_) {
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 200) <= 0) continue;
+      int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);  // gRPC wants non-blocking fds
+      if (c < 0) continue;
+      ucred cred{};
+      socklen_t len = sizeof(cred);
+      if (::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+        ::close(c);
+        continue;
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        peers_[c] = PeerInfo{cred.pid, cred.uid, cred.gid};
+      }
+      on_connection(c);
+    }
+  });
+}
+
+void UdsListener::Stop() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+    ::unlink(path_.c_str());
+  }
+}
+
+UdsListener::~UdsListener() { Stop(); }
+
+std::optional<PeerInfo> UdsListener::PeerOf(const std::string& grpc_peer) {
+  // gRPC names a connection added from an fd "fd:<n>".
+  const auto pos = grpc_peer.rfind("fd:");
+  if (pos == std::string::npos) return std::nullopt;
+  int fd = std::atoi(grpc_peer.c_str() + pos + 3);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = peers_.find(fd);
+  if (it == peers_.end()) return std::nullopt;
+  return it->second;
+}
+
+bool UdsListener::Allowed(const PeerInfo& p) const {
+  if (p.uid == 0 || p.uid == ::geteuid()) return true;
+  if (group_gid_ < 0) return false;
+  if (p.gid == static_cast<uint32_t>(group_gid_)) return true;
+  for (uint32_t g : GroupsOf(p.pid)) {
+    if (g == static_cast<uint32_t>(group_gid_)) return true;
+  }
+  return false;
+}
+
+}  // namespace engram::daemon

@@ -1,0 +1,43 @@
+// UdsListener: the daemon's Unix socket. It owns the listening socket (directory 0750, socket 0660, group
+// configurable), refuses to start when another engramd answers on the same path, accepts connections itself so
+// that it can read each peer's real uid/gid/pid (SO_PEERCRED), and hands the connected fd to the gRPC server.
+// The service maps a call back to its peer through ServerContext::peer() ("fd:N").
+// Thread-safe: the accept loop runs on its own thread; PeerOf may be called from any thread.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "daemon/state.h"
+
+namespace engram::daemon {
+
+class UdsListener {
+ public:
+  ~UdsListener();
+  // Binds `path`; fails (AlreadyExists) when a live daemon listens there, removes a stale socket file otherwise.
+  absl::Status Bind(const std::string& path, const std::string& group);
+  // Starts accepting; each connection's fd goes to `on_connection`.
+  void Start(std::function<void(int fd)> on_connection);
+  void Stop();  // stops accepting (existing connections stay)
+  std::optional<PeerInfo> PeerOf(const std::string& grpc_peer);
+  // Whether a peer may use the daemon: root, the daemon's own uid, or a member of the configured group.
+  bool Allowed(const PeerInfo& p) const;
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  int group_gid_ = -1;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+  std::mutex mu_;
+  std::map<int, PeerInfo> peers_;
+};
+
+}  // namespace engram::daemon

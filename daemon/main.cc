@@ -1,0 +1,125 @@
+// engramd: the per-node Engram table daemon. See README.md ("Running the daemon") and daemon/state.h.
+//
+//   engramd --checkpoint DIR [--checkpoint DIR ...] --tp 1[,2,...] [--shm-dir DIR] [--socket PATH] [--group NAME]
+//           [--tickets N] [--threads N] [--log-level LEVEL] [--config FILE]
+//
+// Runs in the foreground, logs to stderr, readiness through sd_notify (READY=1 once the requested segments are
+// settled, STATUS= progress while loading). SIGTERM/SIGINT: stop accepting, tell sessions, leave READY segments in
+// place. SIGHUP: re-read the configuration and serve the new set of checkpoints.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/server_posix.h>
+#include <signal.h>
+#include <systemd/sd-daemon.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include "daemon/listener.h"
+#include "daemon/options.h"
+#include "daemon/service.h"
+#include "daemon/state.h"
+#include "spdlog/sinks/stdout_color_sinks.h"
+#include "spdlog/spdlog.h"
+
+int main(int argc, char** argv) {
+  using namespace engram::daemon;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
+      std::printf("usage: engramd --checkpoint DIR [--checkpoint DIR ...] [--tp 1,2] [--shm-dir DIR] [--socket PATH]\n"
+                  "               [--group NAME] [--tickets N] [--threads N] [--log-level LEVEL] [--config FILE]\n");
+      return 0;
+    }
+  }
+  auto opts = ParseOptions(argc, argv);
+  if (!opts.ok()) {
+    std::fprintf(stderr, "engramd: %s\n", std::string(opts.status().message()).c_str());
+    return 2;
+  }
+  auto logger = spdlog::stderr_color_mt("engramd");
+  spdlog::set_default_logger(logger);
+  spdlog::set_level(spdlog::level::from_str(opts->log_level));
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
+
+  // Signals go to the main thread only (sigwait below): block them before any thread starts.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  UdsListener listener;
+  if (auto st = listener.Bind(opts->socket, opts->group); !st.ok()) {
+    std::fprintf(stderr, "engramd: %s\n", std::string(st.message()).c_str());
+    return 1;
+  }
+  DaemonState state(*opts);
+  if (auto st = state.Start(); !st.ok()) {
+    std::fprintf(stderr, "engramd: %s\n", std::string(st.message()).c_str());
+    return 1;
+  }
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  EngramService service(&state, &listener);
+  grpc::ServerBuilder builder;
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(1 << 20);  // requests are small; anything larger is refused
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 5000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) {
+    std::fprintf(stderr, "engramd: the gRPC server did not start\n");
+    return 1;
+  }
+  auto* health = server->GetHealthCheckService();
+  health->SetServingStatus(false);
+  listener.Start([&](int fd) { grpc::AddInsecureChannelFromFd(server.get(), fd); });
+  spdlog::info("event=listening socket={} shm_dir={} checkpoints={} tickets={}", opts->socket, opts->shm_dir,
+               opts->checkpoints.size(), opts->tickets);
+
+  std::atomic<bool> done{false};
+  std::thread readiness([&] {
+    while (!done && !state.WaitSettled(std::chrono::milliseconds(1000))) {
+      sd_notifyf(0, "STATUS=loading: %s", state.LoadProgressLine().c_str());
+    }
+    health->SetServingStatus(true);
+    const std::string line = state.LoadProgressLine();
+    sd_notifyf(0, "READY=1\nSTATUS=serving: %s", line.c_str());
+    spdlog::info("event=ready detail=\"{}\"", line);
+  });
+
+  while (true) {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    if (sig == SIGHUP) {
+      auto fresh = ParseOptions(argc, argv);
+      if (!fresh.ok()) {
+        spdlog::error("event=reload_failed detail=\"{}\"", std::string(fresh.status().message()));
+        continue;
+      }
+      sd_notify(0, "RELOADING=1");
+      if (auto st = state.Reload(*fresh); !st.ok()) {
+        spdlog::error("event=reload_failed detail=\"{}\"", std::string(st.message()));
+      }
+      sd_notify(0, "READY=1");
+      continue;
+    }
+    spdlog::info("event=stopping signal={}", sig);
+    sd_notify(0, "STOPPING=1");
+    break;
+  }
+  done = true;
+  listener.Stop();
+  state.Drain();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  readiness.join();
+  spdlog::info("event=stopped: READY segments stay in place for the next start");
+  return 0;
+}

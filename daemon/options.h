@@ -1,0 +1,34 @@
+// engramd's configuration: command-line flags over an optional config file (/etc/engramd/engramd.conf).
+//
+// Config file: one `key = value` per line, `#` comments. Keys: checkpoint (repeatable), tp (comma list), shm_dir,
+// socket, group, tickets, threads, log_level. Flags: --checkpoint DIR (repeatable), --tp 1,2, --shm-dir DIR,
+// --socket PATH, --group NAME, --tickets N, --threads N, --log-level LEVEL, --config FILE. A flag given on the
+// command line replaces the file's value for that key (checkpoints too: flags replace the file's list).
+// Plain value type.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace engram::daemon {
+
+struct Options {
+  std::vector<std::string> checkpoints;
+  std::vector<int64_t> tp_sizes = {1};
+  std::string shm_dir = "/dev/shm";
+  std::string socket = "/run/engramd/engramd.sock";
+  std::string group;        // members may connect; empty: the daemon's own uid and root only
+  int tickets = 1;          // replicas registering at once
+  int threads = 0;          // publish/verify workers; 0 = hardware concurrency (at most 16)
+  std::string log_level = "info";
+  std::string config_file;  // where the file values came from ("" when none)
+};
+
+absl::StatusOr<Options> ParseOptions(int argc, char** argv);
+// Parses config file text into `opts` (only keys present change).
+absl::Status ApplyConfigText(const std::string& text, const std::string& origin, Options* opts);
+
+}  // namespace engram::daemon

@@ -1,0 +1,45 @@
+// Publisher: builds one TP shard's segment from a checkpoint (DESIGN.md "Data flow" step 1). Parallel ranged reads
+// of the layer tables (embed.weight and embed.scale), repacked into 264-byte records straight into the mapped
+// segment (no table-sized buffer: each worker owns two chunk buffers), page cache dropped behind the reader,
+// per-layer xxh3 checksums over fixed 64K-row chunks (independent of the thread count), then READY.
+//
+// A failure (read error, truncated file, ENOSPC at fallocate) removes the partial segment; a killed daemon leaves a
+// CREATING/LOADING file that the next start removes. Progress is published through an atomic counter for status.
+// One Publish call per segment; the call blocks its thread and uses `threads` workers.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "engram/v1/engram.pb.h"
+#include "model/checkpoint.h"
+#include "model/layout.h"
+#include "model/token_map.h"
+
+namespace engram::daemon {
+
+inline constexpr int64_t kChecksumChunkRows = 65536;
+
+struct PublishResult {
+  std::string path;
+  uint64_t bytes = 0;
+  double seconds = 0;
+};
+
+// The descriptor of shard (tp_size, tp_rank): layout, owned rows, token map, with data offsets inside the segment
+// (checksums are filled in by Publish).
+engram::v1::SegmentDescriptor MakeDescriptor(const Checkpoint& ckpt, const Layout& layout, const TokenMap& map,
+                                             const ShardRange& shard, uint64_t fingerprint);
+
+absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layout, const TokenMap& map,
+                                      int64_t tp_size, int64_t tp_rank, const std::string& shm_dir,
+                                      uint64_t instance_id, uint64_t epoch, int threads,
+                                      std::atomic<uint64_t>* rows_done = nullptr);
+
+// Recomputes a READY segment's per-layer checksums from its records and compares them with the descriptor's.
+// `rows_done` reports progress. OK when all match; DataLoss naming the layer otherwise.
+absl::Status VerifyChecksums(const std::string& segment_path, int threads, std::atomic<uint64_t>* rows_done = nullptr);
+
+}  // namespace engram::daemon

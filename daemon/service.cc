@@ -1,0 +1,117 @@
+#include "daemon/service.h"
+
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
+
+namespace engram::daemon {
+
+grpc::Status ToGrpc(const absl::Status& st) {
+  // absl and gRPC share the canonical code numbers.
+  return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
+}
+
+grpc::Status EngramService::Authorize(grpc::ServerContext* ctx, PeerInfo* peer) {
+  auto p = listener_->PeerOf(ctx->peer());
+  if (!p) return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, "cannot identify the peer (SO_PEERCRED)");
+  if (!listener_->Allowed(*p)) {
+    spdlog::warn("event=refused pid={} uid={} reason=PERMISSION_DENIED", p->pid, p->uid);
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                        absl::StrCat("uid ", p->uid, " may not use engramd: add it to the daemon's group (--group)"));
+  }
+  *peer = *p;
+  return grpc::Status::OK;
+}
+
+grpc::Status EngramService::Session(
+    grpc::ServerContext* ctx, grpc::ServerReaderWriter<engram::v1::ServerMessage, engram::v1::ClientMessage>* stream) {
+  PeerInfo peer;
+  if (auto st = Authorize(ctx, &peer); !st.ok()) return st;
+  engram::v1::ClientMessage first;
+  if (!stream->Read(&first)) return grpc::Status(grpc::StatusCode::CANCELLED, "session closed before hello");
+  if (first.msg_case() != engram::v1::ClientMessage::kHello) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the first message of a session must be a hello");
+  }
+  std::mutex write_mu;
+  auto write = [&](const engram::v1::ServerMessage& m) {
+    std::lock_guard<std::mutex> lock(write_mu);
+    stream->Write(m);
+  };
+  std::string lease;
+  auto answer = state_->Attach(first.hello(), peer, [ctx] { return ctx->IsCancelled(); }, write, &lease);
+  if (!answer.ok()) return ToGrpc(answer.status());
+  write(*answer);
+  grpc::Status result = grpc::Status::OK;
+  engram::v1::ClientMessage msg;
+  bool ticket_held = false;
+  while (stream->Read(&msg)) {
+    switch (msg.msg_case()) {
+      case engram::v1::ClientMessage::kTicketRequest: {
+        if (!answer->has_grant()) {
+          result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "ticket requested without a grant");
+          break;
+        }
+        if (ticket_held) {
+          result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "ticket requested twice");
+          break;
+        }
+        if (!state_->AcquireTicket(lease, [ctx] { return ctx->IsCancelled(); })) break;
+        ticket_held = true;
+        engram::v1::ServerMessage t;
+        t.mutable_ticket();
+        write(t);
+        continue;
+      }
+      case engram::v1::ClientMessage::kRegisterResult:
+        if (!ticket_held) {
+          result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "registration reported without a ticket");
+          break;
+        }
+        state_->ReportRegistration(lease, msg.register_result());
+        ticket_held = false;
+        continue;
+      case engram::v1::ClientMessage::kHello:
+        result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "hello sent twice in one session");
+        break;
+      default:
+        result = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty or unknown client message");
+        break;
+    }
+    break;  // only reached on a protocol error
+  }
+  state_->Detach(lease);
+  return result;
+}
+
+grpc::Status EngramService::Status(grpc::ServerContext* ctx, const engram::v1::StatusRequest*,
+                                   engram::v1::StatusReply* reply) {
+  PeerInfo peer;
+  if (auto st = Authorize(ctx, &peer); !st.ok()) return st;
+  *reply = state_->Status();
+  return grpc::Status::OK;
+}
+
+grpc::Status EngramService::Load(grpc::ServerContext* ctx, const engram::v1::LoadRequest* req,
+                                 engram::v1::LoadReply*) {
+  PeerInfo peer;
+  if (auto st = Authorize(ctx, &peer); !st.ok()) return st;
+  std::vector<int64_t> tps(req->tp_sizes().begin(), req->tp_sizes().end());
+  return ToGrpc(state_->Load(req->checkpoint(), tps));
+}
+
+grpc::Status EngramService::Unload(grpc::ServerContext* ctx, const engram::v1::UnloadRequest* req,
+                                   engram::v1::UnloadReply*) {
+  PeerInfo peer;
+  if (auto st = Authorize(ctx, &peer); !st.ok()) return st;
+  return ToGrpc(state_->Unload(req->checkpoint()));
+}
+
+grpc::Status EngramService::Drain(grpc::ServerContext* ctx, const engram::v1::DrainRequest*, engram::v1::DrainReply*) {
+  PeerInfo peer;
+  if (auto st = Authorize(ctx, &peer); !st.ok()) return st;
+  state_->Drain();
+  return grpc::Status::OK;
+}
+
+}  // namespace engram::daemon

@@ -1,0 +1,38 @@
+// EngramService: the gRPC service of engramd (proto/engram/v1/engram.proto) over DaemonState. Session is one
+// long-lived bidirectional stream per replica: hello -> grant or fallback; ticket requests and registration
+// results; daemon events. The stream is the lease: when it ends for any reason the replica is detached. Every
+// malformed or out-of-order message ends that one session with a precise status; nothing a client sends can take
+// the daemon down. Thread-safe (gRPC's sync server runs each call on its own thread).
+#pragma once
+
+#include "daemon/listener.h"
+#include "daemon/state.h"
+#include "engram/v1/engram.grpc.pb.h"
+
+namespace engram::daemon {
+
+class EngramService final : public engram::v1::Engram::Service {
+ public:
+  EngramService(DaemonState* state, UdsListener* listener) : state_(state), listener_(listener) {}
+
+  grpc::Status Session(grpc::ServerContext* ctx,
+                       grpc::ServerReaderWriter<engram::v1::ServerMessage, engram::v1::ClientMessage>* stream) override;
+  grpc::Status Status(grpc::ServerContext* ctx, const engram::v1::StatusRequest* req,
+                      engram::v1::StatusReply* reply) override;
+  grpc::Status Load(grpc::ServerContext* ctx, const engram::v1::LoadRequest* req,
+                    engram::v1::LoadReply* reply) override;
+  grpc::Status Unload(grpc::ServerContext* ctx, const engram::v1::UnloadRequest* req,
+                      engram::v1::UnloadReply* reply) override;
+  grpc::Status Drain(grpc::ServerContext* ctx, const engram::v1::DrainRequest* req,
+                     engram::v1::DrainReply* reply) override;
+
+ private:
+  // The caller's credentials, or PERMISSION_DENIED.
+  grpc::Status Authorize(grpc::ServerContext* ctx, PeerInfo* peer);
+  DaemonState* state_;
+  UdsListener* listener_;
+};
+
+grpc::Status ToGrpc(const absl::Status& st);
+
+}  // namespace engram::daemon

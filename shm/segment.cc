@@ -1,0 +1,228 @@
+#include "shm/segment.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstdio>
+#include <chrono>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "xxhash.h"
+
+namespace engram {
+namespace {
+
+uint64_t NowMs() {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count());
+}
+
+absl::Status Errno(const std::string& what, int err) {
+  const std::string msg = absl::StrCat(what, ": ", std::strerror(err));
+  switch (err) {
+    case ENOSPC:
+    case ENOMEM:
+      return absl::ResourceExhaustedError(msg);
+    case EACCES:
+    case EPERM:
+      return absl::PermissionDeniedError(msg);
+    case ENOENT:
+      return absl::NotFoundError(msg);
+    case EEXIST:
+      return absl::AlreadyExistsError(msg);
+    default:
+      return absl::InternalError(msg);
+  }
+}
+
+}  // namespace
+
+std::string SegmentStateName(SegmentState s) {
+  switch (s) {
+    case SegmentState::kCreating:
+      return "CREATING";
+    case SegmentState::kLoading:
+      return "LOADING";
+    case SegmentState::kReady:
+      return "READY";
+    case SegmentState::kRetired:
+      return "RETIRED";
+  }
+  return "UNKNOWN";
+}
+
+std::string SegmentName(uint64_t fingerprint, int64_t tp_size, int64_t tp_rank) {
+  return absl::StrFormat("engram-%016x-tp%dof%d", fingerprint, tp_rank, tp_size);
+}
+
+bool ParseSegmentName(const std::string& name, uint64_t* fingerprint, int64_t* tp_size, int64_t* tp_rank) {
+  unsigned long long fp = 0;
+  long long r = 0, n = 0;
+  int consumed = 0;
+  if (name.rfind("engram-", 0) != 0) return false;
+  if (std::sscanf(name.c_str(), "engram-%16llx-tp%lldof%lld%n", &fp, &r, &n, &consumed) != 3) return false;
+  if (static_cast<size_t>(consumed) != name.size() || n < 1 || r < 0 || r >= n) return false;
+  if (SegmentName(fp, n, r) != name) return false;
+  *fingerprint = fp;
+  *tp_size = n;
+  *tp_rank = r;
+  return true;
+}
+
+uint64_t SegmentFileBytes(uint64_t desc_bytes, uint64_t data_bytes) {
+  const uint64_t data_offset = (kHeaderBytes + desc_bytes + kDataAlign - 1) / kDataAlign * kDataAlign;
+  return data_offset + data_bytes;
+}
+
+absl::StatusOr<std::unique_ptr<SegmentWriter>> SegmentWriter::Create(const std::string& dir, uint64_t fingerprint,
+                                                                     int64_t tp_size, int64_t tp_rank,
+                                                                     const std::string& descriptor,
+                                                                     uint64_t data_bytes, uint64_t instance_id,
+                                                                     uint64_t epoch) {
+  std::unique_ptr<SegmentWriter> w(new SegmentWriter());
+  w->path_ = dir + "/" + SegmentName(fingerprint, tp_size, tp_rank);
+  const uint64_t total = SegmentFileBytes(descriptor.size(), data_bytes);
+  int fd = ::open(w->path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0640);
+  if (fd < 0) return Errno(absl::StrCat("create ", w->path_), errno);
+  ::fchmod(fd, 0640);  // whatever the umask
+  int err = ::posix_fallocate(fd, 0, static_cast<off_t>(total));
+  if (err != 0) {
+    ::close(fd);
+    ::unlink(w->path_.c_str());
+    return Errno(absl::StrCat("reserve ", total, " bytes for ", w->path_), err);
+  }
+  void* p = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    ::unlink(w->path_.c_str());
+    return Errno(absl::StrCat("map ", w->path_), err);
+  }
+  w->base_ = static_cast<uint8_t*>(p);
+  w->size_ = total;
+  ::madvise(p, total, MADV_HUGEPAGE);  // honoured where the mount gives huge pages; harmless elsewhere
+  SegmentHeader* h = w->header();
+  std::memset(static_cast<void*>(h), 0, kHeaderBytes);
+  std::memcpy(h->magic, kSegmentMagic, 8);
+  h->version = kSegmentVersion;
+  std::atomic_ref<uint32_t>(h->state).store(static_cast<uint32_t>(SegmentState::kCreating), std::memory_order_release);
+  h->instance_id = instance_id;
+  h->epoch = epoch;
+  h->fingerprint = fingerprint;
+  h->tp_size = static_cast<uint32_t>(tp_size);
+  h->tp_rank = static_cast<uint32_t>(tp_rank);
+  h->desc_offset = kHeaderBytes;
+  h->desc_bytes = descriptor.size();
+  h->desc_checksum = XXH3_64bits(descriptor.data(), descriptor.size());
+  h->data_offset = total - data_bytes;
+  h->data_bytes = data_bytes;
+  h->total_bytes = total;
+  h->created_unix_ms = NowMs();
+  std::memcpy(w->base_ + kHeaderBytes, descriptor.data(), descriptor.size());
+  return w;
+}
+
+void SegmentWriter::SetLoading() {
+  std::atomic_ref<uint32_t>(header()->state)
+      .store(static_cast<uint32_t>(SegmentState::kLoading), std::memory_order_release);
+}
+
+absl::Status SegmentWriter::Finish(double load_seconds) {
+  header()->load_seconds = load_seconds;
+  header()->ready_unix_ms = NowMs();
+  ::msync(base_, size_, MS_SYNC);
+  std::atomic_ref<uint32_t>(header()->state).store(static_cast<uint32_t>(SegmentState::kReady), std::memory_order_release);
+  finished_ = true;
+  return absl::OkStatus();
+}
+
+SegmentWriter::~SegmentWriter() {
+  if (base_ != nullptr) ::munmap(base_, size_);
+  if (!finished_ && !path_.empty()) ::unlink(path_.c_str());
+}
+
+absl::StatusOr<SegmentHeader> ReadSegmentHeader(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Errno(absl::StrCat("open ", path), errno);
+  struct stat st {};
+  ::fstat(fd, &st);
+  SegmentHeader h;
+  ssize_t n = ::pread(fd, static_cast<void*>(&h), sizeof(h), 0);
+  ::close(fd);
+  if (n != static_cast<ssize_t>(sizeof(h))) return absl::DataLossError(absl::StrCat(path, ": shorter than a header"));
+  if (std::memcmp(h.magic, kSegmentMagic, 8) != 0) return absl::DataLossError(absl::StrCat(path, ": not a segment"));
+  if (h.version != kSegmentVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(path, ": segment format ", h.version, ", this build reads ",
+                                                      kSegmentVersion));
+  }
+  if (h.total_bytes != static_cast<uint64_t>(st.st_size) || h.desc_offset != kHeaderBytes ||
+      h.data_offset < h.desc_offset + h.desc_bytes || h.data_offset + h.data_bytes != h.total_bytes) {
+    return absl::DataLossError(absl::StrCat(path, ": header sizes disagree with the file (", st.st_size, " bytes)"));
+  }
+  return h;
+}
+
+absl::Status SetSegmentState(const std::string& path, SegmentState state) {
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return Errno(absl::StrCat("open ", path), errno);
+  const uint32_t v = static_cast<uint32_t>(state);
+  ssize_t n = ::pwrite(fd, &v, 4, offsetof(SegmentHeader, state));
+  ::close(fd);
+  return n == 4 ? absl::OkStatus() : Errno(absl::StrCat("write state of ", path), errno);
+}
+
+absl::StatusOr<std::unique_ptr<SegmentReader>> SegmentReader::Open(const std::string& path) {
+  auto h = ReadSegmentHeader(path);
+  if (!h.ok()) return h.status();
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Errno(absl::StrCat("open ", path), errno);
+  struct stat st {};
+  ::fstat(fd, &st);
+  void* p = ::mmap(nullptr, h->total_bytes, PROT_READ, MAP_SHARED, fd, 0);
+  int err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) return Errno(absl::StrCat("map ", path), err);
+  std::unique_ptr<SegmentReader> r(new SegmentReader());
+  r->base_ = static_cast<const uint8_t*>(p);
+  r->size_ = h->total_bytes;
+  r->dev_ = st.st_dev;
+  r->ino_ = st.st_ino;
+  const SegmentHeader& mh = r->header();
+  if (XXH3_64bits(r->base_ + mh.desc_offset, mh.desc_bytes) != mh.desc_checksum) {
+    return absl::DataLossError(absl::StrCat(path, ": descriptor checksum mismatch"));
+  }
+  return r;
+}
+
+std::string SegmentReader::descriptor_bytes() const {
+  return std::string(reinterpret_cast<const char*>(base_ + header().desc_offset), header().desc_bytes);
+}
+
+SegmentReader::~SegmentReader() {
+  if (base_ != nullptr) ::munmap(const_cast<uint8_t*>(base_), size_);
+}
+
+std::vector<std::string> ListSegments(const std::string& dir) {
+  std::vector<std::string> out;
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return out;
+  while (dirent* e = ::readdir(d)) {
+    uint64_t fp;
+    int64_t n, r;
+    if (ParseSegmentName(e->d_name, &fp, &n, &r)) out.push_back(e->d_name);
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace engram

@@ -1,0 +1,122 @@
+// Segment: one file per (checkpoint fingerprint, TP size, TP rank) in the shm directory, holding a TP shard's
+// Engram rows as 264-byte records (256 e4m3 + 8 ue8m0 bytes side by side).
+//
+// File layout:
+//   [0, 4096)                 SegmentHeader (below): magic, version, state, instance/epoch, fingerprint, offsets
+//   [4096, data_offset)       the SegmentDescriptor protobuf (engram.v1), desc_bytes long, xxh3 in the header
+//   [data_offset, total)      the records, layer after layer (data_offset is 2 MiB aligned, for huge pages)
+// States move CREATING -> LOADING -> READY (-> RETIRED); only the daemon writes, and a READY segment is never
+// written again. Anything not READY that a daemon finds at start is debris from a crash and is removed.
+//
+// Name: engram-<fingerprint, 16 hex>-tp<rank>of<size>. Files are created 0640 with O_EXCL.
+// SegmentWriter is single-owner (the publisher); SegmentReader maps read-only and is immutable after Open.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace engram {
+
+enum class SegmentState : uint32_t { kCreating = 1, kLoading = 2, kReady = 3, kRetired = 4 };
+std::string SegmentStateName(SegmentState s);
+
+inline constexpr char kSegmentMagic[8] = {'E', 'N', 'G', 'R', 'A', 'M', 'S', 'G'};
+inline constexpr uint32_t kSegmentVersion = 1;
+inline constexpr uint64_t kHeaderBytes = 4096;
+inline constexpr uint64_t kDataAlign = uint64_t{2} << 20;
+
+struct SegmentHeader {
+  char magic[8];
+  uint32_t version;
+  uint32_t state;  // SegmentState; written and read atomically (std::atomic_ref) through a shared mapping
+  uint64_t instance_id;         // the daemon instance that created it
+  uint64_t epoch;
+  uint64_t fingerprint;
+  uint32_t tp_size;
+  uint32_t tp_rank;
+  uint64_t desc_offset;
+  uint64_t desc_bytes;
+  uint64_t desc_checksum;  // xxh3 of the descriptor bytes
+  uint64_t data_offset;
+  uint64_t data_bytes;
+  uint64_t total_bytes;
+  uint64_t created_unix_ms;
+  uint64_t ready_unix_ms;
+  double load_seconds;
+};
+static_assert(sizeof(SegmentHeader) <= kHeaderBytes);
+
+std::string SegmentName(uint64_t fingerprint, int64_t tp_size, int64_t tp_rank);
+// Parses a segment file name; false for anything else.
+bool ParseSegmentName(const std::string& name, uint64_t* fingerprint, int64_t* tp_size, int64_t* tp_rank);
+
+// Total file size for a descriptor of `desc_bytes` and `data_bytes` of records.
+uint64_t SegmentFileBytes(uint64_t desc_bytes, uint64_t data_bytes);
+
+// Creates, sizes (fallocate: ENOSPC surfaces here, not as SIGBUS later) and maps a new segment read-write.
+class SegmentWriter {
+ public:
+  static absl::StatusOr<std::unique_ptr<SegmentWriter>> Create(const std::string& dir, uint64_t fingerprint,
+                                                               int64_t tp_size, int64_t tp_rank,
+                                                               const std::string& descriptor, uint64_t data_bytes,
+                                                               uint64_t instance_id, uint64_t epoch);
+  ~SegmentWriter();  // unmaps; a segment not Finish()ed is removed
+  SegmentWriter(const SegmentWriter&) = delete;
+  SegmentWriter& operator=(const SegmentWriter&) = delete;
+
+  uint8_t* data() { return base_ + header()->data_offset; }
+  uint64_t data_bytes() const { return header()->data_bytes; }
+  const std::string& path() const { return path_; }
+  void SetLoading();
+  // Marks READY (after an msync of the data) and keeps the file.
+  absl::Status Finish(double load_seconds);
+
+ private:
+  SegmentWriter() = default;
+  SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base_); }
+  std::string path_;
+  uint8_t* base_ = nullptr;
+  uint64_t size_ = 0;
+  bool finished_ = false;
+};
+
+// Maps an existing segment read-only and validates its header (magic, version, sizes, descriptor checksum).
+class SegmentReader {
+ public:
+  static absl::StatusOr<std::unique_ptr<SegmentReader>> Open(const std::string& path);
+  ~SegmentReader();
+  SegmentReader(const SegmentReader&) = delete;
+  SegmentReader& operator=(const SegmentReader&) = delete;
+
+  const SegmentHeader& header() const { return *reinterpret_cast<const SegmentHeader*>(base_); }
+  SegmentState state() const {
+    return static_cast<SegmentState>(
+        std::atomic_ref<uint32_t>(const_cast<uint32_t&>(header().state)).load(std::memory_order_acquire));
+  }
+  std::string descriptor_bytes() const;
+  const uint8_t* data() const { return base_ + header().data_offset; }
+  uint64_t file_bytes() const { return size_; }
+  uint64_t device() const { return dev_; }
+  uint64_t inode() const { return ino_; }
+
+ private:
+  SegmentReader() = default;
+  const uint8_t* base_ = nullptr;
+  uint64_t size_ = 0, dev_ = 0, ino_ = 0;
+};
+
+// Reads only the header of a file (no mapping); fails on foreign or truncated files.
+absl::StatusOr<SegmentHeader> ReadSegmentHeader(const std::string& path);
+
+// Changes the state byte of an existing segment file (daemon only: e.g. READY -> RETIRED).
+absl::Status SetSegmentState(const std::string& path, SegmentState state);
+
+// The segment files (by name) in `dir`.
+std::vector<std::string> ListSegments(const std::string& dir);
+
+}  // namespace engram

@@ -1,0 +1,326 @@
+#include "tools/ctl_daemon.h"
+
+#include <grpcpp/grpcpp.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <iostream>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "engram/v1/engram.grpc.pb.h"
+#include "model/checkpoint.h"
+#include "model/reference.h"
+#include "nlohmann/json.hpp"
+#include "shm/segment.h"
+#include "tools/args.h"
+
+namespace engram::tools {
+namespace {
+
+using nlohmann::json;
+constexpr const char* kDefaultSocket = "/run/engramd/engramd.sock";
+
+int Usage(const std::string& msg) {
+  std::cerr << "engramctl: " << msg << "\n";
+  return 2;
+}
+
+std::unique_ptr<engram::v1::Engram::Stub> Connect(const std::string& socket) {
+  return engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
+}
+
+// Exit code and message for a failed RPC: 3 when nothing answers on the socket.
+int RpcFailure(const grpc::Status& st, const std::string& socket) {
+  if (st.error_code() == grpc::StatusCode::UNAVAILABLE || st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    std::cerr << "engramctl: engramd is not running (nothing answers on " << socket << ")\n";
+    return 3;
+  }
+  std::cerr << "engramctl: " << st.error_message() << "\n";
+  return 1;
+}
+
+std::string Bar(uint64_t used, uint64_t total, int width = 30) {
+  const int n = total ? static_cast<int>(static_cast<double>(used) / total * width + 0.5) : 0;
+  return "[" + std::string(static_cast<size_t>(std::min(n, width)), '#') +
+         std::string(static_cast<size_t>(width - std::min(n, width)), '.') + "]";
+}
+
+std::string GiB(uint64_t b) { return absl::StrFormat("%.2f GiB", static_cast<double>(b) / (1ull << 30)); }
+
+json ReasonsJson(const google::protobuf::RepeatedPtrField<engram::v1::Reason>& reasons, bool with_hints) {
+  json out = json::array();
+  for (const auto& r : reasons) {
+    if (with_hints) {
+      out.push_back({{"code", engram::v1::FallbackReason_Name(r.code())}, {"hint", r.hint()}});
+    } else {
+      out.push_back(engram::v1::FallbackReason_Name(r.code()));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+int CmdStatus(int argc, char** argv) {
+  Args a;
+  if (auto st = a.Parse(argc, argv, 2, {"--socket"}, {"--json"}); !st.ok()) return Usage(std::string(st.message()));
+  const std::string socket = a.Get("--socket", kDefaultSocket);
+  auto stub = Connect(socket);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  engram::v1::StatusReply s;
+  grpc::Status st = stub->Status(&ctx, engram::v1::StatusRequest(), &s);
+  if (!st.ok()) return RpcFailure(st, socket);
+  json j;
+  j["shm"] = {{"path", s.shm().path()},
+              {"total_bytes", s.shm().total_bytes()},
+              {"free_bytes", s.shm().free_bytes()},
+              {"engram_bytes", s.shm().engram_bytes()},
+              {"huge_pages", s.shm().huge_pages()}};
+  j["segments"] = json::array();
+  for (const auto& g : s.segments()) {
+    j["segments"].push_back({{"name", g.name()},
+                             {"checkpoint", g.checkpoint()},
+                             {"tp_rank", g.tp_rank()},
+                             {"tp_size", g.tp_size()},
+                             {"bytes", g.bytes()},
+                             {"state", g.state()},
+                             {"origin", g.origin()},
+                             {"load_seconds", g.load_seconds()},
+                             {"checksum_state", g.checksum_state()},
+                             {"progress", g.progress()},
+                             {"error", g.error()}});
+  }
+  j["replicas"] = json::array();
+  for (const auto& r : s.replicas()) {
+    j["replicas"].push_back({{"pid", r.pid()},
+                             {"uid", r.uid()},
+                             {"dp_rank", r.dp_rank()},
+                             {"tp_rank", r.tp_rank()},
+                             {"mode", r.mode()},
+                             {"backend", r.backend()},
+                             {"reasons", ReasonsJson(r.reasons(), false)},
+                             {"hints", ReasonsJson(r.reasons(), true)},
+                             {"attached_seconds", r.attached_seconds()},
+                             {"register_seconds", r.register_seconds()}});
+  }
+  j["recent_fallbacks"] = s.recent_fallbacks();
+  j["draining"] = s.draining();
+  if (a.Has("--json")) {
+    std::cout << j.dump() << "\n";
+    return 0;
+  }
+  const auto& shm = s.shm();
+  const uint64_t used = shm.total_bytes() - shm.free_bytes();
+  std::cout << absl::StrFormat("shm %s (huge pages: %s)\n  %s %s used of %s, engram %s, free %s\n\n", shm.path(),
+                               shm.huge_pages(), Bar(used, shm.total_bytes()), GiB(used), GiB(shm.total_bytes()),
+                               GiB(shm.engram_bytes()), GiB(shm.free_bytes()));
+  std::cout << absl::StrFormat("%-40s %-6s %-10s %-9s %-10s %-8s %s\n", "segment", "tp", "size", "state", "origin",
+                               "load s", "checksum");
+  for (const auto& g : s.segments()) {
+    std::string state = g.state();
+    if (g.state() == "LOADING") state += absl::StrFormat(" %.0f%%", g.progress() * 100);
+    std::cout << absl::StrFormat("%-40s %-6s %-10s %-9s %-10s %-8.2f %s%s\n", g.name(),
+                                 absl::StrFormat("%d/%d", g.tp_rank(), g.tp_size()), GiB(g.bytes()), state,
+                                 g.origin().empty() ? "-" : g.origin(), g.load_seconds(), g.checksum_state(),
+                                 g.error().empty() ? "" : "  ! " + g.error());
+  }
+  std::cout << absl::StrFormat("\n%-8s %-6s %-6s %-6s %-15s %-12s %-10s %s\n", "pid", "uid", "dp", "tp", "mode",
+                               "attached", "register", "reasons");
+  for (const auto& r : s.replicas()) {
+    std::vector<std::string> reasons;
+    for (const auto& x : r.reasons()) reasons.push_back(engram::v1::FallbackReason_Name(x.code()));
+    std::cout << absl::StrFormat("%-8d %-6d %-6d %-6d %-15s %-12s %-10s %s\n", r.pid(), r.uid(), r.dp_rank(),
+                                 r.tp_rank(), r.mode(), absl::StrFormat("%.0fs", r.attached_seconds()),
+                                 r.register_seconds() < 0 ? "-" : absl::StrFormat("%.2fs", r.register_seconds()),
+                                 reasons.empty() ? "-" : absl::StrJoin(reasons, ","));
+    for (const auto& x : r.reasons()) std::cout << "           " << engram::v1::FallbackReason_Name(x.code()) << ": " << x.hint() << "\n";
+  }
+  if (s.recent_fallbacks_size() > 0) {
+    std::cout << "\nrecent fallbacks:\n";
+    for (const auto& f : s.recent_fallbacks()) std::cout << "  " << f << "\n";
+  }
+  if (s.draining()) std::cout << "\nengramd is draining\n";
+  return 0;
+}
+
+int CmdLoad(int argc, char** argv) {
+  Args a;
+  if (auto st = a.Parse(argc, argv, 2, {"--socket", "--checkpoint", "--tp"}, {}); !st.ok()) {
+    return Usage(std::string(st.message()));
+  }
+  if (!a.Has("--checkpoint")) return Usage("load needs --checkpoint DIR");
+  engram::v1::LoadRequest req;
+  req.set_checkpoint(a.Get("--checkpoint"));
+  if (a.Has("--tp")) {
+    auto tps = ParseIntList("--tp", a.Get("--tp"));
+    if (!tps.ok()) return Usage(std::string(tps.status().message()));
+    for (int64_t t : *tps) req.add_tp_sizes(static_cast<int32_t>(t));
+  }
+  const std::string socket = a.Get("--socket", kDefaultSocket);
+  grpc::ClientContext ctx;
+  engram::v1::LoadReply reply;
+  grpc::Status st = Connect(socket)->Load(&ctx, req, &reply);
+  if (!st.ok()) return RpcFailure(st, socket);
+  std::cout << "loading " << req.checkpoint() << " (engramctl status shows progress)\n";
+  return 0;
+}
+
+int CmdUnload(int argc, char** argv) {
+  Args a;
+  if (auto st = a.Parse(argc, argv, 2, {"--socket", "--checkpoint"}, {}); !st.ok()) {
+    return Usage(std::string(st.message()));
+  }
+  if (!a.Has("--checkpoint")) return Usage("unload needs --checkpoint DIR");
+  engram::v1::UnloadRequest req;
+  req.set_checkpoint(a.Get("--checkpoint"));
+  const std::string socket = a.Get("--socket", kDefaultSocket);
+  grpc::ClientContext ctx;
+  engram::v1::UnloadReply reply;
+  grpc::Status st = Connect(socket)->Unload(&ctx, req, &reply);
+  if (!st.ok()) return RpcFailure(st, socket);
+  return 0;
+}
+
+int CmdDrain(int argc, char** argv) {
+  Args a;
+  if (auto st = a.Parse(argc, argv, 2, {"--socket"}, {}); !st.ok()) return Usage(std::string(st.message()));
+  const std::string socket = a.Get("--socket", kDefaultSocket);
+  grpc::ClientContext ctx;
+  engram::v1::DrainReply reply;
+  grpc::Status st = Connect(socket)->Drain(&ctx, engram::v1::DrainRequest(), &reply);
+  if (!st.ok()) return RpcFailure(st, socket);
+  return 0;
+}
+
+int CmdAttach(int argc, char** argv) {
+  Args a;
+  if (auto st = a.Parse(argc, argv, 2,
+                        {"--socket", "--checkpoint", "--tp-size", "--tp-rank", "--dp-size", "--dp-rank",
+                         "--local-dp-size", "--cpu-offload", "--dp-shared-memory", "--shm-dir", "--hold", "--verify",
+                         "--register-ok", "--timeout"},
+                        {"--elastic-ep", "--embedding-across-dp", "--ticket"});
+      !st.ok()) {
+    return Usage(std::string(st.message()));
+  }
+  if (!a.Has("--checkpoint")) return Usage("attach needs --checkpoint DIR");
+  auto ckpt = Checkpoint::Open(a.Get("--checkpoint"));
+  if (!ckpt.ok()) {
+    std::cerr << "engramctl: " << ckpt.status().message() << "\n";
+    return 1;
+  }
+  engram::v1::Hello h;
+  h.set_fingerprint((*ckpt)->Fingerprint());
+  h.set_checkpoint(a.Get("--checkpoint"));
+  auto geti = [&](const char* name, int64_t d) { return a.GetInt(name, d).value_or(d); };
+  h.set_tp_size(static_cast<int32_t>(geti("--tp-size", 1)));
+  h.set_tp_rank(static_cast<int32_t>(geti("--tp-rank", 0)));
+  h.set_dp_size(static_cast<int32_t>(geti("--dp-size", 2)));
+  h.set_dp_rank(static_cast<int32_t>(geti("--dp-rank", 0)));
+  h.set_local_dp_size(static_cast<int32_t>(geti("--local-dp-size", h.dp_size())));
+  h.set_elastic_ep(a.Has("--elastic-ep"));
+  h.set_pid(::getpid());
+  auto choice = [](const std::string& v) {
+    return v == "true" ? engram::v1::ENABLED : v == "false" ? engram::v1::DISABLED : engram::v1::AUTO;
+  };
+  h.mutable_config()->set_cpu_offload(choice(a.Get("--cpu-offload", "auto")));
+  h.mutable_config()->set_dp_shared_memory(choice(a.Get("--dp-shared-memory", "auto")));
+  h.mutable_config()->set_embedding_across_dp(a.Has("--embedding-across-dp"));
+  struct stat st {};
+  const std::string shm_dir = a.Get("--shm-dir", "/dev/shm");
+  h.set_shm_visible(::stat(shm_dir.c_str(), &st) == 0);
+  h.set_shm_dev(st.st_dev);
+  h.set_shm_ino(st.st_ino);
+
+  const std::string socket = a.Get("--socket", kDefaultSocket);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(geti("--timeout", 60) + geti("--hold", 0)));
+  auto stream = Connect(socket)->Session(&ctx);
+  engram::v1::ClientMessage hello;
+  *hello.mutable_hello() = h;
+  engram::v1::ServerMessage answer;
+  if (!stream->Write(hello) || !stream->Read(&answer)) {
+    grpc::Status s = stream->Finish();
+    return RpcFailure(s, socket);
+  }
+  json out;
+  if (answer.has_grant()) {
+    const auto& g = answer.grant();
+    out["decision"] = "shared";
+    out["mode"] = "SHARED";
+    out["segment"] = g.segment_path();
+    out["lease"] = g.lease_id();
+    out["reasons"] = json::array();
+    // Map it read-only and compare random rows with the checkpoint (the CPU reference lookup on both sides).
+    auto reader = SegmentReader::Open(g.segment_path());
+    int64_t verified = 0, mismatches = 0;
+    if (!reader.ok() || (*reader)->state() != SegmentState::kReady) {
+      out["error"] = reader.ok() ? "segment not READY" : std::string(reader.status().message());
+      mismatches = 1;
+    } else {
+      std::mt19937_64 rng(std::random_device{}());
+      const auto& d = g.segment();
+      const int64_t D = d.head_dim(), S = D / 32, rb = d.record_bytes();
+      for (int l = 0; l < d.layers_size(); ++l) {
+        const auto& ld = d.layers(l);
+        EngramTensors t = (*ckpt)->engram(l);
+        RecordTable seg{(*reader)->data() + ld.data_offset(), ld.row_begin(), ld.row_end(), D};
+        for (int64_t i = 0; i < geti("--verify", 64); ++i) {
+          const int64_t row = ld.row_begin() + static_cast<int64_t>(rng() % static_cast<uint64_t>(ld.row_end() - ld.row_begin()));
+          std::vector<uint8_t> w(static_cast<size_t>(D)), s(static_cast<size_t>(S)), rec(static_cast<size_t>(rb));
+          if (!t.embed_weight.file->ReadRange(*t.embed_weight.info, static_cast<uint64_t>(row * D), w.data(), w.size()).ok() ||
+              !t.embed_scale.file->ReadRange(*t.embed_scale.info, static_cast<uint64_t>(row * S), s.data(), s.size()).ok()) {
+            ++mismatches;
+            continue;
+          }
+          PackRecords(w.data(), s.data(), 1, D, rec.data());
+          RecordTable ref{rec.data(), row, row + 1, D};
+          const int32_t id = static_cast<int32_t>(row);
+          std::vector<uint16_t> a1(static_cast<size_t>(D)), a2(static_cast<size_t>(D));
+          (void)LookupBf16Cpu(seg, {&id, 1}, a1);
+          (void)LookupBf16Cpu(ref, {&id, 1}, a2);
+          ++verified;
+          mismatches += a1 != a2;
+        }
+      }
+    }
+    out["verified"] = verified;
+    out["mismatches"] = mismatches;
+    if (a.Has("--ticket")) {
+      engram::v1::ClientMessage req;
+      req.mutable_ticket_request();
+      const auto t0 = std::chrono::steady_clock::now();
+      engram::v1::ServerMessage ticket;
+      if (stream->Write(req) && stream->Read(&ticket) && ticket.has_ticket()) {
+        out["ticket_wait_seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        engram::v1::ClientMessage res;
+        res.mutable_register_result()->set_ok(a.Get("--register-ok", "true") == "true");
+        res.mutable_register_result()->set_seconds(0.01);
+        if (!res.register_result().ok()) {
+          res.mutable_register_result()->set_error("simulated failure");
+          res.mutable_register_result()->set_failed_chunk(1);
+        }
+        stream->Write(res);
+      }
+    }
+  } else if (answer.has_fallback()) {
+    out["decision"] = "fallback";
+    out["mode"] = engram::v1::Mode_Name(answer.fallback().mode());
+    out["reasons"] = ReasonsJson(answer.fallback().reasons(), false);
+    out["hints"] = ReasonsJson(answer.fallback().reasons(), true);
+  }
+  out["pid"] = ::getpid();
+  std::cout << out.dump() << std::endl;
+  const int64_t hold = geti("--hold", 0);
+  if (hold > 0) std::this_thread::sleep_for(std::chrono::seconds(hold));
+  stream->WritesDone();
+  ctx.TryCancel();
+  stream->Finish();
+  return out.value("mismatches", 0) == 0 ? 0 : 1;
+}
+
+}  // namespace engram::tools
