@@ -248,6 +248,41 @@ int CmdAttach(int argc, char** argv) {
     return RpcFailure(s, socket);
   }
   json out;
+  absl::StatusOr<std::unique_ptr<SegmentReader>> reader = absl::UnavailableError("no grant");
+  // Compares random rows of the mapped segment with the checkpoint's; returns (verified, mismatches).
+  auto verify = [&]() -> std::pair<int64_t, int64_t> {
+    if (!reader.ok() || (*reader)->state() != SegmentState::kReady) return {0, 1};
+    int64_t verified = 0, mismatches = 0;
+    std::mt19937_64 rng(std::random_device{}());
+    const auto& d = answer.grant().segment();
+    const int64_t D = d.head_dim(), S = D / 32, rb = d.record_bytes();
+    for (int l = 0; l < d.layers_size(); ++l) {
+      const auto& ld = d.layers(l);
+      EngramTensors t = (*ckpt)->engram(l);
+      RecordTable seg{(*reader)->data() + ld.data_offset(), ld.row_begin(), ld.row_end(), D};
+      for (int64_t i = 0; i < geti("--verify", 64); ++i) {
+        const int64_t row =
+            ld.row_begin() + static_cast<int64_t>(rng() % static_cast<uint64_t>(ld.row_end() - ld.row_begin()));
+        std::vector<uint8_t> w(static_cast<size_t>(D)), s(static_cast<size_t>(S)), rec(static_cast<size_t>(rb));
+        if (!t.embed_weight.file->ReadRange(*t.embed_weight.info, static_cast<uint64_t>(row * D), w.data(), w.size())
+                 .ok() ||
+            !t.embed_scale.file->ReadRange(*t.embed_scale.info, static_cast<uint64_t>(row * S), s.data(), s.size())
+                 .ok()) {
+          ++mismatches;
+          continue;
+        }
+        PackRecords(w.data(), s.data(), 1, D, rec.data());
+        RecordTable ref{rec.data(), row, row + 1, D};
+        const int32_t id = static_cast<int32_t>(row);
+        std::vector<uint16_t> a1(static_cast<size_t>(D)), a2(static_cast<size_t>(D));
+        (void)LookupBf16Cpu(seg, {&id, 1}, a1);
+        (void)LookupBf16Cpu(ref, {&id, 1}, a2);
+        ++verified;
+        mismatches += a1 != a2;
+      }
+    }
+    return {verified, mismatches};
+  };
   if (answer.has_grant()) {
     const auto& g = answer.grant();
     out["decision"] = "shared";
@@ -256,38 +291,11 @@ int CmdAttach(int argc, char** argv) {
     out["lease"] = g.lease_id();
     out["reasons"] = json::array();
     // Map it read-only and compare random rows with the checkpoint (the CPU reference lookup on both sides).
-    auto reader = SegmentReader::Open(g.segment_path());
-    int64_t verified = 0, mismatches = 0;
+    reader = SegmentReader::Open(g.segment_path());
     if (!reader.ok() || (*reader)->state() != SegmentState::kReady) {
       out["error"] = reader.ok() ? "segment not READY" : std::string(reader.status().message());
-      mismatches = 1;
-    } else {
-      std::mt19937_64 rng(std::random_device{}());
-      const auto& d = g.segment();
-      const int64_t D = d.head_dim(), S = D / 32, rb = d.record_bytes();
-      for (int l = 0; l < d.layers_size(); ++l) {
-        const auto& ld = d.layers(l);
-        EngramTensors t = (*ckpt)->engram(l);
-        RecordTable seg{(*reader)->data() + ld.data_offset(), ld.row_begin(), ld.row_end(), D};
-        for (int64_t i = 0; i < geti("--verify", 64); ++i) {
-          const int64_t row = ld.row_begin() + static_cast<int64_t>(rng() % static_cast<uint64_t>(ld.row_end() - ld.row_begin()));
-          std::vector<uint8_t> w(static_cast<size_t>(D)), s(static_cast<size_t>(S)), rec(static_cast<size_t>(rb));
-          if (!t.embed_weight.file->ReadRange(*t.embed_weight.info, static_cast<uint64_t>(row * D), w.data(), w.size()).ok() ||
-              !t.embed_scale.file->ReadRange(*t.embed_scale.info, static_cast<uint64_t>(row * S), s.data(), s.size()).ok()) {
-            ++mismatches;
-            continue;
-          }
-          PackRecords(w.data(), s.data(), 1, D, rec.data());
-          RecordTable ref{rec.data(), row, row + 1, D};
-          const int32_t id = static_cast<int32_t>(row);
-          std::vector<uint16_t> a1(static_cast<size_t>(D)), a2(static_cast<size_t>(D));
-          (void)LookupBf16Cpu(seg, {&id, 1}, a1);
-          (void)LookupBf16Cpu(ref, {&id, 1}, a2);
-          ++verified;
-          mismatches += a1 != a2;
-        }
-      }
     }
+    auto [verified, mismatches] = verify();
     out["verified"] = verified;
     out["mismatches"] = mismatches;
     if (a.Has("--ticket")) {
@@ -316,7 +324,14 @@ int CmdAttach(int argc, char** argv) {
   out["pid"] = ::getpid();
   std::cout << out.dump() << std::endl;
   const int64_t hold = geti("--hold", 0);
-  if (hold > 0) std::this_thread::sleep_for(std::chrono::seconds(hold));
+  if (hold > 0) {
+    std::this_thread::sleep_for(std::chrono::seconds(hold));
+    if (answer.has_grant()) {  // the mapping must still hold the same rows, whatever the daemon did meanwhile
+      auto [v, m] = verify();
+      std::cout << json{{"reverified", v}, {"remismatches", m}}.dump() << std::endl;
+      if (m != 0) out["mismatches"] = m;
+    }
+  }
   stream->WritesDone();
   ctx.TryCancel();
   stream->Finish();

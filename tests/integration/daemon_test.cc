@@ -1,0 +1,435 @@
+// engramd as a real process, with real replica sessions (`engramctl attach` processes), a real Unix socket and
+// real shared memory: publish, share, leases and kill -9, crash debris, adoption after restart without reading
+// the tables again, capacity and visibility fallbacks, refusals, and hostile clients. The daemon must stay up.
+#include <grpcpp/grpcpp.h>
+#include <sys/mount.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "engram/v1/engram.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "shm/segment.h"
+#include "tests/integration/process.h"
+#include "tests/test_util.h"
+
+namespace engram {
+namespace {
+
+using nlohmann::json;
+using testing::BinPath;
+using testing::Process;
+using testing::RunCmd;
+using testing::TempDir;
+using testing::WaitFor;
+
+class Daemon {
+ public:
+  Daemon(const TempDir& dir, const std::vector<std::string>& extra, const std::string& name = "engramd")
+      : socket_(dir / (name + ".sock")) {
+    std::vector<std::string> argv = {BinPath("../daemon/engramd"), "--socket", socket_, "--log-level", "debug"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    proc_ = Process(argv, dir / (name + ".log"));
+  }
+  const std::string& socket() const { return socket_; }
+  Process& proc() { return proc_; }
+  // Status as JSON through engramctl; null when the daemon does not answer.
+  json Status() const {
+    auto r = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
+    return r.exit_code == 0 ? json::parse(r.out) : json();
+  }
+  bool WaitReady(std::chrono::milliseconds timeout = std::chrono::milliseconds(60000)) {
+    return WaitFor(
+        [&] {
+          json s = Status();
+          if (s.is_null() || s["segments"].empty()) return false;
+          for (const auto& seg : s["segments"]) {
+            if (seg["state"] != "READY" && seg["state"] != "FAILED") return false;
+          }
+          return true;
+        },
+        timeout);
+  }
+
+ private:
+  std::string socket_;
+  Process proc_;
+};
+
+std::string MakeCheckpoint(const TempDir& dir, double mib, const std::string& name = "ck", int seed = 1) {
+  auto r = RunCmd(BinPath("engram-mkckpt") + " --out " + (dir / name) + " --table-mib " + std::to_string(mib) +
+                  " --seed " + std::to_string(seed));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  return dir / name;
+}
+
+Process Attach(const TempDir& dir, const Daemon& d, const std::string& ckpt, const std::string& shm,
+               const std::string& extra, const std::string& log) {
+  std::vector<std::string> argv = {BinPath("engramctl"), "attach", "--socket", d.socket(), "--checkpoint", ckpt,
+                                   "--shm-dir", shm};
+  std::istringstream ss(extra);
+  std::string w;
+  while (ss >> w) argv.push_back(w);
+  return Process(argv, dir / log);
+}
+
+json FirstJson(const std::string& out) {
+  std::istringstream ss(out);
+  std::string line;
+  while (std::getline(ss, line)) {
+    if (!line.empty() && line[0] == '{') return json::parse(line);
+  }
+  return json();
+}
+
+std::set<std::string> Reasons(const json& j) {
+  std::set<std::string> s;
+  for (const auto& r : j["reasons"]) s.insert(r.get<std::string>());
+  return s;
+}
+
+uint64_t ReadBytesOf(pid_t pid) {  // bytes the process read through read()/pread() so far
+  std::ifstream in("/proc/" + std::to_string(pid) + "/io");
+  std::string k;
+  uint64_t v = 0;
+  while (in >> k >> v) {
+    if (k == "rchar:") return v;
+  }
+  return 0;
+}
+
+TEST(DaemonTest, PublishesSharesAndHoldsLeases) {
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string ckpt = MakeCheckpoint(dir, 2048);
+  Daemon d(dir, {"--checkpoint", ckpt, "--tp", "1,2", "--shm-dir", shm});
+  ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
+  json s = d.Status();
+  ASSERT_EQ(s["segments"].size(), 3u);
+  for (const auto& seg : s["segments"]) {
+    EXPECT_EQ(seg["state"], "READY");
+    EXPECT_EQ(seg["origin"], "published");
+    struct stat st {};
+    ASSERT_EQ(::stat((shm + "/" + seg["name"].get<std::string>()).c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0640u);
+    EXPECT_EQ(static_cast<uint64_t>(st.st_size), seg["bytes"].get<uint64_t>());
+  }
+  // 8 replicas (DP 4 x TP 2) attach at once; each checks 200 random rows per layer against the checkpoint.
+  std::vector<Process> replicas;
+  for (int i = 0; i < 8; ++i) {
+    replicas.push_back(Attach(dir, d, ckpt, shm,
+                              "--dp-size 4 --dp-rank " + std::to_string(i / 2) + " --tp-size 2 --tp-rank " +
+                                  std::to_string(i % 2) + " --verify 200 --ticket --hold 60",
+                              "replica" + std::to_string(i) + ".log"));
+  }
+  ASSERT_TRUE(WaitFor([&] { return d.Status()["replicas"].size() == 8; }, std::chrono::seconds(30)));
+  for (auto& r : replicas) {
+    ASSERT_TRUE(WaitFor([&] { return !FirstJson(r.Output()).is_null(); }, std::chrono::seconds(30)));
+    json j = FirstJson(r.Output());
+    EXPECT_EQ(j["decision"], "shared") << r.Output();
+    EXPECT_EQ(j["verified"], 400);
+    EXPECT_EQ(j["mismatches"], 0);
+  }
+  std::set<int> pids_before;
+  const json attached = d.Status();
+  for (const auto& r : attached["replicas"]) {
+    pids_before.insert(r["pid"].get<int>());
+    EXPECT_EQ(r["mode"], "SHARED");
+    EXPECT_EQ(r["uid"], ::getuid());
+  }
+  for (auto& r : replicas) {
+    EXPECT_TRUE(pids_before.count(r.pid())) << "status pid is the peer's real pid: " << r.pid() << " vs "
+                                            << d.Status()["replicas"].dump();
+  }
+  // kill -9 one replica: its lease goes within a second, the others stay.
+  const pid_t victim = replicas[3].pid();
+  replicas[3].Signal(SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(WaitFor([&] { return d.Status()["replicas"].size() == 7; }, std::chrono::seconds(5)));
+  const double released = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(released, 1.0) << "lease released after " << released << " s";
+  const json after = d.Status();
+  for (const auto& r : after["replicas"]) EXPECT_NE(r["pid"], victim);
+  EXPECT_TRUE(d.proc().Running());
+}
+
+TEST(DaemonTest, CrashDuringPublishLeavesNoReadyDebrisAndRestartAdoptsWithoutReadingTables) {
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string ckpt = MakeCheckpoint(dir, 3072);
+  {
+    Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--threads", "1"}, "first");
+    ASSERT_TRUE(WaitFor([&] {
+      json s = d.Status();
+      return !s.is_null() && !s["segments"].empty() && s["segments"][0]["state"] == "LOADING" &&
+             s["segments"][0]["progress"].get<double>() > 0.05;
+    }, std::chrono::seconds(60)));
+    d.proc().Signal(SIGKILL);
+    d.proc().Wait();
+  }
+  // What the crash left: one segment file, and it is not READY.
+  auto left = ListSegments(shm);
+  ASSERT_EQ(left.size(), 1u);
+  auto h = ReadSegmentHeader(shm + "/" + left[0]);
+  ASSERT_TRUE(h.ok());
+  EXPECT_NE(h->state, static_cast<uint32_t>(SegmentState::kReady));
+  {
+    Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm}, "second");
+    ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
+    EXPECT_NE(d.proc().Output().find("event=segment_debris"), std::string::npos) << d.proc().Output();
+    EXPECT_EQ(d.Status()["segments"][0]["origin"], "published");
+    // A replica attaches and holds its mapping while the daemon is killed and restarted.
+    Process replica = Attach(dir, d, ckpt, shm, "--verify 100 --hold 8", "holder.log");
+    ASSERT_TRUE(WaitFor([&] { return !FirstJson(replica.Output()).is_null(); }, std::chrono::seconds(20)));
+    EXPECT_EQ(FirstJson(replica.Output())["decision"], "shared");
+    d.proc().Signal(SIGKILL);
+    d.proc().Wait();
+    Daemon again(dir, {"--checkpoint", ckpt, "--shm-dir", shm}, "third");
+    ASSERT_TRUE(again.WaitReady(std::chrono::milliseconds(20000))) << again.proc().Output();
+    json s = again.Status();
+    EXPECT_EQ(s["segments"][0]["origin"], "adopted");
+    EXPECT_EQ(s["segments"][0]["state"], "READY");
+    // Adoption read the checkpoint's small files and headers only: far less than the 3 GiB of tables.
+    const uint64_t read = ReadBytesOf(again.proc().pid());
+    EXPECT_LT(read, uint64_t{64} << 20) << "the restarted daemon read " << read << " bytes";
+    ASSERT_TRUE(WaitFor([&] { return again.Status()["segments"][0]["checksum_state"] == "ok"; },
+                        std::chrono::seconds(60)));
+    EXPECT_EQ(replica.Wait(), 0) << replica.Output();
+    EXPECT_NE(replica.Output().find("\"remismatches\":0"), std::string::npos) << replica.Output();
+  }
+}
+
+TEST(DaemonTest, ShmTooSmallAndMissingGiveFallbackReasons) {
+  TempDir dir;
+  const std::string ckpt = MakeCheckpoint(dir, 64);
+  const std::string small = dir / "small";
+  ::mkdir(small.c_str(), 0755);
+  if (::mount("tmpfs", small.c_str(), "tmpfs", 0, "size=16m") != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs here (needs root): " << std::strerror(errno);
+  }
+  {
+    Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", small}, "small");
+    ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
+    EXPECT_EQ(d.Status()["segments"][0]["state"], "FAILED");
+    EXPECT_TRUE(ListSegments(small).empty()) << "nothing may be created when the tables do not fit";
+    Process r = Attach(dir, d, ckpt, small, "--dp-size 2", "small-replica.log");
+    EXPECT_EQ(r.Wait(), 0);
+    json j = FirstJson(r.Output());
+    EXPECT_EQ(j["decision"], "fallback");
+    EXPECT_EQ(j["mode"], "PRIVATE_PINNED");
+    EXPECT_TRUE(Reasons(j).count("SHM_TOO_SMALL")) << r.Output();
+    EXPECT_NE(j.dump().find("--shm-size"), std::string::npos) << "the hint says what to do";
+    EXPECT_TRUE(d.proc().Running());
+  }
+  ::umount(small.c_str());
+  {
+    Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", dir / "nope"}, "missing");
+    ASSERT_TRUE(WaitFor([&] { return !d.Status().is_null(); }, std::chrono::seconds(20))) << d.proc().Output();
+    Process r = Attach(dir, d, ckpt, dir / "nope", "", "missing-replica.log");
+    EXPECT_EQ(r.Wait(), 0);
+    EXPECT_TRUE(Reasons(FirstJson(r.Output())).count("SHM_MISSING")) << r.Output();
+  }
+}
+
+TEST(DaemonTest, FallbackReasonsFromTheTopologyAndConfig) {
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string ckpt = MakeCheckpoint(dir, 16);
+  const std::string other = MakeCheckpoint(dir, 16, "other", 7);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--tp", "1"});
+  ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
+  struct Case {
+    std::string args, ckpt, shm, reason, mode;
+  } cases[] = {
+      {"--dp-size 1", ckpt, shm, "DP_SIZE_ONE", "PRIVATE_PINNED"},
+      {"--dp-size 4 --local-dp-size 2", ckpt, shm, "NOT_COLOCATED", "PRIVATE_PINNED"},
+      {"--elastic-ep", ckpt, shm, "ELASTIC_EP", "PRIVATE_PINNED"},
+      {"--cpu-offload false", ckpt, shm, "CPU_OFFLOAD_DISABLED", "DEVICE"},
+      {"--embedding-across-dp --dp-size 1", ckpt, shm, "DP_SIZE_ONE", "DP_SHARDED"},
+      {"", ckpt, "/tmp", "SHM_NOT_VISIBLE", "PRIVATE_PINNED"},
+      {"", other, shm, "FINGERPRINT_MISMATCH", "PRIVATE_PINNED"},
+      {"--tp-size 2 --tp-rank 1", ckpt, shm, "SEGMENT_NOT_READY", "PRIVATE_PINNED"},
+  };
+  int i = 0;
+  for (const auto& c : cases) {
+    Process r = Attach(dir, d, c.ckpt, c.shm, c.args, "case" + std::to_string(i++) + ".log");
+    EXPECT_EQ(r.Wait(), 0) << r.Output();
+    json j = FirstJson(r.Output());
+    EXPECT_EQ(j["decision"], "fallback") << c.args;
+    EXPECT_TRUE(Reasons(j).count(c.reason)) << c.args << ": " << r.Output();
+    EXPECT_EQ(j["mode"], c.mode) << c.args;
+  }
+  json s = d.Status();
+  EXPECT_GE(s["recent_fallbacks"].size(), 8u);
+  // A registration that fails turns the shared replica into a fallback with REGISTER_FAILED.
+  Process r = Attach(dir, d, ckpt, shm, "--ticket --register-ok false --hold 3", "regfail.log");
+  ASSERT_TRUE(WaitFor([&] {
+    const json now = d.Status();
+    for (const auto& rep : now["replicas"]) {
+      for (const auto& x : rep["reasons"]) {
+        if (x == "REGISTER_FAILED") return true;
+      }
+    }
+    return false;
+  }, std::chrono::seconds(10))) << r.Output() << d.Status().dump();
+  EXPECT_TRUE(d.proc().Running());
+}
+
+TEST(DaemonTest, StartupRefusals) {
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  Daemon first(dir, {"--checkpoint", ckpt, "--shm-dir", shm});
+  ASSERT_TRUE(first.WaitReady());
+  // A second daemon on the same socket.
+  Process second({BinPath("../daemon/engramd"), "--checkpoint", ckpt, "--shm-dir", shm, "--socket", first.socket()},
+                 dir / "second.log");
+  EXPECT_EQ(second.Wait(), 1);
+  EXPECT_NE(second.Output().find("another engramd is already serving"), std::string::npos) << second.Output();
+  EXPECT_TRUE(first.proc().Running());
+  // A truncated checkpoint, and one whose compressed vocabulary disagrees with its tokenizer.
+  const std::string bad = MakeCheckpoint(dir, 8, "bad");
+  ASSERT_EQ(RunCmd("truncate -s -1000 " + bad + "/model-00002-of-00002.safetensors").exit_code, 0);
+  Process p1({BinPath("../daemon/engramd"), "--checkpoint", bad, "--shm-dir", shm, "--socket", dir / "x.sock"},
+             dir / "p1.log");
+  EXPECT_EQ(p1.Wait(), 1);
+  EXPECT_NE(p1.Output().find("truncated"), std::string::npos) << p1.Output();
+  const std::string vocab = MakeCheckpoint(dir, 8, "vocab");
+  json cfg = json::parse(testing::ReadFile(vocab + "/config.json"));
+  const int64_t real = cfg["engram_compressed_vocab_size"];
+  cfg["engram_compressed_vocab_size"] = real + 1;
+  testing::WriteFile(vocab + "/config.json", cfg.dump());
+  Process p2({BinPath("../daemon/engramd"), "--checkpoint", vocab, "--shm-dir", shm, "--socket", dir / "y.sock"},
+             dir / "p2.log");
+  EXPECT_EQ(p2.Wait(), 1);
+  EXPECT_NE(p2.Output().find(std::to_string(real)), std::string::npos) << p2.Output();
+  EXPECT_NE(p2.Output().find(std::to_string(real + 1)), std::string::npos) << p2.Output();
+  Process p3({BinPath("../daemon/engramd"), "--shm-dir", shm}, dir / "p3.log");
+  EXPECT_EQ(p3.Wait(), 2);
+}
+
+TEST(DaemonTest, HostileClientsAndForeignUsersDoNotHurtIt) {
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm});
+  ASSERT_TRUE(d.WaitReady());
+  auto stub = engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+  {  // first message not a hello
+    grpc::ClientContext ctx;
+    auto s = stub->Session(&ctx);
+    engram::v1::ClientMessage m;
+    m.mutable_ticket_request();
+    s->Write(m);
+    s->WritesDone();
+    grpc::Status st = s->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(st.error_message().find("first message"), std::string::npos);
+  }
+  {  // impossible topology
+    grpc::ClientContext ctx;
+    auto s = stub->Session(&ctx);
+    engram::v1::ClientMessage m;
+    m.mutable_hello()->set_tp_size(2);
+    m.mutable_hello()->set_tp_rank(5);
+    m.mutable_hello()->set_dp_size(1);
+    s->Write(m);
+    s->WritesDone();
+    grpc::Status st = s->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(st.error_message().find("invalid topology"), std::string::npos) << st.error_message();
+  }
+  {  // a ticket without a grant, after a fallback
+    grpc::ClientContext ctx;
+    auto s = stub->Session(&ctx);
+    engram::v1::ClientMessage m;
+    m.mutable_hello()->set_tp_size(1);
+    m.mutable_hello()->set_dp_size(1);
+    s->Write(m);
+    engram::v1::ServerMessage answer;
+    ASSERT_TRUE(s->Read(&answer));
+    EXPECT_TRUE(answer.has_fallback());
+    engram::v1::ClientMessage t;
+    t.mutable_ticket_request();
+    s->Write(t);
+    s->WritesDone();
+    EXPECT_EQ(s->Finish().error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  {  // an oversized message
+    grpc::ClientContext ctx;
+    engram::v1::LoadRequest big;
+    big.set_checkpoint(std::string(4 << 20, 'x'));
+    engram::v1::LoadReply reply;
+    EXPECT_EQ(stub->Load(&ctx, big, &reply).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  }
+  {  // raw garbage on the socket
+    int s = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, d.socket().c_str(), sizeof(addr.sun_path) - 1);
+    ASSERT_EQ(::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    std::string junk(100000, '\x17');
+    (void)!::write(s, junk.data(), junk.size());
+    ::close(s);
+  }
+  {  // load of a missing checkpoint
+    grpc::ClientContext ctx;
+    engram::v1::LoadRequest req;
+    req.set_checkpoint(dir / "nothing");
+    engram::v1::LoadReply reply;
+    EXPECT_EQ(stub->Load(&ctx, req, &reply).error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+  // A user outside the allowed group: the daemon reads its real uid from the socket and refuses.
+  ::chmod(d.socket().c_str(), 0666);
+  ::chmod(dir.path().c_str(), 0755);
+  auto r = RunCmd("setpriv --reuid=65534 --regid=65534 --clear-groups " + BinPath("engramctl") + " status --socket " +
+                  d.socket());
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("uid 65534 may not use engramd"), std::string::npos) << r.err;
+  EXPECT_TRUE(d.proc().Running());
+  EXPECT_FALSE(d.Status().is_null()) << "still serving everyone else";
+  // SIGTERM: a clean stop that leaves the READY segment in place.
+  d.proc().Signal(SIGTERM);
+  EXPECT_EQ(d.proc().Wait(), 0) << d.proc().Output();
+  EXPECT_EQ(ListSegments(shm).size(), 1u);
+  EXPECT_EQ(RunCmd(BinPath("engramctl") + " status --socket " + d.socket()).exit_code, 3);
+}
+
+TEST(DaemonTest, LoadUnloadAndReload) {
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string a = MakeCheckpoint(dir, 8, "a", 1);
+  const std::string b = MakeCheckpoint(dir, 8, "b", 2);
+  testing::WriteFile(dir / "engramd.conf", "# test\ncheckpoint = " + a + "\ntp = 1\nshm_dir = " + shm + "\n");
+  Daemon d(dir, {"--config", dir / "engramd.conf"});
+  ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
+  EXPECT_EQ(d.Status()["segments"].size(), 1u);
+  ASSERT_EQ(RunCmd(BinPath("engramctl") + " load --checkpoint " + b + " --tp 1,2 --socket " + d.socket()).exit_code, 0);
+  ASSERT_TRUE(WaitFor([&] { return d.Status()["segments"].size() == 4; }, std::chrono::seconds(10)));
+  ASSERT_TRUE(d.WaitReady());
+  EXPECT_EQ(ListSegments(shm).size(), 4u);
+  ASSERT_EQ(RunCmd(BinPath("engramctl") + " unload --checkpoint " + a + " --socket " + d.socket()).exit_code, 0);
+  EXPECT_EQ(ListSegments(shm).size(), 3u);
+  // SIGHUP re-reads the file: it names only `a`, so `b` goes and `a` comes back.
+  d.proc().Signal(SIGHUP);
+  ASSERT_TRUE(WaitFor([&] {
+    json s = d.Status();
+    return s["segments"].size() == 1 && s["segments"][0]["checkpoint"] == a && s["segments"][0]["state"] == "READY";
+  }, std::chrono::seconds(20))) << d.proc().Output();
+  EXPECT_EQ(ListSegments(shm).size(), 1u);
+  EXPECT_EQ(RunCmd(BinPath("engramctl") + " unload --checkpoint /nope --socket " + d.socket()).exit_code, 1);
+}
+
+}  // namespace
+}  // namespace engram
