@@ -87,7 +87,8 @@ int main(int argc, char** argv) {
   std::atomic<bool> done{false};
   std::thread readiness([&] {
     while (!done && !state.WaitSettled(std::chrono::milliseconds(1000))) {
-      sd_notifyf(0, "STATUS=loading: %s", state.LoadProgressLine().c_str());
+      // Publishing 189 GiB takes longer than any start timeout: extend it while progress is made.
+      sd_notifyf(0, "STATUS=loading: %s\nEXTEND_TIMEOUT_USEC=%d", state.LoadProgressLine().c_str(), 30000000);
     }
     health->SetServingStatus(true);
     const std::string line = state.LoadProgressLine();

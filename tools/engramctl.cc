@@ -1,6 +1,8 @@
 // engramctl: the operator's command line for engram. Offline subcommands (plan, tokenmap, hash) read checkpoints
 // directly; daemon subcommands talk to engramd over its Unix socket.
+#include <algorithm>
 #include <cstring>
+#include <vector>
 #include <iostream>
 
 #include "tools/ctl_daemon.h"
@@ -28,6 +30,15 @@ int Help(int code) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // `engramctl --socket PATH status`: a leading --socket belongs to the daemon subcommands; move it behind the
+  // command so that each subcommand parses it as its own.
+  std::vector<char*> args(argv, argv + argc);
+  if (args.size() >= 3 && std::strcmp(args[1], "--socket") == 0) {
+    std::rotate(args.begin() + 1, args.begin() + 3, args.begin() + std::min<size_t>(4, args.size()));
+  } else if (args.size() >= 2 && std::strncmp(args[1], "--socket=", 9) == 0) {
+    std::rotate(args.begin() + 1, args.begin() + 2, args.begin() + std::min<size_t>(3, args.size()));
+  }
+  argv = args.data();
   if (argc < 2) return Help(2);
   const std::string cmd = argv[1];
   if (cmd == "-h" || cmd == "--help" || cmd == "help") return Help(0);
