@@ -1,0 +1,233 @@
+// bench_daemon: engramd's costs against ceilings measured in the same run.
+//   publish   Publish() of a TP1 segment from a page-cached synthetic checkpoint, vs the same threads doing a
+//             single-pass copy of the same bytes into a fresh shm file (first touch included), and vs plain memcpy
+//   adopt     a restarted daemon's start-to-settled time on an existing READY segment (and per 16 GiB)
+//   attach    session round trip (hello -> grant) against a running engramd
+//   status    Status RPC latency with 64 sessions attached
+// Usage: bench_daemon [--gib N] [--threads N] [--engramd PATH]
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "daemon/options.h"
+#include "daemon/publisher.h"
+#include "daemon/state.h"
+#include "engram/v1/engram.grpc.pb.h"
+#include "model/checkpoint.h"
+#include "model/tokenizer.h"
+#include "shm/segment.h"
+#include "spdlog/spdlog.h"
+#include "tools/synthetic.h"
+
+extern char** environ;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+void ParallelCopy(uint8_t* dst, const uint8_t* src, size_t n, int threads) {
+  std::vector<std::thread> pool;
+  const size_t part = (n / threads + 4095) / 4096 * 4096;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([=] {
+      const size_t b = std::min(n, part * t), e = std::min(n, part * (t + 1));
+      if (e > b) std::memcpy(dst + b, src + b, e - b);
+    });
+  }
+  for (auto& th : pool) th.join();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  double gib = 2;
+  int threads = static_cast<int>(std::min(16u, std::max(1u, std::thread::hardware_concurrency())));
+  std::string engramd = std::filesystem::path(argv[0]).parent_path().string() + "/../daemon/engramd";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string a = argv[i];
+    if (a == "--gib") gib = std::atof(argv[i + 1]);
+    if (a == "--threads") threads = std::atoi(argv[i + 1]);
+    if (a == "--engramd") engramd = argv[i + 1];
+  }
+  spdlog::set_level(spdlog::level::warn);
+  const std::string work = "/tmp/engram-bench-" + std::to_string(::getpid());
+  const std::string shm = "/dev/shm/engram-bench-" + std::to_string(::getpid());
+  std::filesystem::create_directories(work);
+  std::filesystem::create_directories(shm);
+  std::printf("bench_daemon: %.1f GiB of tables, %d threads\n", gib, threads);
+
+  engram::tools::SyntheticSpec spec;
+  spec.out_dir = work + "/ck";
+  spec.table_mib = gib * 1024;
+  spec.threads = threads;
+  auto gen = engram::tools::WriteSyntheticCheckpoint(spec);
+  if (!gen.ok()) return 1;
+  // Page-cache the checkpoint (read it once).
+  {
+    std::vector<char> buf(8 << 20);
+    for (const auto& e : std::filesystem::directory_iterator(spec.out_dir)) {
+      int fd = ::open(e.path().c_str(), O_RDONLY);
+      while (::read(fd, buf.data(), buf.size()) > 0) {
+      }
+      ::close(fd);
+    }
+  }
+  auto ckpt = engram::Checkpoint::Open(spec.out_dir);
+  auto layout = engram::Layout::Build((*ckpt)->config());
+  auto tok = engram::Tokenizer::Load((*ckpt)->tokenizer_path());
+  engram::TokenMap map = engram::TokenMap::Build(*tok);
+  const size_t bytes = gen->table_bytes;
+
+  // Ceilings: plain memcpy between warm buffers, and a single-pass copy into a fresh shm file (first touch).
+  std::vector<uint8_t> src(bytes, 1), warm(bytes, 2);
+  auto t0 = Clock::now();
+  ParallelCopy(warm.data(), src.data(), bytes, threads);
+  const double memcpy_gibs = bytes / 1073741824.0 / Since(t0);
+  std::vector<uint8_t>().swap(warm);  // keep the footprint of the probe like the publish's
+  const std::string probe = shm + "/probe";
+  // The same steps as a publish minus the checkpoint reads: reserve (fallocate), map, copy.
+  t0 = Clock::now();
+  int fd = ::open(probe.c_str(), O_RDWR | O_CREAT, 0600);
+  (void)::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  auto* dst = static_cast<uint8_t*>(::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  ::close(fd);
+  const double reserve_s = Since(t0);
+  ParallelCopy(dst, src.data(), bytes, threads);
+  const double shm_gibs = bytes / 1073741824.0 / Since(t0);
+  std::printf("probe: fallocate + map %.2f s, total %.2f s\n", reserve_s, bytes / 1073741824.0 / shm_gibs);
+  ::munmap(dst, bytes);
+  ::unlink(probe.c_str());
+  std::vector<uint8_t>().swap(src);
+
+  // Publish (page cache dropped behind the reader, so re-warm before each run).
+  auto publish = engram::daemon::Publish(**ckpt, *layout, map, 1, 0, shm, 1, 1, threads);
+  if (!publish.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(publish.status().message()).c_str());
+    return 1;
+  }
+  const double cold_s = publish->seconds;
+  ::unlink(publish->path.c_str());
+  {
+    std::vector<char> buf(8 << 20);
+    for (const auto& e : std::filesystem::directory_iterator(spec.out_dir)) {
+      int f = ::open(e.path().c_str(), O_RDONLY);
+      while (::read(f, buf.data(), buf.size()) > 0) {
+      }
+      ::close(f);
+    }
+  }
+  publish = engram::daemon::Publish(**ckpt, *layout, map, 1, 0, shm, 1, 1, threads);
+  const double pub_gibs = bytes / 1073741824.0 / publish->seconds;
+  std::printf("\nceiling  memcpy warm->warm %.2f GiB/s; single-pass copy into a fresh shm file %.2f GiB/s\n",
+              memcpy_gibs, shm_gibs);
+  std::printf("publish  %.2f GiB in %.2f s = %.2f GiB/s: %.2f of the shm copy, %.2f of memcpy "
+              "(first run, partly cold cache: %.2f s)\n",
+              bytes / 1073741824.0, publish->seconds, pub_gibs, pub_gibs / shm_gibs, pub_gibs / memcpy_gibs, cold_s);
+
+  // Adopt: a daemon start on the READY segment.
+  engram::daemon::Options opts;
+  opts.checkpoints = {spec.out_dir};
+  opts.shm_dir = shm;
+  opts.threads = threads;
+  {
+    t0 = Clock::now();
+    engram::daemon::DaemonState st(opts);
+    (void)st.Start();
+    st.WaitSettled(std::chrono::seconds(60));
+    const double adopt = Since(t0);
+    auto status = st.Status();
+    std::printf("adopt    start to READY %.3f s for %.2f GiB (%s) = %.3f s per 16 GiB if it scaled with size "
+                "(it does not: headers only)\n",
+                adopt, bytes / 1073741824.0, status.segments(0).origin().c_str(), adopt / (bytes / 17179869184.0));
+  }
+
+  // Attach and status against a real engramd.
+  const std::string sock = work + "/engramd.sock";
+  std::vector<std::string> args = {engramd, "--checkpoint", spec.out_dir, "--shm-dir", shm, "--socket", sock,
+                                   "--log-level", "warn"};
+  std::vector<char*> cargs;
+  for (auto& a : args) cargs.push_back(a.data());
+  cargs.push_back(nullptr);
+  pid_t pid;
+  if (posix_spawn(&pid, engramd.c_str(), nullptr, nullptr, cargs.data(), environ) != 0) return 1;
+  auto stub = engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + sock, grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < 200; ++i) {
+    grpc::ClientContext ctx;
+    engram::v1::StatusReply r;
+    if (stub->Status(&ctx, engram::v1::StatusRequest(), &r).ok() && r.segments_size() && r.segments(0).state() == "READY") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  struct stat sst {};
+  ::stat(shm.c_str(), &sst);
+  engram::v1::ClientMessage hello;
+  auto* h = hello.mutable_hello();
+  h->set_fingerprint((*ckpt)->Fingerprint());
+  h->set_tp_size(1);
+  h->set_dp_size(4);
+  h->set_shm_visible(true);
+  h->set_shm_dev(sst.st_dev);
+  h->set_shm_ino(sst.st_ino);
+  std::vector<double> rtt;
+  for (int i = 0; i < 100; ++i) {
+    grpc::ClientContext ctx;
+    auto s = stub->Session(&ctx);
+    engram::v1::ServerMessage m;
+    t0 = Clock::now();
+    s->Write(hello);
+    s->Read(&m);
+    rtt.push_back(Since(t0));
+    ctx.TryCancel();
+    s->Finish();
+  }
+  std::printf("attach   session round trip hello -> grant (incl. the token map in the descriptor): median %.0f us\n",
+              Median(rtt) * 1e6);
+  // 64 sessions held open, then Status latency.
+  std::vector<std::unique_ptr<grpc::ClientContext>> ctxs;
+  std::vector<std::unique_ptr<grpc::ClientReaderWriter<engram::v1::ClientMessage, engram::v1::ServerMessage>>> held;
+  for (int i = 0; i < 64; ++i) {
+    ctxs.push_back(std::make_unique<grpc::ClientContext>());
+    held.push_back(stub->Session(ctxs.back().get()));
+    held.back()->Write(hello);
+    engram::v1::ServerMessage m;
+    held.back()->Read(&m);
+  }
+  std::vector<double> lat;
+  int replicas = 0;
+  for (int i = 0; i < 100; ++i) {
+    grpc::ClientContext ctx;
+    engram::v1::StatusReply r;
+    t0 = Clock::now();
+    stub->Status(&ctx, engram::v1::StatusRequest(), &r);
+    lat.push_back(Since(t0));
+    replicas = r.replicas_size();
+  }
+  std::printf("status   with %d sessions attached: median %.0f us\n", replicas, Median(lat) * 1e6);
+  for (auto& c : ctxs) c->TryCancel();
+  for (auto& s : held) s->Finish();
+  ::kill(pid, SIGTERM);
+  ::waitpid(pid, nullptr, 0);
+  std::filesystem::remove_all(work);
+  std::filesystem::remove_all(shm);
+  return 0;
+}
