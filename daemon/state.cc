@@ -392,7 +392,7 @@ void DaemonState::ReportRegistration(const std::string& lease_id, const engram::
   if (it == replicas_.end()) return;
   Replica& r = it->second;
   if (r.backend == "registering") ++tickets_free_;
-  r.backend = res.ok() ? "cuda" : "cpu";
+  r.backend = res.backend().empty() ? (res.ok() ? "cuda" : "cpu") : res.backend();
   r.register_seconds = res.seconds();
   if (!res.ok()) {
     r.reasons.push_back(MakeReason(engram::v1::REGISTER_FAILED,

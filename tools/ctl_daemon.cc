@@ -1,6 +1,7 @@
 #include "tools/ctl_daemon.h"
 
 #include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -305,10 +306,17 @@ int CmdAttach(int argc, char** argv) {
       engram::v1::ServerMessage ticket;
       if (stream->Write(req) && stream->Read(&ticket) && ticket.has_ticket()) {
         out["ticket_wait_seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        // No GPU here: pin the mapping with mlock (what registration does to the pages) and time it.
         engram::v1::ClientMessage res;
-        res.mutable_register_result()->set_ok(a.Get("--register-ok", "true") == "true");
-        res.mutable_register_result()->set_seconds(0.01);
-        if (!res.register_result().ok()) {
+        const auto r0 = std::chrono::steady_clock::now();
+        bool pinned = reader.ok() && ::mlock((*reader)->data(), answer.grant().segment_bytes() -
+                                                                    (*reader)->header().data_offset) == 0;
+        res.mutable_register_result()->set_seconds(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - r0).count());
+        res.mutable_register_result()->set_backend("cpu");
+        res.mutable_register_result()->set_ok(pinned && a.Get("--register-ok", "true") == "true");
+        if (!pinned) res.mutable_register_result()->set_error("mlock failed (ulimit -l?)");
+        if (pinned && !res.register_result().ok()) {
           res.mutable_register_result()->set_error("simulated failure");
           res.mutable_register_result()->set_failed_chunk(1);
         }

@@ -142,6 +142,8 @@ TEST(DaemonTest, PublishesSharesAndHoldsLeases) {
     pids_before.insert(r["pid"].get<int>());
     EXPECT_EQ(r["mode"], "SHARED");
     EXPECT_EQ(r["uid"], ::getuid());
+    EXPECT_EQ(r["backend"], "cpu");  // pinned with mlock: no GPU here
+    EXPECT_GE(r["register_seconds"].get<double>(), 0.0);
   }
   for (auto& r : replicas) {
     EXPECT_TRUE(pids_before.count(r.pid())) << "status pid is the peer's real pid: " << r.pid() << " vs "
@@ -281,6 +283,28 @@ TEST(DaemonTest, FallbackReasonsFromTheTopologyAndConfig) {
     return false;
   }, std::chrono::seconds(10))) << r.Output() << d.Status().dump();
   EXPECT_TRUE(d.proc().Running());
+}
+
+// Containers, without Docker: a replica in its own mount namespace with a private /dev/shm (a container without
+// --ipc=host) falls back with SHM_NOT_VISIBLE; one in its own namespace that still sees the host's /dev/shm shares.
+TEST(DaemonTest, PrivateShmNamespaceFallsBackSharedOneShares) {
+  if (RunCmd("unshare -m --propagation private true").exit_code != 0) GTEST_SKIP() << "cannot create mount namespaces";
+  TempDir dir;
+  const std::string ckpt = MakeCheckpoint(dir, 16);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", "/dev/shm"});
+  ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
+  const std::string attach = BinPath("engramctl") + " attach --socket " + d.socket() + " --checkpoint " + ckpt +
+                             " --shm-dir /dev/shm --dp-size 2";
+  auto priv = RunCmd("unshare -m --propagation private sh -c 'mount -t tmpfs -o size=8m tmpfs /dev/shm && " + attach +
+                     "'");
+  EXPECT_EQ(priv.exit_code, 0) << priv.err;
+  json j = FirstJson(priv.out);
+  EXPECT_EQ(j["decision"], "fallback") << priv.out;
+  EXPECT_EQ(Reasons(j), std::set<std::string>{"SHM_NOT_VISIBLE"});
+  auto shared = RunCmd("unshare -m --propagation private sh -c '" + attach + "'");
+  EXPECT_EQ(shared.exit_code, 0) << shared.err;
+  EXPECT_EQ(FirstJson(shared.out)["decision"], "shared") << shared.out;
+  ASSERT_EQ(RunCmd(BinPath("engramctl") + " unload --checkpoint " + ckpt + " --socket " + d.socket()).exit_code, 0);
 }
 
 TEST(DaemonTest, StartupRefusals) {
