@@ -1,0 +1,139 @@
+// The systemd unit, for real where this machine allows: `systemd-analyze verify` accepts it (with ExecStart pointed
+// at the built binary), its hardening keeps /dev/shm shared (no RemoveIPC, DynamicUser, PrivateDevices, PrivateIPC),
+// and its ExecStart line, run exactly as written (paths swapped for the build tree's) with a NOTIFY_SOCKET, reaches
+// READY=1; ExecReload's SIGHUP reloads; SIGTERM stops cleanly. The install target puts every file in place.
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+
+#include <cstring>
+#include <map>
+#include <sstream>
+
+#include "gtest/gtest.h"
+#include "tests/integration/process.h"
+#include "tests/test_util.h"
+
+namespace engram {
+namespace {
+
+using testing::BinPath;
+using testing::Process;
+using testing::RunCmd;
+using testing::TempDir;
+using testing::WaitFor;
+
+std::string SourcePath(const std::string& rel) { return std::string(ENGRAM_SOURCE_DIR) + "/" + rel; }
+
+std::multimap<std::string, std::string> UnitKeys(const std::string& text) {
+  std::multimap<std::string, std::string> keys;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#' || line[0] == '[') continue;
+    auto eq = line.find('=');
+    if (eq != std::string::npos) keys.emplace(line.substr(0, eq), line.substr(eq + 1));
+  }
+  return keys;
+}
+
+std::string Replace(std::string s, const std::string& from, const std::string& to) {
+  for (size_t p = s.find(from); p != std::string::npos; p = s.find(from, p + to.size())) s.replace(p, from.size(), to);
+  return s;
+}
+
+TEST(SystemdTest, UnitKeepsSharedMemoryShared) {
+  auto keys = UnitKeys(testing::ReadFile(SourcePath("systemd/engramd.service")));
+  auto one = [&](const std::string& k) { return keys.count(k) ? keys.find(k)->second : ""; };
+  EXPECT_EQ(one("Type"), "notify");
+  EXPECT_EQ(one("RemoveIPC"), "no");
+  EXPECT_NE(one("DynamicUser"), "yes");
+  EXPECT_NE(one("PrivateDevices"), "yes");
+  EXPECT_NE(one("PrivateIPC"), "yes");
+  EXPECT_NE(one("ReadWritePaths").find("/dev/shm"), std::string::npos);
+  EXPECT_EQ(one("RuntimeDirectory"), "engramd");
+  EXPECT_EQ(one("RuntimeDirectoryMode"), "0750");
+  EXPECT_EQ(one("Restart"), "on-failure");
+  EXPECT_EQ(one("LimitMEMLOCK"), "infinity");
+  EXPECT_NE(one("ExecStart").find("--config /etc/engramd/engramd.conf"), std::string::npos);
+}
+
+TEST(SystemdTest, SystemdAnalyzeVerifiesTheUnits) {
+  if (RunCmd("command -v systemd-analyze").exit_code != 0) GTEST_SKIP() << "systemd-analyze is not installed";
+  TempDir dir;
+  const std::string unit = Replace(testing::ReadFile(SourcePath("systemd/engramd.service")), "/usr/local/bin/engramd",
+                                   BinPath("../daemon/engramd"));
+  testing::WriteFile(dir / "engramd.service", unit);
+  auto r = RunCmd("systemd-analyze verify " + (dir / "engramd.service") + " 2>&1");
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_EQ(r.out, "") << "systemd-analyze complains";
+  auto m = RunCmd("systemd-analyze verify " + SourcePath("systemd/var-lib-engram-shm.mount") + " 2>&1");
+  EXPECT_EQ(m.exit_code, 0) << m.out;
+}
+
+TEST(SystemdTest, ExecStartReachesReadyThroughNotifySocketAndReloads) {
+  TempDir dir;
+  ASSERT_EQ(RunCmd(BinPath("engram-mkckpt") + " --out " + (dir / "ck") + " --table-mib 16").exit_code, 0);
+  ::mkdir((dir / "shm").c_str(), 0755);
+  // The shipped config, pointed at the test's checkpoint, shm and socket.
+  std::string conf = testing::ReadFile(SourcePath("etc/engramd.conf"));
+  conf = Replace(conf, "#checkpoint = /models/DeepSeek-V4.1-Flash", "checkpoint = " + (dir / "ck"));
+  conf = Replace(conf, "shm_dir = /dev/shm", "shm_dir = " + (dir / "shm"));
+  conf = Replace(conf, "socket = /run/engramd/engramd.sock", "socket = " + (dir / "run/engramd.sock"));
+  conf = Replace(conf, "group = engram", "group = root");
+  testing::WriteFile(dir / "engramd.conf", conf);
+  auto keys = UnitKeys(testing::ReadFile(SourcePath("systemd/engramd.service")));
+  std::string exec = keys.find("ExecStart")->second;
+  exec = Replace(exec, "/usr/local/bin/engramd", BinPath("../daemon/engramd"));
+  exec = Replace(exec, "/etc/engramd/engramd.conf", dir / "engramd.conf");
+  std::vector<std::string> argv;
+  std::istringstream ss(exec);
+  for (std::string w; ss >> w;) argv.push_back(w);
+
+  const std::string notify = dir / "notify.sock";
+  int fd = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, notify.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ::setenv("NOTIFY_SOCKET", notify.c_str(), 1);
+  Process p(argv, dir / "engramd.log");
+  ::unsetenv("NOTIFY_SOCKET");
+  std::string got;
+  auto drain = [&] {
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::recv(fd, buf, sizeof(buf), MSG_DONTWAIT)) > 0) got.append(buf, static_cast<size_t>(n)).append("\n");
+  };
+  ASSERT_TRUE(WaitFor([&] { drain(); return got.find("READY=1") != std::string::npos; }, std::chrono::seconds(30)))
+      << got << p.Output();
+  struct stat st {};
+  ASSERT_EQ(::stat((dir / "run/engramd.sock").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+  ASSERT_EQ(::stat((dir / "run").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0750u);
+  // ExecReload: SIGHUP re-reads the config.
+  got.clear();
+  p.Signal(SIGHUP);
+  ASSERT_TRUE(WaitFor([&] { drain(); return got.find("RELOADING=1") != std::string::npos; }, std::chrono::seconds(10)))
+      << p.Output();
+  EXPECT_TRUE(WaitFor([&] { return p.Output().find("event=reload") != std::string::npos; }, std::chrono::seconds(10)));
+  p.Signal(SIGTERM);
+  EXPECT_EQ(p.Wait(), 0) << p.Output();
+  ::close(fd);
+}
+
+TEST(SystemdTest, InstallPutsEverythingInPlace) {
+  TempDir dir;
+  auto r = RunCmd("cmake --install " + BinPath("..") + " --prefix " + dir.path() + " 2>&1");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  for (const char* f : {"bin/engramd", "bin/engramctl", "bin/engram-mkckpt", "lib/systemd/system/engramd.service",
+                        "lib/systemd/system/var-lib-engram-shm.mount", "lib/tmpfiles.d/engramd.conf",
+                        "lib/sysusers.d/engramd.conf", "etc/engramd/engramd.conf"}) {
+    struct stat st {};
+    EXPECT_EQ(::stat((dir / f).c_str(), &st), 0) << f;
+  }
+}
+
+}  // namespace
+}  // namespace engram
