@@ -1,7 +1,7 @@
 // engramd: the per-node Engram table daemon. See README.md ("Running the daemon") and daemon/state.h.
 //
 //   engramd --checkpoint DIR [--checkpoint DIR ...] --tp 1[,2,...] [--shm-dir DIR] [--socket PATH] [--group NAME]
-//           [--tickets N] [--threads N] [--log-level LEVEL] [--config FILE]
+//           [--tickets N] [--threads N] [--log-level LEVEL] [--metrics-file PATH] [--config FILE]
 //
 // Runs in the foreground, logs to stderr, readiness through sd_notify (READY=1 once the requested segments are
 // settled, STATUS= progress while loading). SIGTERM/SIGINT: stop accepting, tell sessions, leave READY segments in
@@ -30,7 +30,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
       std::printf("usage: engramd --checkpoint DIR [--checkpoint DIR ...] [--tp 1,2] [--shm-dir DIR] [--socket PATH]\n"
-                  "               [--group NAME] [--tickets N] [--threads N] [--log-level LEVEL] [--config FILE]\n");
+                  "               [--group NAME] [--tickets N] [--threads N] [--log-level LEVEL]\n"
+                  "               [--metrics-file PATH] [--config FILE]\n");
       return 0;
     }
   }
@@ -96,6 +97,22 @@ int main(int argc, char** argv) {
     spdlog::info("event=ready detail=\"{}\"", line);
   });
 
+  std::thread metrics;
+  if (!opts->metrics_file.empty()) {
+    metrics = std::thread([&] {
+      while (!done) {
+        const std::string tmp = opts->metrics_file + ".tmp";
+        if (FILE* f = std::fopen(tmp.c_str(), "w")) {
+          const std::string text = state.MetricsText();
+          std::fwrite(text.data(), 1, text.size(), f);
+          std::fclose(f);
+          std::rename(tmp.c_str(), opts->metrics_file.c_str());
+        }
+        for (int i = 0; i < 20 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    });
+  }
+
   while (true) {
     int sig = 0;
     sigwait(&sigs, &sig);
@@ -121,6 +138,7 @@ int main(int argc, char** argv) {
   state.Drain();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   readiness.join();
+  if (metrics.joinable()) metrics.join();
   spdlog::info("event=stopped: READY segments stay in place for the next start");
   return 0;
 }

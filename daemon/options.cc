@@ -55,6 +55,8 @@ absl::Status Set(const std::string& origin, const std::string& key, const std::s
     return int_value(&o->threads, 0);
   } else if (key == "log_level") {
     o->log_level = value;
+  } else if (key == "metrics_file") {
+    o->metrics_file = value;
   } else {
     return absl::InvalidArgumentError(absl::StrCat(origin, ": unknown key '", key, "'"));
   }

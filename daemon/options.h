@@ -1,8 +1,8 @@
 // engramd's configuration: command-line flags over an optional config file (/etc/engramd/engramd.conf).
 //
 // Config file: one `key = value` per line, `#` comments. Keys: checkpoint (repeatable), tp (comma list), shm_dir,
-// socket, group, tickets, threads, log_level. Flags: --checkpoint DIR (repeatable), --tp 1,2, --shm-dir DIR,
-// --socket PATH, --group NAME, --tickets N, --threads N, --log-level LEVEL, --config FILE. A flag given on the
+// socket, group, tickets, threads, log_level, metrics_file. Flags: --checkpoint DIR (repeatable), --tp 1,2, --shm-dir DIR,
+// --socket PATH, --group NAME, --tickets N, --threads N, --log-level LEVEL, --metrics-file PATH, --config FILE. A flag given on the
 // command line replaces the file's value for that key (checkpoints too: flags replace the file's list).
 // Plain value type.
 #pragma once
@@ -24,6 +24,7 @@ struct Options {
   int tickets = 1;          // replicas registering at once
   int threads = 0;          // publish/verify workers; 0 = hardware concurrency (at most 16)
   std::string log_level = "info";
+  std::string metrics_file;  // Prometheus text format, rewritten every 2 s (node_exporter textfile collector)
   std::string config_file;  // where the file values came from ("" when none)
 };
 

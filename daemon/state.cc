@@ -356,11 +356,13 @@ absl::StatusOr<engram::v1::ServerMessage> DaemonState::Attach(
     const std::string line = absl::StrFormat("pid %d dp %d tp %d: %s -> %s", peer.pid, h.dp_rank(), h.tp_rank(),
                                              ReasonsText(d.reasons), ModeName(d.mode));
     recent_fallbacks_.push_back(line);
+    for (const auto& reason : d.reasons) ++fallbacks_by_reason_[ReasonName(reason.code())];
     while (recent_fallbacks_.size() > 32) recent_fallbacks_.pop_front();
     spdlog::warn("event=attach decision=fallback pid={} uid={} dp_rank={} tp_rank={} mode={} reasons={}", peer.pid,
                  peer.uid, h.dp_rank(), h.tp_rank(), ModeName(d.mode), ReasonsText(d.reasons));
   }
   *lease_id = r.lease_id;
+  ++sessions_total_;
   replicas_[r.lease_id] = std::move(r);
   return msg;
 }
@@ -394,7 +396,10 @@ void DaemonState::ReportRegistration(const std::string& lease_id, const engram::
   if (r.backend == "registering") ++tickets_free_;
   r.backend = res.backend().empty() ? (res.ok() ? "cuda" : "cpu") : res.backend();
   r.register_seconds = res.seconds();
+  register_seconds_sum_ += res.seconds();
+  ++register_count_;
   if (!res.ok()) {
+    ++fallbacks_by_reason_["REGISTER_FAILED"];
     r.reasons.push_back(MakeReason(engram::v1::REGISTER_FAILED,
                                    absl::StrFormat("cudaHostRegister failed at chunk %d: %s (check ulimit -l / "
                                                    "LimitMEMLOCK)", res.failed_chunk(), res.error())));
@@ -480,6 +485,52 @@ engram::v1::StatusReply DaemonState::Status() {
   s.set_draining(draining_);
   s.set_epoch(epoch_);
   return s;
+}
+
+std::string DaemonState::MetricsText() {
+  engram::v1::StatusReply s = Status();
+  std::string out;
+  auto line = [&](const std::string& name, const std::string& labels, double v) {
+    absl::StrAppend(&out, name, labels.empty() ? "" : "{" + labels + "}", " ", absl::StrFormat("%.6g", v), "\n");
+  };
+  absl::StrAppend(&out, "# HELP engram_shm_bytes shm directory capacity.\n# TYPE engram_shm_bytes gauge\n");
+  line("engram_shm_bytes", "kind=\"total\"", static_cast<double>(s.shm().total_bytes()));
+  line("engram_shm_bytes", "kind=\"free\"", static_cast<double>(s.shm().free_bytes()));
+  line("engram_shm_bytes", "kind=\"engram\"", static_cast<double>(s.shm().engram_bytes()));
+  absl::StrAppend(&out, "# HELP engram_segment_bytes Size of each segment, by state.\n"
+                        "# TYPE engram_segment_bytes gauge\n");
+  std::map<std::string, int> by_state;
+  for (const auto& g : s.segments()) {
+    line("engram_segment_bytes", absl::StrFormat("segment=\"%s\",state=\"%s\",origin=\"%s\"", g.name(), g.state(),
+                                                 g.origin()),
+         static_cast<double>(g.bytes()));
+    ++by_state[g.state()];
+  }
+  absl::StrAppend(&out, "# TYPE engram_segments gauge\n");
+  for (const auto& [st, n] : by_state) line("engram_segments", "state=\"" + st + "\"", n);
+  absl::StrAppend(&out, "# HELP engram_publish_gib_per_second Publish rate of each published segment.\n"
+                        "# TYPE engram_publish_gib_per_second gauge\n");
+  for (const auto& g : s.segments()) {
+    if (g.origin() == "published" && g.state() == "READY" && g.load_seconds() > 0) {
+      line("engram_publish_gib_per_second", "segment=\"" + g.name() + "\"",
+           g.bytes() / 1073741824.0 / g.load_seconds());
+    }
+  }
+  std::map<std::string, int> by_mode;
+  for (const auto& r : s.replicas()) ++by_mode[r.mode()];
+  absl::StrAppend(&out, "# HELP engram_replicas Attached replicas by mode.\n# TYPE engram_replicas gauge\n");
+  for (const char* m : {"SHARED", "PRIVATE_PINNED", "DEVICE", "DP_SHARDED"}) line("engram_replicas", absl::StrCat("mode=\"", m, "\""), by_mode[m]);
+  std::lock_guard<std::mutex> lock(mu_);
+  absl::StrAppend(&out, "# HELP engram_fallbacks_total Fallback decisions since start, by reason.\n"
+                        "# TYPE engram_fallbacks_total counter\n");
+  for (const auto& [reason, n] : fallbacks_by_reason_) line("engram_fallbacks_total", "reason=\"" + reason + "\"", static_cast<double>(n));
+  absl::StrAppend(&out, "# TYPE engram_sessions_total counter\n");
+  line("engram_sessions_total", "", static_cast<double>(sessions_total_));
+  absl::StrAppend(&out, "# HELP engram_register_seconds Registration time reported by replicas.\n"
+                        "# TYPE engram_register_seconds summary\n");
+  line("engram_register_seconds_sum", "", register_seconds_sum_);
+  line("engram_register_seconds_count", "", static_cast<double>(register_count_));
+  return out;
 }
 
 absl::Status DaemonState::Load(const std::string& dir, const std::vector<int64_t>& tp_sizes) {

@@ -101,6 +101,8 @@ class DaemonState {
 
   // Admin.
   engram::v1::StatusReply Status();
+  // Prometheus text exposition of the status plus counters since start.
+  std::string MetricsText();
   absl::Status Load(const std::string& dir, const std::vector<int64_t>& tp_sizes);
   absl::Status Unload(const std::string& dir);
   void Drain();
@@ -127,6 +129,10 @@ class DaemonState {
   std::map<std::string, std::unique_ptr<CheckpointEntry>> checkpoints_;
   std::map<std::string, Replica> replicas_;
   std::deque<std::string> recent_fallbacks_;
+  std::map<std::string, uint64_t> fallbacks_by_reason_;  // since start
+  uint64_t sessions_total_ = 0;
+  double register_seconds_sum_ = 0;
+  uint64_t register_count_ = 0;
   int tickets_free_ = 1;
   std::deque<std::string> ticket_queue_;
   std::atomic<bool> draining_{false};

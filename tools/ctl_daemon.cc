@@ -6,11 +6,14 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <map>
 #include <iostream>
 #include <random>
 #include <thread>
 
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "absl/strings/str_join.h"
 #include "engram/v1/engram.grpc.pb.h"
 #include "model/checkpoint.h"
@@ -146,6 +149,52 @@ int CmdStatus(int argc, char** argv) {
     for (const auto& f : s.recent_fallbacks()) std::cout << "  " << f << "\n";
   }
   if (s.draining()) std::cout << "\nengramd is draining\n";
+  return 0;
+}
+
+int CmdWatch(int argc, char** argv) {
+  Args a;
+  if (auto st = a.Parse(argc, argv, 2, {"--socket", "--interval", "--count"}, {}); !st.ok()) {
+    return Usage(std::string(st.message()));
+  }
+  const std::string socket = a.Get("--socket", kDefaultSocket);
+  const double interval = std::max(0.1, std::atof(a.Get("--interval", "1").c_str()));
+  const int64_t count = a.GetInt("--count", 0).value_or(0);
+  auto stub = Connect(socket);
+  std::map<std::string, std::pair<double, std::chrono::steady_clock::time_point>> last;  // progress seen
+  for (int64_t tick = 0; count == 0 || tick < count; ++tick) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    engram::v1::StatusReply s;
+    grpc::Status st = stub->Status(&ctx, engram::v1::StatusRequest(), &s);
+    if (!st.ok()) return RpcFailure(st, socket);
+    const auto now = std::chrono::steady_clock::now();
+    bool busy = false;
+    std::cout << absl::StrFormat("[%s] %d segments, %d replicas\n", absl::FormatTime("%H:%M:%S", absl::Now(), absl::LocalTimeZone()),
+                                 s.segments_size(), s.replicas_size());
+    for (const auto& g : s.segments()) {
+      const bool loading = g.state() == "LOADING" || g.state() == "PENDING";
+      const bool verifying = g.checksum_state() == "verifying";
+      busy = busy || loading || verifying;
+      std::string rate = "-", eta = "-";
+      auto it = last.find(g.name());
+      if (it != last.end() && (loading || verifying)) {
+        const double dt = std::chrono::duration<double>(now - it->second.second).count();
+        const double gibs = (g.progress() - it->second.first) * g.bytes() / 1073741824.0 / std::max(dt, 1e-3);
+        if (gibs > 0) {
+          rate = absl::StrFormat("%.2f GiB/s", gibs);
+          eta = absl::StrFormat("%.0f s", (1 - g.progress()) * g.bytes() / 1073741824.0 / gibs);
+        }
+      }
+      last[g.name()] = {g.progress(), now};
+      std::cout << absl::StrFormat("  %-40s %-9s %s %5.1f%%  %-12s eta %s%s\n", g.name(),
+                                   verifying ? "VERIFYING" : g.state(), Bar(static_cast<uint64_t>(g.progress() * 1000), 1000, 20),
+                                   g.progress() * 100, rate, eta, g.error().empty() ? "" : "  ! " + g.error());
+    }
+    std::cout.flush();
+    if (!busy && count == 0) return 0;
+    std::this_thread::sleep_for(std::chrono::duration<double>(interval));
+  }
   return 0;
 }
 

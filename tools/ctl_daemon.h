@@ -1,5 +1,6 @@
 // engramctl's daemon subcommands (they talk to engramd over its Unix socket):
 //   status [--json]                      what the daemon holds and who uses it
+//   watch [--interval S] [--count N]     live progress of loading / verification (GiB/s, ETA) until settled
 //   load --checkpoint DIR [--tp 1,2]     serve another checkpoint
 //   unload --checkpoint DIR              stop serving one (mapped segments stay valid for their replicas)
 //   drain                                tell every session the daemon is going away
@@ -10,6 +11,7 @@
 namespace engram::tools {
 
 int CmdStatus(int argc, char** argv);
+int CmdWatch(int argc, char** argv);
 int CmdLoad(int argc, char** argv);
 int CmdUnload(int argc, char** argv);
 int CmdDrain(int argc, char** argv);

@@ -8,6 +8,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include <optional>
+
+#include "daemon/fallback.h"
 #include "model/checkpoint.h"
 #include "model/file_util.h"
 #include "model/layout.h"
@@ -51,7 +54,10 @@ absl::StatusOr<EngramConfig> ConfigFrom(const Args& a, bool validate_tensors) {
 
 int CmdPlan(int argc, char** argv) {
   Args a;
-  if (auto st = a.Parse(argc, argv, 2, {"--checkpoint", "--config", "--tp", "--shm-dir"}, {"--json"}); !st.ok()) {
+  if (auto st = a.Parse(argc, argv, 2, {"--checkpoint", "--config", "--tp", "--shm-dir", "--dp", "--local-dp",
+                                        "--cpu-offload"},
+                        {"--json", "--elastic-ep", "--embedding-across-dp"});
+      !st.ok()) {
     return Usage(std::string(st.message()));
   }
   if (a.Has("--checkpoint") == a.Has("--config")) return Usage("plan needs exactly one of --checkpoint or --config");
@@ -105,6 +111,43 @@ int CmdPlan(int argc, char** argv) {
                      {"free_bytes", cap.ok() ? cap->free_bytes : 0},
                      {"needed_bytes", needed},
                      {"fits", cap.ok() && cap->free_bytes >= needed}};
+  // With --dp: would dp_shared_memory work on this node for this topology, and if not, why (the daemon's own rule).
+  std::optional<daemon::Decision> verdict;
+  if (a.Has("--dp")) {
+    auto dp = a.GetInt("--dp", 1);
+    auto local = a.GetInt("--local-dp", dp.value_or(1));
+    if (!dp.ok() || !local.ok()) return Usage("--dp and --local-dp want integers");
+    engram::v1::Hello h;
+    h.set_tp_size(static_cast<int32_t>(*tp));
+    h.set_dp_size(static_cast<int32_t>(*dp));
+    h.set_local_dp_size(static_cast<int32_t>(*local));
+    h.set_elastic_ep(a.Has("--elastic-ep"));
+    h.mutable_config()->set_cpu_offload(a.Get("--cpu-offload", "true") == "false" ? engram::v1::DISABLED
+                                                                                  : engram::v1::ENABLED);
+    h.mutable_config()->set_embedding_across_dp(a.Has("--embedding-across-dp"));
+    daemon::NodeView node;
+    node.checkpoint_served = true;
+    node.shm_path = shm_dir;
+    node.shm_exists = cap.ok();
+    node.tables_bytes = needed;
+    if (cap.ok()) {
+      node.shm_free_bytes = cap->free_bytes;
+      node.shm_too_small = cap->free_bytes < needed;
+      node.shm_dev = cap->device;
+      node.shm_ino = cap->inode;
+      h.set_shm_visible(true);
+      h.set_shm_dev(cap->device);
+      h.set_shm_ino(cap->inode);
+    }
+    verdict = daemon::Decide(h, node);
+    json reasons = json::array(), hints = json::array();
+    for (const auto& r : verdict->reasons) {
+      reasons.push_back(engram::v1::FallbackReason_Name(r.code()));
+      hints.push_back(r.hint());
+    }
+    out["dp_shared_memory"] = {{"works", verdict->share}, {"mode", engram::v1::Mode_Name(verdict->mode)},
+                               {"reasons", reasons}, {"hints", hints}};
+  }
   if (a.Has("--json")) {
     std::cout << out.dump() << "\n";
     return 0;
@@ -132,6 +175,16 @@ int CmdPlan(int argc, char** argv) {
                                                            : "DOES NOT FIT: replicas would fall back (SHM_TOO_SMALL)");
   } else {
     std::cout << "\nshm " << shm_dir << ": " << cap.status().message() << " (replicas would fall back: SHM_MISSING)\n";
+  }
+  if (verdict) {
+    if (verdict->share) {
+      std::cout << "\ndp_shared_memory: works here: one copy of each TP shard for all DP replicas of this node\n";
+    } else {
+      std::cout << "\ndp_shared_memory: would fall back to " << engram::v1::Mode_Name(verdict->mode) << ":\n";
+      for (const auto& r : verdict->reasons) {
+        std::cout << "  " << engram::v1::FallbackReason_Name(r.code()) << ": " << r.hint() << "\n";
+      }
+    }
   }
   return 0;
 }

@@ -17,6 +17,7 @@ int Help(int code) {
          "  tokenmap --tokenizer FILE [--out FILE] [--json]\n"
          "  hash (--checkpoint DIR | --config FILE --tokenizer FILE) --tokens a,b,... [--dead 0,1,...] [--json]\n"
          "  status [--socket PATH] [--json]\n"
+         "  watch [--socket PATH] [--interval S] [--count N]\n"
          "  load --checkpoint DIR [--tp 1,2] [--socket PATH]\n"
          "  unload --checkpoint DIR [--socket PATH]\n"
          "  drain [--socket PATH]\n"
@@ -46,6 +47,7 @@ int main(int argc, char** argv) {
   if (cmd == "tokenmap") return engram::tools::CmdTokenMap(argc, argv);
   if (cmd == "hash") return engram::tools::CmdHash(argc, argv);
   if (cmd == "status") return engram::tools::CmdStatus(argc, argv);
+  if (cmd == "watch") return engram::tools::CmdWatch(argc, argv);
   if (cmd == "load") return engram::tools::CmdLoad(argc, argv);
   if (cmd == "unload") return engram::tools::CmdUnload(argc, argv);
   if (cmd == "drain") return engram::tools::CmdDrain(argc, argv);

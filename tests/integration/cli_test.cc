@@ -74,6 +74,25 @@ TEST_F(CliTest, PlanOfTheRealFlashConfig) {
   EXPECT_NE(human.out.find("SHM_MISSING"), std::string::npos) << human.out;
 }
 
+TEST_F(CliTest, PlanSaysWhetherDpSharedMemoryWorksAndWhy) {
+  auto r = RunCmd(Ctl() + " plan --checkpoint " + Ckpt() + " --tp 1 --dp 4 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  json j = json::parse(r.out);
+  EXPECT_EQ(j["dp_shared_memory"]["works"], true) << r.out;
+  EXPECT_EQ(j["dp_shared_memory"]["mode"], "SHARED");
+  r = RunCmd(Ctl() + " plan --checkpoint " + Ckpt() + " --tp 1 --dp 4 --local-dp 2 --elastic-ep --json");
+  j = json::parse(r.out);
+  EXPECT_EQ(j["dp_shared_memory"]["works"], false);
+  EXPECT_EQ(j["dp_shared_memory"]["reasons"], json({"NOT_COLOCATED", "ELASTIC_EP"}));
+  r = RunCmd(Ctl() + " plan --config " + DataPath("configs/v41-flash.json") + " --dp 2 --shm-dir /nonexistent");
+  EXPECT_NE(r.out.find("dp_shared_memory: would fall back to PRIVATE_PINNED"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("SHM_MISSING"), std::string::npos) << r.out;
+  r = RunCmd(Ctl() + " plan --checkpoint " + Ckpt() + " --dp 1 --cpu-offload false --json");
+  j = json::parse(r.out);
+  EXPECT_EQ(j["dp_shared_memory"]["mode"], "DEVICE");
+  // Without --dp the JSON keeps exactly the documented keys (PlanJsonHasExactlyTheDocumentedShape).
+}
+
 TEST_F(CliTest, PlanRefusesBrokenCheckpointsAndPle) {
   TempDir bad;
   auto r = RunCmd(BinPath("engram-mkckpt") + " --out " + (bad / "ck") + " --table-mib 1 --head-dim 64 --hidden 32 --shards 1");

@@ -7,13 +7,17 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 
+#include <atomic>
+#include <filesystem>
 #include <fstream>
+#include <thread>
 #include <set>
 #include <sstream>
 
 #include "engram/v1/engram.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "model/checkpoint.h"
 #include "shm/segment.h"
 #include "tests/integration/process.h"
 #include "tests/test_util.h"
@@ -305,6 +309,154 @@ TEST(DaemonTest, PrivateShmNamespaceFallsBackSharedOneShares) {
   EXPECT_EQ(shared.exit_code, 0) << shared.err;
   EXPECT_EQ(FirstJson(shared.out)["decision"], "shared") << shared.out;
   ASSERT_EQ(RunCmd(BinPath("engramctl") + " unload --checkpoint " + ckpt + " --socket " + d.socket()).exit_code, 0);
+}
+
+TEST(DaemonTest, WatchShowsProgressAndMetricsFileCounts) {
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string ckpt = MakeCheckpoint(dir, 1536);
+  const std::string metrics = dir / "engramd.prom";
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--threads", "1", "--metrics-file", metrics});
+  ASSERT_TRUE(WaitFor([&] { return !d.Status().is_null(); }, std::chrono::seconds(20)));
+  Process watch({BinPath("engramctl"), "watch", "--socket", d.socket(), "--interval", "0.2"}, dir / "watch.log");
+  EXPECT_EQ(watch.Wait(std::chrono::milliseconds(120000)), 0) << watch.Output();
+  const std::string w = watch.Output();
+  EXPECT_NE(w.find("LOADING"), std::string::npos) << w;
+  EXPECT_NE(w.find("GiB/s"), std::string::npos) << w;
+  EXPECT_NE(w.find("eta"), std::string::npos) << w;
+  Process r = Attach(dir, d, ckpt, shm, "--dp-size 1", "fallback.log");
+  EXPECT_EQ(r.Wait(), 0);
+  ASSERT_TRUE(WaitFor([&] {
+    const std::string m = testing::ReadFile(metrics);
+    return m.find("engram_fallbacks_total{reason=\"DP_SIZE_ONE\"} 1") != std::string::npos;
+  }, std::chrono::seconds(10))) << testing::ReadFile(metrics);
+  const std::string m = testing::ReadFile(metrics);
+  EXPECT_NE(m.find("engram_segments{state=\"READY\"} 1"), std::string::npos) << m;
+  EXPECT_NE(m.find("engram_publish_gib_per_second{segment="), std::string::npos) << m;
+  EXPECT_NE(m.find("engram_replicas{mode=\"SHARED\"} 0"), std::string::npos) << m;
+  EXPECT_NE(m.find("# TYPE engram_fallbacks_total counter"), std::string::npos) << m;
+}
+
+int CountFds(pid_t pid) {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd")) ++n;
+  return n;
+}
+
+long RssKib(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string k;
+  long v = 0;
+  while (in >> k) {
+    if (k == "VmRSS:") {
+      in >> v;
+      return v;
+    }
+  }
+  return 0;
+}
+
+// Lifecycle under load: 64 sessions attaching and detaching in a loop while status is polled and a replica
+// process is killed (-9) every 2 seconds. Afterwards: no leases, fds, mappings or segments leaked, memory flat.
+TEST(DaemonTest, SoakSessionsKillsAndStatusLeakNothing) {
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string ckpt = MakeCheckpoint(dir, 16);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--tickets", "4"});
+  ASSERT_TRUE(d.WaitReady());
+  const pid_t daemon_pid = d.proc().pid();
+  auto ck = Checkpoint::Open(ckpt);
+  ASSERT_TRUE(ck.ok());
+  struct stat sst {};
+  ::stat(shm.c_str(), &sst);
+  engram::v1::ClientMessage hello;
+  hello.mutable_hello()->set_fingerprint((*ck)->Fingerprint());
+  hello.mutable_hello()->set_tp_size(1);
+  hello.mutable_hello()->set_dp_size(64);
+  hello.mutable_hello()->set_shm_visible(true);
+  hello.mutable_hello()->set_shm_dev(sst.st_dev);
+  hello.mutable_hello()->set_shm_ino(sst.st_ino);
+  auto channel = grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials());
+  auto stub = engram::v1::Engram::NewStub(channel);
+  auto one_session = [&](bool ticket) {
+    grpc::ClientContext ctx;
+    auto s = stub->Session(&ctx);
+    engram::v1::ServerMessage m;
+    if (!s->Write(hello) || !s->Read(&m) || !m.has_grant()) return false;
+    if (ticket) {
+      engram::v1::ClientMessage t;
+      t.mutable_ticket_request();
+      engram::v1::ServerMessage got;
+      if (!s->Write(t) || !s->Read(&got)) return false;
+      engram::v1::ClientMessage res;
+      res.mutable_register_result()->set_ok(true);
+      res.mutable_register_result()->set_backend("cpu");
+      s->Write(res);
+    }
+    ctx.TryCancel();
+    s->Finish();
+    return true;
+  };
+  for (int i = 0; i < 50; ++i) ASSERT_TRUE(one_session(true));  // warm up pools and allocator
+  ASSERT_TRUE(WaitFor([&] { return d.Status()["replicas"].empty(); }, std::chrono::seconds(5)));
+  const int fds0 = CountFds(daemon_pid);
+  const long rss0 = RssKib(daemon_pid);
+
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+  std::atomic<int> sessions{0}, failures{0};
+  std::vector<std::thread> clients;
+  for (int t = 0; t < 64; ++t) {
+    clients.emplace_back([&, t] {
+      while (std::chrono::steady_clock::now() < deadline) (one_session(t % 4 == 0) ? sessions : failures)++;
+    });
+  }
+  std::vector<double> status_ms;
+  std::thread poller([&] {
+    while (std::chrono::steady_clock::now() < deadline) {
+      grpc::ClientContext ctx;
+      engram::v1::StatusReply r;
+      const auto t0 = std::chrono::steady_clock::now();
+      if (stub->Status(&ctx, engram::v1::StatusRequest(), &r).ok()) {
+        status_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  });
+  int kills = 0;
+  while (std::chrono::steady_clock::now() + std::chrono::seconds(2) < deadline) {
+    Process victim = Attach(dir, d, ckpt, shm, "--dp-size 64 --hold 30", "victim.log");
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    victim.Signal(SIGKILL);
+    victim.Wait();
+    ++kills;
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
+  for (auto& c : clients) c.join();
+  poller.join();
+  ASSERT_TRUE(WaitFor([&] { return d.Status()["replicas"].empty(); }, std::chrono::seconds(5)))
+      << "leases leaked: " << d.Status()["replicas"].dump();
+  ASSERT_TRUE(WaitFor([&] { return CountFds(daemon_pid) <= fds0 + 4; }, std::chrono::seconds(10)))
+      << "fds " << fds0 << " -> " << CountFds(daemon_pid);
+  const long rss1 = RssKib(daemon_pid);
+  std::sort(status_ms.begin(), status_ms.end());
+  std::cout << "[ soak ] sessions " << sessions << " failed " << failures << " kills " << kills << " status polls "
+            << status_ms.size() << " p50 " << status_ms[status_ms.size() / 2] << " ms max " << status_ms.back()
+            << " ms; daemon fds " << fds0 << " -> " << CountFds(daemon_pid) << ", rss " << rss0 << " -> " << rss1
+            << " KiB\n";
+  EXPECT_GT(sessions, 1000);
+  EXPECT_EQ(failures, 0);
+  EXPECT_GE(kills, 5);
+  EXPECT_LT(rss1 - rss0, 32 * 1024) << "daemon memory grew";
+  EXPECT_EQ(ListSegments(shm).size(), 1u);
+  json s = d.Status();
+  EXPECT_EQ(s["segments"][0]["state"], "READY");
+  std::ifstream maps("/proc/" + std::to_string(daemon_pid) + "/maps");
+  std::stringstream all;
+  all << maps.rdbuf();
+  EXPECT_EQ(all.str().find("engram-"), std::string::npos) << "the daemon keeps no segment mapped";
+  EXPECT_TRUE(d.proc().Running());
 }
 
 TEST(DaemonTest, StartupRefusals) {
