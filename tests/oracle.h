@@ -5,11 +5,20 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <random>
 #include <vector>
 
 #include "model/fp8.h"
 
 namespace engram::testing {
+
+// n bf16 values drawn from N(0, scale^2).
+inline std::vector<uint16_t> RandomBf16(std::mt19937_64& rng, size_t n, float scale) {
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = FloatToBf16(dist(rng));
+  return v;
+}
 
 // Returns the largest violation of |got - want| <= 1e-2 * max(|want|, 1e-2) over the whole output (<= 0 passes),
 // or +inf when an output is NaN. want = h + g * value with g from the float64 gate.

@@ -275,12 +275,7 @@ TEST(GpuLookupTest, MisuseIsInvalidValue) {
   EXPECT_EQ(kernels::LaunchLookup(a, nullptr), cudaErrorInvalidValue);  // null ids/out
 }
 
-std::vector<uint16_t> RandomBf16(std::mt19937_64& rng, size_t n, float scale) {
-  std::normal_distribution<float> dist(0.0f, scale);
-  std::vector<uint16_t> v(n);
-  for (auto& x : v) x = FloatToBf16(dist(rng));
-  return v;
-}
+using testing::RandomBf16;
 
 TEST(GpuGateTest, AgreesWithTheFloat64Oracle) {
   SKIP_WITHOUT_GPU();

@@ -586,32 +586,19 @@ TEST(DaemonTest, NotifiesReadinessThroughNotifySocket) {
   const std::string shm = dir / "shm";
   ::mkdir(shm.c_str(), 0755);
   const std::string ckpt = MakeCheckpoint(dir, 256);
-  // A datagram socket standing in for systemd's notify socket.
-  const std::string notify = dir / "notify.sock";
-  int fd = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, notify.c_str(), sizeof(addr.sun_path) - 1);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ::setenv("NOTIFY_SOCKET", notify.c_str(), 1);
+  testing::NotifySocket notify(dir / "notify.sock");
+  ASSERT_TRUE(notify.bound());
+  notify.Export();
   Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--threads", "1"});
-  ::unsetenv("NOTIFY_SOCKET");
-  std::string all;
-  ASSERT_TRUE(WaitFor([&] {
-    char buf[4096];
-    ssize_t n;
-    while ((n = ::recv(fd, buf, sizeof(buf), MSG_DONTWAIT)) > 0) all.append(buf, static_cast<size_t>(n)).append("\n");
-    return all.find("READY=1") != std::string::npos;
-  }, std::chrono::seconds(60))) << all;
+  testing::NotifySocket::Unexport();
+  ASSERT_TRUE(WaitFor([&] { return notify.Drain().find("READY=1") != std::string::npos; }, std::chrono::seconds(60)))
+      << notify.Drain();
+  const std::string all = notify.Drain();
   EXPECT_NE(all.find("STATUS=serving: 1/1 segments ready"), std::string::npos) << all;
   EXPECT_EQ(d.Status()["segments"][0]["state"], "READY") << "READY=1 only once the segments are";
   d.proc().Signal(SIGTERM);
   EXPECT_EQ(d.proc().Wait(), 0);
-  char buf[4096];
-  ssize_t n;
-  while ((n = ::recv(fd, buf, sizeof(buf), MSG_DONTWAIT)) > 0) all.append(buf, static_cast<size_t>(n));
-  EXPECT_NE(all.find("STOPPING=1"), std::string::npos) << all;
-  ::close(fd);
+  EXPECT_NE(notify.Drain().find("STOPPING=1"), std::string::npos) << notify.Drain();
   // The status command also takes --socket before the subcommand.
   EXPECT_EQ(RunCmd(BinPath("engramctl") + " --socket " + d.socket() + " status").exit_code, 3);
 }

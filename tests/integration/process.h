@@ -3,12 +3,15 @@
 #pragma once
 
 #include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -76,6 +79,35 @@ class Process {
   std::string log_;
   int status_ = 0;
   bool exited_ = false;
+};
+
+// A datagram socket standing in for systemd's notify socket: children spawned while it is Export()ed get its path
+// in NOTIFY_SOCKET; Drain() appends what arrived (one line per datagram).
+class NotifySocket {
+ public:
+  explicit NotifySocket(const std::string& path) : path_(path) {
+    fd_ = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+    bound_ = ::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  }
+  ~NotifySocket() { ::close(fd_); }
+  bool bound() const { return bound_; }
+  void Export() const { ::setenv("NOTIFY_SOCKET", path_.c_str(), 1); }
+  static void Unexport() { ::unsetenv("NOTIFY_SOCKET"); }
+  const std::string& Drain() {
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::recv(fd_, buf, sizeof(buf), MSG_DONTWAIT)) > 0) got_.append(buf, static_cast<size_t>(n)).append("\n");
+    return got_;
+  }
+  void Clear() { got_.clear(); }
+
+ private:
+  std::string path_, got_;
+  int fd_ = -1;
+  bool bound_ = false;
 };
 
 // Polls `pred` every 20 ms until it holds or `timeout` passes.

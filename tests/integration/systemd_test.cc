@@ -90,37 +90,27 @@ TEST(SystemdTest, ExecStartReachesReadyThroughNotifySocketAndReloads) {
   std::istringstream ss(exec);
   for (std::string w; ss >> w;) argv.push_back(w);
 
-  const std::string notify = dir / "notify.sock";
-  int fd = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, notify.c_str(), sizeof(addr.sun_path) - 1);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ::setenv("NOTIFY_SOCKET", notify.c_str(), 1);
+  testing::NotifySocket notify(dir / "notify.sock");
+  ASSERT_TRUE(notify.bound());
+  notify.Export();
   Process p(argv, dir / "engramd.log");
-  ::unsetenv("NOTIFY_SOCKET");
-  std::string got;
-  auto drain = [&] {
-    char buf[4096];
-    ssize_t n;
-    while ((n = ::recv(fd, buf, sizeof(buf), MSG_DONTWAIT)) > 0) got.append(buf, static_cast<size_t>(n)).append("\n");
-  };
-  ASSERT_TRUE(WaitFor([&] { drain(); return got.find("READY=1") != std::string::npos; }, std::chrono::seconds(30)))
-      << got << p.Output();
+  testing::NotifySocket::Unexport();
+  ASSERT_TRUE(WaitFor([&] { return notify.Drain().find("READY=1") != std::string::npos; }, std::chrono::seconds(30)))
+      << notify.Drain() << p.Output();
   struct stat st {};
   ASSERT_EQ(::stat((dir / "run/engramd.sock").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0660u);
   ASSERT_EQ(::stat((dir / "run").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0750u);
   // ExecReload: SIGHUP re-reads the config.
-  got.clear();
+  notify.Clear();
   p.Signal(SIGHUP);
-  ASSERT_TRUE(WaitFor([&] { drain(); return got.find("RELOADING=1") != std::string::npos; }, std::chrono::seconds(10)))
+  ASSERT_TRUE(WaitFor([&] { return notify.Drain().find("RELOADING=1") != std::string::npos; },
+                      std::chrono::seconds(10)))
       << p.Output();
   EXPECT_TRUE(WaitFor([&] { return p.Output().find("event=reload") != std::string::npos; }, std::chrono::seconds(10)));
   p.Signal(SIGTERM);
   EXPECT_EQ(p.Wait(), 0) << p.Output();
-  ::close(fd);
 }
 
 TEST(SystemdTest, InstallPutsEverythingInPlace) {

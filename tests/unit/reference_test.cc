@@ -227,12 +227,7 @@ TEST(LookupReferenceTest, DequantisesOwnedRowsAndZeroesTheRest) {
   EXPECT_FALSE(LookupBf16Cpu(RecordTable{records.data(), 0, 10, 48}, ids, out).ok());
 }
 
-std::vector<uint16_t> RandomBf16(std::mt19937_64& rng, size_t n, float scale) {
-  std::normal_distribution<float> dist(0.0f, scale);
-  std::vector<uint16_t> v(n);
-  for (auto& x : v) x = FloatToBf16(dist(rng));
-  return v;
-}
+using testing::RandomBf16;
 
 TEST(GateReferenceTest, AgreesWithAFloat64Oracle) {
   std::mt19937_64 rng(FreshSeed());
