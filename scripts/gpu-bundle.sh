@@ -10,7 +10,7 @@ out=$root/.gpu-bundle
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
 bins=("$build/tests/gpu_kernels_test" "$build/tests/gpu_prefetch_test" "$build/tests/uva_lookup_helper"
-      "$build/bench/bench_kernels")
+      "$build/bench/bench_kernels" "$build/bench/bench_daemon" "$build/daemon/engramd")
 for b in "${bins[@]}"; do
   cp "$b" "$out/bin/"
   # Everything ldd resolves except the C library family and the driver (the GPU machine has its own).
@@ -22,7 +22,8 @@ cp -r "$root/tests/data/configs" "$root/tests/data/goldens" "$root/tests/data/to
 strip --strip-debug "$out"/lib/*.so* "$out"/bin/* 2>/dev/null || true
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
-# Runs the bundled GPU tests / sanitizers / benchmarks; writes logs under $OUT (or /tmp/engram-gpu-out).
+# Runs the bundled GPU tests / sanitizers / benchmarks (and, with `daemon`, the publish benchmark on this machine's
+# cores); writes logs under $OUT (or /tmp/engram-gpu-out).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 export LD_LIBRARY_PATH=$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -45,6 +46,9 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
     r=$?; echo "compute-sanitizer $tool: exit $r ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize-$tool.log" | tail -1))"
     [ $r = 0 ] || rc=1
   done
+fi
+if [ "$what" = daemon ]; then
+  "$here/bin/bench_daemon" --gib "${ENGRAM_PUBLISH_GIB:-16}" --engramd "$here/bin/engramd" 2>&1 | tee "$out/bench_daemon.log" || rc=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   "$here/bin/bench_kernels" "$here/data/configs/v41-flash.json" "${ENGRAM_TABLE_GIB:-16}" 2>&1 | tee "$out/bench_kernels.log" || rc=1
