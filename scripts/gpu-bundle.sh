@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the GPU tests and benchmarks here (sm_90, static cudart) and bundles them with the shared libraries they
 # need into .gpu-bundle/ (git-ignored), for the GPU machine, which lacks our Debian libraries. Name .gpu-bundle in
-# the device tool's `carry` and run `.gpu-bundle/run.sh [tests|sanitize|bench|all]` there; logs go to $OUT.
+# the device tool's `carry` and run `.gpu-bundle/run.sh [tests|sanitize|bench|all|daemon]` there; logs go to $OUT.
+# Usage: scripts/gpu-bundle.sh [kernels|daemon]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${ENGRAM_BUILD_DIR:-$root/build}
@@ -9,8 +10,14 @@ build=${ENGRAM_BUILD_DIR:-$root/build}
 out=$root/.gpu-bundle
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
-bins=("$build/tests/gpu_kernels_test" "$build/tests/gpu_prefetch_test" "$build/tests/uva_lookup_helper"
-      "$build/bench/bench_kernels" "$build/bench/bench_daemon" "$build/daemon/engramd")
+# What to bundle (the carry limit is 64 MiB): `kernels` (default: GPU tests and bench_kernels) or `daemon`
+# (engramd and bench_daemon, for the publish benchmark on that machine's cores).
+case "${1:-kernels}" in
+  kernels) bins=("$build/tests/gpu_kernels_test" "$build/tests/gpu_prefetch_test" "$build/tests/uva_lookup_helper"
+                 "$build/bench/bench_kernels") ;;
+  daemon) bins=("$build/bench/bench_daemon" "$build/daemon/engramd") ;;
+  *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon]" >&2; exit 2 ;;
+esac
 for b in "${bins[@]}"; do
   cp "$b" "$out/bin/"
   # Everything ldd resolves except the C library family and the driver (the GPU machine has its own).
