@@ -27,13 +27,17 @@ done
 mkdir -p "$out/data"
 cp -r "$root/tests/data/configs" "$root/tests/data/goldens" "$root/tests/data/tokenizers" "$out/data/"
 strip --strip-debug "$out"/lib/*.so* "$out"/bin/* 2>/dev/null || true
+# Libraries travel compressed (ICU's data alone is 30 MiB); run.sh unpacks them on first use.
+tar -C "$out" -czf "$out/lib.tar.gz" lib && rm -rf "$out/lib"
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # Runs the bundled GPU tests / sanitizers / benchmarks (and, with `daemon`, the publish benchmark on this machine's
 # cores); writes logs under $OUT (or /tmp/engram-gpu-out).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-export LD_LIBRARY_PATH=$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+libs=/tmp/engram-gpu-libs-$(cksum < "$here/lib.tar.gz" | cut -d" " -f1)
+[ -d "$libs/lib" ] || { mkdir -p "$libs" && tar -C "$libs" -xzf "$here/lib.tar.gz"; }
+export LD_LIBRARY_PATH=$libs/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export ENGRAM_TEST_DATA_DIR=$here/data
 out=${OUT:-/tmp/engram-gpu-out}
 mkdir -p "$out"
