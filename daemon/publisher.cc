@@ -126,28 +126,44 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
     auto& v = chunk_hashes[static_cast<size_t>(j.layer)];
     v.resize(std::max<size_t>(v.size(), static_cast<size_t>(j.chunk + 1)));
   }
-  thread_local std::vector<uint8_t> weight_buf, scale_buf;
+  // Each job (one checksum chunk of 64K rows) streams through sub-chunks small enough to stay in cache: the pread
+  // lands in a cache-resident buffer, the repack reads it from there and the checksum reads the fresh records from
+  // there too, so memory sees about one read of the checkpoint and one write of the segment.
+  constexpr int64_t kSubRows = 1024;
   absl::Status st = RunJobs(jobs, threads, [&](const Job& j) -> absl::Status {
     const auto& ld = desc.layers(static_cast<int>(j.layer));
     const EngramTensors& t = tensors[static_cast<size_t>(j.layer)];
     if (!t.embed_weight || !t.embed_scale) {
       return absl::NotFoundError(absl::StrCat("layer ", ld.layer_id(), ": table tensors missing"));
     }
-    const int64_t global_row = ld.row_begin() + j.first_row;
-    weight_buf.resize(static_cast<size_t>(j.rows * D));
-    scale_buf.resize(static_cast<size_t>(j.rows * S));
-    absl::Status r = t.embed_weight.file->ReadRange(*t.embed_weight.info, static_cast<uint64_t>(global_row * D),
-                                                    weight_buf.data(), weight_buf.size());
-    if (!r.ok()) return r;
-    r = t.embed_scale.file->ReadRange(*t.embed_scale.info, static_cast<uint64_t>(global_row * S), scale_buf.data(),
-                                      scale_buf.size());
-    if (!r.ok()) return r;
-    t.embed_weight.file->DropCache(*t.embed_weight.info, static_cast<uint64_t>(global_row * D), weight_buf.size());
-    t.embed_scale.file->DropCache(*t.embed_scale.info, static_cast<uint64_t>(global_row * S), scale_buf.size());
+    thread_local std::vector<uint8_t> weight_buf, scale_buf;
+    weight_buf.resize(static_cast<size_t>(kSubRows * D));
+    scale_buf.resize(static_cast<size_t>(kSubRows * S));
+    XXH3_state_t* hash = XXH3_createState();
+    XXH3_64bits_reset(hash);
     uint8_t* dst = data + ld.data_offset() + static_cast<uint64_t>(j.first_row * rb);
-    PackRecords(weight_buf.data(), scale_buf.data(), j.rows, D, dst);
-    chunk_hashes[static_cast<size_t>(j.layer)][static_cast<size_t>(j.chunk)] =
-        XXH3_64bits(dst, static_cast<size_t>(j.rows * rb));
+    const int64_t first_global = ld.row_begin() + j.first_row;
+    absl::Status r;
+    for (int64_t done = 0; done < j.rows && r.ok(); done += kSubRows) {
+      const int64_t n = std::min(kSubRows, j.rows - done);
+      const int64_t row = first_global + done;
+      r = t.embed_weight.file->ReadRange(*t.embed_weight.info, static_cast<uint64_t>(row * D), weight_buf.data(),
+                                         static_cast<uint64_t>(n * D));
+      if (r.ok()) {
+        r = t.embed_scale.file->ReadRange(*t.embed_scale.info, static_cast<uint64_t>(row * S), scale_buf.data(),
+                                          static_cast<uint64_t>(n * S));
+      }
+      if (!r.ok()) break;
+      PackRecords(weight_buf.data(), scale_buf.data(), n, D, dst + done * rb);
+      XXH3_64bits_update(hash, dst + done * rb, static_cast<size_t>(n * rb));
+    }
+    chunk_hashes[static_cast<size_t>(j.layer)][static_cast<size_t>(j.chunk)] = XXH3_64bits_digest(hash);
+    XXH3_freeState(hash);
+    if (!r.ok()) return r;
+    t.embed_weight.file->DropCache(*t.embed_weight.info, static_cast<uint64_t>(first_global * D),
+                                   static_cast<uint64_t>(j.rows * D));
+    t.embed_scale.file->DropCache(*t.embed_scale.info, static_cast<uint64_t>(first_global * S),
+                                  static_cast<uint64_t>(j.rows * S));
     if (rows_done) rows_done->fetch_add(static_cast<uint64_t>(j.rows), std::memory_order_relaxed);
     return absl::OkStatus();
   });
