@@ -1,7 +1,6 @@
-// Publisher: builds one TP shard's segment from a checkpoint (DESIGN.md "Data flow" step 1). Parallel ranged reads
-// of the layer tables (embed.weight and embed.scale), repacked into 264-byte records straight into the mapped
-// segment (no table-sized buffer: each worker owns two chunk buffers), page cache dropped behind the reader,
-// per-layer xxh3 checksums over fixed 64K-row chunks (independent of the thread count), then READY.
+// Publisher: builds one TP shard's segment from a checkpoint (DESIGN.md "Data flow" step 1): reserves and maps the
+// segment, fills it with ReadShardRecords (model/shard_records.h: parallel ranged reads, repacked records,
+// checksums), writes the final descriptor, then READY.
 //
 // A failure (read error, truncated file, ENOSPC at fallocate) removes the partial segment; a killed daemon leaves a
 // CREATING/LOADING file that the next start removes. Progress is published through an atomic counter for status.
@@ -19,8 +18,6 @@
 #include "model/token_map.h"
 
 namespace engram::daemon {
-
-inline constexpr int64_t kChecksumChunkRows = 65536;
 
 struct PublishResult {
   std::string path;

@@ -1,0 +1,140 @@
+#include "model/shard_records.h"
+
+#include <algorithm>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "model/reference.h"
+#include "xxhash.h"
+
+namespace engram {
+namespace {
+
+struct Job {
+  size_t entry;       // index into layers
+  int64_t first_row;  // relative to row_begin
+  int64_t rows;
+  size_t chunk;       // checksum chunk within the entry
+};
+
+std::vector<Job> MakeJobs(const std::vector<LayerRows>& layers, std::vector<std::vector<uint64_t>>* hashes) {
+  std::vector<Job> jobs;
+  hashes->assign(layers.size(), {});
+  for (size_t e = 0; e < layers.size(); ++e) {
+    const int64_t rows = layers[e].row_end - layers[e].row_begin;
+    size_t c = 0;
+    for (int64_t r = 0; r < rows; r += kChecksumChunkRows, ++c) {
+      jobs.push_back({e, r, std::min(kChecksumChunkRows, rows - r), c});
+    }
+    (*hashes)[e].resize(c);
+  }
+  return jobs;
+}
+
+// Runs fn over every job on `threads` workers; the first error wins and stops the rest.
+absl::Status RunJobs(const std::vector<Job>& jobs, int threads, const std::function<absl::Status(const Job&)>& fn) {
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  absl::Status first_error;
+  std::mutex mu;
+  auto worker = [&] {
+    for (size_t i = next++; i < jobs.size() && !failed; i = next++) {
+      absl::Status st = fn(jobs[i]);
+      if (!st.ok()) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!failed.exchange(true)) first_error = st;
+        return;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 0; t < std::max(1, threads); ++t) pool.emplace_back(worker);
+  for (auto& th : pool) th.join();
+  return first_error;
+}
+
+uint64_t Combine(const std::vector<uint64_t>& hashes) {
+  return XXH3_64bits(hashes.data(), hashes.size() * sizeof(uint64_t));
+}
+
+}  // namespace
+
+absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRows>& layers, uint8_t* dst,
+                              int threads, std::vector<uint64_t>* checksums, std::atomic<uint64_t>* rows_done) {
+  const int64_t D = ckpt.config().head_dim, S = D / 32, rb = D + S;
+  std::vector<EngramTensors> tensors;
+  for (const auto& l : layers) {
+    if (l.layer < 0 || l.layer >= ckpt.config().n_layers() || l.row_begin < 0 || l.row_end < l.row_begin) {
+      return absl::InvalidArgumentError(absl::StrCat("shard rows of layer index ", l.layer, " are not valid"));
+    }
+    tensors.push_back(ckpt.engram(l.layer));
+    if (!tensors.back().embed_weight || !tensors.back().embed_scale) {
+      return absl::NotFoundError(absl::StrCat("layer ", tensors.back().layer_id, ": table tensors missing"));
+    }
+  }
+  std::vector<std::vector<uint64_t>> hashes;
+  const std::vector<Job> jobs = MakeJobs(layers, &hashes);
+  // Sub-chunks small enough to stay in cache: the pread lands in a cache-resident buffer, the repack reads it from
+  // there and the checksum reads the fresh records from there too.
+  constexpr int64_t kSubRows = 1024;
+  absl::Status st = RunJobs(jobs, threads, [&](const Job& j) -> absl::Status {
+    const LayerRows& l = layers[j.entry];
+    const EngramTensors& t = tensors[j.entry];
+    thread_local std::vector<uint8_t> weight_buf, scale_buf;
+    weight_buf.resize(static_cast<size_t>(kSubRows * D));
+    scale_buf.resize(static_cast<size_t>(kSubRows * S));
+    XXH3_state_t* hash = XXH3_createState();
+    XXH3_64bits_reset(hash);
+    uint8_t* out = dst + l.dst_offset + static_cast<uint64_t>(j.first_row * rb);
+    const int64_t first_global = l.row_begin + j.first_row;
+    absl::Status r;
+    for (int64_t done = 0; done < j.rows && r.ok(); done += kSubRows) {
+      const int64_t n = std::min(kSubRows, j.rows - done);
+      const int64_t row = first_global + done;
+      r = t.embed_weight.file->ReadRange(*t.embed_weight.info, static_cast<uint64_t>(row * D), weight_buf.data(),
+                                         static_cast<uint64_t>(n * D));
+      if (r.ok()) {
+        r = t.embed_scale.file->ReadRange(*t.embed_scale.info, static_cast<uint64_t>(row * S), scale_buf.data(),
+                                          static_cast<uint64_t>(n * S));
+      }
+      if (!r.ok()) break;
+      PackRecords(weight_buf.data(), scale_buf.data(), n, D, out + done * rb);
+      XXH3_64bits_update(hash, out + done * rb, static_cast<size_t>(n * rb));
+    }
+    hashes[j.entry][j.chunk] = XXH3_64bits_digest(hash);
+    XXH3_freeState(hash);
+    if (!r.ok()) return r;
+    t.embed_weight.file->DropCache(*t.embed_weight.info, static_cast<uint64_t>(first_global * D),
+                                   static_cast<uint64_t>(j.rows * D));
+    t.embed_scale.file->DropCache(*t.embed_scale.info, static_cast<uint64_t>(first_global * S),
+                                  static_cast<uint64_t>(j.rows * S));
+    if (rows_done) rows_done->fetch_add(static_cast<uint64_t>(j.rows), std::memory_order_relaxed);
+    return absl::OkStatus();
+  });
+  if (!st.ok()) return st;
+  if (checksums) {
+    checksums->clear();
+    for (const auto& h : hashes) checksums->push_back(Combine(h));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<uint64_t> ChecksumRecords(const std::vector<LayerRows>& layers, int64_t record_bytes, const uint8_t* base,
+                                      int threads, std::atomic<uint64_t>* rows_done) {
+  std::vector<std::vector<uint64_t>> hashes;
+  const std::vector<Job> jobs = MakeJobs(layers, &hashes);
+  (void)RunJobs(jobs, threads, [&](const Job& j) {
+    const LayerRows& l = layers[j.entry];
+    hashes[j.entry][j.chunk] = XXH3_64bits(base + l.dst_offset + static_cast<uint64_t>(j.first_row * record_bytes),
+                                           static_cast<size_t>(j.rows * record_bytes));
+    if (rows_done) rows_done->fetch_add(static_cast<uint64_t>(j.rows), std::memory_order_relaxed);
+    return absl::OkStatus();
+  });
+  std::vector<uint64_t> out;
+  for (const auto& h : hashes) out.push_back(Combine(h));
+  return out;
+}
+
+}  // namespace engram

@@ -1,0 +1,36 @@
+// Shard records: the rows a TP shard owns, read from a checkpoint's layer tables (embed.weight + embed.scale) and
+// written as packed records (head_dim e4m3 bytes, then head_dim/32 ue8m0 bytes) into caller memory, in parallel,
+// through cache-sized sub-chunks (one read of the checkpoint, one write of the destination), with per-layer xxh3
+// checksums over fixed 64K-row chunks (independent of the thread count). The daemon's publisher fills a segment
+// with it; a replica that cannot share fills its private table with it. No table-sized buffer is ever allocated.
+// Stateless; the call blocks and uses `threads` workers.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "model/checkpoint.h"
+
+namespace engram {
+
+inline constexpr int64_t kChecksumChunkRows = 65536;
+
+struct LayerRows {
+  int64_t layer = 0;        // index into engram_layer_ids
+  int64_t row_begin = 0;    // global rows of that layer's table
+  int64_t row_end = 0;
+  uint64_t dst_offset = 0;  // where row_begin's record goes
+};
+
+// Fills the records; `checksums` (may be null) receives one per LayerRows entry.
+absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRows>& layers, uint8_t* dst,
+                              int threads, std::vector<uint64_t>* checksums,
+                              std::atomic<uint64_t>* rows_done = nullptr);
+
+// Recomputes the checksums of records already in memory.
+std::vector<uint64_t> ChecksumRecords(const std::vector<LayerRows>& layers, int64_t record_bytes, const uint8_t* base,
+                                      int threads, std::atomic<uint64_t>* rows_done = nullptr);
+
+}  // namespace engram
