@@ -1,0 +1,102 @@
+// libengram_client: what a serving replica links to get its TP shard's Engram table (DESIGN.md "Data flow" 2-5).
+//
+//   ASSIGN_OR_RETURN(auto client, engram::client::Client::Connect({.socket = "/run/engramd/engramd.sock"}));
+//   ASSIGN_OR_RETURN(auto table, client->Attach(request));   // SHARED, or a fallback table with its reasons
+//   table->Hash(batch, ids);  table->Lookup(layer, ids, out);  table->Gate(...);
+//
+// Attach declares the replica's topology and engram config to engramd (config precedence as SPEC 6: an explicit
+// value, then VLLM_PLE_CPU_OFFLOAD, then the default) and receives a grant or a fallback. Shared: the segment is
+// mapped PROT_READ, its header, state and fingerprint are checked against the grant, the registration ticket is
+// taken, the mapping pinned, the result reported; the session stays open for the Table's life (it is the lease).
+// Fallback (the daemon says so, no daemon within the timeout, the segment cannot be opened): a private table for
+// this TP shard is built from the checkpoint (same records), in host memory (PRIVATE_PINNED) or, with cpu_offload
+// false, as the DEVICE table; with dp_shared_memory explicitly true, any fallback is an error carrying the reasons.
+//
+// This build has the CPU backend only (reason NO_CUDA_DEVICE): lookups run the CPU reference over the same
+// records; the CUDA backend (kernels/) plugs in behind the same calls. Client and Table are thread-compatible:
+// one thread drives a Table; distinct Tables are independent.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "model/reference.h"
+
+namespace engram::client {
+
+enum class Mode { kShared, kPrivatePinned, kDevice, kDpSharded };
+enum class Backend { kCuda, kCpu };
+enum class Choice { kAuto, kTrue, kFalse };
+
+std::string ModeName(Mode m);
+std::string BackendName(Backend b);
+
+struct Reason {
+  std::string code;  // DESIGN.md's names: SHM_NOT_VISIBLE, DAEMON_UNAVAILABLE, ...
+  std::string hint;
+};
+
+struct ClientOptions {
+  std::string socket = "/run/engramd/engramd.sock";
+  std::chrono::milliseconds timeout{10000};  // connect + answer (the daemon may still be loading)
+};
+
+struct AttachRequest {
+  std::string checkpoint;          // the replica's checkpoint directory (fingerprint, fallbacks)
+  int tp_size = 1, tp_rank = 0;
+  int dp_size = 1, dp_rank = 0;
+  int local_dp_size = 0;           // DP replicas on this node; 0 = all of them
+  bool elastic_ep = false;
+  std::optional<bool> cpu_offload;  // unset: VLLM_PLE_CPU_OFFLOAD, then true
+  Choice dp_shared_memory = Choice::kAuto;
+  bool embedding_across_dp = false;
+  std::string shm_dir = "/dev/shm";
+  int threads = 0;                 // for building a private table; 0 = hardware concurrency
+};
+
+struct LayerInfo {
+  int64_t layer_id = 0;
+  int64_t row_begin = 0, row_end = 0;  // this shard's rows of the layer table
+  std::vector<int64_t> multipliers, primes, offsets;
+};
+
+class Table {
+ public:
+  virtual ~Table() = default;
+  virtual Mode mode() const = 0;
+  virtual Backend backend() const = 0;
+  virtual const std::vector<Reason>& reasons() const = 0;
+  virtual const std::vector<LayerInfo>& layers() const = 0;
+  virtual int64_t head_dim() const = 0;
+  virtual int64_t n_cols() const = 0;
+  virtual const TokenMap& token_map() const = 0;
+  // Host-visible records of layer `l` (row_begin's record first); read-only when shared.
+  virtual const uint8_t* records(int l) const = 0;
+
+  // SPEC 2.4 for this model: out [T, n_layers, n_cols].
+  virtual absl::Status Hash(const HashBatch& batch, std::span<int32_t> out) const = 0;
+  // SPEC 3 for layer `l`: out bf16 [n, head_dim] (ids outside this shard's rows give zero rows).
+  virtual absl::Status Lookup(int l, std::span<const int32_t> ids, std::span<uint16_t> out) const = 0;
+  virtual absl::Status LookupPacked(int l, std::span<const int32_t> ids, std::span<uint8_t> out) const = 0;
+};
+
+class Client {
+ public:
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  absl::StatusOr<std::unique_ptr<Table>> Attach(const AttachRequest& request);
+
+ private:
+  explicit Client(ClientOptions o) : options_(std::move(o)) {}
+  ClientOptions options_;
+};
+
+// SPEC 6 precedence for cpu_offload: explicit, then VLLM_PLE_CPU_OFFLOAD ("0"/"false"/"no"/"off" = false), then true.
+bool ResolveCpuOffload(const std::optional<bool>& explicit_value);
+
+}  // namespace engram::client
