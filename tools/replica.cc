@@ -1,0 +1,148 @@
+// engram-replica: a stand-in for one serving-engine replica process. It attaches through libengram_client with the
+// given topology and engram config, streams random token batches through hash -> lookup, checks a sample of rows
+// against the checkpoint itself (read directly from the safetensors, not through the table), and prints mode,
+// backend, reasons and throughput. The last line of output is one JSON object; exit 0 only when every checked row
+// matched (and, with --write-probe, a write into the table faulted in a child process).
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <iostream>
+#include <random>
+#include <thread>
+
+#include "client/engram_client.h"
+#include "model/checkpoint.h"
+#include "nlohmann/json.hpp"
+#include "tools/args.h"
+
+namespace {
+
+using nlohmann::json;
+
+// The bf16 row of global row `id` of layer `l`, straight from the checkpoint files.
+std::vector<uint16_t> RowFromCheckpoint(const engram::Checkpoint& ck, int l, int32_t id, int64_t D) {
+  const int64_t S = D / 32;
+  engram::EngramTensors t = ck.engram(l);
+  std::vector<uint8_t> w(static_cast<size_t>(D)), s(static_cast<size_t>(S)), rec(static_cast<size_t>(D + S));
+  std::vector<uint16_t> out(static_cast<size_t>(D), 0xFFFF);
+  if (!t.embed_weight.file->ReadRange(*t.embed_weight.info, static_cast<uint64_t>(id) * D, w.data(), w.size()).ok() ||
+      !t.embed_scale.file->ReadRange(*t.embed_scale.info, static_cast<uint64_t>(id) * S, s.data(), s.size()).ok()) {
+    return out;
+  }
+  engram::PackRecords(w.data(), s.data(), 1, D, rec.data());
+  (void)engram::LookupBf16Cpu({rec.data(), id, id + 1, D}, {&id, 1}, out);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  engram::tools::Args a;
+  auto st = a.Parse(argc, argv, 1,
+                    {"--socket", "--checkpoint", "--tp-size", "--tp-rank", "--dp-size", "--dp-rank", "--local-dp-size",
+                     "--dp-shared-memory", "--cpu-offload", "--batches", "--tokens", "--hold", "--shm-dir", "--timeout-ms",
+                     "--verify"},
+                    {"--embedding-across-dp", "--elastic-ep", "--write-probe"});
+  if (!st.ok() || !a.Has("--checkpoint")) {
+    std::cerr << "engram-replica: " << (st.ok() ? "--checkpoint DIR is required" : std::string(st.message())) << "\n"
+              << "usage: engram-replica --socket PATH --checkpoint DIR --tp-size N --tp-rank R --dp-size N --dp-rank R\n"
+                 "       [--dp-shared-memory auto|true|false] [--cpu-offload true|false] [--embedding-across-dp]\n"
+                 "       [--elastic-ep] [--batches N] [--tokens N] [--hold SECONDS] [--shm-dir DIR] [--write-probe]\n";
+    return 2;
+  }
+  auto geti = [&](const char* n, int64_t d) { return a.GetInt(n, d).value_or(d); };
+  engram::client::ClientOptions opts;
+  opts.socket = a.Get("--socket", opts.socket);
+  opts.timeout = std::chrono::milliseconds(geti("--timeout-ms", 10000));
+  engram::client::AttachRequest req;
+  req.checkpoint = a.Get("--checkpoint");
+  req.tp_size = static_cast<int>(geti("--tp-size", 1));
+  req.tp_rank = static_cast<int>(geti("--tp-rank", 0));
+  req.dp_size = static_cast<int>(geti("--dp-size", 1));
+  req.dp_rank = static_cast<int>(geti("--dp-rank", 0));
+  req.local_dp_size = static_cast<int>(geti("--local-dp-size", 0));
+  req.elastic_ep = a.Has("--elastic-ep");
+  req.embedding_across_dp = a.Has("--embedding-across-dp");
+  req.shm_dir = a.Get("--shm-dir", "/dev/shm");
+  if (a.Has("--cpu-offload")) req.cpu_offload = a.Get("--cpu-offload") != "false";
+  const std::string dsm = a.Get("--dp-shared-memory", "auto");
+  req.dp_shared_memory = dsm == "true"    ? engram::client::Choice::kTrue
+                         : dsm == "false" ? engram::client::Choice::kFalse
+                                          : engram::client::Choice::kAuto;
+  auto client = engram::client::Client::Connect(opts);
+  auto table = client.ok() ? (*client)->Attach(req) : absl::StatusOr<std::unique_ptr<engram::client::Table>>(client.status());
+  if (!table.ok()) {
+    std::cout << json{{"error", std::string(table.status().message())}}.dump() << std::endl;
+    return 1;
+  }
+  auto ck = engram::Checkpoint::Open(req.checkpoint);
+  const auto& t = **table;
+  const int64_t D = t.head_dim(), L = static_cast<int64_t>(t.layers().size()), C = t.n_cols();
+  const int64_t T = geti("--tokens", 256), batches = geti("--batches", 4), verify = geti("--verify", 64);
+  std::mt19937_64 rng(std::random_device{}());
+  int64_t verified = 0, mismatches = 0;
+  double busy = 0;
+  std::vector<int32_t> tokens(static_cast<size_t>(T)), qsl = {0, static_cast<int32_t>(T)}, ids(static_cast<size_t>(T * L * C));
+  std::vector<int64_t> pos(static_cast<size_t>(T));
+  std::vector<uint16_t> rows(static_cast<size_t>(T * C * D));
+  for (int64_t b = 0; b < batches; ++b) {
+    for (int64_t i = 0; i < T; ++i) {
+      tokens[static_cast<size_t>(i)] = static_cast<int32_t>(rng() % static_cast<uint64_t>(t.token_map().raw_size()));
+      pos[static_cast<size_t>(i)] = i;
+    }
+    auto since = [](std::chrono::steady_clock::time_point x) {
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - x).count();
+    };
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!t.Hash({tokens, pos, qsl, {}, {}}, ids).ok()) return 1;
+    busy += since(t0);
+    for (int l = 0; l < L; ++l) {
+      std::vector<int32_t> layer_ids(static_cast<size_t>(T * C));
+      for (int64_t i = 0; i < T; ++i) {
+        for (int64_t c = 0; c < C; ++c) layer_ids[static_cast<size_t>(i * C + c)] = ids[static_cast<size_t>((i * L + l) * C + c)];
+      }
+      const auto t1 = std::chrono::steady_clock::now();
+      if (!t.Lookup(l, layer_ids, rows).ok()) return 1;
+      busy += since(t1);
+      for (int64_t k = 0; k < verify / std::max<int64_t>(1, batches) + 1; ++k) {
+        const size_t idx = static_cast<size_t>(rng() % static_cast<uint64_t>(T * C));
+        const int32_t id = layer_ids[idx];
+        const auto& li = t.layers()[static_cast<size_t>(l)];
+        std::vector<uint16_t> want = id >= li.row_begin && id < li.row_end ? RowFromCheckpoint(**ck, l, id, D)
+                                                                           : std::vector<uint16_t>(static_cast<size_t>(D), 0);
+        ++verified;
+        mismatches += !std::equal(want.begin(), want.end(), rows.begin() + static_cast<long>(idx * D));
+      }
+    }
+  }
+  json out = {{"mode", engram::client::ModeName(t.mode())},
+              {"backend", engram::client::BackendName(t.backend())},
+              {"reasons", json::array()},
+              {"verified", verified},
+              {"mismatches", mismatches},
+              {"tokens_per_s", busy > 0 ? static_cast<double>(T * batches) / busy : 0.0}};
+  for (const auto& r : t.reasons()) out["reasons"].push_back(r.code);
+  bool ok = mismatches == 0;
+  if (a.Has("--write-probe")) {
+    // A replica can never write the table: a write faults in the writing process only.
+    pid_t child = ::fork();
+    if (child == 0) {
+      *const_cast<volatile uint8_t*>(t.records(0)) = 0x42;
+      ::_exit(0);
+    }
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    const bool faulted = WIFSIGNALED(status) && (WTERMSIG(status) == SIGSEGV || WTERMSIG(status) == SIGBUS);
+    out["write_faulted"] = faulted;
+    ok = ok && faulted;
+  }
+  const int64_t hold = geti("--hold", 0);
+  if (hold > 0) {
+    std::cout << json{{"attached", true}, {"mode", out["mode"]}}.dump() << std::endl;
+    std::this_thread::sleep_for(std::chrono::seconds(hold));
+  }
+  std::cout << out.dump() << std::endl;
+  return ok ? 0 : 1;
+}
