@@ -1,0 +1,189 @@
+// libengram_client through engram-replica processes against a real engramd: replicas share one copy (DP 4 x TP 1
+// and DP 2 x TP 2) with lookups equal to the checkpoint's rows; every fallback is reached with its reason and still
+// serves correct rows from a private table; explicit dp_shared_memory true turns a fallback into an error; a replica
+// cannot write the shared table; host memory: one copy per node when shared, one per replica otherwise (PSS).
+#include <sys/stat.h>
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/integration/process.h"
+#include "tests/test_util.h"
+
+namespace engram {
+namespace {
+
+using nlohmann::json;
+using testing::BinPath;
+using testing::Process;
+using testing::RunCmd;
+using testing::TempDir;
+using testing::WaitFor;
+
+json LastJson(const std::string& out) {
+  std::istringstream ss(out);
+  std::string line;
+  json last;
+  while (std::getline(ss, line)) {
+    if (!line.empty() && line[0] == '{') last = json::parse(line);
+  }
+  return last;
+}
+
+std::set<std::string> Reasons(const json& j) {
+  std::set<std::string> s;
+  for (const auto& r : j["reasons"]) s.insert(r.get<std::string>());
+  return s;
+}
+
+class ClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    shm_ = dir_ / "shm";
+    ::mkdir(shm_.c_str(), 0755);
+    ckpt_ = dir_ / "ck";
+    ASSERT_EQ(RunCmd(BinPath("engram-mkckpt") + " --out " + ckpt_ + " --table-mib 96").exit_code, 0);
+    socket_ = dir_ / "engramd.sock";
+    daemon_ = Process({BinPath("../daemon/engramd"), "--checkpoint", ckpt_, "--tp", "1,2", "--shm-dir", shm_,
+                       "--socket", socket_},
+                      dir_ / "engramd.log");
+    ASSERT_TRUE(WaitFor([&] {
+      auto r = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
+      if (r.exit_code != 0) return false;
+      json s = json::parse(r.out);
+      for (const auto& g : s["segments"]) {
+        if (g["state"] != "READY") return false;
+      }
+      return s["segments"].size() == 3;
+    }, std::chrono::seconds(60))) << daemon_.Output();
+  }
+  std::vector<std::string> Replica(const std::string& args) const {
+    std::vector<std::string> argv = {BinPath("engram-replica"), "--socket", socket_, "--checkpoint", ckpt_,
+                                     "--shm-dir", shm_, "--timeout-ms", "3000"};
+    std::istringstream ss(args);
+    for (std::string w; ss >> w;) argv.push_back(w);
+    return argv;
+  }
+  json Run(const std::string& args, int* code = nullptr) {
+    Process p(Replica(args), dir_ / ("replica-" + std::to_string(n_++) + ".log"));
+    const int c = p.Wait();
+    if (code) *code = c;
+    return LastJson(p.Output());
+  }
+  TempDir dir_;
+  std::string shm_, ckpt_, socket_;
+  Process daemon_;
+  int n_ = 0;
+};
+
+TEST_F(ClientTest, ReplicasShareOneCopyAndLookUpTheCheckpointsRows) {
+  for (const auto& topo : std::vector<std::pair<int, int>>{{4, 1}, {2, 2}}) {  // (dp, tp)
+    std::vector<Process> ps;
+    for (int dp = 0; dp < topo.first; ++dp) {
+      for (int tp = 0; tp < topo.second; ++tp) {
+        ps.emplace_back(Replica("--dp-size " + std::to_string(topo.first) + " --dp-rank " + std::to_string(dp) +
+                                " --tp-size " + std::to_string(topo.second) + " --tp-rank " + std::to_string(tp) +
+                                " --verify 200 --write-probe"),
+                        dir_ / ("r" + std::to_string(dp) + std::to_string(tp) + ".log"));
+      }
+    }
+    for (auto& p : ps) {
+      EXPECT_EQ(p.Wait(), 0) << p.Output();
+      json j = LastJson(p.Output());
+      EXPECT_EQ(j["mode"], "SHARED") << p.Output();
+      EXPECT_EQ(j["backend"], "cpu");
+      EXPECT_EQ(Reasons(j), std::set<std::string>{"NO_CUDA_DEVICE"});
+      EXPECT_GT(j["verified"].get<int>(), 200);
+      EXPECT_EQ(j["mismatches"], 0);
+      EXPECT_EQ(j["write_faulted"], true) << "a replica must not be able to write the shared table";
+    }
+  }
+  EXPECT_TRUE(daemon_.Running());
+}
+
+TEST_F(ClientTest, EveryFallbackServesCorrectRowsAndSaysWhy) {
+  struct Case {
+    std::string args, reason, mode;
+  } cases[] = {
+      {"--dp-size 1", "DP_SIZE_ONE", "PRIVATE_PINNED"},
+      {"--dp-size 4 --local-dp-size 2", "NOT_COLOCATED", "PRIVATE_PINNED"},
+      {"--dp-size 4 --elastic-ep", "ELASTIC_EP", "PRIVATE_PINNED"},
+      {"--dp-size 4 --cpu-offload false", "CPU_OFFLOAD_DISABLED", "DEVICE"},
+      {"--dp-size 4 --shm-dir /tmp", "SHM_NOT_VISIBLE", "PRIVATE_PINNED"},
+      {"--dp-size 4 --tp-size 3", "SEGMENT_NOT_READY", "PRIVATE_PINNED"},
+      {"--dp-size 4 --embedding-across-dp --dp-size 1", "DP_SHARDED_NOT_BUILT", "PRIVATE_PINNED"},
+      {"--dp-size 4 --dp-shared-memory false", "DP_SHARED_MEMORY_DISABLED", "PRIVATE_PINNED"},
+  };
+  for (const auto& c : cases) {
+    int code = -1;
+    json j = Run(c.args + " --verify 100", &code);
+    EXPECT_EQ(code, 0) << c.args << ": " << j.dump();
+    EXPECT_EQ(j["mode"], c.mode) << c.args;
+    EXPECT_TRUE(Reasons(j).count(c.reason)) << c.args << ": " << j.dump();
+    EXPECT_EQ(j["mismatches"], 0) << c.args;
+  }
+  // No daemon at all.
+  std::vector<std::string> argv = Replica("--dp-size 4");
+  argv[2] = dir_ / "nobody.sock";
+  Process p(argv, dir_ / "nodaemon.log");
+  EXPECT_EQ(p.Wait(), 0) << p.Output();
+  EXPECT_TRUE(Reasons(LastJson(p.Output())).count("DAEMON_UNAVAILABLE")) << p.Output();
+  // Explicit dp_shared_memory true: a fallback is an error that carries the reasons.
+  int code = 0;
+  json err = Run("--dp-size 1 --dp-shared-memory true", &code);
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(err["error"].get<std::string>().find("DP_SIZE_ONE"), std::string::npos) << err.dump();
+  json ok = Run("--dp-size 4 --dp-shared-memory true", &code);
+  EXPECT_EQ(code, 0) << ok.dump();
+  EXPECT_EQ(ok["mode"], "SHARED");
+}
+
+long PssKib(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/smaps_rollup");
+  std::string k;
+  long v = 0;
+  while (in >> k) {
+    if (k == "Pss:") {
+      in >> v;
+      return v;
+    }
+  }
+  return -1;
+}
+
+// Host memory with 4 replicas holding their tables: shared, each replica's PSS carries a quarter of the one copy;
+// private, each carries a whole copy. Printed for bench/RESULTS.md.
+TEST_F(ClientTest, FourSharedReplicasHoldOneCopyOfTheTable) {
+  std::vector<Process> shared, priv;
+  for (int r = 0; r < 4; ++r) {
+    shared.emplace_back(Replica("--dp-size 4 --dp-rank " + std::to_string(r) + " --hold 6 --verify 4"),
+                        dir_ / ("s" + std::to_string(r) + ".log"));
+    priv.emplace_back(Replica("--dp-size 4 --dp-rank " + std::to_string(r) +
+                              " --dp-shared-memory false --hold 6 --verify 4"),
+                      dir_ / ("p" + std::to_string(r) + ".log"));
+  }
+  for (auto* set : {&shared, &priv}) {
+    for (auto& p : *set) {
+      ASSERT_TRUE(WaitFor([&] { return p.Output().find("\"attached\"") != std::string::npos; }, std::chrono::seconds(30)))
+          << p.Output();
+    }
+  }
+  long shared_pss = 0, private_pss = 0;
+  for (auto& p : shared) shared_pss += PssKib(p.pid());
+  for (auto& p : priv) private_pss += PssKib(p.pid());
+  const double table_mib = 96.0;
+  std::cout << "[ memory ] 4 replicas, " << table_mib << " MiB table: shared PSS total " << shared_pss / 1024
+            << " MiB, private PSS total " << private_pss / 1024 << " MiB\n";
+  // Shared: about one copy in total; private: about four.
+  EXPECT_LT(shared_pss / 1024.0, 2.0 * table_mib);
+  EXPECT_GT(private_pss / 1024.0, 3.5 * table_mib);
+  for (auto* set : {&shared, &priv}) {
+    for (auto& p : *set) EXPECT_EQ(p.Wait(), 0) << p.Output();
+  }
+}
+
+}  // namespace
+}  // namespace engram
