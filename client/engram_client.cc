@@ -21,6 +21,10 @@
 #include "model/tokenizer.h"
 #include "shm/segment.h"
 
+#ifdef ENGRAM_HAVE_CUDA
+#include "client/cuda_backend.h"
+#endif
+
 namespace engram::client {
 namespace {
 
@@ -30,12 +34,17 @@ using Clock = std::chrono::steady_clock;
 class TableBase : public Table {
  public:
   Mode mode() const override { return mode_; }
-  Backend backend() const override { return Backend::kCpu; }
+  Backend backend() const override { return backend_; }
+  const uint8_t* device_records(int l) const override {
+    return device_records_.empty() ? nullptr : device_records_[static_cast<size_t>(l)];
+  }
+  double register_seconds() const override { return register_seconds_; }
   const std::vector<Reason>& reasons() const override { return reasons_; }
   const std::vector<LayerInfo>& layers() const override { return layers_; }
   int64_t head_dim() const override { return layout_->config().head_dim; }
   int64_t n_cols() const override { return layout_->n_cols(); }
   const TokenMap& token_map() const override { return *map_; }
+  const Layout& layout() const override { return *layout_; }
   const uint8_t* records(int l) const override { return records_[static_cast<size_t>(l)]; }
 
   absl::Status Hash(const HashBatch& batch, std::span<int32_t> out) const override {
@@ -43,14 +52,20 @@ class TableBase : public Table {
   }
   absl::Status Lookup(int l, std::span<const int32_t> ids, std::span<uint16_t> out) const override {
     RETURN_IF_ERROR(CheckLayer(l));
+    if (records(l) == nullptr) return absl::FailedPreconditionError("the table lives on the GPU: use DeviceEngine");
     return LookupBf16Cpu(Records(l), ids, out);
   }
   absl::Status LookupPacked(int l, std::span<const int32_t> ids, std::span<uint8_t> out) const override {
     RETURN_IF_ERROR(CheckLayer(l));
+    if (records(l) == nullptr) return absl::FailedPreconditionError("the table lives on the GPU: use DeviceEngine");
     return LookupPackedCpu(Records(l), ids, out);
   }
 
   Mode mode_ = Mode::kPrivatePinned;
+  Backend backend_ = Backend::kCpu;
+  double register_seconds_ = -1;
+  std::vector<const uint8_t*> device_records_;
+  std::vector<std::shared_ptr<void>> keep_;  // registrations / device copies, released before the memory itself
   std::vector<Reason> reasons_;
   std::vector<LayerInfo> layers_;
   std::unique_ptr<Layout> layout_;
@@ -74,6 +89,7 @@ class TableBase : public Table {
 class SharedTable final : public TableBase {
  public:
   ~SharedTable() override {
+    keep_.clear();  // unregister before the mapping goes
     if (ctx_) ctx_->TryCancel();
     if (events_.joinable()) events_.join();
     if (pinned_) ::munlock(pin_base_, pin_bytes_);
@@ -92,6 +108,7 @@ class SharedTable final : public TableBase {
 class PrivateTable final : public TableBase {
  public:
   ~PrivateTable() override {
+    keep_.clear();
     if (base_ != nullptr) ::munmap(base_, bytes_);
   }
   uint8_t* base_ = nullptr;
@@ -162,7 +179,14 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
   ASSIGN_OR_RETURN(Layout layout, Layout::Build(ckpt->config()));
   ASSIGN_OR_RETURN(ShardRange shard, layout.Shard(req.tp_size, req.tp_rank));
   std::vector<Reason> reasons;
-  reasons.push_back(R("NO_CUDA_DEVICE", "this build runs lookups on the CPU reference; the CUDA backend needs a GPU"));
+  std::string no_gpu = "this build has no CUDA";
+#ifdef ENGRAM_HAVE_CUDA
+  const bool cuda = options_.use_gpu && CudaUsable(&no_gpu);
+  if (!options_.use_gpu) no_gpu = "the GPU backend was turned off (use_gpu = false)";
+#else
+  const bool cuda = false;
+#endif
+  if (!cuda) reasons.push_back(R("NO_CUDA_DEVICE", no_gpu + ": lookups run the CPU reference"));
 
   // Ask the daemon.
   struct stat st {};
@@ -235,18 +259,40 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
         const auto t0 = Clock::now();
         const uint8_t* data = (*seg)->data();
         const size_t bytes = (*seg)->file_bytes() - (*seg)->header().data_offset;
-        const bool pinned = ::mlock(data, bytes) == 0;
         engram::v1::ClientMessage result;
         auto* r = result.mutable_register_result();
+        bool pinned = false;
+#ifdef ENGRAM_HAVE_CUDA
+        if (cuda) {
+          int failed = -1;
+          auto reg = HostRegistration::Register(data, bytes, options_.register_chunk_bytes, &failed);
+          pinned = reg.ok();
+          r->set_backend("cuda");
+          if (pinned) {
+            shared->backend_ = Backend::kCuda;
+            shared->keep_.push_back(std::shared_ptr<HostRegistration>(std::move(*reg)));
+          } else {
+            r->set_error(std::string(reg.status().message()));
+            r->set_failed_chunk(failed);
+          }
+        }
+#endif
+        if (!cuda) {
+          pinned = ::mlock(data, bytes) == 0;
+          r->set_backend("cpu");
+          if (pinned) {
+            shared->pinned_ = true;
+            shared->pin_base_ = data;
+            shared->pin_bytes_ = bytes;
+          } else {
+            r->set_error(absl::StrCat("mlock of ", bytes, " bytes failed: ", std::strerror(errno)));
+          }
+        }
         r->set_ok(pinned);
-        r->set_backend("cpu");
         r->set_seconds(std::chrono::duration<double>(Clock::now() - t0).count());
-        if (!pinned) r->set_error(absl::StrCat("mlock of ", bytes, " bytes failed: ", std::strerror(errno)));
         shared->stream_->Write(result);
         if (pinned) {
-          shared->pinned_ = true;
-          shared->pin_base_ = data;
-          shared->pin_bytes_ = bytes;
+          shared->register_seconds_ = r->seconds();
           shared->mode_ = Mode::kShared;
           shared->reasons_ = reasons;
           shared->layout_ = std::make_unique<Layout>(layout);
@@ -254,6 +300,7 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
           shared->map_ = std::make_unique<TokenMap>(TokenMap::FromIds(std::move(ids)));
           for (const auto& ld : g.segment().layers()) {
             shared->records_.push_back(data + ld.data_offset());
+            if (shared->backend_ == Backend::kCuda) shared->device_records_.push_back(data + ld.data_offset());
           }
           FillLayers(layout, shard, shared.get());
           shared->segment_ = std::move(*seg);
@@ -266,6 +313,7 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
           return std::unique_ptr<Table>(std::move(shared));
         }
         reasons.push_back(R("REGISTER_FAILED", r->error() + " (raise ulimit -l / LimitMEMLOCK)"));
+        (void)t0;
       } else {
         reasons.push_back(R("DAEMON_UNAVAILABLE", "the session ended before a registration ticket"));
       }
@@ -310,6 +358,27 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
   RETURN_IF_ERROR(ReadShardRecords(*ckpt, rows, priv->base_, threads, nullptr));
   ::mprotect(p, priv->bytes_, PROT_READ);  // a table is read-only once built
   for (const auto& r : rows) priv->records_.push_back(priv->base_ + r.dst_offset);
+#ifdef ENGRAM_HAVE_CUDA
+  if (cuda) {
+    const auto t0 = Clock::now();
+    if (cpu_offload) {
+      int failed = -1;
+      ASSIGN_OR_RETURN(auto reg, HostRegistration::Register(priv->base_, priv->bytes_, options_.register_chunk_bytes,
+                                                             &failed));
+      priv->keep_.push_back(std::shared_ptr<HostRegistration>(std::move(reg)));
+      priv->device_records_ = priv->records_;
+    } else {
+      ASSIGN_OR_RETURN(auto copy, DeviceCopy::Create(priv->base_, priv->bytes_));
+      for (const auto& r : rows) priv->device_records_.push_back(copy->data() + r.dst_offset);
+      priv->keep_.push_back(std::shared_ptr<DeviceCopy>(std::move(copy)));
+      ::munmap(priv->base_, priv->bytes_);  // the GPU holds the only copy
+      priv->base_ = nullptr;
+      std::fill(priv->records_.begin(), priv->records_.end(), nullptr);
+    }
+    priv->backend_ = Backend::kCuda;
+    priv->register_seconds_ = std::chrono::duration<double>(Clock::now() - t0).count();
+  }
+#endif
   FillLayers(layout, shard, priv.get());
   return std::unique_ptr<Table>(std::move(priv));
 }

@@ -12,9 +12,11 @@
 // this TP shard is built from the checkpoint (same records), in host memory (PRIVATE_PINNED) or, with cpu_offload
 // false, as the DEVICE table; with dp_shared_memory explicitly true, any fallback is an error carrying the reasons.
 //
-// This build has the CPU backend only (reason NO_CUDA_DEVICE): lookups run the CPU reference over the same
-// records; the CUDA backend (kernels/) plugs in behind the same calls. Client and Table are thread-compatible:
-// one thread drives a Table; distinct Tables are independent.
+// Backends: with a usable GPU (and a CUDA build) the table is registered read-only in chunks (cudaHostRegister,
+// rolled back on failure: REGISTER_FAILED names the chunk) or copied to the GPU (DEVICE), and DeviceEngine
+// (device_engine.h) runs the fused kernels on it. Without one, backend CPU (reason NO_CUDA_DEVICE): the mapping is
+// pinned with mlock and the host calls below run the CPU reference over the same records. Client and Table are
+// thread-compatible: one thread drives a Table; distinct Tables are independent.
 #pragma once
 
 #include <chrono>
@@ -26,6 +28,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "model/layout.h"
 #include "model/reference.h"
 
 namespace engram::client {
@@ -45,6 +48,8 @@ struct Reason {
 struct ClientOptions {
   std::string socket = "/run/engramd/engramd.sock";
   std::chrono::milliseconds timeout{10000};  // connect + answer (the daemon may still be loading)
+  size_t register_chunk_bytes = size_t{16} << 30;  // cudaHostRegister chunk (never >= 512 GiB)
+  bool use_gpu = true;                             // false: CPU backend even where a GPU is present
 };
 
 struct AttachRequest {
@@ -76,8 +81,14 @@ class Table {
   virtual int64_t head_dim() const = 0;
   virtual int64_t n_cols() const = 0;
   virtual const TokenMap& token_map() const = 0;
-  // Host-visible records of layer `l` (row_begin's record first); read-only when shared.
+  virtual const Layout& layout() const = 0;
+  // Host-visible records of layer `l` (row_begin's record first); read-only when shared. Null for a DEVICE table
+  // on the CUDA backend (the copy lives on the GPU only).
   virtual const uint8_t* records(int l) const = 0;
+  // Device-visible records (UVA host pointer of registered memory, or the GPU copy); null on the CPU backend.
+  virtual const uint8_t* device_records(int l) const = 0;
+  // Seconds spent registering (pinning) the table; -1 when nothing was registered.
+  virtual double register_seconds() const = 0;
 
   // SPEC 2.4 for this model: out [T, n_layers, n_cols].
   virtual absl::Status Hash(const HashBatch& batch, std::span<int32_t> out) const = 0;

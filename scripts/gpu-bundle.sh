@@ -16,7 +16,9 @@ case "${1:-kernels}" in
   kernels) bins=("$build/tests/gpu_kernels_test" "$build/tests/gpu_prefetch_test" "$build/tests/uva_lookup_helper"
                  "$build/bench/bench_kernels") ;;
   daemon) bins=("$build/bench/bench_daemon" "$build/daemon/engramd") ;;
-  *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon]" >&2; exit 2 ;;
+  client) bins=("$build/tests/gpu_client_test" "$build/daemon/engramd" "$build/tools/engramctl"
+                "$build/tools/engram-replica" "$build/tools/engram-mkckpt") ;;
+  *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon|client]" >&2; exit 2 ;;
 esac
 for b in "${bins[@]}"; do
   cp "$b" "$out/bin/"
@@ -57,6 +59,32 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
     r=$?; echo "compute-sanitizer $tool: exit $r ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize-$tool.log" | tail -1))"
     [ $r = 0 ] || rc=1
   done
+fi
+if [ "$what" = client ]; then
+  # libengram_client on the GPU: its GPU test, then engramd + 4 replicas (DP 4) registering a shared table:
+  # 4 KiB pages with 1 and 4 tickets, then a huge=always tmpfs with 1 ticket.
+  "$here/bin/gpu_client_test" 2>&1 | tee "$out/gpu_client_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure' || rc=1
+  w=/tmp/engram-client-run; rm -rf "$w"; mkdir -p "$w" /mnt/engram-hp
+  "$here/bin/engram-mkckpt" --out "$w/ck" --table-mib $(( ${ENGRAM_CLIENT_GIB:-16} * 1024 )) | tee "$out/client.log"
+  mountpoint -q /mnt/engram-hp || mount -t tmpfs -o size=$(( ${ENGRAM_CLIENT_GIB:-16} + 4 ))G,huge=always tmpfs /mnt/engram-hp
+  for setting in "/dev/shm 1" "/dev/shm 4" "/mnt/engram-hp 1"; do
+    set -- $setting
+    "$here/bin/engramd" --checkpoint "$w/ck" --shm-dir "$1" --socket "$w/sock" --tickets "$2" --log-level warn 2>> "$out/client.log" &
+    d=$!
+    for _ in $(seq 600); do "$here/bin/engramctl" status --socket "$w/sock" --json 2>/dev/null | grep -q '"state":"READY"' && break; sleep 0.2; done
+    echo "== shm $1, tickets $2: $("$here/bin/engramctl" status --socket "$w/sock" --json | grep -o '"load_seconds":[0-9.]*' | head -1)" | tee -a "$out/client.log"
+    t0=$(date +%s.%N)
+    for r in 0 1 2 3; do
+      "$here/bin/engram-replica" --socket "$w/sock" --checkpoint "$w/ck" --shm-dir "$1" --dp-size 4 --dp-rank $r \
+        --tokens 4096 --batches 2 --verify 64 > "$w/r$r.json" 2>&1 &
+    done
+    wait $(jobs -p | grep -v "^$d$") 2>/dev/null
+    echo "  4 replicas done in $(awk "BEGIN{print $(date +%s.%N) - $t0}") s" | tee -a "$out/client.log"
+    for r in 0 1 2 3; do tail -1 "$w/r$r.json" | tee -a "$out/client.log"; done
+    kill $d; wait $d
+    [ "$1" = /mnt/engram-hp ] && rm -f /mnt/engram-hp/engram-*
+  done
+  rm -f /dev/shm/engram-*
 fi
 if [ "$what" = daemon ]; then
   "$here/bin/bench_daemon" --gib "${ENGRAM_PUBLISH_GIB:-16}" --engramd "$here/bin/engramd" 2>&1 | tee "$out/bench_daemon.log" || rc=1

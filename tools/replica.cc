@@ -13,6 +13,12 @@
 #include <thread>
 
 #include "client/engram_client.h"
+
+#ifdef ENGRAM_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "client/device_engine.h"
+#endif
 #include "model/checkpoint.h"
 #include "nlohmann/json.hpp"
 #include "tools/args.h"
@@ -82,11 +88,31 @@ int main(int argc, char** argv) {
   const int64_t D = t.head_dim(), L = static_cast<int64_t>(t.layers().size()), C = t.n_cols();
   const int64_t T = geti("--tokens", 256), batches = geti("--batches", 4), verify = geti("--verify", 64);
   std::mt19937_64 rng(std::random_device{}());
-  int64_t verified = 0, mismatches = 0;
-  double busy = 0;
+  int64_t verified = 0, mismatches = 0, hash_mismatches = 0;
+  double busy = 0, gpu_busy = 0;
   std::vector<int32_t> tokens(static_cast<size_t>(T)), qsl = {0, static_cast<int32_t>(T)}, ids(static_cast<size_t>(T * L * C));
   std::vector<int64_t> pos(static_cast<size_t>(T));
   std::vector<uint16_t> rows(static_cast<size_t>(T * C * D));
+#ifdef ENGRAM_HAVE_CUDA
+  // CUDA backend: hash and lookups run as kernels through DeviceEngine; the host calls check them.
+  std::unique_ptr<engram::client::DeviceEngine> engine;
+  int32_t *d_tokens = nullptr, *d_qsl = nullptr, *d_ids = nullptr;
+  int64_t* d_pos = nullptr;
+  uint16_t* d_rows = nullptr;
+  if (t.backend() == engram::client::Backend::kCuda) {
+    auto e = engram::client::DeviceEngine::Create(t, static_cast<int32_t>(T), nullptr);
+    if (!e.ok()) {
+      std::cout << json{{"error", std::string(e.status().message())}}.dump() << std::endl;
+      return 1;
+    }
+    engine = std::move(*e);
+    cudaMalloc(reinterpret_cast<void**>(&d_tokens), static_cast<size_t>(T) * 4);
+    cudaMalloc(reinterpret_cast<void**>(&d_qsl), 8);
+    cudaMalloc(reinterpret_cast<void**>(&d_ids), static_cast<size_t>(T * L * C) * 4);
+    cudaMalloc(reinterpret_cast<void**>(&d_pos), static_cast<size_t>(T) * 8);
+    cudaMalloc(reinterpret_cast<void**>(&d_rows), static_cast<size_t>(T * C * D) * 2);
+  }
+#endif
   for (int64_t b = 0; b < batches; ++b) {
     for (int64_t i = 0; i < T; ++i) {
       tokens[static_cast<size_t>(i)] = static_cast<int32_t>(rng() % static_cast<uint64_t>(t.token_map().raw_size()));
@@ -98,13 +124,41 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     if (!t.Hash({tokens, pos, qsl, {}, {}}, ids).ok()) return 1;
     busy += since(t0);
+#ifdef ENGRAM_HAVE_CUDA
+    if (engine) {
+      // The GPU path end to end on the stream; its hash ids must equal the CPU reference's.
+      cudaMemcpy(d_tokens, tokens.data(), tokens.size() * 4, cudaMemcpyHostToDevice);
+      cudaMemcpy(d_pos, pos.data(), pos.size() * 8, cudaMemcpyHostToDevice);
+      cudaMemcpy(d_qsl, qsl.data(), 8, cudaMemcpyHostToDevice);
+      cudaMemset(d_ids, 0xA5, ids.size() * 4);
+      const auto g0 = std::chrono::steady_clock::now();
+      bool ok = engine->Hash(d_tokens, d_pos, d_qsl, nullptr, nullptr, static_cast<int32_t>(T), 1, d_ids).ok();
+      for (int l = 0; l < L && ok; ++l) {
+        ok = engine->Lookup(l, d_ids + l * C, static_cast<int32_t>(T), L * C, d_rows, false).ok();
+        // (rows of the last layer stay in d_rows; the per-layer check below reads them back layer by layer)
+      }
+      cudaStreamSynchronize(nullptr);
+      gpu_busy += since(g0);
+      std::vector<int32_t> gpu_ids(ids.size());
+      cudaMemcpy(gpu_ids.data(), d_ids, ids.size() * 4, cudaMemcpyDeviceToHost);
+      hash_mismatches += gpu_ids != ids;
+      if (!ok) return 1;
+    }
+#endif
     for (int l = 0; l < L; ++l) {
       std::vector<int32_t> layer_ids(static_cast<size_t>(T * C));
       for (int64_t i = 0; i < T; ++i) {
         for (int64_t c = 0; c < C; ++c) layer_ids[static_cast<size_t>(i * C + c)] = ids[static_cast<size_t>((i * L + l) * C + c)];
       }
       const auto t1 = std::chrono::steady_clock::now();
-      if (!t.Lookup(l, layer_ids, rows).ok()) return 1;
+      bool host_ok = false;
+#ifdef ENGRAM_HAVE_CUDA
+      if (engine) {  // the rows the verification reads come from the GPU lookup of this layer
+        host_ok = engine->Lookup(l, d_ids + l * C, static_cast<int32_t>(T), L * C, d_rows, false).ok() &&
+                  cudaMemcpy(rows.data(), d_rows, rows.size() * 2, cudaMemcpyDeviceToHost) == cudaSuccess;
+      }
+#endif
+      if (!host_ok && !t.Lookup(l, layer_ids, rows).ok()) return 1;
       busy += since(t1);
       for (int64_t k = 0; k < verify / std::max<int64_t>(1, batches) + 1; ++k) {
         const size_t idx = static_cast<size_t>(rng() % static_cast<uint64_t>(T * C));
@@ -122,7 +176,13 @@ int main(int argc, char** argv) {
               {"reasons", json::array()},
               {"verified", verified},
               {"mismatches", mismatches},
-              {"tokens_per_s", busy > 0 ? static_cast<double>(T * batches) / busy : 0.0}};
+              {"tokens_per_s", (gpu_busy > 0 ? gpu_busy : busy) > 0
+                                   ? static_cast<double>(T * batches) / (gpu_busy > 0 ? gpu_busy : busy)
+                                   : 0.0}};
+  if (t.register_seconds() >= 0) out["register_seconds"] = t.register_seconds();
+  if (gpu_busy > 0) out["hash_mismatches"] = hash_mismatches;
+  mismatches += hash_mismatches;
+  out["mismatches"] = mismatches;
   for (const auto& r : t.reasons()) out["reasons"].push_back(r.code);
   bool ok = mismatches == 0;
   if (a.Has("--write-probe")) {

@@ -1,0 +1,75 @@
+#include "client/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+
+namespace engram::client {
+
+bool CudaUsable(std::string* why_not) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0) {
+    if (why_not) *why_not = e == cudaSuccess ? "no CUDA device" : cudaGetErrorString(e);
+    cudaGetLastError();  // not sticky, but leave nothing behind
+    return false;
+  }
+  int dev = 0, host_ptr = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&host_ptr, cudaDevAttrCanUseHostPointerForRegisteredMem, dev);
+  if (!host_ptr) {
+    if (why_not) *why_not = "the GPU cannot use registered host memory through its host address (no UVA)";
+    return false;
+  }
+  return true;
+}
+
+absl::StatusOr<std::unique_ptr<HostRegistration>> HostRegistration::Register(const void* ptr, size_t bytes,
+                                                                             size_t chunk_bytes, int* failed_chunk) {
+  constexpr size_t kMaxChunk = size_t{511} << 30;
+  chunk_bytes = std::clamp<size_t>(chunk_bytes, size_t{1} << 21, kMaxChunk);
+  std::unique_ptr<HostRegistration> r(new HostRegistration());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto* p = static_cast<uint8_t*>(const_cast<void*>(ptr));
+  for (size_t off = 0, k = 0; off < bytes; off += chunk_bytes, ++k) {
+    const size_t n = std::min(chunk_bytes, bytes - off);
+    cudaError_t e = cudaHostRegister(p + off, n, cudaHostRegisterMapped | cudaHostRegisterReadOnly);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      if (failed_chunk) *failed_chunk = static_cast<int>(k);
+      return absl::ResourceExhaustedError(absl::StrCat("cudaHostRegister of chunk ", k, " (", n, " bytes at offset ",
+                                                       off, "): ", cudaGetErrorString(e)));
+      // r's destructor unregisters the chunks registered so far.
+    }
+    r->chunks_.push_back(p + off);
+  }
+  r->seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+HostRegistration::~HostRegistration() {
+  for (void* c : chunks_) cudaHostUnregister(c);
+}
+
+absl::StatusOr<std::unique_ptr<DeviceCopy>> DeviceCopy::Create(const void* host, size_t bytes) {
+  std::unique_ptr<DeviceCopy> d(new DeviceCopy());
+  void* p = nullptr;
+  if (cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 1)); e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat("cudaMalloc of ", bytes, " bytes: ", cudaGetErrorString(e)));
+  }
+  d->data_ = static_cast<uint8_t*>(p);
+  if (cudaError_t e = cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice); e != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("copy of the table to the GPU: ", cudaGetErrorString(e)));
+  }
+  return d;
+}
+
+DeviceCopy::~DeviceCopy() {
+  if (data_ != nullptr) cudaFree(data_);
+}
+
+}  // namespace engram::client
