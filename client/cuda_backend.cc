@@ -9,22 +9,22 @@
 
 namespace engram::client {
 
-bool CudaUsable(std::string* why_not) {
+CudaState ProbeCuda(std::string* why_not) {
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n == 0) {
     if (why_not) *why_not = e == cudaSuccess ? "no CUDA device" : cudaGetErrorString(e);
     cudaGetLastError();  // not sticky, but leave nothing behind
-    return false;
+    return CudaState::kNoDevice;
   }
   int dev = 0, host_ptr = 0;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&host_ptr, cudaDevAttrCanUseHostPointerForRegisteredMem, dev);
   if (!host_ptr) {
     if (why_not) *why_not = "the GPU cannot use registered host memory through its host address (no UVA)";
-    return false;
+    return CudaState::kNoUva;
   }
-  return true;
+  return CudaState::kUsable;
 }
 
 absl::StatusOr<std::unique_ptr<HostRegistration>> HostRegistration::Register(const void* ptr, size_t bytes,

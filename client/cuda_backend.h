@@ -13,8 +13,9 @@
 
 namespace engram::client {
 
-// True when a CUDA device exists and can use registered host memory through its host address (UVA).
-bool CudaUsable(std::string* why_not);
+enum class CudaState { kUsable, kNoDevice, kNoUva };
+// Whether a CUDA device exists and can use registered host memory through its host address (UVA).
+CudaState ProbeCuda(std::string* why_not);
 
 class HostRegistration {
  public:

@@ -20,6 +20,7 @@
 #include "model/status_macros.h"
 #include "model/tokenizer.h"
 #include "shm/segment.h"
+#include "spdlog/spdlog.h"
 
 #ifdef ENGRAM_HAVE_CUDA
 #include "client/cuda_backend.h"
@@ -29,6 +30,27 @@ namespace engram::client {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// The daemon session a table keeps open: it is the lease (shared) or the record of the fallback in
+// `engramctl status` (private). Ends when the table goes.
+struct SessionHold {
+  std::unique_ptr<engram::v1::Engram::Stub> stub;
+  std::unique_ptr<grpc::ClientContext> ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<engram::v1::ClientMessage, engram::v1::ServerMessage>> stream;
+  std::thread events;
+  void Keep() {  // drain daemon events until the session ends
+    auto* s = stream.get();
+    events = std::thread([s] {
+      engram::v1::ServerMessage m;
+      while (s->Read(&m)) {
+      }
+    });
+  }
+  ~SessionHold() {
+    if (ctx) ctx->TryCancel();
+    if (events.joinable()) events.join();
+  }
+};
 
 // State every table shares: what it is, the layout for hashing, where its records are.
 class TableBase : public Table {
@@ -55,6 +77,11 @@ class TableBase : public Table {
     if (records(l) == nullptr) return absl::FailedPreconditionError("the table lives on the GPU: use DeviceEngine");
     return LookupBf16Cpu(Records(l), ids, out);
   }
+  absl::Status Gate(const GateShape& shape, std::span<const uint16_t> hidden, std::span<const uint16_t> kv,
+                    std::span<const uint16_t> q_weight, std::span<const uint16_t> k_weight,
+                    std::span<const uint8_t> mask, std::span<uint16_t> out) const override {
+    return GateCpu(shape, hidden, kv, q_weight, k_weight, mask, out);
+  }
   absl::Status LookupPacked(int l, std::span<const int32_t> ids, std::span<uint8_t> out) const override {
     RETURN_IF_ERROR(CheckLayer(l));
     if (records(l) == nullptr) return absl::FailedPreconditionError("the table lives on the GPU: use DeviceEngine");
@@ -66,6 +93,7 @@ class TableBase : public Table {
   double register_seconds_ = -1;
   std::vector<const uint8_t*> device_records_;
   std::vector<std::shared_ptr<void>> keep_;  // registrations / device copies, released before the memory itself
+  std::unique_ptr<SessionHold> session_;
   std::vector<Reason> reasons_;
   std::vector<LayerInfo> layers_;
   std::unique_ptr<Layout> layout_;
@@ -90,15 +118,10 @@ class SharedTable final : public TableBase {
  public:
   ~SharedTable() override {
     keep_.clear();  // unregister before the mapping goes
-    if (ctx_) ctx_->TryCancel();
-    if (events_.joinable()) events_.join();
+    session_.reset();
     if (pinned_) ::munlock(pin_base_, pin_bytes_);
   }
   std::unique_ptr<SegmentReader> segment_;
-  std::unique_ptr<engram::v1::Engram::Stub> stub_;
-  std::unique_ptr<grpc::ClientContext> ctx_;
-  std::unique_ptr<grpc::ClientReaderWriter<engram::v1::ClientMessage, engram::v1::ServerMessage>> stream_;
-  std::thread events_;
   bool pinned_ = false;
   const void* pin_base_ = nullptr;
   size_t pin_bytes_ = 0;
@@ -109,6 +132,7 @@ class PrivateTable final : public TableBase {
  public:
   ~PrivateTable() override {
     keep_.clear();
+    session_.reset();
     if (base_ != nullptr) ::munmap(base_, bytes_);
   }
   uint8_t* base_ = nullptr;
@@ -181,8 +205,14 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
   std::vector<Reason> reasons;
   std::string no_gpu = "this build has no CUDA";
 #ifdef ENGRAM_HAVE_CUDA
-  const bool cuda = options_.use_gpu && CudaUsable(&no_gpu);
+  const CudaState gpu = options_.use_gpu ? ProbeCuda(&no_gpu) : CudaState::kNoDevice;
   if (!options_.use_gpu) no_gpu = "the GPU backend was turned off (use_gpu = false)";
+  if (gpu == CudaState::kNoUva && cpu_offload) {
+    // SPEC 6: cpu_offload without UVA support fails fast.
+    return absl::FailedPreconditionError(absl::StrCat("cpu_offload needs a GPU that reads host memory through UVA: ",
+                                                      no_gpu, "; set cpu_offload false"));
+  }
+  const bool cuda = gpu == CudaState::kUsable;
 #else
   const bool cuda = false;
 #endif
@@ -212,26 +242,27 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
   h->set_shm_ino(st.st_ino);
 
   auto shared = std::make_unique<SharedTable>();
+  auto session = std::make_unique<SessionHold>();
   engram::v1::ServerMessage answer;
   bool answered = false;
   if (req.dp_shared_memory != Choice::kFalse) {
     auto channel = grpc::CreateChannel("unix:" + options_.socket, grpc::InsecureChannelCredentials());
     const auto deadline = std::chrono::system_clock::now() + options_.timeout;
     if (channel->WaitForConnected(deadline)) {
-      shared->stub_ = engram::v1::Engram::NewStub(channel);
-      shared->ctx_ = std::make_unique<grpc::ClientContext>();
-      shared->stream_ = shared->stub_->Session(shared->ctx_.get());
+      session->stub = engram::v1::Engram::NewStub(channel);
+      session->ctx = std::make_unique<grpc::ClientContext>();
+      session->stream = session->stub->Session(session->ctx.get());
       // The daemon may hold the answer while it loads; give up (cancel) at the timeout.
       std::atomic<bool> got{false};
       std::thread watchdog([&] {
         while (!got && std::chrono::system_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        if (!got) shared->ctx_->TryCancel();
+        if (!got) session->ctx->TryCancel();
       });
-      answered = shared->stream_->Write(hello) && shared->stream_->Read(&answer);
+      answered = session->stream->Write(hello) && session->stream->Read(&answer);
       got = true;
       watchdog.join();
       if (!answered) {
-        grpc::Status s = shared->stream_->Finish();
+        grpc::Status s = session->stream->Finish();
         reasons.push_back(R(s.error_code() == grpc::StatusCode::PERMISSION_DENIED ? "PERMISSION_DENIED"
                                                                                    : "DAEMON_UNAVAILABLE",
                             absl::StrCat("engramd did not answer on ", options_.socket, ": ", s.error_message())));
@@ -255,7 +286,7 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
       engram::v1::ClientMessage ticket;
       ticket.mutable_ticket_request();
       engram::v1::ServerMessage reply;
-      if (shared->stream_->Write(ticket) && shared->stream_->Read(&reply) && reply.has_ticket()) {
+      if (session->stream->Write(ticket) && session->stream->Read(&reply) && reply.has_ticket()) {
         const auto t0 = Clock::now();
         const uint8_t* data = (*seg)->data();
         const size_t bytes = (*seg)->file_bytes() - (*seg)->header().data_offset;
@@ -290,7 +321,7 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
         }
         r->set_ok(pinned);
         r->set_seconds(std::chrono::duration<double>(Clock::now() - t0).count());
-        shared->stream_->Write(result);
+        session->stream->Write(result);
         if (pinned) {
           shared->register_seconds_ = r->seconds();
           shared->mode_ = Mode::kShared;
@@ -304,12 +335,10 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
           }
           FillLayers(layout, shard, shared.get());
           shared->segment_ = std::move(*seg);
-          auto* stream = shared->stream_.get();
-          shared->events_ = std::thread([stream] {
-            engram::v1::ServerMessage m;
-            while (stream->Read(&m)) {
-            }
-          });
+          session->Keep();
+          shared->session_ = std::move(session);
+          spdlog::info("engram: event=attached mode=SHARED backend={} segment={} register_seconds={:.3f}",
+                       BackendName(shared->backend_), g.segment_path(), shared->register_seconds_);
           return std::unique_ptr<Table>(std::move(shared));
         }
         reasons.push_back(R("REGISTER_FAILED", r->error() + " (raise ulimit -l / LimitMEMLOCK)"));
@@ -323,7 +352,8 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
       reasons.push_back(R(engram::v1::FallbackReason_Name(r.code()), r.hint()));
     }
   }
-  if (shared->ctx_) shared->ctx_->TryCancel();
+  const bool daemon_decided_fallback = answered && answer.has_fallback();
+  if (!daemon_decided_fallback) session.reset();  // nothing to keep: the daemon has no record of a fallback
 
   // Fallback.
   if (req.dp_shared_memory == Choice::kTrue) {
@@ -380,6 +410,14 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
   }
 #endif
   FillLayers(layout, shard, priv.get());
+  if (session) {  // keep the session: `engramctl status` lists this replica with its mode and reasons
+    session->Keep();
+    priv->session_ = std::move(session);
+  }
+  std::vector<std::string> codes;
+  for (const auto& r : priv->reasons_) codes.push_back(r.code);
+  spdlog::warn("engram: event=fallback mode={} backend={} reasons={} detail=\"{}\"", ModeName(priv->mode_),
+               BackendName(priv->backend_), absl::StrJoin(codes, ","), ReasonList(priv->reasons_));
   return std::unique_ptr<Table>(std::move(priv));
 }
 

@@ -95,6 +95,10 @@ class Table {
   // SPEC 3 for layer `l`: out bf16 [n, head_dim] (ids outside this shard's rows give zero rows).
   virtual absl::Status Lookup(int l, std::span<const int32_t> ids, std::span<uint16_t> out) const = 0;
   virtual absl::Status LookupPacked(int l, std::span<const int32_t> ids, std::span<uint8_t> out) const = 0;
+  // SPEC 4 on the host (the gate needs no table; here for a complete CPU path).
+  virtual absl::Status Gate(const GateShape& shape, std::span<const uint16_t> hidden, std::span<const uint16_t> kv,
+                            std::span<const uint16_t> q_weight, std::span<const uint16_t> k_weight,
+                            std::span<const uint8_t> mask, std::span<uint16_t> out) const = 0;
 };
 
 class Client {

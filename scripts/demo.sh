@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The README's first command: build, generate a small real checkpoint, start engramd on it, attach 4 replica
-# sessions (DP 4, TP 1) that share one table and check rows against the checkpoint, show `engramctl status`, then
-# start one more replica in a private mount namespace with its own /dev/shm (what a container without --ipc=host
-# gets) and show it falling back with SHM_NOT_VISIBLE. Cleans up after itself.
-# The replicas here are `engramctl attach` sessions (CPU verification); libengram_client replaces them when it lands.
+# The README's first command: build, generate a small real checkpoint, start engramd on it, run 4 replicas (DP 4,
+# TP 1) that share one table, show `engramctl status`, then one more replica in a private mount namespace with its
+# own /dev/shm (what a container without --ipc=host gets) that falls back with SHM_NOT_VISIBLE. Cleans up.
+# The replicas are engram-replica processes (libengram_client; the CPU backend where there is no GPU): each hashes
+# and looks up random token batches, gates them, and checks rows against the checkpoint files.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${ENGRAM_BUILD_DIR:-$root/build}
@@ -21,12 +21,23 @@ cleanup() {
   wait 2> /dev/null || true
 }
 trap cleanup EXIT
+replica() {  # replica LOG ARGS...: starts one engram-replica in the background
+  local log=$1
+  shift
+  "$bin/engram-replica" --socket "$sock" --checkpoint "$work/ckpt" --tokens 512 --batches 4 --verify 256 \
+    --hold 5 "$@" > "$log" 2>&1 &
+  pids+=($!)
+}
+wait_for() {  # wait_for FILE PATTERN
+  for _ in $(seq 300); do grep -q "$2" "$1" 2> /dev/null && return 0; sleep 0.1; done
+  return 1
+}
 
 echo "== engram-mkckpt: a 256 MiB DeepseekV41ForCausalLM checkpoint"
 "$bin/engram-mkckpt" --out "$work/ckpt" --table-mib 256
 echo
-echo "== engramctl plan --tp 1"
-"$bin/engramctl" plan --checkpoint "$work/ckpt" --tp 1 --shm-dir "$shm" | tail -3
+echo "== engramctl plan --tp 1 --dp 4"
+"$bin/engramctl" plan --checkpoint "$work/ckpt" --tp 1 --dp 4 --shm-dir "$shm" | tail -4
 echo
 echo "== engramd (log: $work/engramd.log)"
 "$build/daemon/engramd" --checkpoint "$work/ckpt" --tp 1 --shm-dir "$shm" --socket "$sock" > "$work/engramd.log" 2>&1 &
@@ -37,29 +48,28 @@ for _ in $(seq 100); do
 done
 grep -E "publish_done|ready" "$work/engramd.log" | sed 's/^/  /'
 echo
-echo "== 4 replicas (DP 4, TP 1) attach and verify 256 random rows per layer against the checkpoint"
-for r in 0 1 2 3; do
-  "$bin/engramctl" attach --socket "$sock" --checkpoint "$work/ckpt" --shm-dir "$shm" --dp-size 4 --dp-rank $r \
-    --ticket --verify 256 --hold 30 > "$work/replica$r.log" 2>&1 &
-  pids+=($!)
-done
-for _ in $(seq 100); do
-  [ "$(cat "$work"/replica*.log 2> /dev/null | grep -c decision)" -ge 4 ] && break
-  sleep 0.1
-done
-for r in 0 1 2 3; do echo "  replica $r: $(head -1 "$work/replica$r.log")"; done
+echo "== 4 replicas (DP 4, TP 1) attach and share"
+for r in 0 1 2 3; do replica "$work/replica$r.log" --shm-dir "$shm" --dp-size 4 --dp-rank $r; done
 echo
 echo "== one more replica in a private mount namespace with its own /dev/shm (no --ipc=host)"
 if unshare -m --propagation private true 2> /dev/null; then
-  unshare -m --propagation private sh -c "mount -t tmpfs -o size=64m tmpfs /dev/shm && \
-    '$bin/engramctl' attach --socket '$sock' --checkpoint '$work/ckpt' --shm-dir /dev/shm --dp-size 4 --dp-rank 3 \
-    --hold 30" > "$work/private.log" 2>&1 &
+  unshare -m --propagation private sh -c "mount -t tmpfs -o size=64m tmpfs /dev/shm && exec '$bin/engram-replica' \
+    --socket '$sock' --checkpoint '$work/ckpt' --shm-dir /dev/shm --dp-size 4 --dp-rank 3 --tokens 512 \
+    --batches 4 --verify 256 --hold 5" > "$work/private.log" 2>&1 &
   pids+=($!)
-  for _ in $(seq 100); do grep -q decision "$work/private.log" 2> /dev/null && break; sleep 0.1; done
-  echo "  $(head -1 "$work/private.log")"
+  wait_for "$work/private.log" '"attached"' || true
+  grep -o "event=fallback.*" "$work/private.log" | sed 's/^/  /' | cut -c1-160
 else
   echo "  (skipped: creating a mount namespace needs root)"
 fi
+for r in 0 1 2 3; do wait_for "$work/replica$r.log" '"attached"' || true; done
 echo
 echo "== engramctl status"
 "$bin/engramctl" status --socket "$sock"
+echo
+echo "== the replicas' results"
+for f in "$work"/replica*.log "$work/private.log"; do
+  [ -f "$f" ] || continue
+  wait_for "$f" '"verified"' || true
+  echo "  $(basename "$f" .log): $(grep '"verified"' "$f")"
+done

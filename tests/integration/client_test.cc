@@ -125,6 +125,18 @@ TEST_F(ClientTest, EveryFallbackServesCorrectRowsAndSaysWhy) {
     EXPECT_TRUE(Reasons(j).count(c.reason)) << c.args << ": " << j.dump();
     EXPECT_EQ(j["mismatches"], 0) << c.args;
   }
+  // A fallback replica stays visible in engramctl status, with its mode and reason, while it runs.
+  Process holder(Replica("--dp-size 1 --hold 5 --verify 4"), dir_ / "holder.log");
+  ASSERT_TRUE(WaitFor([&] { return holder.Output().find("\"attached\"") != std::string::npos; },
+                      std::chrono::seconds(20)));
+  auto st = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
+  json status = json::parse(st.out);
+  ASSERT_EQ(status["replicas"].size(), 1u) << st.out;
+  EXPECT_EQ(status["replicas"][0]["mode"], "PRIVATE_PINNED");
+  EXPECT_EQ(status["replicas"][0]["reasons"], json({"DP_SIZE_ONE"}));
+  EXPECT_EQ(status["replicas"][0]["pid"], holder.pid());
+  holder.Signal(SIGTERM);
+  holder.Wait();
   // No daemon at all.
   std::vector<std::string> argv = Replica("--dp-size 4");
   argv[2] = dir_ / "nobody.sock";
