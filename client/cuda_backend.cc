@@ -28,7 +28,8 @@ CudaState ProbeCuda(std::string* why_not) {
 }
 
 absl::StatusOr<std::unique_ptr<HostRegistration>> HostRegistration::Register(const void* ptr, size_t bytes,
-                                                                             size_t chunk_bytes, int* failed_chunk) {
+                                                                             size_t chunk_bytes, int* failed_chunk,
+                                                                             int fail_at_chunk) {
   constexpr size_t kMaxChunk = size_t{511} << 30;
   chunk_bytes = std::clamp<size_t>(chunk_bytes, size_t{1} << 21, kMaxChunk);
   std::unique_ptr<HostRegistration> r(new HostRegistration());
@@ -36,7 +37,9 @@ absl::StatusOr<std::unique_ptr<HostRegistration>> HostRegistration::Register(con
   auto* p = static_cast<uint8_t*>(const_cast<void*>(ptr));
   for (size_t off = 0, k = 0; off < bytes; off += chunk_bytes, ++k) {
     const size_t n = std::min(chunk_bytes, bytes - off);
-    cudaError_t e = cudaHostRegister(p + off, n, cudaHostRegisterMapped | cudaHostRegisterReadOnly);
+    cudaError_t e = static_cast<int>(k) == fail_at_chunk
+                        ? cudaErrorMemoryAllocation
+                        : cudaHostRegister(p + off, n, cudaHostRegisterMapped | cudaHostRegisterReadOnly);
     if (e != cudaSuccess) {
       cudaGetLastError();
       if (failed_chunk) *failed_chunk = static_cast<int>(k);

@@ -5,6 +5,7 @@
 
 #include <random>
 
+#include "client/cuda_backend.h"
 #include "client/device_engine.h"
 #include "client/engram_client.h"
 #include "gtest/gtest.h"
@@ -88,6 +89,22 @@ TEST(GpuClientTest, PrivateAndDeviceTablesMatchTheCpuReference) {
     EXPECT_FALSE((*engine)->Lookup(L, did.get(), T, L * C, rows.get(), false).ok());
     EXPECT_FALSE((*engine)->Hash(dt.get(), dp.get(), dq.get(), nullptr, nullptr, T + 1, 2, did.get()).ok());
   }
+}
+
+TEST(GpuClientTest, ChunkedRegistrationRollsBackOnFailure) {
+  SKIP_WITHOUT_GPU();
+  const size_t bytes = size_t{20} << 20, chunk = size_t{2} << 20;
+  std::vector<uint8_t> buf(bytes + 4096);
+  uint8_t* p = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 4095) & ~uintptr_t{4095});
+  int failed = -1;
+  auto bad = client::HostRegistration::Register(p, bytes, chunk, &failed, /*fail_at_chunk=*/3);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(failed, 3);
+  EXPECT_NE(bad.status().message().find("chunk 3"), std::string::npos) << bad.status();
+  // Chunks 0..2 were unregistered: the whole range registers again (it would fail as already registered).
+  auto good = client::HostRegistration::Register(p, bytes, chunk, &failed);
+  ASSERT_TRUE(good.ok()) << good.status();
+  EXPECT_GE((*good)->seconds(), 0.0);
 }
 
 }  // namespace
