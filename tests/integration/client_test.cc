@@ -10,6 +10,7 @@
 
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/integration/json_lines.h"
 #include "tests/integration/process.h"
 #include "tests/test_util.h"
 
@@ -23,21 +24,8 @@ using testing::RunCmd;
 using testing::TempDir;
 using testing::WaitFor;
 
-json LastJson(const std::string& out) {
-  std::istringstream ss(out);
-  std::string line;
-  json last;
-  while (std::getline(ss, line)) {
-    if (!line.empty() && line[0] == '{') last = json::parse(line);
-  }
-  return last;
-}
-
-std::set<std::string> Reasons(const json& j) {
-  std::set<std::string> s;
-  for (const auto& r : j["reasons"]) s.insert(r.get<std::string>());
-  return s;
-}
+json LastJson(const std::string& out) { return testing::JsonLine(out, true); }
+std::set<std::string> Reasons(const json& j) { return testing::ReasonSet(j); }
 
 class ClientTest : public ::testing::Test {
  protected:

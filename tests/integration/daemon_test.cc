@@ -19,6 +19,7 @@
 #include "nlohmann/json.hpp"
 #include "model/checkpoint.h"
 #include "shm/segment.h"
+#include "tests/integration/json_lines.h"
 #include "tests/integration/process.h"
 #include "tests/test_util.h"
 
@@ -82,20 +83,8 @@ Process Attach(const TempDir& dir, const Daemon& d, const std::string& ckpt, con
   return Process(argv, dir / log);
 }
 
-json FirstJson(const std::string& out) {
-  std::istringstream ss(out);
-  std::string line;
-  while (std::getline(ss, line)) {
-    if (!line.empty() && line[0] == '{') return json::parse(line);
-  }
-  return json();
-}
-
-std::set<std::string> Reasons(const json& j) {
-  std::set<std::string> s;
-  for (const auto& r : j["reasons"]) s.insert(r.get<std::string>());
-  return s;
-}
+json FirstJson(const std::string& out) { return testing::JsonLine(out, false); }
+std::set<std::string> Reasons(const json& j) { return testing::ReasonSet(j); }
 
 uint64_t ReadBytesOf(pid_t pid) {  // bytes the process read through read()/pread() so far
   std::ifstream in("/proc/" + std::to_string(pid) + "/io");
