@@ -65,8 +65,9 @@ absl::Status DeviceEngine::Lookup(int l, const int32_t* ids, int32_t num_tokens,
   return kernels::CudaStatus(kernels::LaunchLookup(a, stream_), "lookup kernel");
 }
 
-absl::Status DeviceEngine::Gate(const kernels::GateArgs& args) {
-  return kernels::CudaStatus(kernels::LaunchGate(args, stream_), "gate kernel");
+absl::Status DeviceEngine::Gate(const GateInputs& g) {
+  kernels::GateArgs a{g.hidden, g.kv, g.q_weight, g.k_weight, g.mask, g.out, g.num_tokens, g.hc_mult, g.dim, g.eps};
+  return kernels::CudaStatus(kernels::LaunchGate(a, stream_), "gate kernel");
 }
 
 absl::Status DeviceEngine::Prefetch(const int32_t* hash_ids, int32_t num_tokens) {

@@ -1,4 +1,4 @@
-// DeviceEngine: the fused GPU path of one replica over an attached Table (CUDA backend): hash, lookup and gate
+// DeviceEngine: the CUDA implementation of LookupEngine (lookup_engine.h), over an attached CUDA-backend Table: hash, lookup and gate
 // kernels on the caller's stream, plus the side-stream prefetch of every layer into fixed staging buffers.
 // Inputs are device pointers with explicit shapes; every misuse (null, too many tokens, layer out of range, a
 // CPU-backend table) is a Status, never a crash. Owns the device copy of the layout and token map. One thread
@@ -11,29 +11,32 @@
 
 #include "absl/status/statusor.h"
 #include "client/engram_client.h"
+#include "client/lookup_engine.h"
 #include "kernels/device_layout.h"
 #include "kernels/engram_kernels.h"
 #include "kernels/prefetch.h"
 
 namespace engram::client {
 
-class DeviceEngine {
+class DeviceEngine final : public LookupEngine {
  public:
   static absl::StatusOr<std::unique_ptr<DeviceEngine>> Create(const Table& table, int32_t max_tokens,
                                                               cudaStream_t stream);
-  ~DeviceEngine();
+  ~DeviceEngine() override;
+  Backend backend() const override { return Backend::kCuda; }
 
   // Hash ids of a flattened batch: out [T, n_layers, n_cols] (device). See kernels::HashArgs for the inputs.
   absl::Status Hash(const int32_t* tokens, const int64_t* positions, const int32_t* query_start_loc,
                     const int32_t* lookback, const uint8_t* dead, int32_t num_tokens, int32_t num_requests,
-                    int32_t* out);
+                    int32_t* out) override;
   // Rows of layer `l` for ids[t * ids_stride + c]: bf16 [T, n_cols, head_dim] or packed [T, n_cols, record_bytes].
-  absl::Status Lookup(int l, const int32_t* ids, int32_t num_tokens, int64_t ids_stride, void* out, bool packed);
-  absl::Status Gate(const kernels::GateArgs& args);
+  absl::Status Lookup(int l, const int32_t* ids, int32_t num_tokens, int64_t ids_stride, void* out,
+                      bool packed) override;
+  absl::Status Gate(const GateInputs& g) override;
   // Every layer's lookup on the side stream, after the work already queued on the engine's stream.
-  absl::Status Prefetch(const int32_t* hash_ids, int32_t num_tokens);
-  absl::Status Wait(int l);
-  uint16_t* staging(int l) const { return prefetcher_.staging(l); }
+  absl::Status Prefetch(const int32_t* hash_ids, int32_t num_tokens) override;
+  absl::Status Wait(int l) override;
+  uint16_t* staging(int l) const override { return prefetcher_.staging(l); }
   cudaStream_t stream() const { return stream_; }
 
  private:

@@ -1,0 +1,51 @@
+// LookupEngine: one replica's per-step Engram path over an attached Table, the same calls on either backend:
+//   Hash -> (Prefetch ... Wait(layer) | Lookup) -> Gate.
+// CUDA backend: the fused kernels on the caller's stream, pointers are device pointers (DeviceEngine).
+// CPU backend (no usable GPU): the CPU reference, pointers are host pointers, Prefetch computes every layer into
+// the staging buffers at once and Wait returns at once. Staging buffers sit at fixed addresses, sized from
+// max_tokens (CUDA-graph friendly). Every misuse (null, too many tokens, layer out of range) is a Status.
+// One thread drives one engine; the Table must outlive it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "client/engram_client.h"
+
+namespace engram::client {
+
+struct GateInputs {
+  const uint16_t* hidden = nullptr;    // bf16 [T, hc, D]
+  const uint16_t* kv = nullptr;        // bf16 [T, (hc+1)*D]
+  const uint16_t* q_weight = nullptr;  // bf16 [hc, D]
+  const uint16_t* k_weight = nullptr;  // bf16 [hc, D]
+  const uint8_t* mask = nullptr;       // [T], nonzero = DEAD; may be null
+  uint16_t* out = nullptr;             // bf16 [T, hc, D]
+  int32_t num_tokens = 0, hc_mult = 0, dim = 0;
+  float eps = 1e-6f;
+};
+
+class LookupEngine {
+ public:
+  // `stream` is a cudaStream_t for the CUDA backend (nullptr: the default stream); ignored on the CPU backend.
+  static absl::StatusOr<std::unique_ptr<LookupEngine>> Create(const Table& table, int32_t max_tokens,
+                                                              void* stream = nullptr);
+  virtual ~LookupEngine() = default;
+  virtual Backend backend() const = 0;
+
+  // Flattened batch of `num_requests` requests: out [T, n_layers, n_cols] int32 row ids.
+  virtual absl::Status Hash(const int32_t* tokens, const int64_t* positions, const int32_t* query_start_loc,
+                            const int32_t* lookback, const uint8_t* dead, int32_t num_tokens, int32_t num_requests,
+                            int32_t* out) = 0;
+  // Rows of layer `l` for ids[t * ids_stride + c]: bf16 [T, n_cols, head_dim] or packed [T, n_cols, record_bytes].
+  virtual absl::Status Lookup(int l, const int32_t* ids, int32_t num_tokens, int64_t ids_stride, void* out,
+                              bool packed) = 0;
+  virtual absl::Status Gate(const GateInputs& g) = 0;
+  // Every layer's rows for hash ids [T, n_layers, n_cols] into staging(l) (bf16 [max_tokens, n_cols, head_dim]).
+  virtual absl::Status Prefetch(const int32_t* hash_ids, int32_t num_tokens) = 0;
+  virtual absl::Status Wait(int l) = 0;
+  virtual uint16_t* staging(int l) const = 0;
+};
+
+}  // namespace engram::client

@@ -1,0 +1,114 @@
+// LookupEngine on the CPU backend (what CI has): the same calls as on the GPU, over host pointers, equal to the
+// Table's reference calls; Prefetch/Wait fill the fixed staging buffers; every misuse is a Status. Uses a private
+// table (no daemon) built from a generated checkpoint.
+#include <sys/stat.h>
+
+#include <random>
+
+#include "client/engram_client.h"
+#include "client/lookup_engine.h"
+#include "gtest/gtest.h"
+#include "model/fp8.h"
+#include "tests/oracle.h"
+#include "tests/test_util.h"
+#include "tools/synthetic.h"
+
+namespace engram {
+namespace {
+
+TEST(LookupEngineTest, CpuBackendRunsTheSameCallsAsTheGpu) {
+  testing::TempDir dir;
+  tools::SyntheticSpec spec;
+  spec.out_dir = dir / "ck";
+  spec.table_mib = 8;
+  spec.head_dim = 256;
+  spec.hidden = 64;
+  ASSERT_TRUE(tools::WriteSyntheticCheckpoint(spec).ok());
+  client::ClientOptions opts;
+  opts.socket = dir / "none.sock";
+  opts.timeout = std::chrono::milliseconds(100);
+  opts.use_gpu = false;
+  auto c = client::Client::Connect(opts);
+  client::AttachRequest req;
+  req.checkpoint = spec.out_dir;
+  req.dp_size = 2;
+  auto table = (*c)->Attach(req);
+  ASSERT_TRUE(table.ok()) << table.status();
+  const auto& t = **table;
+  EXPECT_EQ(t.backend(), client::Backend::kCpu);
+  EXPECT_EQ(t.device_records(0), nullptr);
+
+  const int T = 64, L = static_cast<int>(t.layers().size()), C = static_cast<int>(t.n_cols());
+  const int64_t D = t.head_dim();
+  auto engine = client::LookupEngine::Create(t, T);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->backend(), client::Backend::kCpu);
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<int32_t> tokens(T), qsl = {0, 30, T}, ids(static_cast<size_t>(T * L * C), -9), want(ids.size());
+  std::vector<int64_t> pos(T);
+  for (int i = 0; i < T; ++i) {
+    tokens[i] = static_cast<int32_t>(rng() % static_cast<uint64_t>(t.token_map().raw_size()));
+    pos[i] = i < 30 ? i : i - 30;
+  }
+  ASSERT_TRUE(t.Hash({tokens, pos, qsl, {}, {}}, want).ok());
+  ASSERT_TRUE((*engine)->Hash(tokens.data(), pos.data(), qsl.data(), nullptr, nullptr, T, 2, ids.data()).ok());
+  EXPECT_EQ(ids, want);
+  ASSERT_TRUE((*engine)->Prefetch(ids.data(), T).ok());
+  for (int l = 0; l < L; ++l) {
+    ASSERT_TRUE((*engine)->Wait(l).ok());
+    std::vector<int32_t> flat;
+    for (int i = 0; i < T; ++i) {
+      for (int col = 0; col < C; ++col) flat.push_back(ids[static_cast<size_t>((i * L + l) * C + col)]);
+    }
+    std::vector<uint16_t> ref(flat.size() * static_cast<size_t>(D)), got(ref.size(), 0xFFFF);
+    ASSERT_TRUE(t.Lookup(l, flat, ref).ok());
+    ASSERT_TRUE((*engine)->Lookup(l, ids.data() + l * C, T, L * C, got.data(), false).ok());
+    EXPECT_EQ(got, ref);
+    EXPECT_TRUE(std::equal(ref.begin(), ref.end(), (*engine)->staging(l)));
+    std::vector<uint8_t> packed(flat.size() * static_cast<size_t>(D + D / 32));
+    EXPECT_TRUE((*engine)->Lookup(l, ids.data() + l * C, T, L * C, packed.data(), true).ok());
+  }
+  // Gate through the engine equals the float64 oracle.
+  const int HC = 4, H = 64;
+  auto hidden = testing::RandomBf16(rng, static_cast<size_t>(T * HC * H), 1.f);
+  auto kv = testing::RandomBf16(rng, static_cast<size_t>(T * (HC + 1) * H), 1.f);
+  auto q = testing::RandomBf16(rng, static_cast<size_t>(HC * H), 1.f), k = testing::RandomBf16(rng, static_cast<size_t>(HC * H), 1.f);
+  std::vector<uint16_t> out(hidden.size(), 0xFFFF);
+  ASSERT_TRUE((*engine)->Gate({hidden.data(), kv.data(), q.data(), k.data(), nullptr, out.data(), T, HC, H, 1e-6f}).ok());
+  EXPECT_LE(testing::GateViolation(T, HC, H, 1e-6, hidden, kv, q, k, {}, out), 0.0);
+  // Misuse.
+  EXPECT_FALSE((*engine)->Hash(tokens.data(), pos.data(), qsl.data(), nullptr, nullptr, T + 1, 2, ids.data()).ok());
+  EXPECT_FALSE((*engine)->Hash(nullptr, pos.data(), qsl.data(), nullptr, nullptr, T, 2, ids.data()).ok());
+  EXPECT_FALSE((*engine)->Lookup(L, ids.data(), T, L * C, out.data(), false).ok());
+  EXPECT_FALSE((*engine)->Lookup(0, ids.data(), T, C - 1, out.data(), false).ok());
+  EXPECT_FALSE((*engine)->Lookup(0, nullptr, T, L * C, out.data(), false).ok());
+  EXPECT_FALSE((*engine)->Gate({}).ok());
+  EXPECT_FALSE((*engine)->Wait(L).ok());
+  std::vector<int32_t> bad = tokens;
+  bad[3] = static_cast<int32_t>(t.token_map().raw_size());
+  EXPECT_FALSE((*engine)->Hash(bad.data(), pos.data(), qsl.data(), nullptr, nullptr, T, 2, ids.data()).ok());
+  EXPECT_FALSE(client::LookupEngine::Create(t, 0).ok());
+}
+
+TEST(LookupEngineTest, PleCheckpointsAreRefusedHonestly) {
+  testing::TempDir dir;
+  ::mkdir((dir / "ple").c_str(), 0755);
+  testing::WriteFile(dir / "ple/config.json",
+                     R"({"architectures": ["Qwen4ExpForCausalLM"], "ple_layer_ids": [0, 1], "hidden_size": 64})");
+  std::string header = R"({"x": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}})";
+  std::string le(8, '\0');
+  for (int i = 0; i < 8; ++i) le[static_cast<size_t>(i)] = static_cast<char>((header.size() >> (8 * i)) & 0xFF);
+  testing::WriteFile(dir / "ple/model.safetensors", le + header + "z");
+  client::ClientOptions opts;
+  opts.socket = dir / "none.sock";
+  opts.timeout = std::chrono::milliseconds(100);
+  auto c = client::Client::Connect(opts);
+  client::AttachRequest req;
+  req.checkpoint = dir / "ple";
+  auto table = (*c)->Attach(req);
+  ASSERT_FALSE(table.ok());
+  EXPECT_NE(table.status().message().find("MODEL_NOT_SHAREABLE"), std::string::npos) << table.status();
+}
+
+}  // namespace
+}  // namespace engram
