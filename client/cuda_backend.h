@@ -19,8 +19,9 @@ CudaState ProbeCuda(std::string* why_not);
 
 class HostRegistration {
  public:
-  // Registers [ptr, ptr + bytes) read-only in chunks of at most `chunk_bytes` (never >= 512 GiB); on a failure at
-  // chunk k, chunks 0..k-1 are unregistered and the error names k.
+  // Registers [ptr, ptr + bytes) read-only (cuMemHostRegister, DEVICEMAP | READ_ONLY, through the driver API) in
+  // chunks of at most `chunk_bytes` (never >= 512 GiB); on a failure at chunk k, chunks 0..k-1 are unregistered and
+  // the error names k.
   // `fail_at_chunk` >= 0 is a fault-injection seam for tests: that chunk fails as if the driver had refused it.
   static absl::StatusOr<std::unique_ptr<HostRegistration>> Register(const void* ptr, size_t bytes, size_t chunk_bytes,
                                                                     int* failed_chunk, int fail_at_chunk = -1);

@@ -7,6 +7,7 @@
 
 #include "client/cuda_backend.h"
 #include "client/device_engine.h"
+#include "client/lookup_engine.h"
 #include "client/engram_client.h"
 #include "gtest/gtest.h"
 #include "tests/gpu/gpu_util.h"
@@ -60,7 +61,7 @@ TEST(GpuClientTest, PrivateAndDeviceTablesMatchTheCpuReference) {
   std::vector<int32_t> lookback(2 * (ref.layout().max_ngram() - 1), 3);
   ASSERT_TRUE(ref.Hash({tokens, pos, qsl, lookback, {}}, ids).ok());
   for (const auto* table : {pinned->get(), device->get()}) {
-    auto engine = client::DeviceEngine::Create(*table, T, nullptr);
+    auto engine = client::LookupEngine::Create(*table, T, nullptr);  // the CUDA backend's DeviceEngine
     ASSERT_TRUE(engine.ok()) << engine.status();
     DeviceBuffer<int32_t> dt(tokens), dq(qsl), dl(lookback), did(ids.size());
     DeviceBuffer<int64_t> dp(pos);
