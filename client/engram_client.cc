@@ -63,6 +63,8 @@ class TableBase : public Table {
   double register_seconds() const override { return register_seconds_; }
   const std::vector<Reason>& reasons() const override { return reasons_; }
   const std::vector<LayerInfo>& layers() const override { return layers_; }
+  int64_t col_begin() const override { return col_begin_; }
+  int64_t col_end() const override { return col_end_; }
   int64_t head_dim() const override { return layout_->config().head_dim; }
   int64_t n_cols() const override { return layout_->n_cols(); }
   const TokenMap& token_map() const override { return *map_; }
@@ -96,6 +98,7 @@ class TableBase : public Table {
   std::unique_ptr<SessionHold> session_;
   std::vector<Reason> reasons_;
   std::vector<LayerInfo> layers_;
+  int64_t col_begin_ = 0, col_end_ = 0;
   std::unique_ptr<Layout> layout_;
   std::unique_ptr<TokenMap> map_;
   std::vector<const uint8_t*> records_;
@@ -148,6 +151,8 @@ std::string ReasonList(const std::vector<Reason>& reasons) {
 }
 
 void FillLayers(const Layout& layout, const ShardRange& shard, TableBase* t) {
+  t->col_begin_ = shard.col_begin;
+  t->col_end_ = shard.col_end;
   for (int64_t l = 0; l < layout.n_layers(); ++l) {
     LayerInfo li;
     li.layer_id = layout.config().layer_ids[l];

@@ -78,6 +78,9 @@ class Table {
   virtual Backend backend() const = 0;
   virtual const std::vector<Reason>& reasons() const = 0;
   virtual const std::vector<LayerInfo>& layers() const = 0;
+  // The hash columns this TP shard owns: [col_begin, col_end) of n_cols.
+  virtual int64_t col_begin() const = 0;
+  virtual int64_t col_end() const = 0;
   virtual int64_t head_dim() const = 0;
   virtual int64_t n_cols() const = 0;
   virtual const TokenMap& token_map() const = 0;

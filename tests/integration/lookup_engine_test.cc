@@ -37,6 +37,8 @@ TEST(LookupEngineTest, CpuBackendRunsTheSameCallsAsTheGpu) {
   const auto& t = **table;
   EXPECT_EQ(t.backend(), client::Backend::kCpu);
   EXPECT_EQ(t.device_records(0), nullptr);
+  EXPECT_EQ(t.col_begin(), 0);
+  EXPECT_EQ(t.col_end(), t.n_cols());
 
   const int T = 64, L = static_cast<int>(t.layers().size()), C = static_cast<int>(t.n_cols());
   const int64_t D = t.head_dim();

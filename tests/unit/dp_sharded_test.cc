@@ -1,0 +1,44 @@
+// The DP-sharded plan: which rank owns which columns and rows, and what one step exchanges (V4.1-Flash layout).
+#include "client/dp_sharded.h"
+#include "gtest/gtest.h"
+#include "tests/test_util.h"
+
+namespace engram {
+namespace {
+
+TEST(DpShardedTest, TpTimesDpShardsTileTheColumns) {
+  auto cfg = LoadEngramConfig(testing::DataPath("configs/v41-flash.json"));
+  auto layout = Layout::Build(*cfg);
+  ASSERT_TRUE(layout.ok());
+  // TP 2 x DP 4 (the seed document's example): 8 shards of 3 columns each, one copy of the table in total.
+  int64_t next_col = 0, bytes = 0;
+  for (int tp = 0; tp < 2; ++tp) {
+    for (int dp = 0; dp < 4; ++dp) {
+      auto p = client::PlanDpSharded(*layout, 2, tp, 4, dp);
+      ASSERT_TRUE(p.ok()) << p.status();
+      EXPECT_EQ(p->shards, 8);
+      EXPECT_EQ(p->shard_index, tp * 4 + dp);
+      EXPECT_EQ(p->owned.col_end - p->owned.col_begin, 3);
+      bytes += p->table_bytes;
+    }
+  }
+  for (int s = 0; s < 8; ++s) {
+    auto p = client::PlanDpSharded(*layout, 2, s / 4, 4, s % 4);
+    EXPECT_EQ(p->owned.col_begin, next_col);
+    next_col = p->owned.col_end;
+  }
+  EXPECT_EQ(next_col, 24);
+  EXPECT_EQ(bytes, layout->table_bytes());
+  // One step with 100 / 200 / 300 / 400 tokens on the four DP ranks, seen from dp rank 1 of tp rank 0.
+  auto p = client::PlanDpSharded(*layout, 2, 0, 4, 1);
+  auto b = client::DpShardedStepBytes(*layout, *p, {100, 200, 300, 400}, 1);
+  EXPECT_EQ(b.ids_sent, 200 * 2 * 24 * 4);
+  EXPECT_EQ(b.ids_received, 800 * 2 * 24 * 4);
+  EXPECT_EQ(b.records_sent, 800 * 2 * 3 * 264);
+  EXPECT_EQ(b.records_received, 200 * 2 * 21 * 264);
+  EXPECT_FALSE(client::PlanDpSharded(*layout, 2, 2, 4, 0).ok());
+  EXPECT_FALSE(client::PlanDpSharded(*layout, 8, 0, 4, 0).ok()) << "32 shards for 24 columns";
+}
+
+}  // namespace
+}  // namespace engram
