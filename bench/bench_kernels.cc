@@ -142,7 +142,8 @@ int main(int argc, char** argv) {
   uint16_t* d_out = nullptr;
   CHECK(cudaMalloc(reinterpret_cast<void**>(&d_ids), max_items * 4));
   CHECK(cudaMalloc(reinterpret_cast<void**>(&d_out), max_items * D * 2));
-  auto lookup = [&](const uint8_t* table, int64_t table_rows, int64_t items, bool packed, int max_blocks) {
+  auto lookup = [&](const uint8_t* table, int64_t table_rows, int64_t items, bool packed, int max_blocks,
+                    void* scratch = nullptr, size_t scratch_bytes = 0) {
     engram::kernels::LookupArgs a;
     a.records = table;
     a.row_begin = 0;
@@ -155,6 +156,8 @@ int main(int argc, char** argv) {
     a.out = d_out;
     a.packed = packed;
     a.max_blocks = max_blocks;
+    a.sort_scratch = scratch;
+    a.sort_scratch_bytes = scratch_bytes;
     CHECK(engram::kernels::LaunchLookup(a, s));
   };
   auto new_ids = [&](int64_t table_rows) {
@@ -192,18 +195,8 @@ int main(int argc, char** argv) {
     for (int64_t n_rows : {int64_t{196608}, int64_t{1} << 20}) {
       new_ids(rows);
       const int64_t items = n_rows / C * C;
-      engram::kernels::LookupArgs a;
-      a.records = static_cast<const uint8_t*>(dseg);
-      a.row_end = rows;
-      a.head_dim = static_cast<int32_t>(D);
-      a.ids = d_ids;
-      a.num_tokens = static_cast<int32_t>(items / C);
-      a.num_cols = C;
-      a.ids_stride = C;
-      a.out = d_out;
-      a.sort_scratch = scratch;
-      a.sort_scratch_bytes = scratch_bytes;
-      const double ms = MedianMs([&] { CHECK(engram::kernels::LaunchLookup(a, s)); }, s, 10, 2);
+      const double ms = MedianMs(
+          [&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0, scratch, scratch_bytes); }, s, 10, 2);
       const double gbs = items * rb / ms / 1e6;
       std::printf("UVA %5.1f GiB shm, %7lld rows, bf16, sort in kernel %8.3f ms %8.2f     %.3f of H2D (bar 8.0 GB/s: %.2fx)\n",
                   seg_bytes / 1073741824.0, static_cast<long long>(items), ms, gbs, gbs / h2d, gbs / 8.0);
