@@ -87,9 +87,12 @@ int main(int argc, char** argv) {
 
   std::atomic<bool> done{false};
   std::thread readiness([&] {
+    int ticks = 0;
     while (!done && !state.WaitSettled(std::chrono::milliseconds(1000))) {
       // Publishing 189 GiB takes longer than any start timeout: extend it while progress is made.
-      sd_notifyf(0, "STATUS=loading: %s\nEXTEND_TIMEOUT_USEC=%d", state.LoadProgressLine().c_str(), 30000000);
+      const std::string line = state.LoadProgressLine();
+      sd_notifyf(0, "STATUS=loading: %s\nEXTEND_TIMEOUT_USEC=%d", line.c_str(), 30000000);
+      if (++ticks % 5 == 0) spdlog::info("event=loading progress=\"{}\"", line);
     }
     health->SetServingStatus(true);
     const std::string line = state.LoadProgressLine();

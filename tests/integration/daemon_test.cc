@@ -1,6 +1,7 @@
 // engramd as a real process, with real replica sessions (`engramctl attach` processes), a real Unix socket and
 // real shared memory: publish, share, leases and kill -9, crash debris, adoption after restart without reading
 // the tables again, capacity and visibility fallbacks, refusals, and hostile clients. The daemon must stay up.
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/mount.h>
 #include <sys/socket.h>
@@ -446,6 +447,46 @@ TEST(DaemonTest, SoakSessionsKillsAndStatusLeakNothing) {
   all << maps.rdbuf();
   EXPECT_EQ(all.str().find("engram-"), std::string::npos) << "the daemon keeps no segment mapped";
   EXPECT_TRUE(d.proc().Running());
+}
+
+// grpc.health.v1.Health/Check through the generic stub: the response's status byte (1 SERVING, 2 NOT_SERVING).
+int HealthStatus(const std::string& socket) {
+  auto channel = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  grpc::CompletionQueue cq;
+  // HealthCheckRequest{service: ""}, with the empty field written out (the server refuses an empty buffer).
+  const char req_bytes[] = {0x0a, 0x00};
+  grpc::Slice req_slice(req_bytes, sizeof(req_bytes));
+  grpc::ByteBuffer request(&req_slice, 1), response;
+  auto call = stub.PrepareUnaryCall(&ctx, "/grpc.health.v1.Health/Check", request, &cq);
+  call->StartCall();
+  grpc::Status status;
+  call->Finish(&response, &status, reinterpret_cast<void*>(1));
+  void* tag = nullptr;
+  bool ok = false;
+  if (!cq.Next(&tag, &ok) || !ok || !status.ok()) {
+    std::cerr << "health: " << status.error_code() << " " << status.error_message() << "\n";
+    return -1;
+  }
+  std::vector<grpc::Slice> slices;
+  if (!response.Dump(&slices).ok()) return -1;
+  std::string bytes;
+  for (const auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : -1;
+}
+
+TEST(DaemonTest, HealthIsNotServingWhileLoadingThenServing) {
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string ckpt = MakeCheckpoint(dir, 2048);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--threads", "1"});
+  ASSERT_TRUE(WaitFor([&] { return HealthStatus(d.socket()) != -1; }, std::chrono::seconds(20))) << d.proc().Output();
+  EXPECT_EQ(HealthStatus(d.socket()), 2) << "NOT_SERVING while the segment loads";
+  ASSERT_TRUE(d.WaitReady());
+  EXPECT_TRUE(WaitFor([&] { return HealthStatus(d.socket()) == 1; }, std::chrono::seconds(10)));
 }
 
 TEST(DaemonTest, StartupRefusals) {
