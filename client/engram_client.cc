@@ -248,6 +248,7 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
 
   auto shared = std::make_unique<SharedTable>();
   auto session = std::make_unique<SessionHold>();
+  bool register_failed = false;
   engram::v1::ServerMessage answer;
   bool answered = false;
   if (req.dp_shared_memory != Choice::kFalse) {
@@ -347,6 +348,7 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
           return std::unique_ptr<Table>(std::move(shared));
         }
         reasons.push_back(R("REGISTER_FAILED", r->error() + " (raise ulimit -l / LimitMEMLOCK)"));
+        register_failed = true;  // the daemon recorded it: keep the session so status shows this replica
         (void)t0;
       } else {
         reasons.push_back(R("DAEMON_UNAVAILABLE", "the session ended before a registration ticket"));
@@ -357,8 +359,8 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
       reasons.push_back(R(engram::v1::FallbackReason_Name(r.code()), r.hint()));
     }
   }
-  const bool daemon_decided_fallback = answered && answer.has_fallback();
-  if (!daemon_decided_fallback) session.reset();  // nothing to keep: the daemon has no record of a fallback
+  const bool daemon_knows = (answered && answer.has_fallback()) || register_failed;
+  if (!daemon_knows) session.reset();  // nothing to keep: the daemon has no record of this fallback
 
   // Fallback.
   if (req.dp_shared_memory == Choice::kTrue) {

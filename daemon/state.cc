@@ -405,6 +405,10 @@ void DaemonState::ReportRegistration(const std::string& lease_id, const engram::
                                                    "LimitMEMLOCK)", res.failed_chunk(), res.error())));
     r.mode = r.hello.config().cpu_offload() == engram::v1::DISABLED ? engram::v1::DEVICE : engram::v1::PRIVATE_PINNED;
     ReleaseLeaseLocked(r);
+    recent_fallbacks_.push_back(absl::StrFormat("pid %d dp %d tp %d: REGISTER_FAILED (chunk %d) -> %s", r.peer.pid,
+                                                r.hello.dp_rank(), r.hello.tp_rank(), res.failed_chunk(),
+                                                ModeName(r.mode)));
+    while (recent_fallbacks_.size() > 32) recent_fallbacks_.pop_front();
     spdlog::warn("event=register_failed pid={} lease={} chunk={} detail=\"{}\"", r.peer.pid, lease_id,
                  res.failed_chunk(), res.error());
   }

@@ -125,6 +125,24 @@ TEST_F(ClientTest, EveryFallbackServesCorrectRowsAndSaysWhy) {
   EXPECT_EQ(status["replicas"][0]["pid"], holder.pid());
   holder.Signal(SIGTERM);
   holder.Wait();
+  // Registration fails (no CAP_IPC_LOCK and a zero memlock limit: the CPU backend's pin fails, as
+  // cudaHostRegister would): REGISTER_FAILED, a private table with correct rows, and status shows it.
+  if (RunCmd("prlimit --memlock=0:0 setpriv --bounding-set=-ipc_lock true").exit_code == 0) {
+    std::vector<std::string> argv = {"/usr/bin/prlimit", "--memlock=0:0", "/usr/bin/setpriv", "--bounding-set=-ipc_lock"};
+    for (const auto& a : Replica("--dp-size 4 --hold 4 --verify 50")) argv.push_back(a);
+    Process reg(argv, dir_ / "regfail.log");
+    ASSERT_TRUE(WaitFor([&] { return reg.Output().find("\"attached\"") != std::string::npos; }, std::chrono::seconds(20)))
+        << reg.Output();
+    auto st2 = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
+    json s2 = json::parse(st2.out);
+    ASSERT_EQ(s2["replicas"].size(), 1u) << st2.out;
+    EXPECT_EQ(s2["replicas"][0]["reasons"], json({"REGISTER_FAILED"})) << st2.out;
+    EXPECT_EQ(reg.Wait(), 0) << reg.Output();
+    json j = LastJson(reg.Output());
+    EXPECT_EQ(j["mode"], "PRIVATE_PINNED");
+    EXPECT_TRUE(Reasons(j).count("REGISTER_FAILED")) << j.dump();
+    EXPECT_EQ(j["mismatches"], 0);
+  }
   // No daemon at all.
   std::vector<std::string> argv = Replica("--dp-size 4");
   argv[2] = dir_ / "nobody.sock";
