@@ -357,7 +357,6 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
         }
         reasons.push_back(R("REGISTER_FAILED", r->error() + " (raise ulimit -l / LimitMEMLOCK)"));
         register_failed = true;  // the daemon recorded it: keep the session so status shows this replica
-        (void)t0;
       } else {
         reasons.push_back(R("DAEMON_UNAVAILABLE", "the session ended before a registration ticket"));
       }

@@ -121,6 +121,10 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
   return absl::OkStatus();
 }
 
+absl::Status ReadRecordRow(const Checkpoint& ckpt, int64_t layer, int64_t row, uint8_t* record) {
+  return ReadShardRecords(ckpt, {LayerRows{layer, row, row + 1, 0}}, record, /*threads=*/1, nullptr);
+}
+
 std::vector<uint64_t> ChecksumRecords(const std::vector<LayerRows>& layers, int64_t record_bytes, const uint8_t* base,
                                       int threads, std::atomic<uint64_t>* rows_done) {
   std::vector<std::vector<uint64_t>> hashes;

@@ -29,6 +29,9 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
                               int threads, std::vector<uint64_t>* checksums,
                               std::atomic<uint64_t>* rows_done = nullptr);
 
+// One row of layer `layer` (global row id) as a record, straight from the checkpoint (for spot checks).
+absl::Status ReadRecordRow(const Checkpoint& ckpt, int64_t layer, int64_t row, uint8_t* record);
+
 // Recomputes the checksums of records already in memory.
 std::vector<uint64_t> ChecksumRecords(const std::vector<LayerRows>& layers, int64_t record_bytes, const uint8_t* base,
                                       int threads, std::atomic<uint64_t>* rows_done = nullptr);

@@ -56,7 +56,6 @@ const std::array<int, 512>& ByteLevelInverse() {
 
 // Decodes one UTF-8 code point at s[i]; returns -1 on malformed input (pieces from JSON are valid UTF-8).
 int32_t NextCodePoint(const std::string& s, size_t& i) {
-  icu::UnicodeString u;
   const auto b = static_cast<unsigned char>(s[i]);
   size_t len = b < 0x80 ? 1 : (b & 0xE0) == 0xC0 ? 2 : (b & 0xF0) == 0xE0 ? 3 : 4;
   if (i + len > s.size()) {
