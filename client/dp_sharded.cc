@@ -1,7 +1,7 @@
 #include "client/dp_sharded.h"
 
 #include "absl/strings/str_cat.h"
-#include "model/status_macros.h"
+#include "base/status_macros.h"
 
 namespace engram::client {
 

@@ -17,7 +17,7 @@
 #include "model/checkpoint.h"
 #include "model/layout.h"
 #include "model/shard_records.h"
-#include "model/status_macros.h"
+#include "base/status_macros.h"
 #include "model/tokenizer.h"
 #include "shm/segment.h"
 #include "spdlog/spdlog.h"

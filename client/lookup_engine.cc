@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "model/reference.h"
-#include "model/status_macros.h"
+#include "base/status_macros.h"
 
 #ifdef ENGRAM_HAVE_CUDA
 #include "client/device_engine.h"

@@ -8,7 +8,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "model/file_util.h"
-#include "model/status_macros.h"
+#include "base/status_macros.h"
 
 namespace engram::daemon {
 namespace {

@@ -9,7 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "daemon/publisher.h"
-#include "model/status_macros.h"
+#include "base/status_macros.h"
 #include "model/tokenizer.h"
 #include "shm/segment.h"
 #include "spdlog/spdlog.h"

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "model/fp8.h"  // ENGRAM_HD
+#include "base/hd.h"
 #include "model/int128.h"
 
 namespace engram {

@@ -10,11 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define ENGRAM_HD __host__ __device__ __forceinline__
-#else
-#define ENGRAM_HD inline
-#endif
+#include "base/hd.h"
 
 namespace engram {
 

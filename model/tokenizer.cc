@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "model/file_util.h"
 #include "model/normalize.h"
-#include "model/status_macros.h"
+#include "base/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace engram {

@@ -5,5 +5,6 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${ENGRAM_BUILD_DIR:-$root/build}
 "$root/scripts/bootstrap.sh"
-cmake -S "$root" -B "$build" -G Ninja "$@" > "$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 1; }
+mkdir -p "$build"
+cmake -S "$root" -B "$build" -G Ninja "$@" > "$build/configure.log" 2>&1 || { cat "$build/configure.log"; exit 1; }
 cmake --build "$build" -j "$(nproc)"

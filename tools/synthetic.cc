@@ -15,7 +15,7 @@
 #include "model/config.h"
 #include "model/file_util.h"
 #include "model/layout.h"
-#include "model/status_macros.h"
+#include "base/status_macros.h"
 #include "model/token_map.h"
 #include "model/tokenizer.h"
 #include "nlohmann/json.hpp"
