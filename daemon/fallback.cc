@@ -81,9 +81,15 @@ Decision Decide(const engram::v1::Hello& h, const NodeView& node) {
     d.mode = engram::v1::SHARED;
     return d;
   }
-  d.mode = !cpu_offload                 ? engram::v1::DEVICE
-           : cfg.embedding_across_dp()  ? engram::v1::DP_SHARDED
-                                        : engram::v1::PRIVATE_PINNED;
+  // SPEC 6: a replica that cannot share falls back to DP-sharded tables when it asked for embedding_across_dp, else
+  // to a table of its own. The DP collective is not built yet, so DP-sharded is named (a reason) and the replica gets
+  // its own table: the mode decided here is the mode the replica runs, never one it cannot be in.
+  if (cfg.embedding_across_dp()) {
+    add(engram::v1::DP_SHARDED_NOT_BUILT,
+        "embedding_across_dp needs the DP collective (all-gather of hash ids, all-to-all of rows), which this build "
+        "does not have: the replica holds a table of its own");
+  }
+  d.mode = cpu_offload ? engram::v1::PRIVATE_PINNED : engram::v1::DEVICE;
   return d;
 }
 
