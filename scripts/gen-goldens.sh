@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Regenerates the committed golden files in tests/data/goldens from the real reference libraries
-# (NumPy for multipliers and primes, Hugging Face tokenizers for token maps), using ../shared/tools.
+# (NumPy for multipliers and primes, Hugging Face tokenizers for token maps), with the generators in tests/data.
 # Needs: python3 with NumPy (Debian python3-numpy), node + npm (golden tools install into $GOLDEN_NPM).
 # Usage: scripts/gen-goldens.sh [--tokenizers-only|--multipliers-only]
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-shared=${ENGRAM_SHARED:-$here/../shared}
 data=$here/tests/data
 py=/usr/bin/python3
 GOLDEN_NPM=${GOLDEN_NPM:-/tmp/engram-golden-npm}
@@ -13,7 +12,7 @@ GOLDEN_NPM=${GOLDEN_NPM:-/tmp/engram-golden-npm}
 if [ "${1:-}" != "--tokenizers-only" ]; then
   for cfg in "$data"/configs/*.json; do
     name=$(basename "$cfg" .json)
-    "$py" "$shared/tools/golden-multipliers.py" "$cfg" > "$data/goldens/multipliers-$name.json"
+    "$py" "$data/golden_multipliers.py" "$cfg" > "$data/goldens/multipliers-$name.json"
     echo "multipliers-$name.json"
   done
 fi
@@ -24,7 +23,7 @@ if [ "${1:-}" != "--multipliers-only" ]; then
   fi
   for tok in "$data"/tokenizers/*.json; do
     name=$(basename "$tok" .json)
-    NODE_PATH=$GOLDEN_NPM/node_modules node "$shared/tools/golden-tokenmap.js" "$tok" "$data/goldens/tokenmap-$name.bin"
+    NODE_PATH=$GOLDEN_NPM/node_modules node "$data/golden_tokenmap.js" "$tok" "$data/goldens/tokenmap-$name.bin"
   done
 fi
 
