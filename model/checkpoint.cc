@@ -4,11 +4,13 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <exception>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "model/file_util.h"
+#include "model/json_util.h"
 #include "base/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "xxhash.h"
@@ -18,9 +20,50 @@ namespace {
 
 using nlohmann::json;
 
-bool IsFile(const std::string& p) {
+// Whether something exists at `p` (following symlinks). What is there is checked when it is opened: a FIFO or a
+// directory in a file's place is refused with an error rather than skipped (OpenRegularFile, file_util.h).
+bool Exists(const std::string& p) {
   struct stat st {};
-  return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  return ::stat(p.c_str(), &st) == 0;
+}
+
+// model.safetensors.index.json: the shard files in first-appearance order and the tensor -> file map.
+absl::Status ReadIndexChecked(const std::string& index_path, std::vector<std::string>& names,
+                              std::map<std::string, std::string>& weight_map) {
+  ASSIGN_OR_RETURN(std::string text, ReadSmallFile(index_path, size_t{256} << 20));
+  auto parsed = ParseUntrustedJson(text, index_path);
+  if (!parsed.ok()) return absl::DataLossError(parsed.status().message());
+  const json& idx = *parsed;
+  auto wm = idx.is_object() ? idx.find("weight_map") : idx.end();
+  if (!idx.is_object() || wm == idx.end() || !wm->is_object()) {
+    return absl::DataLossError(absl::StrCat(index_path, ": not a safetensors index (no `weight_map` object)"));
+  }
+  for (auto it = wm->begin(); it != wm->end(); ++it) {
+    if (!it.value().is_string()) {
+      return absl::DataLossError(
+          absl::StrCat(index_path, ": weight_map entry `", TextExcerpt(it.key()), "` is not a string"));
+    }
+    const std::string& f = it.value().get_ref<const std::string&>();
+    if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..") {
+      return absl::DataLossError(absl::StrCat(index_path, ": weight_map entry `", TextExcerpt(it.key()),
+                                              "` names file `", TextExcerpt(f),
+                                              "`, which is not a file in the checkpoint directory"));
+    }
+    weight_map[it.key()] = f;
+    if (std::find(names.begin(), names.end(), f) == names.end()) names.push_back(f);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadIndex(const std::string& index_path, std::vector<std::string>& names,
+                       std::map<std::string, std::string>& weight_map) {
+  // Every field is checked before it is read; the catch is a last line of defence (e.g. std::bad_alloc), so that
+  // no exception leaves the parser.
+  try {
+    return ReadIndexChecked(index_path, names, weight_map);
+  } catch (const std::exception& e) {
+    return absl::DataLossError(absl::StrCat(index_path, ": cannot parse: ", TextExcerpt(e.what())));
+  }
 }
 
 std::string Shape(const std::vector<int64_t>& s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
@@ -59,25 +102,9 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::st
   std::vector<std::string> names;
   std::map<std::string, std::string> weight_map;
   const std::string index_path = dir + "/model.safetensors.index.json";
-  if (IsFile(index_path)) {
-    ASSIGN_OR_RETURN(std::string text, ReadSmallFile(index_path, size_t{256} << 20));
-    json idx = json::parse(text, nullptr, false);
-    if (idx.is_discarded() || !idx.is_object() || !idx.contains("weight_map") || !idx["weight_map"].is_object()) {
-      return absl::DataLossError(absl::StrCat(index_path, ": not a safetensors index (no `weight_map` object)"));
-    }
-    for (auto it = idx["weight_map"].begin(); it != idx["weight_map"].end(); ++it) {
-      if (!it.value().is_string()) {
-        return absl::DataLossError(absl::StrCat(index_path, ": weight_map entry `", it.key(), "` is not a string"));
-      }
-      std::string f = it.value().get<std::string>();
-      if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..") {
-        return absl::DataLossError(absl::StrCat(index_path, ": weight_map entry `", it.key(), "` names file `", f,
-                                                "`, which is not a file in the checkpoint directory"));
-      }
-      weight_map[it.key()] = f;
-      if (std::find(names.begin(), names.end(), f) == names.end()) names.push_back(f);
-    }
-  } else if (IsFile(dir + "/model.safetensors")) {
+  if (Exists(index_path)) {
+    RETURN_IF_ERROR(ReadIndex(index_path, names, weight_map));
+  } else if (Exists(dir + "/model.safetensors")) {
     names.push_back("model.safetensors");
   } else {
     DIR* d = ::opendir(dir.c_str());
@@ -99,7 +126,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::st
     for (const auto& [tname, info] : f->tensors()) {
       std::string canon = CanonicalTensorName(tname);
       if (ck->tensors_.count(canon)) {
-        return absl::DataLossError(absl::StrCat(f->path(), ": tensor `", tname, "` also appears in ",
+        return absl::DataLossError(absl::StrCat(f->path(), ": tensor `", TextExcerpt(tname), "` also appears in ",
                                                 ck->tensors_[canon].file->path()));
       }
       ck->tensors_[canon] = TensorRef{f, &info};
@@ -108,7 +135,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::st
   for (const auto& [tname, fname] : weight_map) {
     auto ref = ck->Find(CanonicalTensorName(tname));
     if (!ref || ref.file->path() != dir + "/" + fname) {
-      return absl::DataLossError(absl::StrCat(index_path, ": says tensor `", tname, "` is in ", fname,
+      return absl::DataLossError(absl::StrCat(index_path, ": says tensor `", TextExcerpt(tname), "` is in ", fname,
                                               ", but that file does not hold it"));
     }
   }

@@ -1,10 +1,13 @@
 #include "model/config.h"
 
+#include <exception>
 #include <limits>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "model/file_util.h"
+#include "model/json_util.h"
 #include "base/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -19,11 +22,7 @@ absl::StatusOr<int64_t> GetInt(const json& obj, const char* key, bool required, 
     if (required) return absl::InvalidArgumentError(absl::StrCat("config.json: missing field `", key, "`"));
     return fallback;
   }
-  if (!it->is_number_integer()) {
-    return absl::InvalidArgumentError(absl::StrCat("config.json: field `", key, "` must be an integer, got ",
-                                                   it->dump()));
-  }
-  return it->get<int64_t>();
+  return JsonInt64(*it, "config.json", absl::StrCat("field `", key, "`"));
 }
 
 absl::StatusOr<std::vector<int64_t>> GetIntList(const json& obj, const char* key, bool required) {
@@ -36,12 +35,15 @@ absl::StatusOr<std::vector<int64_t>> GetIntList(const json& obj, const char* key
     return absl::InvalidArgumentError(absl::StrCat("config.json: field `", key, "` must be a list of integers"));
   }
   std::vector<int64_t> out;
+  out.reserve(it->size());
   for (const auto& v : *it) {
     if (!v.is_number_integer()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("config.json: field `", key, "` must be a list of integers, got element ", v.dump()));
+      return absl::InvalidArgumentError(absl::StrCat("config.json: field `", key,
+                                                     "` must be a list of integers, got element ", out.size(), ": ",
+                                                     JsonExcerpt(v)));
     }
-    out.push_back(v.get<int64_t>());
+    ASSIGN_OR_RETURN(int64_t x, JsonInt64(v, "config.json", absl::StrCat("field `", key, "[", out.size(), "]`")));
+    out.push_back(x);
   }
   return out;
 }
@@ -54,16 +56,16 @@ absl::Status Check(bool ok, const std::string& what) {
 
 std::string ModelKindName(ModelKind kind) { return kind == ModelKind::kEngram ? "engram" : "ple"; }
 
-absl::StatusOr<EngramConfig> ParseEngramConfig(const std::string& json_text) {
-  const json root = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded() || !root.is_object()) {
-    return absl::InvalidArgumentError("config.json: not a JSON object");
-  }
+namespace {
+
+absl::StatusOr<EngramConfig> Parse(const std::string& json_text) {
+  ASSIGN_OR_RETURN(const json root, ParseUntrustedJson(json_text, "config.json"));
+  if (!root.is_object()) return absl::InvalidArgumentError("config.json: not a JSON object");
   // Multimodal checkpoints nest the text model's config.
   const json* text = &root;
-  if (!root.contains("engram_layer_ids") && !root.contains("ple_layer_ids") && root.contains("text_config") &&
-      root["text_config"].is_object()) {
-    text = &root["text_config"];
+  if (auto tc = root.find("text_config");
+      !root.contains("engram_layer_ids") && !root.contains("ple_layer_ids") && tc != root.end() && tc->is_object()) {
+    text = &*tc;
   }
   EngramConfig c;
   auto arch_it = root.find("architectures");
@@ -83,7 +85,7 @@ absl::StatusOr<EngramConfig> ParseEngramConfig(const std::string& json_text) {
     layer_field = "ple_layer_ids";
   } else {
     return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: architecture ", c.architecture,
+        "config.json: architecture ", TextExcerpt(c.architecture),
         " has no n-gram embedding layers (supported: DeepseekV41ForCausalLM, Qwen4ExpForCausalLM, "
         "Qwen4ExpForConditionalGeneration); an Engram config cannot apply to it"));
   }
@@ -91,6 +93,10 @@ absl::StatusOr<EngramConfig> ParseEngramConfig(const std::string& json_text) {
   if (c.layer_ids.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("config.json: ", c.architecture, " declares no Engram layers (`",
                                                    layer_field, "` missing or empty)"));
+  }
+  if (c.layer_ids.size() > static_cast<size_t>(kMaxEngramLayers)) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: `", layer_field, "` lists ", c.layer_ids.size(),
+                                                   " layers, more than the ", kMaxEngramLayers, " allowed"));
   }
   if (c.kind == ModelKind::kPle) {
     // The PLE lookup math is not public: keep what we can read, callers refuse to serve it.
@@ -117,11 +123,10 @@ absl::StatusOr<EngramConfig> ParseEngramConfig(const std::string& json_text) {
     c.rms_norm_eps = it->get<double>();
   }
 
-  std::vector<int64_t> seen;
+  std::set<int64_t> seen;
   for (int64_t id : c.layer_ids) {
     RETURN_IF_ERROR(Check(id >= 0 && id < 100000, absl::StrCat("layer id ", id, " out of range")));
-    for (int64_t s : seen) RETURN_IF_ERROR(Check(s != id, absl::StrCat("layer id ", id, " listed twice")));
-    seen.push_back(id);
+    RETURN_IF_ERROR(Check(seen.insert(id).second, absl::StrCat("layer id ", id, " listed twice")));
   }
   RETURN_IF_ERROR(Check(c.num_embeddings.size() == c.layer_ids.size(),
                         absl::StrCat("`engram_num_embeddings` has ", c.num_embeddings.size(), " entries for ",
@@ -147,6 +152,18 @@ absl::StatusOr<EngramConfig> ParseEngramConfig(const std::string& json_text) {
                                        " must be in [1, 2^31) (hash ids are int32)")));
   }
   return c;
+}
+
+}  // namespace
+
+absl::StatusOr<EngramConfig> ParseEngramConfig(const std::string& json_text) {
+  // Every field is checked before it is read; the catch is a last line of defence (e.g. std::bad_alloc), so that
+  // no exception leaves the parser.
+  try {
+    return Parse(json_text);
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: cannot parse: ", TextExcerpt(e.what())));
+  }
 }
 
 absl::StatusOr<EngramConfig> LoadEngramConfig(const std::string& path) {

@@ -7,6 +7,9 @@
 // multiple of 32, positive sizes, int32-addressable tables); the per-layer row counts are checked against the prime
 // buckets by the layout (layout.h), since that needs the primes.
 //
+// The text is hostile input: nesting deeper than json_util.h's limit, fields of the wrong type and integers outside
+// int64 are refused with an error naming the field; no exception escapes. At most kMaxEngramLayers layers.
+//
 // Plain value type; no shared state.
 #pragma once
 
@@ -19,6 +22,11 @@
 namespace engram {
 
 enum class ModelKind { kEngram, kPle };
+
+// The most Engram (or PLE) layers a config may list. V4.1 has 2; a model has at most a few hundred transformer
+// layers, and each Engram layer costs a prime search and a table: 1024 is generous and keeps a hostile config's
+// layout work bounded.
+inline constexpr int64_t kMaxEngramLayers = 1024;
 
 struct EngramConfig {
   std::string architecture;           // architectures[0]

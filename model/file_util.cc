@@ -11,17 +11,48 @@
 
 namespace engram {
 
-absl::StatusOr<std::string> ReadSmallFile(const std::string& path, size_t max_bytes) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+absl::StatusOr<int> OpenRegularFile(const std::string& path) {
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever. Symlinks are followed on
+  // purpose (Hugging Face cache layouts); fstat checks what they point at.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     int e = errno;
     auto msg = absl::StrCat(path, ": cannot open: ", std::strerror(e));
     return e == ENOENT ? absl::NotFoundError(msg) : absl::PermissionDeniedError(msg);
   }
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  if (::fstat(fd, &st) != 0) {
+    int e = errno;
     ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+    return absl::PermissionDeniedError(absl::StrCat(path, ": cannot stat: ", std::strerror(e)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    const char* kind = S_ISFIFO(st.st_mode)  ? "a FIFO"
+                       : S_ISDIR(st.st_mode) ? "a directory"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                       : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
+                                                                     : "not a plain file";
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file (", kind, ")"));
+  }
+  // Back to blocking reads (regular files ignore O_NONBLOCK today, but do not rely on it).
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    int e = errno;
+    ::close(fd);
+    return absl::PermissionDeniedError(absl::StrCat(path, ": cannot clear O_NONBLOCK: ", std::strerror(e)));
+  }
+  return fd;
+}
+
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path, size_t max_bytes) {
+  auto opened = OpenRegularFile(path);
+  if (!opened.ok()) return opened.status();
+  const int fd = *opened;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    return absl::PermissionDeniedError(absl::StrCat(path, ": cannot stat"));
   }
   if (static_cast<size_t>(st.st_size) > max_bytes) {
     ::close(fd);

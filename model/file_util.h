@@ -1,12 +1,24 @@
-// Small file helpers shared by the model library: whole-file reads of small files (configs, headers, tokenizers)
-// with errors that name the path. Large tensors never go through here (see safetensors.h for ranged reads).
+// Small file helpers shared by the model library: opening checkpoint files as hostile input, whole-file reads of
+// small files (configs, headers, tokenizers) with errors that name the path. Large tensors never go through here
+// (see safetensors.h for ranged reads).
+//
+// Every checkpoint file is opened through OpenRegularFile: O_NONBLOCK so that a FIFO (or a device) put where a file
+// should be cannot block the open, then fstat on the descriptor, refusing anything but a regular file, then
+// O_NONBLOCK cleared. Symlinks are followed (Hugging Face caches link every file into a blob store); it is the
+// target that must be regular. Pure functions; thread-safe.
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 #include "absl/status/statusor.h"
 
 namespace engram {
+
+// Opens `path` read-only (O_CLOEXEC) and returns the descriptor, which the caller closes. NotFound when absent,
+// PermissionDenied when it cannot be opened, InvalidArgument ("not a regular file") for FIFOs, sockets, devices
+// and directories.
+absl::StatusOr<int> OpenRegularFile(const std::string& path);
 
 // Reads a whole file; refuses files larger than `max_bytes` (a guard against a wrong path pointing at a table).
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path, size_t max_bytes = size_t{1} << 30);

@@ -1,7 +1,7 @@
 #include "model/layout.h"
 
+#include <algorithm>
 #include <limits>
-#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "model/fast_mod.h"
@@ -24,24 +24,40 @@ std::vector<int64_t> EngramMultipliers(int64_t layer_id, int64_t max_ngram, int6
   return out;
 }
 
-std::vector<std::vector<int64_t>> EngramPrimes(const std::vector<int64_t>& layer_ids, int64_t max_ngram,
-                                               int64_t n_heads, int64_t vocab_size_engram) {
-  std::set<int64_t> seen;
-  std::vector<std::vector<int64_t>> out;
-  for (size_t l = 0; l < layer_ids.size(); ++l) {
+namespace {
+
+// SPEC 2.3 restarts every search at engram_vocab_size - 1 and takes the smallest prime above it not yet seen. By
+// induction the seen set is always the k smallest primes above the start (each search skips exactly those and
+// takes the next one), so search k+1 returns the (k+1)-th prime above the start: a running cursor yields the same
+// sequence with one NextPrime per bucket instead of re-testing every prime already taken (quadratic in layers).
+class PrimeCursor {
+ public:
+  explicit PrimeCursor(int64_t vocab_size_engram) : cur_(static_cast<uint64_t>(vocab_size_engram - 1)) {}
+  // The primes of the next layer: (max_ngram - 1) * n_heads of them, order-major then head.
+  std::vector<int64_t> NextLayer(int64_t max_ngram, int64_t n_heads) {
     std::vector<int64_t> primes;
+    primes.reserve(static_cast<size_t>(std::max<int64_t>(0, (max_ngram - 1) * n_heads)));
     for (int64_t n = 2; n <= max_ngram; ++n) {
-      uint64_t cur = static_cast<uint64_t>(vocab_size_engram - 1);
       for (int64_t h = 0; h < n_heads; ++h) {
-        do {
-          cur = NextPrime(cur);
-        } while (seen.count(static_cast<int64_t>(cur)));
-        seen.insert(static_cast<int64_t>(cur));
-        primes.push_back(static_cast<int64_t>(cur));
+        cur_ = NextPrime(cur_);
+        primes.push_back(static_cast<int64_t>(cur_));
       }
     }
-    out.push_back(std::move(primes));
+    return primes;
   }
+
+ private:
+  uint64_t cur_;
+};
+
+}  // namespace
+
+std::vector<std::vector<int64_t>> EngramPrimes(const std::vector<int64_t>& layer_ids, int64_t max_ngram,
+                                               int64_t n_heads, int64_t vocab_size_engram) {
+  PrimeCursor cursor(vocab_size_engram);
+  std::vector<std::vector<int64_t>> out;
+  out.reserve(layer_ids.size());
+  for (size_t l = 0; l < layer_ids.size(); ++l) out.push_back(cursor.NextLayer(max_ngram, n_heads));
   return out;
 }
 
@@ -51,11 +67,22 @@ absl::StatusOr<Layout> Layout::Build(const EngramConfig& config) {
         config.architecture, " uses per-layer embeddings (PLE), whose lookup math is not public: engram can plan "
                              "its placement but cannot hash or serve it"));
   }
+  if (config.n_layers() > kMaxEngramLayers) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: `engram_layer_ids` lists ", config.n_layers(),
+                                                   " layers, more than the ", kMaxEngramLayers, " allowed"));
+  }
+  if (config.num_embeddings.size() != config.layer_ids.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: `engram_num_embeddings` has ",
+                                                   config.num_embeddings.size(), " entries for ",
+                                                   config.layer_ids.size(), " Engram layers"));
+  }
   Layout l;
   l.config_ = config;
   l.bound_ = std::max<int64_t>(1, (std::numeric_limits<int64_t>::max() / config.compressed_vocab_size) / 2);
-  l.primes_ = EngramPrimes(config.layer_ids, config.max_ngram_size, config.n_heads, config.vocab_size_engram);
+  // Layer by layer, so that a table that does not match its primes stops the search at that layer.
+  PrimeCursor cursor(config.vocab_size_engram);
   for (size_t i = 0; i < config.layer_ids.size(); ++i) {
+    l.primes_.push_back(cursor.NextLayer(config.max_ngram_size, config.n_heads));
     l.multipliers_.push_back(
         EngramMultipliers(config.layer_ids[i], config.max_ngram_size, config.compressed_vocab_size));
     std::vector<int64_t> offsets;

@@ -7,7 +7,9 @@
 //   ASSIGN_OR_RETURN(ShardRange r, layout.Shard(tp_size, tp_rank));
 //
 // Build validates that each layer's primes sum to `engram_num_embeddings` (a checkpoint whose table does not match
-// its hashing would be silently wrong). A Layout is immutable after Build; share it freely across threads.
+// its hashing would be silently wrong) and refuses more than kMaxEngramLayers layers (config.h); the prime search
+// is linear in the number of buckets (one NextPrime each, see layout.cc). A Layout is immutable after Build; share
+// it freely across threads.
 #pragma once
 
 #include <cstdint>

@@ -11,7 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
+#include "model/file_util.h"
 #include "model/int128.h"
+#include "model/json_util.h"
 #include "nlohmann/json.hpp"
 
 namespace engram {
@@ -21,10 +23,12 @@ using nlohmann::json;
 
 // A header larger than this is not a real checkpoint header (HF's own reader caps it at 100 MB).
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+// More dimensions than any real tensor has (PyTorch itself stops at 64).
+constexpr size_t kMaxRank = 64;
 
 absl::Status Bad(const std::string& path, const std::string& tensor, const std::string& what) {
   if (tensor.empty()) return absl::DataLossError(absl::StrCat(path, ": ", what));
-  return absl::DataLossError(absl::StrCat(path, ": tensor `", tensor, "`: ", what));
+  return absl::DataLossError(absl::StrCat(path, ": tensor `", TextExcerpt(tensor), "`: ", what));
 }
 
 }  // namespace
@@ -35,12 +39,18 @@ int64_t TensorInfo::numel() const {
   return n;
 }
 
-absl::StatusOr<std::map<std::string, TensorInfo>> ParseSafetensorsHeader(const std::string& path,
-                                                                         const std::string& json_text,
-                                                                         uint64_t data_start, uint64_t file_size,
-                                                                         std::map<std::string, std::string>* meta) {
-  json header = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
-  if (header.is_discarded()) return Bad(path, "", "header is not valid JSON");
+namespace {
+
+absl::StatusOr<std::map<std::string, TensorInfo>> ParseHeader(const std::string& path, const std::string& json_text,
+                                                              uint64_t data_start, uint64_t file_size,
+                                                              std::map<std::string, std::string>* meta) {
+  if (data_start > file_size) {
+    return Bad(path, "", absl::StrCat("data starts at byte ", data_start, ", past the end of the file (", file_size,
+                                      " bytes)"));
+  }
+  auto parsed = ParseUntrustedJson(json_text, "header");
+  if (!parsed.ok()) return Bad(path, "", std::string(parsed.status().message()));
+  const json& header = *parsed;
   if (!header.is_object()) return Bad(path, "", "header is not a JSON object");
   std::map<std::string, TensorInfo> out;
   for (auto it = header.begin(); it != header.end(); ++it) {
@@ -49,7 +59,9 @@ absl::StatusOr<std::map<std::string, TensorInfo>> ParseSafetensorsHeader(const s
     if (name == "__metadata__") {
       if (!v.is_object()) return Bad(path, "", "`__metadata__` is not an object");
       for (auto m = v.begin(); m != v.end(); ++m) {
-        if (!m.value().is_string()) return Bad(path, "", absl::StrCat("`__metadata__.", m.key(), "` is not a string"));
+        if (!m.value().is_string()) {
+          return Bad(path, "", absl::StrCat("`__metadata__.", TextExcerpt(m.key()), "` is not a string"));
+        }
         if (meta) (*meta)[m.key()] = m.value().get<std::string>();
       }
       continue;
@@ -58,16 +70,20 @@ absl::StatusOr<std::map<std::string, TensorInfo>> ParseSafetensorsHeader(const s
     auto dt = v.find("dtype");
     if (dt == v.end() || !dt->is_string()) return Bad(path, name, "missing or non-string `dtype`");
     auto dtype = ParseDType(dt->get<std::string>());
-    if (!dtype) return Bad(path, name, absl::StrCat("unknown dtype ", dt->dump()));
+    if (!dtype) return Bad(path, name, absl::StrCat("unknown dtype ", JsonExcerpt(*dt)));
     auto sh = v.find("shape");
     if (sh == v.end() || !sh->is_array()) return Bad(path, name, "missing `shape` list");
+    if (sh->size() > kMaxRank) {
+      return Bad(path, name, absl::StrCat("`shape` has ", sh->size(), " dimensions, more than the ", kMaxRank,
+                                          " allowed"));
+    }
     TensorInfo t;
     t.name = name;
     t.dtype = *dtype;
     // Element count with overflow checks: a lying shape must not wrap around to a plausible byte count.
     uint128 numel = 1;
     for (const auto& d : *sh) {
-      if (!d.is_number_unsigned()) return Bad(path, name, absl::StrCat("shape entry ", d.dump(), " is not >= 0"));
+      if (!d.is_number_unsigned()) return Bad(path, name, absl::StrCat("shape entry ", JsonExcerpt(d), " is not >= 0"));
       uint64_t dim = d.get<uint64_t>();
       if (dim > (uint64_t{1} << 48)) return Bad(path, name, absl::StrCat("shape entry ", dim, " is absurd"));
       numel *= dim;
@@ -104,24 +120,35 @@ absl::StatusOr<std::map<std::string, TensorInfo>> ParseSafetensorsHeader(const s
   });
   for (size_t i = 1; i < sorted.size(); ++i) {
     if (sorted[i]->begin < sorted[i - 1]->end && sorted[i]->bytes() > 0 && sorted[i - 1]->bytes() > 0) {
-      return Bad(path, sorted[i]->name, absl::StrCat("data overlaps tensor `", sorted[i - 1]->name, "`"));
+      return Bad(path, sorted[i]->name,
+                 absl::StrCat("data overlaps tensor `", TextExcerpt(sorted[i - 1]->name), "`"));
     }
   }
   return out;
 }
 
-absl::StatusOr<std::shared_ptr<const SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    int e = errno;
-    auto msg = absl::StrCat(path, ": cannot open: ", std::strerror(e));
-    return e == ENOENT ? absl::NotFoundError(msg) : absl::PermissionDeniedError(msg);
+}  // namespace
+
+absl::StatusOr<std::map<std::string, TensorInfo>> ParseSafetensorsHeader(const std::string& path,
+                                                                         const std::string& json_text,
+                                                                         uint64_t data_start, uint64_t file_size,
+                                                                         std::map<std::string, std::string>* meta) {
+  // Every field is checked before it is read; the catch is a last line of defence (e.g. std::bad_alloc), so that
+  // no exception leaves the parser.
+  try {
+    return ParseHeader(path, json_text, data_start, file_size, meta);
+  } catch (const std::exception& e) {
+    return Bad(path, "", absl::StrCat("cannot parse the header: ", TextExcerpt(e.what())));
   }
+}
+
+absl::StatusOr<std::shared_ptr<const SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
+  ASSIGN_OR_RETURN(const int fd, OpenRegularFile(path));  // refuses FIFOs and devices without blocking
   std::shared_ptr<SafetensorsFile> f(new SafetensorsFile());
   f->path_ = path;
   f->fd_ = fd;
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return Bad(path, "", "not a regular file");
+  if (::fstat(fd, &st) != 0) return Bad(path, "", "cannot stat");
   f->file_size_ = static_cast<uint64_t>(st.st_size);
   if (f->file_size_ < 8) return Bad(path, "", absl::StrCat("only ", f->file_size_, " bytes: no header length"));
   unsigned char len_bytes[8];

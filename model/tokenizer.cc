@@ -4,10 +4,12 @@
 #include <unicode/unistr.h>
 
 #include <array>
+#include <exception>
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
 #include "model/file_util.h"
+#include "model/json_util.h"
 #include "model/normalize.h"
 #include "base/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -32,7 +34,27 @@ struct DecoderStep {
   int64_t strip_start = 0, strip_stop = 0;
 };
 
+// Bounds on the regex engine's work (ICU RegexMatcher limits), so that a catastrophically backtracking pattern in
+// a hostile tokenizer.json fails the load instead of running for minutes. ICU counts time in units of 10,000
+// backtracking steps (a few milliseconds at most on current CPUs): kRegexTimeLimit bounds one match operation;
+// kRegexLoadBudget bounds the units spent by all matches while Parse checks every id; kRegexStackLimitKiB bounds
+// the backtrack stack. Real Replace decoders (literal-like patterns on short pieces) use a handful of units.
+constexpr int32_t kRegexTimeLimit = 1000;
+constexpr int64_t kRegexLoadBudget = 20000;
+constexpr int32_t kRegexStackLimitKiB = 1024;
+
+// Units of regex work left for a sequence of decodes (shared by the matches of one Parse check).
+struct RegexBudget {
+  int64_t units_left = kRegexLoadBudget;
+};
+
 namespace {
+
+// ICU calls this once per time unit of a match; returning false stops the match (U_REGEX_STOPPED_BY_CALLER).
+UBool U_CALLCONV SpendRegexUnit(const void* context, int32_t /*steps*/) {
+  auto* budget = static_cast<RegexBudget*>(const_cast<void*>(context));
+  return --budget->units_left > 0;
+}
 
 // GPT-2's bytes_to_unicode table, inverted: code point -> byte, -1 when not a byte-level char.
 const std::array<int, 512>& ByteLevelInverse() {
@@ -100,16 +122,26 @@ bool ParseByteToken(const std::string& t, unsigned char* byte) {
 
 absl::StatusOr<std::unique_ptr<DecoderStep>> ParseStep(const json& d, const std::string& origin);
 
+// The member `key` of object `d`, or nullptr (never inserts, never asserts).
+const json* Member(const json& d, const char* key) {
+  if (!d.is_object()) return nullptr;
+  auto it = d.find(key);
+  return it == d.end() ? nullptr : &*it;
+}
+
+// Recursion is bounded by the JSON nesting limit (json_util.h).
 absl::Status ParseDecoder(const json& d, const std::string& origin, std::vector<std::unique_ptr<DecoderStep>>& out) {
   if (d.is_null()) return absl::OkStatus();
-  if (!d.is_object() || !d.contains("type") || !d["type"].is_string()) {
+  const json* type = Member(d, "type");
+  if (type == nullptr || !type->is_string()) {
     return absl::InvalidArgumentError(absl::StrCat(origin, ": decoder has no `type`"));
   }
-  if (d["type"] == "Sequence") {
-    if (!d.contains("decoders") || !d["decoders"].is_array()) {
+  if (*type == "Sequence") {
+    const json* subs = Member(d, "decoders");
+    if (subs == nullptr || !subs->is_array()) {
       return absl::InvalidArgumentError(absl::StrCat(origin, ": Sequence decoder without `decoders`"));
     }
-    for (const auto& sub : d["decoders"]) RETURN_IF_ERROR(ParseDecoder(sub, origin, out));
+    for (const auto& sub : *subs) RETURN_IF_ERROR(ParseDecoder(sub, origin, out));
     return absl::OkStatus();
   }
   ASSIGN_OR_RETURN(auto step, ParseStep(d, origin));
@@ -118,20 +150,29 @@ absl::Status ParseDecoder(const json& d, const std::string& origin, std::vector<
 }
 
 absl::StatusOr<std::unique_ptr<DecoderStep>> ParseStep(const json& d, const std::string& origin) {
-  const std::string type = d["type"].get<std::string>();
+  const std::string type = Member(d, "type")->get<std::string>();  // checked by ParseDecoder
   auto step = std::make_unique<DecoderStep>();
   auto str = [&](const char* key, const std::string& fallback) {
-    return d.contains(key) && d[key].is_string() ? d[key].get<std::string>() : fallback;
+    const json* v = Member(d, key);
+    return v != nullptr && v->is_string() ? v->get<std::string>() : fallback;
+  };
+  // An optional integer field: absent or null gives `fallback`, anything but an int64 is an error naming it.
+  auto integer = [&](const char* key, int64_t fallback) -> absl::StatusOr<int64_t> {
+    const json* v = Member(d, key);
+    if (v == nullptr || v->is_null()) return fallback;
+    return JsonInt64(*v, origin, absl::StrCat(type, " decoder field `", key, "`"));
   };
   if (type == "ByteLevel") {
     step->kind = DecoderStep::kByteLevel;
   } else if (type == "Metaspace") {
     step->kind = DecoderStep::kMetaspace;
     step->replacement = str("replacement", "\u2581");
-    if (d.contains("prepend_scheme") && d["prepend_scheme"].is_string()) {
-      step->strip_first_space = d["prepend_scheme"] != "never";
-    } else if (d.contains("add_prefix_space") && d["add_prefix_space"].is_boolean()) {
-      step->strip_first_space = d["add_prefix_space"].get<bool>();
+    const json* scheme = Member(d, "prepend_scheme");
+    const json* prefix = Member(d, "add_prefix_space");
+    if (scheme != nullptr && scheme->is_string()) {
+      step->strip_first_space = *scheme != "never";
+    } else if (prefix != nullptr && prefix->is_boolean()) {
+      step->strip_first_space = prefix->get<bool>();
     }
   } else if (type == "ByteFallback") {
     step->kind = DecoderStep::kByteFallback;
@@ -139,19 +180,22 @@ absl::StatusOr<std::unique_ptr<DecoderStep>> ParseStep(const json& d, const std:
     step->kind = DecoderStep::kFuse;
   } else if (type == "Replace") {
     step->kind = DecoderStep::kReplace;
-    const json& p = d.value("pattern", json());
+    const json* p = Member(d, "pattern");
+    const json* literal = p == nullptr ? nullptr : Member(*p, "String");
+    const json* regex = p == nullptr ? nullptr : Member(*p, "Regex");
     step->content = str("content", "");
-    if (p.is_object() && p.contains("String") && p["String"].is_string()) {
-      step->pattern = p["String"].get<std::string>();
-    } else if (p.is_object() && p.contains("Regex") && p["Regex"].is_string()) {
-      step->pattern = p["Regex"].get<std::string>();
+    if (literal != nullptr && literal->is_string()) {
+      step->pattern = literal->get<std::string>();
+    } else if (regex != nullptr && regex->is_string()) {
+      step->pattern = regex->get<std::string>();
       step->is_regex = true;
       UErrorCode e = U_ZERO_ERROR;
       UParseError pe;
       step->regex.reset(icu::RegexPattern::compile(icu::UnicodeString::fromUTF8(step->pattern), 0, pe, e));
-      if (U_FAILURE(e)) {
-        return absl::InvalidArgumentError(absl::StrCat(origin, ": Replace decoder regex `", step->pattern,
-                                                       "` does not compile: ", u_errorName(e)));
+      if (U_FAILURE(e) || step->regex == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(origin, ": Replace decoder regex `",
+                                                       TextExcerpt(step->pattern), "` does not compile: ",
+                                                       u_errorName(e)));
       }
     } else {
       return absl::InvalidArgumentError(absl::StrCat(origin, ": Replace decoder without a String or Regex pattern"));
@@ -159,18 +203,47 @@ absl::StatusOr<std::unique_ptr<DecoderStep>> ParseStep(const json& d, const std:
   } else if (type == "Strip") {
     step->kind = DecoderStep::kStrip;
     step->strip_content = str("content", " ");
-    step->strip_start = d.value("start", int64_t{0});
-    step->strip_stop = d.value("stop", int64_t{0});
+    ASSIGN_OR_RETURN(step->strip_start, integer("start", 0));
+    ASSIGN_OR_RETURN(step->strip_stop, integer("stop", 0));
   } else {
-    return absl::UnimplementedError(absl::StrCat(origin, ": decoder type `", type,
+    return absl::UnimplementedError(absl::StrCat(origin, ": decoder type `", TextExcerpt(type),
                                                  "` is not supported (supported: ByteLevel, Metaspace, ByteFallback, "
                                                  "Fuse, Replace, Strip, Sequence)"));
   }
   return step;
 }
 
-// Applies one step to the token list (the library's decode_chain); `lossy` records U+FFFD substitutions.
-void Apply(const DecoderStep& s, std::vector<std::string>& toks, bool& lossy) {
+// Replaces every match of `s.regex` in `t`, within ICU's time and stack limits and `budget`.
+absl::Status ReplaceRegex(const DecoderStep& s, std::string& t, RegexBudget& budget) {
+  UErrorCode e = U_ZERO_ERROR;
+  icu::UnicodeString u = icu::UnicodeString::fromUTF8(t);
+  std::unique_ptr<icu::RegexMatcher> m(s.regex->matcher(u, e));
+  if (m != nullptr && U_SUCCESS(e)) m->setTimeLimit(kRegexTimeLimit, e);
+  if (m != nullptr && U_SUCCESS(e)) m->setStackLimit(kRegexStackLimitKiB * 1024, e);
+  if (m != nullptr && U_SUCCESS(e)) m->setMatchCallback(SpendRegexUnit, &budget, e);
+  icu::UnicodeString r;
+  if (m != nullptr && U_SUCCESS(e)) r = m->replaceAll(icu::UnicodeString::fromUTF8(s.content), e);
+  if (m == nullptr || U_FAILURE(e)) {
+    std::string limit;
+    if (e == U_REGEX_TIME_OUT) {
+      limit = absl::StrCat(": over ICU's time limit of ", kRegexTimeLimit, " units for one match");
+    } else if (e == U_REGEX_STOPPED_BY_CALLER) {
+      limit = absl::StrCat(": over the budget of ", kRegexLoadBudget, " ICU time units for all matches of a load");
+    } else if (e == U_REGEX_STACK_OVERFLOW) {
+      limit = absl::StrCat(": over the backtrack stack limit of ", kRegexStackLimitKiB, " KiB");
+    }
+    return absl::ResourceExhaustedError(absl::StrCat("Replace decoder regex `", TextExcerpt(s.pattern),
+                                                     "` failed on a ", t.size(), "-byte token (", u_errorName(e),
+                                                     ")", limit));
+  }
+  t.clear();
+  r.toUTF8String(t);
+  return absl::OkStatus();
+}
+
+// Applies one step to the token list (the library's decode_chain); `lossy` records U+FFFD substitutions. Only a
+// regex Replace can fail (over its limits).
+absl::Status Apply(const DecoderStep& s, std::vector<std::string>& toks, bool& lossy, RegexBudget& budget) {
   switch (s.kind) {
     case DecoderStep::kByteLevel: {
       std::string bytes;
@@ -241,12 +314,7 @@ void Apply(const DecoderStep& s, std::vector<std::string>& toks, bool& lossy) {
         if (!s.is_regex) {
           t = ReplaceAll(t, s.pattern, s.content);
         } else {
-          UErrorCode e = U_ZERO_ERROR;
-          icu::UnicodeString u = icu::UnicodeString::fromUTF8(t);
-          std::unique_ptr<icu::RegexMatcher> m(s.regex->matcher(u, e));
-          icu::UnicodeString r = m->replaceAll(icu::UnicodeString::fromUTF8(s.content), e);
-          t.clear();
-          r.toUTF8String(t);
+          RETURN_IF_ERROR(ReplaceRegex(s, t, budget));
         }
       }
       break;
@@ -262,6 +330,7 @@ void Apply(const DecoderStep& s, std::vector<std::string>& toks, bool& lossy) {
       }
       break;
   }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -277,23 +346,37 @@ absl::StatusOr<Tokenizer> Tokenizer::Load(const std::string& path) {
 }
 
 absl::StatusOr<Tokenizer> Tokenizer::Parse(const std::string& json_text, const std::string& origin) {
-  json root = json::parse(json_text, nullptr, false);
-  if (root.is_discarded() || !root.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(origin, ": not a JSON object"));
+  // Every field is checked before it is read; the catch is a last line of defence (e.g. std::bad_alloc), so that
+  // no exception leaves the parser.
+  try {
+    return ParseChecked(json_text, origin);
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(origin, ": cannot parse: ", TextExcerpt(e.what())));
   }
-  if (!root.contains("model") || !root["model"].is_object()) {
+}
+
+absl::StatusOr<Tokenizer> Tokenizer::ParseChecked(const std::string& json_text, const std::string& origin) {
+  ASSIGN_OR_RETURN(const json root, ParseUntrustedJson(json_text, origin));
+  if (!root.is_object()) return absl::InvalidArgumentError(absl::StrCat(origin, ": not a JSON object"));
+  const json* model_ptr = Member(root, "model");
+  if (model_ptr == nullptr || !model_ptr->is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(origin, ": no `model` object"));
   }
-  const json& model = root["model"];
+  const json& model = *model_ptr;
   constexpr int64_t kMaxIds = int64_t{1} << 24;
   std::vector<std::pair<int64_t, std::string>> entries;
-  const json& vocab = model.value("vocab", json());
+  static const json kNull;
+  const json* vocab_ptr = Member(model, "vocab");
+  const json& vocab = vocab_ptr != nullptr ? *vocab_ptr : kNull;
   if (vocab.is_object()) {  // BPE, WordLevel, WordPiece
     for (auto it = vocab.begin(); it != vocab.end(); ++it) {
       if (!it.value().is_number_integer()) {
-        return absl::InvalidArgumentError(absl::StrCat(origin, ": vocab entry `", it.key(), "` has a non-integer id"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(origin, ": vocab entry `", TextExcerpt(it.key()), "` has a non-integer id"));
       }
-      entries.emplace_back(it.value().get<int64_t>(), it.key());
+      ASSIGN_OR_RETURN(int64_t id,
+                       JsonInt64(it.value(), origin, absl::StrCat("vocab entry `", TextExcerpt(it.key()), "`")));
+      entries.emplace_back(id, it.key());
     }
   } else if (vocab.is_array()) {  // Unigram: [[piece, score], ...], id = position
     int64_t id = 0;
@@ -307,18 +390,21 @@ absl::StatusOr<Tokenizer> Tokenizer::Parse(const std::string& json_text, const s
     return absl::InvalidArgumentError(absl::StrCat(origin, ": model has no `vocab`"));
   }
   std::vector<std::pair<int64_t, std::string>> added;
-  if (root.contains("added_tokens") && root["added_tokens"].is_array()) {
-    for (const auto& a : root["added_tokens"]) {
-      if (!a.is_object() || !a.contains("id") || !a["id"].is_number_integer() || !a.contains("content") ||
-          !a["content"].is_string()) {
-        return absl::InvalidArgumentError(absl::StrCat(origin, ": malformed added_tokens entry ", a.dump()));
+  if (const json* added_json = Member(root, "added_tokens"); added_json != nullptr && added_json->is_array()) {
+    for (const auto& a : *added_json) {
+      const json* id = Member(a, "id");
+      const json* content = Member(a, "content");
+      if (id == nullptr || !id->is_number_integer() || content == nullptr || !content->is_string()) {
+        return absl::InvalidArgumentError(absl::StrCat(origin, ": malformed added_tokens entry ", added.size(), " (",
+                                                       JsonExcerpt(a), ")"));
       }
-      added.emplace_back(a["id"].get<int64_t>(), a["content"].get<std::string>());
+      added.emplace_back(id->get<int64_t>(), content->get<std::string>());
     }
   }
   for (const auto& [id, piece] : entries) {
     if (id < 0 || id >= kMaxIds) {
-      return absl::InvalidArgumentError(absl::StrCat(origin, ": token `", piece, "` has id ", id, " out of range"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(origin, ": token `", TextExcerpt(piece), "` has id ", id, " out of range"));
     }
   }
   if (entries.empty()) return absl::InvalidArgumentError(absl::StrCat(origin, ": empty vocabulary"));
@@ -356,7 +442,20 @@ absl::StatusOr<Tokenizer> Tokenizer::Parse(const std::string& json_text, const s
   // len(tokenizer) in the reference library: distinct contents over the model vocab and the added tokens.
   t.size_ = static_cast<int64_t>(model_ids.size());
   for (const auto& [content, id] : added_ids) t.size_ += model_ids.count(content) ? 0 : 1;
-  RETURN_IF_ERROR(ParseDecoder(root.value("decoder", json()), origin, t.decoder_));
+  const json* decoder = Member(root, "decoder");
+  RETURN_IF_ERROR(ParseDecoder(decoder != nullptr ? *decoder : kNull, origin, t.decoder_));
+  // A regex can backtrack catastrophically: decode every id now, within ICU's limits and one budget for the whole
+  // load, so that a hostile pattern fails the load (Decode later repeats exactly this work, deterministically).
+  bool has_regex = false;
+  for (const auto& step : t.decoder_) has_regex |= step->is_regex;
+  if (has_regex) {
+    RegexBudget budget;
+    for (int64_t id = 0; id < static_cast<int64_t>(t.pieces_.size()); ++id) {
+      DecodedToken ignored;
+      absl::Status st = t.DecodeWithin(id, budget, &ignored);
+      if (!st.ok()) return absl::Status(st.code(), absl::StrCat(origin, ": id ", id, ": ", st.message()));
+    }
+  }
   return t;
 }
 
@@ -365,13 +464,24 @@ std::optional<std::string> Tokenizer::IdToToken(int64_t id) const {
   return pieces_[static_cast<size_t>(id)];
 }
 
-DecodedToken Tokenizer::Decode(int64_t id) const {
-  DecodedToken out;
+absl::Status Tokenizer::DecodeWithin(int64_t id, RegexBudget& budget, DecodedToken* out) const {
   auto piece = IdToToken(id);
-  if (!piece) return out;  // no token: the library decodes an empty list to ""
+  if (!piece) return absl::OkStatus();  // no token: the library decodes an empty list to ""
   std::vector<std::string> toks = {*piece};
-  for (const auto& step : decoder_) Apply(*step, toks, out.lossy);
-  for (const auto& t : toks) out.text += t;
+  for (const auto& step : decoder_) RETURN_IF_ERROR(Apply(*step, toks, out->lossy, budget));
+  for (const auto& t : toks) out->text += t;
+  return absl::OkStatus();
+}
+
+DecodedToken Tokenizer::Decode(int64_t id) const {
+  // Parse decoded every id within the same limits, so this cannot fail for a loaded tokenizer; should it anyway,
+  // the piece is returned undecoded and marked lossy (its key becomes the raw piece).
+  DecodedToken out;
+  RegexBudget budget;
+  if (!DecodeWithin(id, budget, &out).ok()) {
+    out.text = IdToToken(id).value_or("");
+    out.lossy = true;
+  }
   return out;
 }
 

@@ -7,6 +7,11 @@
 // ByteFallback, Fuse, Replace (String or Regex pattern), Strip and Sequence of these; a tokenizer.json with another
 // decoder is refused with its name rather than decoded approximately.
 //
+// The file is hostile input: Parse never throws; nesting, field types and sizes are checked (errors name the file
+// and the field). A Replace decoder's regex runs under ICU's time and stack limits; when the decoder has one, Parse
+// decodes every id under those limits and one overall budget, and fails (naming the pattern and the limit) rather
+// than letting a catastrophically backtracking pattern run for minutes later.
+//
 // Immutable after Load; thread-safe.
 #pragma once
 
@@ -21,6 +26,7 @@
 namespace engram {
 
 struct DecoderStep;  // one step of the decoder pipeline (tokenizer.cc)
+struct RegexBudget;  // regex work left for a sequence of decodes (tokenizer.cc)
 
 // What decoding one id produced: UTF-8 bytes, and whether they were lossy (invalid UTF-8 replaced by U+FFFD in the
 // reference library). `text` holds the bytes as produced; when `lossy` the reference's text contains U+FFFD.
@@ -47,6 +53,10 @@ class Tokenizer {
   DecodedToken Decode(int64_t id) const;
 
  private:
+  static absl::StatusOr<Tokenizer> ParseChecked(const std::string& json_text, const std::string& origin);
+  // Decode, failing when a regex step goes over its limits or `budget`.
+  absl::Status DecodeWithin(int64_t id, RegexBudget& budget, DecodedToken* out) const;
+
   std::vector<std::optional<std::string>> pieces_;  // indexed by id, up to max id
   int64_t size_ = 0;
   std::vector<std::unique_ptr<DecoderStep>> decoder_;  // empty: tokens joined by " " (a single token as is)
