@@ -22,6 +22,7 @@
 #include "nlohmann/json.hpp"
 #include "shm/segment.h"
 #include "tools/args.h"
+#include "tools/row_oracle.h"
 
 namespace engram::tools {
 namespace {
@@ -301,8 +302,11 @@ int CmdAttach(int argc, char** argv) {
   json out;
   absl::StatusOr<std::unique_ptr<SegmentReader>> reader = absl::UnavailableError("no grant");
   // Compares random rows of the mapped segment with the checkpoint's; returns (verified, mismatches).
+  // The checkpoint side comes from the independent row oracle, not from the reader that filled the segment.
+  std::string oracle_error;
+  auto oracle = oracle::RowOracle::Open(a.Get("--checkpoint"), &oracle_error);
   auto verify = [&]() -> std::pair<int64_t, int64_t> {
-    if (!reader.ok() || (*reader)->state() != SegmentState::kReady) return {0, 1};
+    if (!reader.ok() || (*reader)->state() != SegmentState::kReady || !oracle) return {0, 1};
     int64_t verified = 0, mismatches = 0;
     std::mt19937_64 rng(std::random_device{}());
     const auto& d = answer.grant().segment();
@@ -313,14 +317,15 @@ int CmdAttach(int argc, char** argv) {
       for (int64_t i = 0; i < geti("--verify", 64); ++i) {
         const int64_t row =
             ld.row_begin() + static_cast<int64_t>(rng() % static_cast<uint64_t>(ld.row_end() - ld.row_begin()));
-        std::vector<uint8_t> rec(static_cast<size_t>(rb)), mapped(static_cast<size_t>(rb));
+        std::vector<uint8_t> mapped(static_cast<size_t>(rb));
         const int32_t id = static_cast<int32_t>(row);
-        if (!ReadRecordRow(**ckpt, l, row, rec.data()).ok() || !LookupPackedCpu(seg, {&id, 1}, mapped).ok()) {
+        auto rec = oracle->Record(ld.layer_id(), row, nullptr);
+        if (!rec || !LookupPackedCpu(seg, {&id, 1}, mapped).ok()) {
           ++mismatches;
           continue;
         }
         ++verified;
-        mismatches += mapped != rec;  // the segment's record must equal the checkpoint's, byte for byte
+        mismatches += mapped != *rec;  // the segment's record must equal the checkpoint's, byte for byte
       }
     }
     return {verified, mismatches};

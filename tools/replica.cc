@@ -1,6 +1,7 @@
 // engram-replica: a stand-in for one serving-engine replica process. It attaches through libengram_client with the
 // given topology and engram config, streams random token batches through hash -> lookup, checks a sample of rows
-// against the checkpoint itself (read directly from the safetensors, not through the table), and prints mode,
+// against the checkpoint itself (read directly from the safetensors by the independent row oracle,
+// tools/row_oracle.h, which shares no code with the reader that filled the table), and prints mode,
 // backend, reasons and throughput. The last line of output is one JSON object; exit 0 only when every checked row
 // matched (and, with --write-probe, a write into the table faulted in a child process).
 #include <signal.h>
@@ -19,24 +20,24 @@
 
 #include "client/device_engine.h"
 #endif
-#include "model/checkpoint.h"
-#include "model/fp8.h"
-#include "model/shard_records.h"
 #include "nlohmann/json.hpp"
 #include "tools/args.h"
+#include "tools/row_oracle.h"
 
 namespace {
 
 using nlohmann::json;
 
-// The bf16 row of global row `id` of layer `l`, straight from the checkpoint files (NaN-filled on a read error).
-std::vector<uint16_t> RowFromCheckpoint(const engram::Checkpoint& ck, int l, int32_t id, int64_t D) {
-  std::vector<uint8_t> rec(static_cast<size_t>(D + D / 32));
-  std::vector<uint16_t> out(static_cast<size_t>(D), 0xFFFF);
-  if (engram::ReadRecordRow(ck, l, id, rec.data()).ok()) {
-    (void)engram::LookupBf16Cpu({rec.data(), id, id + 1, D}, {&id, 1}, out);
+// The bf16 row of global row `id` of the layer with id `layer_id`, straight from the checkpoint files through the
+// independent oracle (0xFFFF-filled on a read error, which never equals a lookup's row: NaN is 0x7FFF).
+std::vector<uint16_t> RowFromCheckpoint(engram::oracle::RowOracle* oracle, int64_t layer_id, int32_t id, int64_t D) {
+  std::string error;
+  auto rec = oracle ? oracle->Record(layer_id, id, &error) : std::nullopt;
+  if (!rec || oracle->head_dim() != D) {
+    if (!error.empty()) std::cerr << "engram-replica: " << error << "\n";
+    return std::vector<uint16_t>(static_cast<size_t>(D), 0xFFFF);
   }
-  return out;
+  return engram::oracle::DequantBf16Row(*rec, D);
 }
 
 }  // namespace
@@ -80,7 +81,9 @@ int main(int argc, char** argv) {
     std::cout << json{{"error", std::string(table.status().message())}}.dump() << std::endl;
     return 1;
   }
-  auto ck = engram::Checkpoint::Open(req.checkpoint);
+  std::string oracle_error;
+  auto oracle = engram::oracle::RowOracle::Open(req.checkpoint, &oracle_error);
+  if (!oracle) std::cerr << "engram-replica: " << oracle_error << "\n";
   const auto& t = **table;
   const int64_t D = t.head_dim(), L = static_cast<int64_t>(t.layers().size()), C = t.n_cols();
   const int64_t T = geti("--tokens", 256), batches = geti("--batches", 4), verify = geti("--verify", 64);
@@ -161,7 +164,7 @@ int main(int argc, char** argv) {
         const size_t idx = static_cast<size_t>(rng() % static_cast<uint64_t>(T * C));
         const int32_t id = layer_ids[idx];
         const auto& li = t.layers()[static_cast<size_t>(l)];
-        std::vector<uint16_t> want = id >= li.row_begin && id < li.row_end ? RowFromCheckpoint(**ck, l, id, D)
+        std::vector<uint16_t> want = id >= li.row_begin && id < li.row_end ? RowFromCheckpoint(oracle.get(), li.layer_id, id, D)
                                                                            : std::vector<uint16_t>(static_cast<size_t>(D), 0);
         ++verified;
         mismatches += !std::equal(want.begin(), want.end(), rows.begin() + static_cast<long>(idx * D));
@@ -180,7 +183,7 @@ int main(int argc, char** argv) {
   if (gpu_busy > 0) out["hash_mismatches"] = hash_mismatches;
   mismatches += hash_mismatches;
   out["mismatches"] = mismatches;
-  for (const auto& r : t.reasons()) out["reasons"].push_back(r.code);
+  for (const auto& r : t.reasons()) out["reasons"].push_back(engram::client::ReasonName(r.code));
   bool ok = mismatches == 0;
   if (a.Has("--write-probe")) {
     // A replica can never write the table: a write faults in the writing process only.
