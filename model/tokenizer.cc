@@ -36,11 +36,12 @@ struct DecoderStep {
 
 // Bounds on the regex engine's work (ICU RegexMatcher limits), so that a catastrophically backtracking pattern in
 // a hostile tokenizer.json fails the load instead of running for minutes. ICU counts time in units of 10,000
-// backtracking steps (a few milliseconds at most on current CPUs): kRegexTimeLimit bounds one match operation;
+// backtracking steps (about 0.2 ms on current CPUs): kRegexTimeLimit bounds one match operation (~50 ms);
 // kRegexLoadBudget bounds the units spent by all matches while Parse checks every id; kRegexStackLimitKiB bounds
-// the backtrack stack. Real Replace decoders (literal-like patterns on short pieces) use a handful of units.
-constexpr int32_t kRegexTimeLimit = 1000;
-constexpr int64_t kRegexLoadBudget = 20000;
+// the backtrack stack. Real Replace decoders (literal-like patterns on short pieces) use a handful of units; a
+// hostile one costs the load at most ~2 s of CPU before it fails.
+constexpr int32_t kRegexTimeLimit = 200;
+constexpr int64_t kRegexLoadBudget = 10000;
 constexpr int32_t kRegexStackLimitKiB = 1024;
 
 // Units of regex work left for a sequence of decodes (shared by the matches of one Parse check).
@@ -221,8 +222,16 @@ absl::Status ReplaceRegex(const DecoderStep& s, std::string& t, RegexBudget& bud
   if (m != nullptr && U_SUCCESS(e)) m->setTimeLimit(kRegexTimeLimit, e);
   if (m != nullptr && U_SUCCESS(e)) m->setStackLimit(kRegexStackLimitKiB * 1024, e);
   if (m != nullptr && U_SUCCESS(e)) m->setMatchCallback(SpendRegexUnit, &budget, e);
+  // Not replaceAll(): it matches with the status-less find(), which reports a time-out as "no more matches".
   icu::UnicodeString r;
-  if (m != nullptr && U_SUCCESS(e)) r = m->replaceAll(icu::UnicodeString::fromUTF8(s.content), e);
+  const icu::UnicodeString replacement = icu::UnicodeString::fromUTF8(s.content);
+  if (m != nullptr && U_SUCCESS(e)) {
+    while (m->find(e) && U_SUCCESS(e)) {
+      m->appendReplacement(r, replacement, e);
+      if (U_FAILURE(e)) break;
+    }
+    if (U_SUCCESS(e)) m->appendTail(r);
+  }
   if (m == nullptr || U_FAILURE(e)) {
     std::string limit;
     if (e == U_REGEX_TIME_OUT) {

@@ -2,6 +2,7 @@
 // multipliers, primes, offsets and row counts for every committed config; TP shard ranges; prime testing.
 #include <filesystem>
 #include <random>
+#include <set>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -119,6 +120,91 @@ TEST(LayoutTest, RejectsRowsThatDoNotMatchThePrimes) {
   auto layout = Layout::Build(*cfg);
   ASSERT_FALSE(layout.ok());
   EXPECT_NE(layout.status().message().find("engram_num_embeddings[1]"), std::string::npos) << layout.status();
+}
+
+// SPEC 2.3 as written: every search restarts at engram_vocab_size - 1 and skips the primes already seen. Primality
+// from a sieve, so that this stays independent of IsPrime / NextPrime.
+std::vector<std::vector<int64_t>> SpecPrimes(int64_t n_layers, int64_t max_ngram, int64_t n_heads, int64_t vocab,
+                                             int64_t sieve_limit) {
+  std::vector<bool> composite(static_cast<size_t>(sieve_limit) + 1, false);
+  composite[0] = composite[1] = true;
+  for (int64_t i = 2; i * i <= sieve_limit; ++i) {
+    if (!composite[static_cast<size_t>(i)]) {
+      for (int64_t j = i * i; j <= sieve_limit; j += i) composite[static_cast<size_t>(j)] = true;
+    }
+  }
+  std::set<int64_t> seen;
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t layer = 0; layer < n_layers; ++layer) {
+    std::vector<int64_t> primes;
+    for (int64_t n = 2; n <= max_ngram; ++n) {
+      int64_t cur = vocab - 1;
+      for (int64_t h = 0; h < n_heads; ++h) {
+        do {
+          ++cur;
+          if (cur > sieve_limit) return {};  // the sieve is too small: the caller's assertion fails
+        } while (composite[static_cast<size_t>(cur)] || seen.count(cur));
+        seen.insert(cur);
+        primes.push_back(cur);
+      }
+    }
+    out.push_back(std::move(primes));
+  }
+  return out;
+}
+
+// A config of `n_layers` Engram layers whose tables match SPEC 2.3's primes.
+EngramConfig ManyLayers(int64_t n_layers, const std::vector<std::vector<int64_t>>& primes) {
+  auto cfg = LoadEngramConfig(DataPath("configs/small-two-layers.json"));
+  EXPECT_TRUE(cfg.ok()) << cfg.status();
+  EngramConfig c = *cfg;
+  c.layer_ids.clear();
+  c.num_embeddings.clear();
+  for (int64_t l = 0; l < n_layers; ++l) {
+    c.layer_ids.push_back(2 * l + 1);
+    int64_t sum = 0;
+    if (static_cast<size_t>(l) < primes.size()) {
+      for (int64_t p : primes[static_cast<size_t>(l)]) sum += p;
+    }
+    c.num_embeddings.push_back(sum);
+  }
+  return c;
+}
+
+TEST(LayoutTest, TheMostLayersAllowedGetTheSpecsPrimes) {
+  // small-two-layers: N = 3, 4 heads, engram_vocab_size 1000 -> 8 primes per layer, 8192 in all (all below 10^5).
+  const auto want = SpecPrimes(kMaxEngramLayers, 3, 4, 1000, 200'000);
+  ASSERT_EQ(want.size(), static_cast<size_t>(kMaxEngramLayers));
+  const EngramConfig c = ManyLayers(kMaxEngramLayers, want);
+  EXPECT_EQ(EngramPrimes(c.layer_ids, c.max_ngram_size, c.n_heads, c.vocab_size_engram), want);
+  auto layout = Layout::Build(c);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  for (int64_t l = 0; l < kMaxEngramLayers; ++l) {
+    ASSERT_EQ(layout->primes(l), want[static_cast<size_t>(l)]) << "layer " << l;
+    EXPECT_EQ(layout->rows(l), c.num_embeddings[static_cast<size_t>(l)]);
+  }
+}
+
+TEST(LayoutTest, RefusesMoreLayersThanTheCap) {
+  // Through config.json: refused while parsing, naming the field and the cap.
+  json j = json::parse(ReadFile(DataPath("configs/small-two-layers.json")));
+  j["engram_layer_ids"] = json::array();
+  j["engram_num_embeddings"] = json::array();
+  for (int64_t l = 0; l <= kMaxEngramLayers; ++l) {
+    j["engram_layer_ids"].push_back(l);
+    j["engram_num_embeddings"].push_back(8214);
+  }
+  auto cfg = ParseEngramConfig(j.dump());
+  ASSERT_FALSE(cfg.ok());
+  EXPECT_NE(cfg.status().message().find("`engram_layer_ids` lists 1025 layers, more than the 1024 allowed"),
+            std::string::npos)
+      << cfg.status();
+  // A config built in code is refused by the layout too (before any prime search).
+  const EngramConfig c = ManyLayers(kMaxEngramLayers + 1, {});
+  auto layout = Layout::Build(c);
+  ASSERT_FALSE(layout.ok());
+  EXPECT_NE(layout.status().message().find("`engram_layer_ids` lists 1025 layers"), std::string::npos)
+      << layout.status();
 }
 
 TEST(PrimesTest, AgreesWithASieve) {
