@@ -7,6 +7,13 @@
 
 #include "client/engram_client.h"
 
+// The C enum carries the same numbers as the C++ one (and the wire protocol's).
+static_assert(ENGRAM_REASON_SHM_MISSING == static_cast<int>(engram::client::ReasonCode::kShmMissing) &&
+              ENGRAM_REASON_REGISTER_FAILED == static_cast<int>(engram::client::ReasonCode::kRegisterFailed) &&
+              ENGRAM_REASON_SEGMENT_NOT_READY == static_cast<int>(engram::client::ReasonCode::kSegmentNotReady) &&
+              ENGRAM_REASON_DP_SHARDED_NOT_BUILT == static_cast<int>(engram::client::ReasonCode::kDpShardedNotBuilt) &&
+              ENGRAM_REASON_MAX == engram::client::kMaxReasonCode);
+
 struct engram_table {
   std::unique_ptr<engram::client::Table> table;
   std::string mode, backend;
@@ -69,7 +76,16 @@ int engram_table_num_reasons(const engram_table* t) { return t ? static_cast<int
 
 const char* engram_table_reason(const engram_table* t, int i) {
   if (t == nullptr || i < 0 || i >= engram_table_num_reasons(t)) return "";
-  return t->table->reasons()[static_cast<size_t>(i)].code.c_str();
+  return engram::client::ReasonName(t->table->reasons()[static_cast<size_t>(i)].code);
+}
+
+int engram_table_reason_code(const engram_table* t, int i) {
+  if (t == nullptr || i < 0 || i >= engram_table_num_reasons(t)) return 0;
+  return static_cast<int>(t->table->reasons()[static_cast<size_t>(i)].code);
+}
+
+const char* engram_reason_name(int code) {
+  return engram::client::ReasonName(static_cast<engram::client::ReasonCode>(code));
 }
 
 const char* engram_table_reason_hint(const engram_table* t, int i) {

@@ -22,6 +22,27 @@ extern "C" {
 
 typedef struct engram_table engram_table;
 
+/* Why a table is not shared: the same numbers as engram.v1.FallbackReason and engram::client::ReasonCode. */
+enum engram_reason {
+  ENGRAM_REASON_SHM_MISSING = 1,
+  ENGRAM_REASON_SHM_TOO_SMALL = 2,
+  ENGRAM_REASON_NOT_COLOCATED = 3,
+  ENGRAM_REASON_DP_SIZE_ONE = 4,
+  ENGRAM_REASON_CPU_OFFLOAD_DISABLED = 5,
+  ENGRAM_REASON_ELASTIC_EP = 6,
+  ENGRAM_REASON_SHM_NOT_VISIBLE = 7,
+  ENGRAM_REASON_REGISTER_FAILED = 8,
+  ENGRAM_REASON_FINGERPRINT_MISMATCH = 9,
+  ENGRAM_REASON_DAEMON_UNAVAILABLE = 10,
+  ENGRAM_REASON_PERMISSION_DENIED = 11,
+  ENGRAM_REASON_MODEL_NOT_SHAREABLE = 12,
+  ENGRAM_REASON_NO_CUDA_DEVICE = 13,
+  ENGRAM_REASON_SEGMENT_NOT_READY = 14,
+  ENGRAM_REASON_DP_SHARED_MEMORY_DISABLED = 15,
+  ENGRAM_REASON_DP_SHARDED_NOT_BUILT = 16,
+  ENGRAM_REASON_MAX = 16
+};
+
 typedef struct {
   const char* checkpoint;
   int tp_size, tp_rank, dp_size, dp_rank, local_dp_size;
@@ -44,6 +65,8 @@ const char* engram_table_backend(const engram_table* t);
 int engram_table_num_reasons(const engram_table* t);
 const char* engram_table_reason(const engram_table* t, int i);      /* e.g. "SHM_NOT_VISIBLE" */
 const char* engram_table_reason_hint(const engram_table* t, int i); /* what to do about it */
+int engram_table_reason_code(const engram_table* t, int i);         /* an engram_reason; 0 when out of range */
+const char* engram_reason_name(int code);                           /* "SHM_NOT_VISIBLE"; "UNKNOWN" otherwise */
 
 int engram_table_num_layers(const engram_table* t);
 int engram_table_num_cols(const engram_table* t);

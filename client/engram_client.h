@@ -2,21 +2,25 @@
 //
 //   ASSIGN_OR_RETURN(auto client, engram::client::Client::Connect({.socket = "/run/engramd/engramd.sock"}));
 //   ASSIGN_OR_RETURN(auto table, client->Attach(request));   // SHARED, or a fallback table with its reasons
-//   table->Hash(batch, ids);  table->Lookup(layer, ids, out);  table->Gate(...);
+//   ASSIGN_OR_RETURN(auto engine, engram::client::LookupEngine::Create(*table, max_tokens, stream));
+//   engine->Hash(...);  engine->Prefetch(...);  engine->Wait(layer);  engine->Gate(...);   // lookup_engine.h
 //
 // Attach declares the replica's topology and engram config to engramd (config precedence as SPEC 6: an explicit
-// value, then VLLM_PLE_CPU_OFFLOAD, then the default) and receives a grant or a fallback. Shared: the segment is
-// mapped PROT_READ, its header, state and fingerprint are checked against the grant, the registration ticket is
-// taken, the mapping pinned, the result reported; the session stays open for the Table's life (it is the lease).
-// Fallback (the daemon says so, no daemon within the timeout, the segment cannot be opened): a private table for
-// this TP shard is built from the checkpoint (same records), in host memory (PRIVATE_PINNED) or, with cpu_offload
+// value, then VLLM_PLE_CPU_OFFLOAD, then the default) and receives a grant or a fallback; the daemon decides the
+// mode (daemon/fallback.h), the client adds only what it alone can know (NO_CUDA_DEVICE, DAEMON_UNAVAILABLE,
+// PERMISSION_DENIED, SHM_NOT_VISIBLE when the granted file cannot be opened, REGISTER_FAILED,
+// DP_SHARED_MEMORY_DISABLED) and reports the outcome, so `engramctl status` shows the mode this process runs.
+// Shared: the segment is mapped PROT_READ, checked against the grant, the registration ticket taken, the mapping
+// pinned, the result reported; the session stays open for the Table's life (it is the lease). Fallback: a private
+// table for this TP shard is built from the checkpoint, in host memory (PRIVATE_PINNED) or, with cpu_offload
 // false, as the DEVICE table; with dp_shared_memory explicitly true, any fallback is an error carrying the reasons.
+// The pieces: client/session.h (the conversation with the daemon), client/tables.h (mapping, pinning, building).
 //
-// Backends: with a usable GPU (and a CUDA build) the table is registered read-only in chunks (cudaHostRegister,
-// rolled back on failure: REGISTER_FAILED names the chunk) or copied to the GPU (DEVICE), and DeviceEngine
-// (device_engine.h) runs the fused kernels on it. Without one, backend CPU (reason NO_CUDA_DEVICE): the mapping is
-// pinned with mlock and the host calls below run the CPU reference over the same records. Client and Table are
-// thread-compatible: one thread drives a Table; distinct Tables are independent.
+// Backends: with a usable GPU (and a CUDA build) the table is registered read-only in chunks (cuMemHostRegister,
+// rolled back on failure: REGISTER_FAILED names the chunk) or copied to the GPU (DEVICE), and the LookupEngine runs
+// the fused kernels on it. Without one, backend CPU (reason NO_CUDA_DEVICE): the mapping is pinned with mlock and
+// the LookupEngine runs the CPU reference over the same records. Client and Table are thread-compatible: one
+// thread drives a Table; distinct Tables are independent.
 #pragma once
 
 #include <chrono>
@@ -31,18 +35,46 @@
 #include "model/layout.h"
 #include "model/reference.h"
 
+namespace engram {
+class Env;  // shm/env.h
+}
+
 namespace engram::client {
 
-enum class Mode { kShared, kPrivatePinned, kDevice, kDpSharded };
+// The numbers are the wire protocol's (engram.v1.Mode, engram.v1.FallbackReason) and the C API's (engram_c.h), so
+// C++, C, Python and `engramctl status` name the same thing the same way.
+enum class Mode { kShared = 1, kPrivatePinned = 2, kDevice = 3, kDpSharded = 4 };
 enum class Backend { kCuda, kCpu };
 enum class Choice { kAuto, kTrue, kFalse };
 
-std::string ModeName(Mode m);
-std::string BackendName(Backend b);
+enum class ReasonCode {
+  kShmMissing = 1,
+  kShmTooSmall = 2,
+  kNotColocated = 3,
+  kDpSizeOne = 4,
+  kCpuOffloadDisabled = 5,
+  kElasticEp = 6,
+  kShmNotVisible = 7,
+  kRegisterFailed = 8,
+  kFingerprintMismatch = 9,
+  kDaemonUnavailable = 10,
+  kPermissionDenied = 11,
+  kModelNotShareable = 12,
+  kNoCudaDevice = 13,
+  kSegmentNotReady = 14,
+  kDpSharedMemoryDisabled = 15,
+  kDpShardedNotBuilt = 16,
+};
+inline constexpr int kMaxReasonCode = 16;
+
+// "SHARED", "PRIVATE_PINNED", ...; "cuda", "cpu"; "SHM_NOT_VISIBLE", ... (static strings; "UNKNOWN" otherwise).
+const char* ModeName(Mode m);
+const char* BackendName(Backend b);
+const char* ReasonName(ReasonCode code);
 
 struct Reason {
-  std::string code;  // DESIGN.md's names: SHM_NOT_VISIBLE, DAEMON_UNAVAILABLE, ...
-  std::string hint;
+  ReasonCode code;
+  std::string hint;  // what to do about it
 };
 
 struct ClientOptions {
@@ -50,6 +82,8 @@ struct ClientOptions {
   std::chrono::milliseconds timeout{10000};  // connect + answer (the daemon may still be loading)
   size_t register_chunk_bytes = size_t{16} << 30;  // cudaHostRegister chunk (never >= 512 GiB)
   bool use_gpu = true;                             // false: CPU backend even where a GPU is present
+  Env* env = nullptr;  // OS seam for mapping, pinning and building tables (shm/env.h); null = the real one
+  int fail_register_at_chunk = -1;  // fault seam for tests: CUDA registration fails at this chunk
 };
 
 struct AttachRequest {
@@ -61,7 +95,7 @@ struct AttachRequest {
   std::optional<bool> cpu_offload;  // unset: VLLM_PLE_CPU_OFFLOAD, then true
   Choice dp_shared_memory = Choice::kAuto;
   bool embedding_across_dp = false;
-  std::string shm_dir = "/dev/shm";
+  std::string shm_dir = "/dev/shm";  // only for the SHM_NOT_VISIBLE check: the replica's view of the daemon's dir
   int threads = 0;                 // for building a private table; 0 = hardware concurrency
 };
 
@@ -92,7 +126,6 @@ class Table {
   virtual const uint8_t* device_records(int l) const = 0;
   // Seconds spent registering (pinning) the table; -1 when nothing was registered.
   virtual double register_seconds() const = 0;
-
   // SPEC 2.4 for this model: out [T, n_layers, n_cols].
   virtual absl::Status Hash(const HashBatch& batch, std::span<int32_t> out) const = 0;
   // SPEC 3 for layer `l`: out bf16 [n, head_dim] (ids outside this shard's rows give zero rows).

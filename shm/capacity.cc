@@ -5,6 +5,7 @@
 #include <sys/statvfs.h>
 
 #include <climits>
+#include <cstring>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -57,7 +58,7 @@ uint64_t HugetlbFreeBytes() {
 
 }  // namespace
 
-absl::StatusOr<ShmCapacity> ProbeShm(const std::string& dir) {
+absl::StatusOr<ShmCapacity> ProbeShm(const std::string& dir, Env* env) {
   ShmCapacity c;
   char real[PATH_MAX];
   if (::realpath(dir.c_str(), real) == nullptr) {
@@ -71,7 +72,9 @@ absl::StatusOr<ShmCapacity> ProbeShm(const std::string& dir) {
   c.device = st.st_dev;
   c.inode = st.st_ino;
   struct statvfs vfs {};
-  if (::statvfs(real, &vfs) != 0) return absl::InternalError(absl::StrCat(dir, ": statvfs failed"));
+  if (RetryEintr([&] { return env->Statvfs(real, &vfs); }) != 0) {
+    return absl::InternalError(absl::StrCat(dir, ": statvfs failed: ", std::strerror(errno)));
+  }
   c.total_bytes = static_cast<uint64_t>(vfs.f_blocks) * vfs.f_frsize;
   c.free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
   ReadMountInfo(c.path, c);

@@ -1,6 +1,7 @@
 // Capacity probe of a shared-memory directory: what the daemon checks before it creates any segment, and what
 // `engramctl plan` and `status` show. Reads statvfs (total/free bytes), the mount's filesystem type and `huge=`
-// policy from /proc/self/mountinfo, the hugetlb pool (/proc/meminfo) and RLIMIT_MEMLOCK.
+// policy from /proc/self/mountinfo, the hugetlb pool (/proc/meminfo) and RLIMIT_MEMLOCK; statvfs goes through the
+// Env (shm/env.h), so tests can make a mount look full.
 //
 // Pure function of the system state; thread-safe.
 #pragma once
@@ -9,6 +10,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "shm/env.h"
 
 namespace engram {
 
@@ -25,6 +27,6 @@ struct ShmCapacity {
 };
 
 // NotFound when the directory does not exist (reason SHM_MISSING upstream).
-absl::StatusOr<ShmCapacity> ProbeShm(const std::string& dir);
+absl::StatusOr<ShmCapacity> ProbeShm(const std::string& dir, Env* env = Env::Default());
 
 }  // namespace engram

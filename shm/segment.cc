@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "shm/env.h"
 #include "xxhash.h"
 
 namespace engram {
@@ -87,29 +88,33 @@ absl::StatusOr<std::unique_ptr<SegmentWriter>> SegmentWriter::Create(const std::
                                                                      int64_t tp_size, int64_t tp_rank,
                                                                      const std::string& descriptor,
                                                                      uint64_t data_bytes, uint64_t instance_id,
-                                                                     uint64_t epoch) {
+                                                                     uint64_t epoch, Env* env) {
   std::unique_ptr<SegmentWriter> w(new SegmentWriter());
+  w->env_ = env;
   w->path_ = dir + "/" + SegmentName(fingerprint, tp_size, tp_rank);
   const uint64_t total = SegmentFileBytes(descriptor.size(), data_bytes);
-  int fd = ::open(w->path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0640);
+  int fd = RetryEintr([&] { return env->Open(w->path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0640); });
   if (fd < 0) return Errno(absl::StrCat("create ", w->path_), errno);
-  ::fchmod(fd, 0640);  // whatever the umask
-  int err = ::posix_fallocate(fd, 0, static_cast<off_t>(total));
+  env->Fchmod(fd, 0640);  // whatever the umask
+  int err;
+  do {
+    err = env->PosixFallocate(fd, 0, static_cast<off_t>(total));
+  } while (err == EINTR);
   if (err != 0) {
-    ::close(fd);
-    ::unlink(w->path_.c_str());
+    env->Close(fd);
+    env->Unlink(w->path_.c_str());
     return Errno(absl::StrCat("reserve ", total, " bytes for ", w->path_), err);
   }
-  void* p = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* p = env->Mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   err = errno;
-  ::close(fd);
+  env->Close(fd);
   if (p == MAP_FAILED) {
-    ::unlink(w->path_.c_str());
+    env->Unlink(w->path_.c_str());
     return Errno(absl::StrCat("map ", w->path_), err);
   }
   w->base_ = static_cast<uint8_t*>(p);
   w->size_ = total;
-  ::madvise(p, total, MADV_HUGEPAGE);  // honoured where the mount gives huge pages; harmless elsewhere
+  env->Madvise(p, total, MADV_HUGEPAGE);  // honoured where the mount gives huge pages; harmless elsewhere
   SegmentHeader* h = w->header();
   std::memset(static_cast<void*>(h), 0, kHeaderBytes);
   std::memcpy(h->magic, kSegmentMagic, 8);
@@ -146,18 +151,21 @@ absl::Status SegmentWriter::Finish(double load_seconds) {
 }
 
 SegmentWriter::~SegmentWriter() {
-  if (base_ != nullptr) ::munmap(base_, size_);
-  if (!finished_ && !path_.empty()) ::unlink(path_.c_str());
+  if (base_ != nullptr) env_->Munmap(base_, size_);
+  if (!finished_ && !path_.empty()) env_->Unlink(path_.c_str());
 }
 
-absl::StatusOr<SegmentHeader> ReadSegmentHeader(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+absl::StatusOr<SegmentHeader> ReadSegmentHeader(const std::string& path, Env* env) {
+  int fd = RetryEintr([&] { return env->Open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0); });
   if (fd < 0) return Errno(absl::StrCat("open ", path), errno);
   struct stat st {};
-  ::fstat(fd, &st);
+  if (env->Fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    env->Close(fd);
+    return absl::DataLossError(absl::StrCat(path, ": not a regular file"));
+  }
   SegmentHeader h;
-  ssize_t n = ::pread(fd, static_cast<void*>(&h), sizeof(h), 0);
-  ::close(fd);
+  ssize_t n = RetryEintr([&] { return env->Pread(fd, static_cast<void*>(&h), sizeof(h), 0); });
+  env->Close(fd);
   if (n != static_cast<ssize_t>(sizeof(h))) return absl::DataLossError(absl::StrCat(path, ": shorter than a header"));
   if (std::memcmp(h.magic, kSegmentMagic, 8) != 0) return absl::DataLossError(absl::StrCat(path, ": not a segment"));
   if (h.version != kSegmentVersion) {
@@ -171,27 +179,36 @@ absl::StatusOr<SegmentHeader> ReadSegmentHeader(const std::string& path) {
   return h;
 }
 
-absl::Status SetSegmentState(const std::string& path, SegmentState state) {
-  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+absl::Status SetSegmentState(const std::string& path, SegmentState state, Env* env) {
+  int fd = RetryEintr([&] { return env->Open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0); });
   if (fd < 0) return Errno(absl::StrCat("open ", path), errno);
+  struct stat st {};
+  if (env->Fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    env->Close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(path, ": not a regular file"));
+  }
   const uint32_t v = static_cast<uint32_t>(state);
-  ssize_t n = ::pwrite(fd, &v, 4, offsetof(SegmentHeader, state));
-  ::close(fd);
+  ssize_t n = RetryEintr([&] { return env->Pwrite(fd, &v, 4, offsetof(SegmentHeader, state)); });
+  env->Close(fd);
   return n == 4 ? absl::OkStatus() : Errno(absl::StrCat("write state of ", path), errno);
 }
 
-absl::StatusOr<std::unique_ptr<SegmentReader>> SegmentReader::Open(const std::string& path) {
-  auto h = ReadSegmentHeader(path);
+absl::StatusOr<std::unique_ptr<SegmentReader>> SegmentReader::Open(const std::string& path, Env* env) {
+  auto h = ReadSegmentHeader(path, env);
   if (!h.ok()) return h.status();
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  int fd = RetryEintr([&] { return env->Open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0); });
   if (fd < 0) return Errno(absl::StrCat("open ", path), errno);
   struct stat st {};
-  ::fstat(fd, &st);
-  void* p = ::mmap(nullptr, h->total_bytes, PROT_READ, MAP_SHARED, fd, 0);
+  if (env->Fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) != h->total_bytes) {
+    env->Close(fd);
+    return absl::DataLossError(absl::StrCat(path, ": changed size while it was opened"));
+  }
+  void* p = env->Mmap(nullptr, h->total_bytes, PROT_READ, MAP_SHARED, fd, 0);
   int err = errno;
-  ::close(fd);
+  env->Close(fd);
   if (p == MAP_FAILED) return Errno(absl::StrCat("map ", path), err);
   std::unique_ptr<SegmentReader> r(new SegmentReader());
+  r->env_ = env;
   r->base_ = static_cast<const uint8_t*>(p);
   r->size_ = h->total_bytes;
   r->dev_ = st.st_dev;
@@ -208,7 +225,7 @@ std::string SegmentReader::descriptor_bytes() const {
 }
 
 SegmentReader::~SegmentReader() {
-  if (base_ != nullptr) ::munmap(const_cast<uint8_t*>(base_), size_);
+  if (base_ != nullptr) env_->Munmap(const_cast<uint8_t*>(base_), size_);
 }
 
 std::vector<std::string> ListSegments(const std::string& dir) {

@@ -8,7 +8,8 @@
 // States move CREATING -> LOADING -> READY (-> RETIRED); only the daemon writes, and a READY segment is never
 // written again. Anything not READY that a daemon finds at start is debris from a crash and is removed.
 //
-// Name: engram-<fingerprint, 16 hex>-tp<rank>of<size>. Files are created 0640 with O_EXCL.
+// Name: engram-<fingerprint, 16 hex>-tp<rank>of<size>. Files are created 0640 with O_EXCL; every open refuses
+// symlinks (O_NOFOLLOW) and anything but a regular file. All OS calls go through an Env (shm/env.h).
 // SegmentWriter is single-owner (the publisher); SegmentReader maps read-only and is immutable after Open.
 #pragma once
 
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "shm/env.h"
 
 namespace engram {
 
@@ -64,7 +66,8 @@ class SegmentWriter {
   static absl::StatusOr<std::unique_ptr<SegmentWriter>> Create(const std::string& dir, uint64_t fingerprint,
                                                                int64_t tp_size, int64_t tp_rank,
                                                                const std::string& descriptor, uint64_t data_bytes,
-                                                               uint64_t instance_id, uint64_t epoch);
+                                                               uint64_t instance_id, uint64_t epoch,
+                                                               Env* env = Env::Default());
   ~SegmentWriter();  // unmaps; a segment not Finish()ed is removed
   SegmentWriter(const SegmentWriter&) = delete;
   SegmentWriter& operator=(const SegmentWriter&) = delete;
@@ -79,6 +82,7 @@ class SegmentWriter {
  private:
   SegmentWriter() = default;
   SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base_); }
+  Env* env_ = nullptr;
   std::string path_;
   uint8_t* base_ = nullptr;
   uint64_t size_ = 0;
@@ -88,7 +92,7 @@ class SegmentWriter {
 // Maps an existing segment read-only and validates its header (magic, version, sizes, descriptor checksum).
 class SegmentReader {
  public:
-  static absl::StatusOr<std::unique_ptr<SegmentReader>> Open(const std::string& path);
+  static absl::StatusOr<std::unique_ptr<SegmentReader>> Open(const std::string& path, Env* env = Env::Default());
   ~SegmentReader();
   SegmentReader(const SegmentReader&) = delete;
   SegmentReader& operator=(const SegmentReader&) = delete;
@@ -106,15 +110,16 @@ class SegmentReader {
 
  private:
   SegmentReader() = default;
+  Env* env_ = nullptr;
   const uint8_t* base_ = nullptr;
   uint64_t size_ = 0, dev_ = 0, ino_ = 0;
 };
 
 // Reads only the header of a file (no mapping); fails on foreign or truncated files.
-absl::StatusOr<SegmentHeader> ReadSegmentHeader(const std::string& path);
+absl::StatusOr<SegmentHeader> ReadSegmentHeader(const std::string& path, Env* env = Env::Default());
 
 // Changes the state byte of an existing segment file (daemon only: e.g. READY -> RETIRED).
-absl::Status SetSegmentState(const std::string& path, SegmentState state);
+absl::Status SetSegmentState(const std::string& path, SegmentState state, Env* env = Env::Default());
 
 // The segment files (by name) in `dir`.
 std::vector<std::string> ListSegments(const std::string& dir);

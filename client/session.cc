@@ -1,0 +1,184 @@
+#include "client/session.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "engram/v1/engram.grpc.pb.h"
+#include "spdlog/spdlog.h"
+
+namespace engram::client {
+namespace {
+
+namespace v1 = engram::v1;
+
+// The client's enums carry the wire numbers.
+static_assert(static_cast<int>(Mode::kShared) == v1::SHARED && static_cast<int>(Mode::kPrivatePinned) == v1::PRIVATE_PINNED &&
+              static_cast<int>(Mode::kDevice) == v1::DEVICE && static_cast<int>(Mode::kDpSharded) == v1::DP_SHARDED);
+static_assert(static_cast<int>(ReasonCode::kShmMissing) == v1::SHM_MISSING &&
+              static_cast<int>(ReasonCode::kRegisterFailed) == v1::REGISTER_FAILED &&
+              static_cast<int>(ReasonCode::kSegmentNotReady) == v1::SEGMENT_NOT_READY &&
+              static_cast<int>(ReasonCode::kDpShardedNotBuilt) == v1::DP_SHARDED_NOT_BUILT &&
+              kMaxReasonCode == v1::FallbackReason_MAX);
+
+v1::Choice WireChoice(Choice c) {
+  return c == Choice::kTrue ? v1::ENABLED : c == Choice::kFalse ? v1::DISABLED : v1::AUTO;
+}
+
+absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), absl::StrCat(what, ": ", s.error_message()));
+}
+
+}  // namespace
+
+struct Session::Impl {
+  std::unique_ptr<v1::Engram::Stub> stub;
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::ClientMessage, v1::ServerMessage>> stream;
+  std::string socket;
+  std::thread events;
+
+  absl::Status Write(const v1::ClientMessage& m) {
+    if (stream->Write(m)) return absl::OkStatus();
+    return absl::UnavailableError(absl::StrCat("the session with engramd on ", socket, " ended"));
+  }
+  // The stream's final status, for a failed read or write.
+  absl::Status Ended(const std::string& what) { return FromGrpc(stream->Finish(), what); }
+};
+
+Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Session::~Session() {
+  impl_->ctx.TryCancel();
+  if (impl_->events.joinable()) impl_->events.join();
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Open(const std::string& socket, std::chrono::milliseconds timeout,
+                                                       const Declaration& d) {
+  auto impl = std::make_unique<Impl>();
+  impl->socket = socket;
+  auto channel = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
+  const auto deadline = std::chrono::system_clock::now() + timeout;
+  if (!channel->WaitForConnected(deadline)) {
+    return absl::UnavailableError(absl::StrCat("no engramd answers on ", socket, " (start it: systemctl start engramd)"));
+  }
+  impl->stub = v1::Engram::NewStub(channel);
+  impl->stream = impl->stub->Session(&impl->ctx);
+
+  v1::ClientMessage hello;
+  auto* h = hello.mutable_hello();
+  h->set_fingerprint(d.fingerprint);
+  h->set_checkpoint(d.checkpoint);
+  h->set_tp_size(d.tp_size);
+  h->set_tp_rank(d.tp_rank);
+  h->set_dp_size(d.dp_size);
+  h->set_dp_rank(d.dp_rank);
+  h->set_local_dp_size(d.local_dp_size > 0 ? d.local_dp_size : d.dp_size);
+  h->set_elastic_ep(d.elastic_ep);
+  h->mutable_config()->set_cpu_offload(WireChoice(d.cpu_offload));
+  h->mutable_config()->set_dp_shared_memory(WireChoice(d.dp_shared_memory));
+  h->mutable_config()->set_embedding_across_dp(d.embedding_across_dp);
+  h->set_pid(static_cast<int32_t>(::getpid()));
+  h->set_shm_visible(d.shm_visible);
+  h->set_shm_dev(d.shm_dev);
+  h->set_shm_ino(d.shm_ino);
+
+  // The daemon may hold its answer while the segment loads: cancel the call at the deadline.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::thread watchdog([&] {
+    std::unique_lock<std::mutex> lock(mu);
+    if (!cv.wait_until(lock, deadline, [&] { return done; })) impl->ctx.TryCancel();
+  });
+  v1::ServerMessage answer;
+  const bool answered = impl->stream->Write(hello) && impl->stream->Read(&answer);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    done = true;
+  }
+  cv.notify_all();
+  watchdog.join();
+  if (!answered) return impl->Ended(absl::StrCat("engramd did not answer on ", socket));
+
+  std::unique_ptr<Session> s(new Session(std::move(impl)));
+  Answer& a = s->answer_;
+  if (answer.has_grant()) {
+    const auto& g = answer.grant();
+    a.granted = true;
+    a.grant.segment_path = g.segment_path();
+    a.grant.segment_bytes = g.segment_bytes();
+    a.grant.fingerprint = g.segment().fingerprint();
+    a.grant.head_dim = g.segment().head_dim();
+    a.grant.record_bytes = g.segment().record_bytes();
+    for (const auto& l : g.segment().layers()) {
+      a.grant.layers.push_back({l.layer_id(), l.row_begin(), l.row_end(), l.data_offset()});
+    }
+    a.grant.token_map.assign(g.segment().token_map().begin(), g.segment().token_map().end());
+    a.grant.lease_id = g.lease_id();
+    a.grant.epoch = g.epoch();
+  } else if (answer.has_fallback()) {
+    a.mode = static_cast<Mode>(answer.fallback().mode());
+    for (const auto& r : answer.fallback().reasons()) {
+      a.reasons.push_back({static_cast<ReasonCode>(r.code()), r.hint()});
+    }
+  } else {
+    return absl::InternalError("engramd answered the hello with neither a grant nor a fallback");
+  }
+  return s;
+}
+
+absl::Status Session::AcquireTicket() {
+  v1::ClientMessage req;
+  req.mutable_ticket_request();
+  if (auto st = impl_->Write(req); !st.ok()) return impl_->Ended("ticket request");
+  v1::ServerMessage reply;
+  while (impl_->stream->Read(&reply)) {
+    if (reply.has_ticket()) return absl::OkStatus();
+    // Events may arrive while the ticket queue moves; they need no answer.
+  }
+  return impl_->Ended("waiting for the registration ticket");
+}
+
+absl::Status Session::ReportRegistration(const RegistrationReport& r) {
+  v1::ClientMessage m;
+  auto* res = m.mutable_register_result();
+  res->set_ok(r.ok);
+  res->set_seconds(r.seconds);
+  res->set_error(r.error);
+  res->set_failed_chunk(r.failed_chunk);
+  res->set_backend(BackendName(r.backend));
+  return impl_->Write(m);
+}
+
+absl::Status Session::ReportOutcome(Mode mode, const std::vector<Reason>& reasons, Backend backend) {
+  v1::ClientMessage m;
+  auto* o = m.mutable_outcome();
+  o->set_mode(static_cast<v1::Mode>(mode));
+  for (const auto& r : reasons) {
+    auto* w = o->add_reasons();
+    w->set_code(static_cast<v1::FallbackReason>(r.code));
+    w->set_hint(r.hint);
+  }
+  o->set_backend(BackendName(backend));
+  return impl_->Write(m);
+}
+
+void Session::Keep() {
+  if (impl_->events.joinable()) return;
+  auto* stream = impl_->stream.get();
+  impl_->events = std::thread([stream] {
+    v1::ServerMessage m;
+    while (stream->Read(&m)) {
+      if (m.has_event() && m.event().kind() == v1::Event::DRAINING) {
+        spdlog::warn("engram: event=daemon_draining detail=\"{}\"", m.event().detail());
+      }
+    }
+  });
+}
+
+}  // namespace engram::client

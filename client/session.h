@@ -1,0 +1,95 @@
+// Session: one replica's whole conversation with engramd (DESIGN.md "Data flow" 2-4), over gRPC on the daemon's
+// Unix socket. The only client file that speaks the wire protocol: everything it returns is plain C++.
+//
+//   ASSIGN_OR_RETURN(auto s, Session::Open(socket, timeout, declaration));   // hello -> grant or fallback
+//   if (s->answer().granted) { RETURN_IF_ERROR(s->AcquireTicket()); ...pin...; s->ReportRegistration(result); }
+//   s->ReportOutcome(mode, reasons, backend);   // what this process really runs: engramctl status shows it
+//   s->Keep();                                  // the open session is the lease; it ends with the Session
+//
+// Open connects, sends the hello and waits for the daemon's answer within `timeout` (the daemon may hold it while a
+// segment loads; the call is cancelled at the deadline). Errors: UNAVAILABLE/DEADLINE_EXCEEDED/CANCELLED when no
+// daemon answers, PERMISSION_DENIED when it refuses this uid, INVALID_ARGUMENT for a hello it rejects; the caller
+// turns them into DAEMON_UNAVAILABLE / PERMISSION_DENIED. A Session is driven by one thread; after Keep() a
+// background thread drains daemon events (DRAINING is logged) until the Session is destroyed, which cancels the
+// stream and releases the lease.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/engram_client.h"
+
+namespace engram::client {
+
+// What a replica declares in its hello.
+struct Declaration {
+  uint64_t fingerprint = 0;
+  std::string checkpoint;
+  int tp_size = 1, tp_rank = 0, dp_size = 1, dp_rank = 0, local_dp_size = 0;
+  bool elastic_ep = false;
+  Choice cpu_offload = Choice::kAuto;  // the resolved value (kTrue/kFalse) from a replica; kAuto from tools
+  Choice dp_shared_memory = Choice::kAuto;
+  bool embedding_across_dp = false;
+  bool shm_visible = false;  // the replica could stat the shm directory it was told about
+  uint64_t shm_dev = 0, shm_ino = 0;
+};
+
+// A granted segment, as the daemon describes it.
+struct GrantedLayer {
+  int64_t layer_id = 0, row_begin = 0, row_end = 0;
+  uint64_t data_offset = 0;  // of row_begin's record in the segment file
+};
+struct Grant {
+  std::string segment_path;
+  uint64_t segment_bytes = 0;
+  uint64_t fingerprint = 0;
+  int64_t head_dim = 0, record_bytes = 0;
+  std::vector<GrantedLayer> layers;
+  std::vector<int32_t> token_map;
+  std::string lease_id;
+  uint64_t epoch = 0;
+};
+
+struct Answer {
+  bool granted = false;
+  Grant grant;                  // when granted
+  Mode mode = Mode::kShared;    // the daemon's decision (a fallback's mode)
+  std::vector<Reason> reasons;  // a fallback's reasons
+};
+
+struct RegistrationReport {
+  bool ok = false;
+  double seconds = 0;
+  std::string error;
+  int failed_chunk = -1;
+  Backend backend = Backend::kCpu;
+};
+
+class Session {
+ public:
+  static absl::StatusOr<std::unique_ptr<Session>> Open(const std::string& socket, std::chrono::milliseconds timeout,
+                                                       const Declaration& declaration);
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  const Answer& answer() const { return answer_; }
+  // Blocks until the node's registration ticket is this replica's (one registration at a time per node).
+  absl::Status AcquireTicket();
+  absl::Status ReportRegistration(const RegistrationReport& report);
+  absl::Status ReportOutcome(Mode mode, const std::vector<Reason>& reasons, Backend backend);
+  // Holds the session (the lease) and drains daemon events in the background until destruction.
+  void Keep();
+
+ private:
+  struct Impl;
+  explicit Session(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+  Answer answer_;
+};
+
+}  // namespace engram::client

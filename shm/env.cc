@@ -1,0 +1,32 @@
+#include "shm/env.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+namespace engram {
+
+Env* Env::Default() {
+  static PosixEnv* env = new PosixEnv();  // never destroyed: usable from static destructors and detached threads
+  return env;
+}
+
+int PosixEnv::Open(const char* path, int flags, mode_t mode) { return ::open(path, flags, mode); }
+int PosixEnv::Close(int fd) { return ::close(fd); }
+int PosixEnv::Unlink(const char* path) { return ::unlink(path); }
+int PosixEnv::Fstat(int fd, struct stat* st) { return ::fstat(fd, st); }
+int PosixEnv::Fchmod(int fd, mode_t mode) { return ::fchmod(fd, mode); }
+int PosixEnv::PosixFallocate(int fd, off_t offset, off_t len) { return ::posix_fallocate(fd, offset, len); }
+ssize_t PosixEnv::Pread(int fd, void* buf, size_t n, off_t offset) { return ::pread(fd, buf, n, offset); }
+ssize_t PosixEnv::Pwrite(int fd, const void* buf, size_t n, off_t offset) { return ::pwrite(fd, buf, n, offset); }
+int PosixEnv::Statvfs(const char* path, struct statvfs* out) { return ::statvfs(path, out); }
+void* PosixEnv::Mmap(void* addr, size_t len, int prot, int flags, int fd, off_t offset) {
+  return ::mmap(addr, len, prot, flags, fd, offset);
+}
+int PosixEnv::Munmap(void* addr, size_t len) { return ::munmap(addr, len); }
+int PosixEnv::Madvise(void* addr, size_t len, int advice) { return ::madvise(addr, len, advice); }
+int PosixEnv::Mprotect(void* addr, size_t len, int prot) { return ::mprotect(addr, len, prot); }
+int PosixEnv::Mlock(const void* addr, size_t len) { return ::mlock(addr, len); }
+int PosixEnv::Munlock(const void* addr, size_t len) { return ::munlock(addr, len); }
+
+}  // namespace engram

@@ -1,0 +1,75 @@
+// Env: the seam between engram and the operating system for segments and tables (LevelDB's Env is the model).
+// Everything that creates, sizes, maps, pins or removes shared memory goes through an Env: the daemon's publisher
+// and scans (shm/segment.h), the capacity probe (shm/capacity.h) and the client's tables (client/tables.h). The
+// default, Env::Default(), makes the system calls; a test derives from PosixEnv and overrides one call to inject a
+// fault (ENOSPC from fallocate after the capacity probe passed, EINTR, a failed mlock, a small statvfs) without
+// root and without filling a real filesystem.
+//
+// Calls keep the POSIX convention (a result of -1 or MAP_FAILED with the cause in errno; PosixFallocate returns the
+// error number like posix_fallocate), so callers handle a real failure and an injected one the same way. Callers
+// retry EINTR where POSIX allows it (RetryEintr below). Env::Default() lives for the whole process; every method is
+// thread-safe in PosixEnv, and overrides must be too.
+#pragma once
+
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/types.h>
+
+#include <cerrno>
+#include <cstddef>
+
+namespace engram {
+
+class Env {
+ public:
+  virtual ~Env() = default;
+  static Env* Default();
+
+  virtual int Open(const char* path, int flags, mode_t mode) = 0;
+  virtual int Close(int fd) = 0;
+  virtual int Unlink(const char* path) = 0;
+  virtual int Fstat(int fd, struct stat* st) = 0;
+  virtual int Fchmod(int fd, mode_t mode) = 0;
+  virtual int PosixFallocate(int fd, off_t offset, off_t len) = 0;  // 0 or an error number (not errno)
+  virtual ssize_t Pread(int fd, void* buf, size_t n, off_t offset) = 0;
+  virtual ssize_t Pwrite(int fd, const void* buf, size_t n, off_t offset) = 0;
+  virtual int Statvfs(const char* path, struct statvfs* out) = 0;
+  virtual void* Mmap(void* addr, size_t len, int prot, int flags, int fd, off_t offset) = 0;
+  virtual int Munmap(void* addr, size_t len) = 0;
+  virtual int Madvise(void* addr, size_t len, int advice) = 0;
+  virtual int Mprotect(void* addr, size_t len, int prot) = 0;
+  virtual int Mlock(const void* addr, size_t len) = 0;
+  virtual int Munlock(const void* addr, size_t len) = 0;
+};
+
+// The system calls themselves. Derive from it to override one call in a test.
+class PosixEnv : public Env {
+ public:
+  int Open(const char* path, int flags, mode_t mode) override;
+  int Close(int fd) override;
+  int Unlink(const char* path) override;
+  int Fstat(int fd, struct stat* st) override;
+  int Fchmod(int fd, mode_t mode) override;
+  int PosixFallocate(int fd, off_t offset, off_t len) override;
+  ssize_t Pread(int fd, void* buf, size_t n, off_t offset) override;
+  ssize_t Pwrite(int fd, const void* buf, size_t n, off_t offset) override;
+  int Statvfs(const char* path, struct statvfs* out) override;
+  void* Mmap(void* addr, size_t len, int prot, int flags, int fd, off_t offset) override;
+  int Munmap(void* addr, size_t len) override;
+  int Madvise(void* addr, size_t len, int advice) override;
+  int Mprotect(void* addr, size_t len, int prot) override;
+  int Mlock(const void* addr, size_t len) override;
+  int Munlock(const void* addr, size_t len) override;
+};
+
+// Repeats `call` while it fails with EINTR (for calls whose result is -1 + errno).
+template <typename F>
+auto RetryEintr(F call) -> decltype(call()) {
+  decltype(call()) r;
+  do {
+    r = call();
+  } while (r == -1 && errno == EINTR);
+  return r;
+}
+
+}  // namespace engram

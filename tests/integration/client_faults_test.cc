@@ -1,0 +1,240 @@
+// libengram_client in this process against a real engramd process, with the OS seam (shm/env.h) failing what only
+// root could make fail for real: mlock refused (REGISTER_FAILED), mmap refused for a private table. Also: the mode
+// the daemon lists in status is the mode the table runs (one decision, the outcome reported back), reasons are one
+// enum from the wire to the C API, and every row served is checked against the synthetic generator's formula (an
+// oracle that shares no code with the readers under test).
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <set>
+
+#include "client/engram_c.h"
+#include "client/engram_client.h"
+#include "engram/v1/engram.pb.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "shm/env.h"
+#include "tests/integration/process.h"
+#include "tests/test_util.h"
+#include "tools/synthetic.h"
+
+namespace engram {
+namespace {
+
+using nlohmann::json;
+using testing::BinPath;
+using testing::Process;
+using testing::RunCmd;
+using testing::TempDir;
+using testing::WaitFor;
+
+class FaultEnv : public PosixEnv {
+ public:
+  int mlock_errno = 0;
+  bool fail_anonymous_mmap = false;
+  int Mlock(const void* addr, size_t len) override {
+    if (mlock_errno != 0) {
+      errno = mlock_errno;
+      return -1;
+    }
+    return PosixEnv::Mlock(addr, len);
+  }
+  void* Mmap(void* addr, size_t len, int prot, int flags, int fd, off_t off) override {
+    if (fail_anonymous_mmap && (flags & MAP_ANONYMOUS)) {
+      errno = ENOMEM;
+      return MAP_FAILED;
+    }
+    return PosixEnv::Mmap(addr, len, prot, flags, fd, off);
+  }
+};
+
+constexpr uint64_t kSeed = 11;
+
+class ClientFaultsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ::mkdir((dir_ / "shm").c_str(), 0755);
+    tools::SyntheticSpec spec;
+    spec.out_dir = dir_ / "ck";
+    spec.table_mib = 8;
+    spec.seed = kSeed;
+    spec.threads = 2;
+    ASSERT_TRUE(tools::WriteSyntheticCheckpoint(spec).ok());
+    socket_ = dir_ / "engramd.sock";
+    daemon_ = Process({BinPath("../daemon/engramd"), "--checkpoint", dir_ / "ck", "--shm-dir", dir_ / "shm",
+                       "--socket", socket_},
+                      dir_ / "engramd.log");
+    ASSERT_TRUE(WaitFor([&] {
+      json s = Status();
+      if (s.is_null() || s["segments"].empty()) return false;
+      for (const auto& g : s["segments"]) {
+        if (g["state"] != "READY") return false;
+      }
+      return true;
+    }, std::chrono::seconds(60))) << daemon_.Output();
+  }
+  json Status() const {
+    auto r = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
+    return r.exit_code == 0 ? json::parse(r.out) : json();
+  }
+  // This process's entry in status (null when it is not listed).
+  json Me() const {
+    const json s = Status();
+    for (const auto& r : s["replicas"]) {
+      if (r["pid"] == ::getpid()) return r;
+    }
+    return json();
+  }
+  client::ClientOptions Options(Env* env) const {
+    client::ClientOptions o;
+    o.socket = socket_;
+    o.use_gpu = false;
+    o.env = env;
+    return o;
+  }
+  client::AttachRequest Request(int dp_size) const {
+    client::AttachRequest r;
+    r.checkpoint = dir_ / "ck";
+    r.dp_size = dp_size;
+    r.shm_dir = dir_ / "shm";
+    r.threads = 2;
+    return r;
+  }
+  // Every row of every layer the table holds, record by record, against the generator's formula.
+  static int64_t RowMismatches(const client::Table& t) {
+    int64_t bad = 0;
+    const int64_t D = t.head_dim(), sb = D / 32;
+    for (size_t l = 0; l < t.layers().size(); ++l) {
+      const auto& li = t.layers()[l];
+      const std::string base = "layers." + std::to_string(li.layer_id) + ".engram.";
+      const uint8_t* rec = t.records(static_cast<int>(l));
+      for (int64_t row = li.row_begin; row < li.row_end; row += 7) {
+        const uint8_t* got = rec + (row - li.row_begin) * (D + sb);
+        for (int64_t j = 0; j < D; ++j) {
+          bad += got[j] != tools::SyntheticByte(kSeed, base + "embed.weight", static_cast<uint64_t>(row * D + j), false, false);
+        }
+        for (int64_t j = 0; j < sb; ++j) {
+          bad += got[D + j] != tools::SyntheticByte(kSeed, base + "embed.scale", static_cast<uint64_t>(row * sb + j), true, false);
+        }
+      }
+    }
+    return bad;
+  }
+  static std::set<std::string> Names(const std::vector<client::Reason>& reasons) {
+    std::set<std::string> s;
+    for (const auto& r : reasons) s.insert(client::ReasonName(r.code));
+    return s;
+  }
+
+  TempDir dir_;
+  std::string socket_;
+  Process daemon_;
+};
+
+TEST_F(ClientFaultsTest, SharedTableServesTheCheckpointsRows) {
+  FaultEnv env;
+  auto c = client::Client::Connect(Options(&env));
+  auto t = (*c)->Attach(Request(2));
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)->mode(), client::Mode::kShared);
+  EXPECT_EQ(Names((*t)->reasons()), std::set<std::string>{"NO_CUDA_DEVICE"});
+  EXPECT_EQ(RowMismatches(**t), 0);
+  json me = Me();
+  ASSERT_FALSE(me.is_null()) << Status().dump();
+  EXPECT_EQ(me["mode"], "SHARED");
+  EXPECT_EQ(me["backend"], "cpu");
+}
+
+TEST_F(ClientFaultsTest, FailedPinIsRegisterFailedWithAPrivateTableAndStatusSaysSo) {
+  FaultEnv env;
+  env.mlock_errno = ENOMEM;  // what a zero RLIMIT_MEMLOCK without CAP_IPC_LOCK gives
+  auto c = client::Client::Connect(Options(&env));
+  auto t = (*c)->Attach(Request(2));
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)->mode(), client::Mode::kPrivatePinned);
+  EXPECT_TRUE(Names((*t)->reasons()).count("REGISTER_FAILED")) << ::testing::PrintToString(Names((*t)->reasons()));
+  EXPECT_EQ(RowMismatches(**t), 0);
+  json me = Me();
+  ASSERT_FALSE(me.is_null()) << Status().dump();
+  EXPECT_EQ(me["mode"], "PRIVATE_PINNED");
+  std::set<std::string> listed;
+  for (const auto& r : me["reasons"]) listed.insert(r.get<std::string>());
+  EXPECT_EQ(listed, Names((*t)->reasons())) << "status lists exactly the reasons the replica runs with";
+  // The registration ticket went back: a second replica shares.
+  FaultEnv ok_env;
+  auto c2 = client::Client::Connect(Options(&ok_env));
+  auto t2 = (*c2)->Attach(Request(2));
+  ASSERT_TRUE(t2.ok()) << t2.status();
+  EXPECT_EQ((*t2)->mode(), client::Mode::kShared);
+}
+
+TEST_F(ClientFaultsTest, StatusShowsTheModeTheReplicaRuns) {
+  struct Case {
+    int dp_size;
+    bool across_dp;
+    client::Choice shared;
+    std::string mode;
+    std::set<std::string> must;
+  } cases[] = {
+      {1, true, client::Choice::kAuto, "PRIVATE_PINNED", {"DP_SIZE_ONE", "DP_SHARDED_NOT_BUILT"}},
+      {1, false, client::Choice::kAuto, "PRIVATE_PINNED", {"DP_SIZE_ONE"}},
+  };
+  for (const auto& k : cases) {
+    FaultEnv env;
+    auto c = client::Client::Connect(Options(&env));
+    auto req = Request(k.dp_size);
+    req.embedding_across_dp = k.across_dp;
+    req.dp_shared_memory = k.shared;
+    auto t = (*c)->Attach(req);
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(client::ModeName((*t)->mode()), k.mode);
+    for (const auto& m : k.must) EXPECT_TRUE(Names((*t)->reasons()).count(m)) << m;
+    EXPECT_EQ(RowMismatches(**t), 0);
+    json me = Me();
+    ASSERT_FALSE(me.is_null()) << Status().dump();
+    EXPECT_EQ(me["mode"], k.mode) << "status must show the mode this process runs";
+  }
+}
+
+TEST_F(ClientFaultsTest, SharingTurnedOffNeverAsksTheDaemon) {
+  FaultEnv env;
+  auto c = client::Client::Connect(Options(&env));
+  auto req = Request(4);
+  req.dp_shared_memory = client::Choice::kFalse;
+  auto t = (*c)->Attach(req);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)->mode(), client::Mode::kPrivatePinned);
+  EXPECT_TRUE(Names((*t)->reasons()).count("DP_SHARED_MEMORY_DISABLED"));
+  EXPECT_EQ(RowMismatches(**t), 0);
+  EXPECT_TRUE(Me().is_null());
+}
+
+TEST_F(ClientFaultsTest, PrivateTableThatCannotBeMappedIsAClearError) {
+  FaultEnv env;
+  env.fail_anonymous_mmap = true;
+  auto c = client::Client::Connect(Options(&env));
+  auto t = (*c)->Attach(Request(1));
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kResourceExhausted) << t.status();
+  EXPECT_NE(t.status().message().find("private table"), std::string::npos) << t.status();
+  EXPECT_TRUE(daemon_.Running());
+}
+
+TEST(ReasonNamesTest, OneEnumFromTheWireToC) {
+  // The wire's names (the daemon's, engramctl's), the C++ client's and the C API's agree for every code, and unknown
+  // codes say so.
+  EXPECT_EQ(client::kMaxReasonCode, engram::v1::FallbackReason_MAX) << "a reason was added to one enum only";
+  for (int code = 1; code <= client::kMaxReasonCode; ++code) {
+    EXPECT_EQ(engram::v1::FallbackReason_Name(static_cast<engram::v1::FallbackReason>(code)),
+              client::ReasonName(static_cast<client::ReasonCode>(code)));
+    EXPECT_STREQ(engram_reason_name(code), client::ReasonName(static_cast<client::ReasonCode>(code)));
+    EXPECT_STRNE(engram_reason_name(code), "UNKNOWN");
+  }
+  EXPECT_STREQ(engram_reason_name(0), "UNKNOWN");
+  EXPECT_STREQ(engram_reason_name(client::kMaxReasonCode + 1), "UNKNOWN");
+  EXPECT_STREQ(engram_reason_name(ENGRAM_REASON_DP_SHARDED_NOT_BUILT), "DP_SHARDED_NOT_BUILT");
+  EXPECT_STREQ(engram_reason_name(ENGRAM_REASON_SHM_NOT_VISIBLE), "SHM_NOT_VISIBLE");
+}
+
+}  // namespace
+}  // namespace engram

@@ -1,0 +1,215 @@
+// The OS seam of shm/ (shm/env.h) and the segment file format (shm/segment.h), without root and without filling a
+// real filesystem: a fault-injecting Env makes fallocate fail after the capacity probe passed, interrupts calls with
+// EINTR, and shrinks what statvfs reports; headers are written, read back and refused when they lie.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+
+#include "gtest/gtest.h"
+#include "shm/capacity.h"
+#include "shm/env.h"
+#include "shm/segment.h"
+#include "tests/test_util.h"
+
+namespace engram {
+namespace {
+
+using testing::TempDir;
+
+// Fails chosen calls the way the kernel would.
+class FaultEnv : public PosixEnv {
+ public:
+  int fallocate_error = 0;        // returned by PosixFallocate (e.g. ENOSPC)
+  int eintr_budget = 0;           // the next N Open/Pread/PosixFallocate calls fail with EINTR first
+  uint64_t statvfs_free_blocks = UINT64_MAX;
+  int mlock_errno = 0;
+  std::atomic<int> opens{0};
+
+  int Open(const char* path, int flags, mode_t mode) override {
+    ++opens;
+    if (TakeEintr()) return -1;
+    return PosixEnv::Open(path, flags, mode);
+  }
+  ssize_t Pread(int fd, void* buf, size_t n, off_t off) override {
+    if (TakeEintr()) return -1;
+    return PosixEnv::Pread(fd, buf, n, off);
+  }
+  int PosixFallocate(int fd, off_t off, off_t len) override {
+    if (eintr_budget > 0) {
+      --eintr_budget;
+      return EINTR;
+    }
+    if (fallocate_error != 0) return fallocate_error;
+    return PosixEnv::PosixFallocate(fd, off, len);
+  }
+  int Statvfs(const char* path, struct statvfs* out) override {
+    const int r = PosixEnv::Statvfs(path, out);
+    if (r == 0 && statvfs_free_blocks != UINT64_MAX) out->f_bavail = out->f_bfree = statvfs_free_blocks;
+    return r;
+  }
+  int Mlock(const void* addr, size_t len) override {
+    if (mlock_errno != 0) {
+      errno = mlock_errno;
+      return -1;
+    }
+    return PosixEnv::Mlock(addr, len);
+  }
+
+ private:
+  bool TakeEintr() {
+    if (eintr_budget <= 0) return false;
+    --eintr_budget;
+    errno = EINTR;
+    return true;
+  }
+};
+
+std::unique_ptr<SegmentWriter> MustCreate(const std::string& dir, uint64_t fp, Env* env, uint64_t data_bytes = 4096) {
+  auto w = SegmentWriter::Create(dir, fp, 1, 0, "descriptor-bytes", data_bytes, 7, 3, env);
+  EXPECT_TRUE(w.ok()) << w.status();
+  return w.ok() ? std::move(*w) : nullptr;
+}
+
+TEST(ShmEnvTest, FallocateFailingAfterTheProbePassedIsResourceExhaustedAndLeavesNoFile) {
+  TempDir dir;
+  FaultEnv env;
+  auto cap = ProbeShm(dir.path(), &env);
+  ASSERT_TRUE(cap.ok()) << cap.status();
+  ASSERT_GT(cap->free_bytes, uint64_t{1} << 20);  // the probe says there is room
+  env.fallocate_error = ENOSPC;                    // and then there is not
+  auto w = SegmentWriter::Create(dir.path(), 0xabc, 1, 0, "d", 1 << 20, 1, 1, &env);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kResourceExhausted) << w.status();
+  EXPECT_NE(w.status().message().find("reserve"), std::string::npos) << w.status();
+  EXPECT_TRUE(ListSegments(dir.path()).empty()) << "a failed reservation must not leave a file behind";
+}
+
+TEST(ShmEnvTest, EintrIsRetriedEverywhere) {
+  TempDir dir;
+  FaultEnv env;
+  env.eintr_budget = 2;  // the create's open, then its fallocate
+  auto w = MustCreate(dir.path(), 0x1234, &env);
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(env.eintr_budget, 0);
+  ASSERT_TRUE(w->Finish(0.5).ok());
+  env.eintr_budget = 2;  // the header read's open and pread
+  auto h = ReadSegmentHeader(w->path(), &env);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->fingerprint, 0x1234u);
+  EXPECT_EQ(env.eintr_budget, 0);
+}
+
+TEST(ShmEnvTest, StatvfsThroughTheEnvMakesAMountLookFull) {
+  TempDir dir;
+  FaultEnv env;
+  env.statvfs_free_blocks = 3;
+  auto cap = ProbeShm(dir.path(), &env);
+  ASSERT_TRUE(cap.ok());
+  struct statvfs real {};
+  ASSERT_EQ(::statvfs(dir.path().c_str(), &real), 0);
+  EXPECT_EQ(cap->free_bytes, 3 * real.f_frsize);
+  EXPECT_FALSE(ProbeShm(dir / "missing", &env).ok());
+}
+
+TEST(SegmentHeaderTest, RoundTripsEveryField) {
+  TempDir dir;
+  auto w = MustCreate(dir.path(), 0xfeedface, Env::Default(), 3 * 4096);
+  ASSERT_NE(w, nullptr);
+  const std::string path = w->path();
+  EXPECT_EQ(ReadSegmentHeader(path)->state, static_cast<uint32_t>(SegmentState::kCreating));
+  w->SetLoading();
+  EXPECT_EQ(ReadSegmentHeader(path)->state, static_cast<uint32_t>(SegmentState::kLoading));
+  std::memset(w->data(), 0x5a, w->data_bytes());
+  ASSERT_TRUE(w->Finish(1.25).ok());
+  auto h = ReadSegmentHeader(path);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(std::memcmp(h->magic, kSegmentMagic, 8), 0);
+  EXPECT_EQ(h->version, kSegmentVersion);
+  EXPECT_EQ(h->state, static_cast<uint32_t>(SegmentState::kReady));
+  EXPECT_EQ(h->instance_id, 7u);
+  EXPECT_EQ(h->epoch, 3u);
+  EXPECT_EQ(h->fingerprint, 0xfeedfaceu);
+  EXPECT_EQ(h->tp_size, 1u);
+  EXPECT_EQ(h->tp_rank, 0u);
+  EXPECT_EQ(h->desc_offset, kHeaderBytes);
+  EXPECT_EQ(h->desc_bytes, std::strlen("descriptor-bytes"));
+  EXPECT_EQ(h->data_offset % kDataAlign, 0u);
+  EXPECT_EQ(h->data_bytes, 3u * 4096);
+  EXPECT_EQ(h->total_bytes, h->data_offset + h->data_bytes);
+  EXPECT_EQ(h->total_bytes, std::filesystem::file_size(path));
+  EXPECT_DOUBLE_EQ(h->load_seconds, 1.25);
+  EXPECT_GE(h->ready_unix_ms, h->created_unix_ms);
+  auto r = SegmentReader::Open(path);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)->descriptor_bytes(), "descriptor-bytes");
+  EXPECT_EQ((*r)->data()[0], 0x5a);
+  EXPECT_EQ((*r)->data()[3 * 4096 - 1], 0x5a);
+  ASSERT_TRUE(SetSegmentState(path, SegmentState::kRetired).ok());
+  EXPECT_EQ((*r)->state(), SegmentState::kRetired) << "the state is shared through the mapping";
+}
+
+TEST(SegmentHeaderTest, RefusesTruncatedForeignAndLyingFiles) {
+  TempDir dir;
+  auto w = MustCreate(dir.path(), 0x77, Env::Default());
+  ASSERT_TRUE(w->Finish(0).ok());
+  const std::string good = w->path();
+  const std::string bytes = testing::ReadFile(good);
+
+  testing::WriteFile(dir / "short", bytes.substr(0, 100));
+  EXPECT_EQ(ReadSegmentHeader(dir / "short").status().code(), absl::StatusCode::kDataLoss);
+
+  std::string foreign = bytes;
+  foreign[0] = 'X';
+  testing::WriteFile(dir / "foreign", foreign);
+  EXPECT_EQ(ReadSegmentHeader(dir / "foreign").status().code(), absl::StatusCode::kDataLoss);
+
+  std::string version = bytes;
+  version[8] = 99;
+  testing::WriteFile(dir / "version", version);
+  EXPECT_EQ(ReadSegmentHeader(dir / "version").status().code(), absl::StatusCode::kFailedPrecondition);
+
+  testing::WriteFile(dir / "truncated", bytes.substr(0, bytes.size() - 4096));  // header says more than the file
+  EXPECT_EQ(ReadSegmentHeader(dir / "truncated").status().code(), absl::StatusCode::kDataLoss);
+
+  std::string desc = bytes;
+  desc[kHeaderBytes] ^= 1;  // the descriptor no longer matches its checksum
+  testing::WriteFile(dir / "desc", desc);
+  EXPECT_TRUE(ReadSegmentHeader(dir / "desc").ok());
+  EXPECT_EQ(SegmentReader::Open(dir / "desc").status().code(), absl::StatusCode::kDataLoss);
+}
+
+TEST(SegmentHeaderTest, SymlinksAndFifosAreRefusedWithoutHanging) {
+  TempDir dir;
+  auto w = MustCreate(dir.path(), 0x88, Env::Default());
+  ASSERT_TRUE(w->Finish(0).ok());
+  ASSERT_EQ(::symlink(w->path().c_str(), (dir / "link").c_str()), 0);
+  EXPECT_FALSE(ReadSegmentHeader(dir / "link").ok());
+  EXPECT_FALSE(SegmentReader::Open(dir / "link").ok());
+  EXPECT_FALSE(SetSegmentState(dir / "link", SegmentState::kRetired).ok());
+  EXPECT_EQ(ReadSegmentHeader(w->path())->state, static_cast<uint32_t>(SegmentState::kReady))
+      << "a state write through a symlink must not reach the target";
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0600), 0);
+  EXPECT_FALSE(ReadSegmentHeader(dir / "fifo").ok());  // returns: O_NONBLOCK, then not a regular file
+  EXPECT_FALSE(SetSegmentState(dir / "fifo", SegmentState::kRetired).ok());
+}
+
+TEST(SegmentNameTest, ParsesOnlyWhatItWrites) {
+  uint64_t fp;
+  int64_t n, r;
+  EXPECT_TRUE(ParseSegmentName(SegmentName(0x0123456789abcdef, 4, 3), &fp, &n, &r));
+  EXPECT_EQ(fp, 0x0123456789abcdefu);
+  EXPECT_EQ(n, 4);
+  EXPECT_EQ(r, 3);
+  for (const char* bad : {"engram-0123456789abcdef-tp4of4", "engram-123-tp0of1", "engram-0123456789abcdef-tp0of1x",
+                          "other-0123456789abcdef-tp0of1", "engram-0123456789ABCDEF-tp0of1", ""}) {
+    EXPECT_FALSE(ParseSegmentName(bad, &fp, &n, &r)) << bad;
+  }
+}
+
+}  // namespace
+}  // namespace engram
