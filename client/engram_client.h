@@ -33,6 +33,7 @@
 
 #include "absl/status/statusor.h"
 #include "model/layout.h"
+#include "client/types.h"
 #include "model/reference.h"
 
 namespace engram {
@@ -40,42 +41,6 @@ class Env;  // shm/env.h
 }
 
 namespace engram::client {
-
-// The numbers are the wire protocol's (engram.v1.Mode, engram.v1.FallbackReason) and the C API's (engram_c.h), so
-// C++, C, Python and `engramctl status` name the same thing the same way.
-enum class Mode { kShared = 1, kPrivatePinned = 2, kDevice = 3, kDpSharded = 4 };
-enum class Backend { kCuda, kCpu };
-enum class Choice { kAuto, kTrue, kFalse };
-
-enum class ReasonCode {
-  kShmMissing = 1,
-  kShmTooSmall = 2,
-  kNotColocated = 3,
-  kDpSizeOne = 4,
-  kCpuOffloadDisabled = 5,
-  kElasticEp = 6,
-  kShmNotVisible = 7,
-  kRegisterFailed = 8,
-  kFingerprintMismatch = 9,
-  kDaemonUnavailable = 10,
-  kPermissionDenied = 11,
-  kModelNotShareable = 12,
-  kNoCudaDevice = 13,
-  kSegmentNotReady = 14,
-  kDpSharedMemoryDisabled = 15,
-  kDpShardedNotBuilt = 16,
-};
-inline constexpr int kMaxReasonCode = 16;
-
-// "SHARED", "PRIVATE_PINNED", ...; "cuda", "cpu"; "SHM_NOT_VISIBLE", ... (static strings; "UNKNOWN" otherwise).
-const char* ModeName(Mode m);
-const char* BackendName(Backend b);
-const char* ReasonName(ReasonCode code);
-
-struct Reason {
-  ReasonCode code;
-  std::string hint;  // what to do about it
-};
 
 struct ClientOptions {
   std::string socket = "/run/engramd/engramd.sock";

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "client/engram_client.h"
+#include "client/types.h"
 
 namespace engram::client {
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <iostream>
 #include <random>
@@ -15,10 +16,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "absl/strings/str_join.h"
+#include "client/session.h"
 #include "engram/v1/engram.grpc.pb.h"
 #include "model/checkpoint.h"
-#include "model/reference.h"
-#include "model/shard_records.h"
 #include "nlohmann/json.hpp"
 #include "shm/segment.h"
 #include "tools/args.h"
@@ -47,6 +47,11 @@ int RpcFailure(const grpc::Status& st, const std::string& socket) {
   }
   std::cerr << "engramctl: " << st.error_message() << "\n";
   return 1;
+}
+
+// The same for a session that could not be opened.
+int StatusFailure(const absl::Status& st, const std::string& socket) {
+  return RpcFailure(grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message())), socket);
 }
 
 std::string Bar(uint64_t used, uint64_t total, int width = 30) {
@@ -254,7 +259,7 @@ int CmdAttach(int argc, char** argv) {
   if (auto st = a.Parse(argc, argv, 2,
                         {"--socket", "--checkpoint", "--tp-size", "--tp-rank", "--dp-size", "--dp-rank",
                          "--local-dp-size", "--cpu-offload", "--dp-shared-memory", "--shm-dir", "--hold", "--verify",
-                         "--register-ok", "--timeout"},
+                         "--timeout"},
                         {"--elastic-ep", "--embedding-across-dp", "--ticket"});
       !st.ok()) {
     return Usage(std::string(st.message()));
@@ -265,40 +270,32 @@ int CmdAttach(int argc, char** argv) {
     std::cerr << "engramctl: " << ckpt.status().message() << "\n";
     return 1;
   }
-  engram::v1::Hello h;
-  h.set_fingerprint((*ckpt)->Fingerprint());
-  h.set_checkpoint(a.Get("--checkpoint"));
   auto geti = [&](const char* name, int64_t d) { return a.GetInt(name, d).value_or(d); };
-  h.set_tp_size(static_cast<int32_t>(geti("--tp-size", 1)));
-  h.set_tp_rank(static_cast<int32_t>(geti("--tp-rank", 0)));
-  h.set_dp_size(static_cast<int32_t>(geti("--dp-size", 2)));
-  h.set_dp_rank(static_cast<int32_t>(geti("--dp-rank", 0)));
-  h.set_local_dp_size(static_cast<int32_t>(geti("--local-dp-size", h.dp_size())));
-  h.set_elastic_ep(a.Has("--elastic-ep"));
-  h.set_pid(::getpid());
   auto choice = [](const std::string& v) {
-    return v == "true" ? engram::v1::ENABLED : v == "false" ? engram::v1::DISABLED : engram::v1::AUTO;
+    return v == "true" ? client::Choice::kTrue : v == "false" ? client::Choice::kFalse : client::Choice::kAuto;
   };
-  h.mutable_config()->set_cpu_offload(choice(a.Get("--cpu-offload", "auto")));
-  h.mutable_config()->set_dp_shared_memory(choice(a.Get("--dp-shared-memory", "auto")));
-  h.mutable_config()->set_embedding_across_dp(a.Has("--embedding-across-dp"));
+  client::Declaration h;
+  h.fingerprint = (*ckpt)->Fingerprint();
+  h.checkpoint = a.Get("--checkpoint");
+  h.tp_size = static_cast<int>(geti("--tp-size", 1));
+  h.tp_rank = static_cast<int>(geti("--tp-rank", 0));
+  h.dp_size = static_cast<int>(geti("--dp-size", 2));
+  h.dp_rank = static_cast<int>(geti("--dp-rank", 0));
+  h.local_dp_size = static_cast<int>(geti("--local-dp-size", h.dp_size));
+  h.elastic_ep = a.Has("--elastic-ep");
+  h.cpu_offload = choice(a.Get("--cpu-offload", "auto"));
+  h.dp_shared_memory = choice(a.Get("--dp-shared-memory", "auto"));
+  h.embedding_across_dp = a.Has("--embedding-across-dp");
   struct stat st {};
   const std::string shm_dir = a.Get("--shm-dir", "/dev/shm");
-  h.set_shm_visible(::stat(shm_dir.c_str(), &st) == 0);
-  h.set_shm_dev(st.st_dev);
-  h.set_shm_ino(st.st_ino);
+  h.shm_visible = ::stat(shm_dir.c_str(), &st) == 0;
+  h.shm_dev = st.st_dev;
+  h.shm_ino = st.st_ino;
 
   const std::string socket = a.Get("--socket", kDefaultSocket);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(geti("--timeout", 60) + geti("--hold", 0)));
-  auto stream = Connect(socket)->Session(&ctx);
-  engram::v1::ClientMessage hello;
-  *hello.mutable_hello() = h;
-  engram::v1::ServerMessage answer;
-  if (!stream->Write(hello) || !stream->Read(&answer)) {
-    grpc::Status s = stream->Finish();
-    return RpcFailure(s, socket);
-  }
+  auto session = client::Session::Open(socket, std::chrono::seconds(geti("--timeout", 60)), h);
+  if (!session.ok()) return StatusFailure(session.status(), socket);
+  const client::Answer& answer = (*session)->answer();
   json out;
   absl::StatusOr<std::unique_ptr<SegmentReader>> reader = absl::UnavailableError("no grant");
   // Compares random rows of the mapped segment with the checkpoint's; returns (verified, mismatches).
@@ -309,86 +306,80 @@ int CmdAttach(int argc, char** argv) {
     if (!reader.ok() || (*reader)->state() != SegmentState::kReady || !oracle) return {0, 1};
     int64_t verified = 0, mismatches = 0;
     std::mt19937_64 rng(std::random_device{}());
-    const auto& d = answer.grant().segment();
-    const int64_t D = d.head_dim(), rb = d.record_bytes();
-    for (int l = 0; l < d.layers_size(); ++l) {
-      const auto& ld = d.layers(l);
-      RecordTable seg{(*reader)->data() + ld.data_offset(), ld.row_begin(), ld.row_end(), D};
+    const int64_t rb = answer.grant.record_bytes;
+    for (const auto& ld : answer.grant.layers) {
+      if (ld.row_end <= ld.row_begin ||
+          ld.data_offset + static_cast<uint64_t>((ld.row_end - ld.row_begin) * rb) > (*reader)->header().data_bytes) {
+        return {verified, mismatches + 1};
+      }
       for (int64_t i = 0; i < geti("--verify", 64); ++i) {
         const int64_t row =
-            ld.row_begin() + static_cast<int64_t>(rng() % static_cast<uint64_t>(ld.row_end() - ld.row_begin()));
-        std::vector<uint8_t> mapped(static_cast<size_t>(rb));
-        const int32_t id = static_cast<int32_t>(row);
-        auto rec = oracle->Record(ld.layer_id(), row, nullptr);
-        if (!rec || !LookupPackedCpu(seg, {&id, 1}, mapped).ok()) {
+            ld.row_begin + static_cast<int64_t>(rng() % static_cast<uint64_t>(ld.row_end - ld.row_begin));
+        const uint8_t* mapped = (*reader)->data() + ld.data_offset + static_cast<uint64_t>((row - ld.row_begin) * rb);
+        auto rec = oracle->Record(ld.layer_id, row, nullptr);
+        if (!rec) {
           ++mismatches;
           continue;
         }
         ++verified;
-        mismatches += mapped != *rec;  // the segment's record must equal the checkpoint's, byte for byte
+        // the segment's record must equal the checkpoint's, byte for byte
+        mismatches += std::memcmp(mapped, rec->data(), static_cast<size_t>(rb)) != 0;
       }
     }
     return {verified, mismatches};
   };
-  if (answer.has_grant()) {
-    const auto& g = answer.grant();
+  if (answer.granted) {
+    const auto& g = answer.grant;
     out["decision"] = "shared";
     out["mode"] = "SHARED";
-    out["segment"] = g.segment_path();
-    out["lease"] = g.lease_id();
+    out["segment"] = g.segment_path;
+    out["lease"] = g.lease_id;
     out["reasons"] = json::array();
-    // Map it read-only and compare random rows with the checkpoint (the CPU reference lookup on both sides).
-    reader = SegmentReader::Open(g.segment_path());
+    // Map it read-only and compare random rows with the checkpoint's.
+    reader = SegmentReader::Open(g.segment_path);
     if (!reader.ok() || (*reader)->state() != SegmentState::kReady) {
       out["error"] = reader.ok() ? "segment not READY" : std::string(reader.status().message());
     }
+    if (!oracle) out["error"] = "row oracle: " + oracle_error;
     auto [verified, mismatches] = verify();
     out["verified"] = verified;
     out["mismatches"] = mismatches;
     if (a.Has("--ticket")) {
-      engram::v1::ClientMessage req;
-      req.mutable_ticket_request();
+      // Take the node's registration ticket and pin the mapping with mlock (what registration does to the pages),
+      // then report the result as a replica would.
       const auto t0 = std::chrono::steady_clock::now();
-      engram::v1::ServerMessage ticket;
-      if (stream->Write(req) && stream->Read(&ticket) && ticket.has_ticket()) {
+      if ((*session)->AcquireTicket().ok()) {
         out["ticket_wait_seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        // No GPU here: pin the mapping with mlock (what registration does to the pages) and time it.
-        engram::v1::ClientMessage res;
+        client::RegistrationReport rep;
         const auto r0 = std::chrono::steady_clock::now();
-        bool pinned = reader.ok() && ::mlock((*reader)->data(), answer.grant().segment_bytes() -
-                                                                    (*reader)->header().data_offset) == 0;
-        res.mutable_register_result()->set_seconds(
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - r0).count());
-        res.mutable_register_result()->set_backend("cpu");
-        res.mutable_register_result()->set_ok(pinned && a.Get("--register-ok", "true") == "true");
-        if (!pinned) res.mutable_register_result()->set_error("mlock failed (ulimit -l?)");
-        if (pinned && !res.register_result().ok()) {
-          res.mutable_register_result()->set_error("simulated failure");
-          res.mutable_register_result()->set_failed_chunk(1);
-        }
-        stream->Write(res);
+        rep.ok = reader.ok() && ::mlock((*reader)->data(), (*reader)->header().data_bytes) == 0;
+        rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - r0).count();
+        if (!rep.ok) rep.error = "mlock failed (ulimit -l?)";
+        (void)(*session)->ReportRegistration(rep);
       }
     }
-  } else if (answer.has_fallback()) {
+  } else {
     out["decision"] = "fallback";
-    out["mode"] = engram::v1::Mode_Name(answer.fallback().mode());
-    out["reasons"] = ReasonsJson(answer.fallback().reasons(), false);
-    out["hints"] = ReasonsJson(answer.fallback().reasons(), true);
+    out["mode"] = client::ModeName(answer.mode);
+    out["reasons"] = json::array();
+    out["hints"] = json::array();
+    for (const auto& r : answer.reasons) {
+      out["reasons"].push_back(client::ReasonName(r.code));
+      out["hints"].push_back({{"code", client::ReasonName(r.code)}, {"hint", r.hint}});
+    }
   }
   out["pid"] = ::getpid();
   std::cout << out.dump() << std::endl;
   const int64_t hold = geti("--hold", 0);
   if (hold > 0) {
+    (*session)->Keep();
     std::this_thread::sleep_for(std::chrono::seconds(hold));
-    if (answer.has_grant()) {  // the mapping must still hold the same rows, whatever the daemon did meanwhile
+    if (answer.granted) {  // the mapping must still hold the same rows, whatever the daemon did meanwhile
       auto [v, m] = verify();
       std::cout << json{{"reverified", v}, {"remismatches", m}}.dump() << std::endl;
       if (m != 0) out["mismatches"] = m;
     }
   }
-  stream->WritesDone();
-  ctx.TryCancel();
-  stream->Finish();
   return out.value("mismatches", 0) == 0 ? 0 : 1;
 }
 

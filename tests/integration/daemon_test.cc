@@ -1,6 +1,11 @@
 // engramd as a real process, with real replica sessions (`engramctl attach` processes), a real Unix socket and
 // real shared memory: publish, share, leases and kill -9, crash debris, adoption after restart without reading
 // the tables again, capacity and visibility fallbacks, refusals, and hostile clients. The daemon must stay up.
+// Every test has its own shm directory and socket under a temporary directory (never the real /dev/shm, whose scan
+// would delete another daemon's segments), so the tests run in parallel with each other and beside a production
+// engramd. They synchronise on events (status answers, a helper's output line, a log line), never on sleeps;
+// root-only cases skip with the reason.
+#include <fcntl.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/mount.h>
@@ -9,6 +14,7 @@
 #include <sys/un.h>
 
 #include <atomic>
+#include <cstddef>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -23,6 +29,7 @@
 #include "tests/integration/json_lines.h"
 #include "tests/integration/process.h"
 #include "tests/test_util.h"
+#include "tools/row_oracle.h"
 
 namespace engram {
 namespace {
@@ -137,45 +144,51 @@ TEST(DaemonTest, PublishesSharesAndHoldsLeases) {
     EXPECT_EQ(r["mode"], "SHARED");
     EXPECT_EQ(r["uid"], ::getuid());
     EXPECT_EQ(r["backend"], "cpu");  // pinned with mlock: no GPU here
-    EXPECT_GE(r["register_seconds"].get<double>(), 0.0);
+    EXPECT_TRUE(r["register_seconds"].is_number()) << "each replica reported its registration: " << r.dump();
   }
   for (auto& r : replicas) {
     EXPECT_TRUE(pids_before.count(r.pid())) << "status pid is the peer's real pid: " << r.pid() << " vs "
                                             << d.Status()["replicas"].dump();
   }
-  // kill -9 one replica: its lease goes within a second, the others stay.
+  // kill -9 one replica: its lease goes (the daemon notices the closed stream), the others stay.
   const pid_t victim = replicas[3].pid();
   replicas[3].Signal(SIGKILL);
-  const auto t0 = std::chrono::steady_clock::now();
-  ASSERT_TRUE(WaitFor([&] { return d.Status()["replicas"].size() == 7; }, std::chrono::seconds(5)));
-  const double released = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  EXPECT_LT(released, 1.0) << "lease released after " << released << " s";
+  ASSERT_TRUE(WaitFor([&] { return d.Status()["replicas"].size() == 7; }, std::chrono::seconds(30)));
   const json after = d.Status();
   for (const auto& r : after["replicas"]) EXPECT_NE(r["pid"], victim);
   EXPECT_TRUE(d.proc().Running());
 }
 
-TEST(DaemonTest, CrashDuringPublishLeavesNoReadyDebrisAndRestartAdoptsWithoutReadingTables) {
+// Overwrites `n` bytes at `offset` of a file (the tests run as the segment's owner).
+void Poke(const std::string& path, uint64_t offset, const void* bytes, size_t n) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(fd, 0) << path;
+  ASSERT_EQ(::pwrite(fd, bytes, n, static_cast<off_t>(offset)), static_cast<ssize_t>(n));
+  ::close(fd);
+}
+
+// A daemon killed while it publishes leaves a segment that is not READY. That state is made deterministically (no
+// race with the load's speed): a published segment's header is set back to LOADING, which is what a kill -9 mid-copy
+// leaves. The next daemon removes it as debris and publishes again; a daemon killed after READY is adopted by the
+// next one without reading the tables again.
+TEST(DaemonTest, CrashDebrisIsRemovedAndRestartAdoptsWithoutReadingTables) {
   TempDir dir;
   const std::string shm = dir / "shm";
   ::mkdir(shm.c_str(), 0755);
-  const std::string ckpt = MakeCheckpoint(dir, 3072);
+  const std::string ckpt = MakeCheckpoint(dir, 1024);
   {
-    Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--threads", "1"}, "first");
-    ASSERT_TRUE(WaitFor([&] {
-      json s = d.Status();
-      return !s.is_null() && !s["segments"].empty() && s["segments"][0]["state"] == "LOADING" &&
-             s["segments"][0]["progress"].get<double>() > 0.05;
-    }, std::chrono::seconds(60)));
+    Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm}, "first");
+    ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
     d.proc().Signal(SIGKILL);
     d.proc().Wait();
   }
-  // What the crash left: one segment file, and it is not READY.
   auto left = ListSegments(shm);
   ASSERT_EQ(left.size(), 1u);
+  const uint32_t loading = static_cast<uint32_t>(SegmentState::kLoading);
+  Poke(shm + "/" + left[0], offsetof(SegmentHeader, state), &loading, sizeof loading);
   auto h = ReadSegmentHeader(shm + "/" + left[0]);
   ASSERT_TRUE(h.ok());
-  EXPECT_NE(h->state, static_cast<uint32_t>(SegmentState::kReady));
+  ASSERT_EQ(h->state, loading);
   {
     Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm}, "second");
     ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
@@ -265,32 +278,29 @@ TEST(DaemonTest, FallbackReasonsFromTheTopologyAndConfig) {
   }
   json s = d.Status();
   EXPECT_GE(s["recent_fallbacks"].size(), 8u);
-  // A registration that fails turns the shared replica into a fallback with REGISTER_FAILED.
-  Process r = Attach(dir, d, ckpt, shm, "--ticket --register-ok false --hold 3", "regfail.log");
-  ASSERT_TRUE(WaitFor([&] {
-    const json now = d.Status();
-    for (const auto& rep : now["replicas"]) {
-      for (const auto& x : rep["reasons"]) {
-        if (x == "REGISTER_FAILED") return true;
-      }
-    }
-    return false;
-  }, std::chrono::seconds(10))) << r.Output() << d.Status().dump();
+  // A registration that fails (REGISTER_FAILED) is tested in-process with the OS seam failing mlock:
+  // tests/integration/client_faults_test.cc, FailedPinIsRegisterFailedWithAPrivateTableAndStatusSaysSo.
   EXPECT_TRUE(d.proc().Running());
 }
 
-// Containers, without Docker: a replica in its own mount namespace with a private /dev/shm (a container without
-// --ipc=host) falls back with SHM_NOT_VISIBLE; one in its own namespace that still sees the host's /dev/shm shares.
+// Containers, without Docker: a replica in its own mount namespace with a private shm mount (a container without
+// --ipc=host) falls back with SHM_NOT_VISIBLE; one in its own namespace that still sees the daemon's shm shares.
+// The "host" shm is this test's own directory (the daemon never scans the real /dev/shm); the private view is a
+// tmpfs mounted over it inside the replica's mount namespace only.
 TEST(DaemonTest, PrivateShmNamespaceFallsBackSharedOneShares) {
-  if (RunCmd("unshare -m --propagation private true").exit_code != 0) GTEST_SKIP() << "cannot create mount namespaces";
+  if (RunCmd("unshare -m --propagation private true").exit_code != 0) {
+    GTEST_SKIP() << "cannot create mount namespaces (needs root or user namespaces)";
+  }
   TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
   const std::string ckpt = MakeCheckpoint(dir, 16);
-  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", "/dev/shm"});
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm});
   ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
   const std::string attach = BinPath("engramctl") + " attach --socket " + d.socket() + " --checkpoint " + ckpt +
-                             " --shm-dir /dev/shm --dp-size 2";
-  auto priv = RunCmd("unshare -m --propagation private sh -c 'mount -t tmpfs -o size=8m tmpfs /dev/shm && " + attach +
-                     "'");
+                             " --shm-dir " + shm + " --dp-size 2";
+  auto priv = RunCmd("unshare -m --propagation private sh -c 'mount -t tmpfs -o size=8m tmpfs " + shm + " && " +
+                     attach + "'");
   EXPECT_EQ(priv.exit_code, 0) << priv.err;
   json j = FirstJson(priv.out);
   EXPECT_EQ(j["decision"], "fallback") << priv.out;
@@ -301,20 +311,20 @@ TEST(DaemonTest, PrivateShmNamespaceFallsBackSharedOneShares) {
   ASSERT_EQ(RunCmd(BinPath("engramctl") + " unload --checkpoint " + ckpt + " --socket " + d.socket()).exit_code, 0);
 }
 
-TEST(DaemonTest, WatchShowsProgressAndMetricsFileCounts) {
+// watch exits once everything is settled, whenever it starts (what it shows mid-load depends on the load's speed and
+// is not asserted: no race with the publisher); the metrics file counts what happened.
+TEST(DaemonTest, WatchSettlesAndMetricsFileCounts) {
   TempDir dir;
   const std::string shm = dir / "shm";
   ::mkdir(shm.c_str(), 0755);
-  const std::string ckpt = MakeCheckpoint(dir, 1536);
+  const std::string ckpt = MakeCheckpoint(dir, 64);
   const std::string metrics = dir / "engramd.prom";
   Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--threads", "1", "--metrics-file", metrics});
   ASSERT_TRUE(WaitFor([&] { return !d.Status().is_null(); }, std::chrono::seconds(20)));
   Process watch({BinPath("engramctl"), "watch", "--socket", d.socket(), "--interval", "0.2"}, dir / "watch.log");
   EXPECT_EQ(watch.Wait(std::chrono::milliseconds(120000)), 0) << watch.Output();
-  const std::string w = watch.Output();
-  EXPECT_NE(w.find("LOADING"), std::string::npos) << w;
-  EXPECT_NE(w.find("GiB/s"), std::string::npos) << w;
-  EXPECT_NE(w.find("eta"), std::string::npos) << w;
+  EXPECT_EQ(d.Status()["segments"][0]["state"], "READY") << "watch exits only once the segments are settled";
+  EXPECT_NE(watch.Output().find("READY"), std::string::npos) << watch.Output();
   Process r = Attach(dir, d, ckpt, shm, "--dp-size 1", "fallback.log");
   EXPECT_EQ(r.Wait(), 0);
   ASSERT_TRUE(WaitFor([&] {
@@ -347,8 +357,10 @@ long RssKib(pid_t pid) {
   return 0;
 }
 
-// Lifecycle under load: 64 sessions attaching and detaching in a loop while status is polled and a replica
-// process is killed (-9) every 2 seconds. Afterwards: no leases, fds, mappings or segments leaked, memory flat.
+// Lifecycle under load, bounded by counts (no rate, no deadline): 32 threads run 40 sessions each (every fourth
+// thread takes and returns a registration ticket) while status is polled, and 5 replica processes are killed (-9)
+// while they hold a grant. Afterwards: every session succeeded, no leases, fds, mappings or segments leaked, memory
+// flat. The rate is measured in bench/bench_daemon.cc (--soak).
 TEST(DaemonTest, SoakSessionsKillsAndStatusLeakNothing) {
   TempDir dir;
   const std::string shm = dir / "shm";
@@ -390,54 +402,49 @@ TEST(DaemonTest, SoakSessionsKillsAndStatusLeakNothing) {
     return true;
   };
   for (int i = 0; i < 50; ++i) ASSERT_TRUE(one_session(true));  // warm up pools and allocator
-  ASSERT_TRUE(WaitFor([&] { return d.Status()["replicas"].empty(); }, std::chrono::seconds(5)));
+  ASSERT_TRUE(WaitFor([&] { return d.Status()["replicas"].empty(); }, std::chrono::seconds(30)));
   const int fds0 = CountFds(daemon_pid);
   const long rss0 = RssKib(daemon_pid);
 
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
-  std::atomic<int> sessions{0}, failures{0};
+  constexpr int kThreads = 32, kPerThread = 40, kKills = 5;
+  std::atomic<int> sessions{0}, failures{0}, polls{0};
+  std::atomic<bool> done{false};
   std::vector<std::thread> clients;
-  for (int t = 0; t < 64; ++t) {
+  for (int t = 0; t < kThreads; ++t) {
     clients.emplace_back([&, t] {
-      while (std::chrono::steady_clock::now() < deadline) (one_session(t % 4 == 0) ? sessions : failures)++;
+      for (int i = 0; i < kPerThread; ++i) (one_session(t % 4 == 0) ? sessions : failures)++;
     });
   }
-  std::vector<double> status_ms;
   std::thread poller([&] {
-    while (std::chrono::steady_clock::now() < deadline) {
+    while (!done) {
       grpc::ClientContext ctx;
       engram::v1::StatusReply r;
-      const auto t0 = std::chrono::steady_clock::now();
-      if (stub->Status(&ctx, engram::v1::StatusRequest(), &r).ok()) {
-        status_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      if (stub->Status(&ctx, engram::v1::StatusRequest(), &r).ok()) ++polls;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));  // pacing only; nothing waits on it
     }
   });
-  int kills = 0;
-  while (std::chrono::steady_clock::now() + std::chrono::seconds(2) < deadline) {
-    Process victim = Attach(dir, d, ckpt, shm, "--dp-size 64 --hold 30", "victim.log");
-    std::this_thread::sleep_for(std::chrono::seconds(1));
+  for (int k = 0; k < kKills; ++k) {
+    Process victim = Attach(dir, d, ckpt, shm, "--dp-size 64 --hold 600", "victim" + std::to_string(k) + ".log");
+    // Killed once it holds its grant (its first output line), not after a sleep.
+    ASSERT_TRUE(WaitFor([&] { return !FirstJson(victim.Output()).is_null(); }, std::chrono::seconds(30)));
+    ASSERT_EQ(FirstJson(victim.Output())["decision"], "shared") << victim.Output();
     victim.Signal(SIGKILL);
-    victim.Wait();
-    ++kills;
-    std::this_thread::sleep_for(std::chrono::seconds(1));
+    EXPECT_EQ(victim.Wait(), 128 + SIGKILL);
   }
   for (auto& c : clients) c.join();
+  done = true;
   poller.join();
-  ASSERT_TRUE(WaitFor([&] { return d.Status()["replicas"].empty(); }, std::chrono::seconds(5)))
+  ASSERT_TRUE(WaitFor([&] { return d.Status()["replicas"].empty(); }, std::chrono::seconds(30)))
       << "leases leaked: " << d.Status()["replicas"].dump();
-  ASSERT_TRUE(WaitFor([&] { return CountFds(daemon_pid) <= fds0 + 4; }, std::chrono::seconds(10)))
+  ASSERT_TRUE(WaitFor([&] { return CountFds(daemon_pid) <= fds0 + 4; }, std::chrono::seconds(30)))
       << "fds " << fds0 << " -> " << CountFds(daemon_pid);
   const long rss1 = RssKib(daemon_pid);
-  std::sort(status_ms.begin(), status_ms.end());
-  std::cout << "[ soak ] sessions " << sessions << " failed " << failures << " kills " << kills << " status polls "
-            << status_ms.size() << " p50 " << status_ms[status_ms.size() / 2] << " ms max " << status_ms.back()
-            << " ms; daemon fds " << fds0 << " -> " << CountFds(daemon_pid) << ", rss " << rss0 << " -> " << rss1
-            << " KiB\n";
-  EXPECT_GT(sessions, 1000);
+  std::cout << "[ soak ] sessions " << sessions << " failed " << failures << " kills " << kKills << " status polls "
+            << polls << "; daemon fds " << fds0 << " -> " << CountFds(daemon_pid) << ", rss " << rss0 << " -> "
+            << rss1 << " KiB\n";
+  EXPECT_EQ(sessions, kThreads * kPerThread);
   EXPECT_EQ(failures, 0);
-  EXPECT_GE(kills, 5);
+  EXPECT_GT(polls, 0);
   EXPECT_LT(rss1 - rss0, 32 * 1024) << "daemon memory grew";
   EXPECT_EQ(ListSegments(shm).size(), 1u);
   json s = d.Status();
@@ -477,16 +484,19 @@ int HealthStatus(const std::string& socket) {
   return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : -1;
 }
 
-TEST(DaemonTest, HealthIsNotServingWhileLoadingThenServing) {
+// Health answers SERVING once the segments are READY. (NOT_SERVING while loading is not asserted: catching the load
+// in progress would race with its speed; a daemon-side pause seam would make it deterministic.)
+TEST(DaemonTest, HealthIsServingOnceReady) {
   TempDir dir;
   const std::string shm = dir / "shm";
   ::mkdir(shm.c_str(), 0755);
-  const std::string ckpt = MakeCheckpoint(dir, 2048);
+  const std::string ckpt = MakeCheckpoint(dir, 64);
   Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--threads", "1"});
   ASSERT_TRUE(WaitFor([&] { return HealthStatus(d.socket()) != -1; }, std::chrono::seconds(20))) << d.proc().Output();
-  EXPECT_EQ(HealthStatus(d.socket()), 2) << "NOT_SERVING while the segment loads";
+  const int first = HealthStatus(d.socket());
+  EXPECT_TRUE(first == 1 || first == 2) << first;
   ASSERT_TRUE(d.WaitReady());
-  EXPECT_TRUE(WaitFor([&] { return HealthStatus(d.socket()) == 1; }, std::chrono::seconds(10)));
+  EXPECT_TRUE(WaitFor([&] { return HealthStatus(d.socket()) == 1; }, std::chrono::seconds(30)));
 }
 
 TEST(DaemonTest, StartupRefusals) {
@@ -595,13 +605,6 @@ TEST(DaemonTest, HostileClientsAndForeignUsersDoNotHurtIt) {
     engram::v1::LoadReply reply;
     EXPECT_EQ(stub->Load(&ctx, req, &reply).error_code(), grpc::StatusCode::NOT_FOUND);
   }
-  // A user outside the allowed group: the daemon reads its real uid from the socket and refuses.
-  ::chmod(d.socket().c_str(), 0666);
-  ::chmod(dir.path().c_str(), 0755);
-  auto r = RunCmd("setpriv --reuid=65534 --regid=65534 --clear-groups " + BinPath("engramctl") + " status --socket " +
-                  d.socket());
-  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
-  EXPECT_NE(r.err.find("uid 65534 may not use engramd"), std::string::npos) << r.err;
   EXPECT_TRUE(d.proc().Running());
   EXPECT_FALSE(d.Status().is_null()) << "still serving everyone else";
   // SIGTERM: a clean stop that leaves the READY segment in place.
@@ -609,6 +612,293 @@ TEST(DaemonTest, HostileClientsAndForeignUsersDoNotHurtIt) {
   EXPECT_EQ(d.proc().Wait(), 0) << d.proc().Output();
   EXPECT_EQ(ListSegments(shm).size(), 1u);
   EXPECT_EQ(RunCmd(BinPath("engramctl") + " status --socket " + d.socket()).exit_code, 3);
+}
+
+// --group: the daemon reads the peer's real uid/gid/groups from the socket; root, its own uid and members of the group
+// may connect (a member by supplementary group), anyone else gets PERMISSION_DENIED. Needs root for setpriv.
+TEST(DaemonTest, GroupMembersMayConnectOthersArePermissionDenied) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: setpriv switches to another uid";
+  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--group", "nogroup"});
+  ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
+  ::chmod(d.socket().c_str(), 0666);  // let the socket be reached; the daemon's own check is what is tested
+  ::chmod(dir.path().c_str(), 0755);
+  const std::string status = BinPath("engramctl") + " status --json --socket " + d.socket();
+  auto member = RunCmd("setpriv --reuid=65533 --regid=65533 --groups=65534 " + status);
+  EXPECT_EQ(member.exit_code, 0) << member.out << member.err;
+  EXPECT_FALSE(json::parse(member.out, nullptr, false).is_discarded()) << member.out;
+  auto stranger = RunCmd("setpriv --reuid=65533 --regid=65533 --clear-groups " + status);
+  EXPECT_EQ(stranger.exit_code, 1) << stranger.out << stranger.err;
+  EXPECT_NE(stranger.err.find("uid 65533 may not use engramd"), std::string::npos) << stranger.err;
+  // A replica session of a stranger is refused too (PERMISSION_DENIED on the Session stream).
+  auto attach = RunCmd("setpriv --reuid=65533 --regid=65533 --clear-groups " + BinPath("engramctl") +
+                       " attach --socket " + d.socket() + " --checkpoint " + ckpt + " --shm-dir " + shm);
+  EXPECT_NE(attach.exit_code, 0) << attach.out;
+  EXPECT_NE((attach.out + attach.err).find("may not use engramd"), std::string::npos) << attach.out << attach.err;
+  EXPECT_TRUE(d.proc().Running());
+  EXPECT_FALSE(d.Status().is_null()) << "still serving its own uid";
+  EXPECT_NE(d.proc().Output().find("reason=PERMISSION_DENIED"), std::string::npos);
+}
+
+// The registration ticket (--tickets 1) serialises registration: while one session holds it, the others that asked
+// wait, and status shows exactly one replica "registering". Driven through raw sessions: deterministic, no sleeps.
+TEST(DaemonTest, OneTicketSerialisesRegistration) {
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--tickets", "1"});
+  ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
+  auto ck = Checkpoint::Open(ckpt);
+  ASSERT_TRUE(ck.ok());
+  struct stat sst {};
+  ::stat(shm.c_str(), &sst);
+  engram::v1::ClientMessage hello;
+  hello.mutable_hello()->set_fingerprint((*ck)->Fingerprint());
+  hello.mutable_hello()->set_tp_size(1);
+  hello.mutable_hello()->set_dp_size(4);
+  hello.mutable_hello()->set_shm_visible(true);
+  hello.mutable_hello()->set_shm_dev(sst.st_dev);
+  hello.mutable_hello()->set_shm_ino(sst.st_ino);
+  auto stub = engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+  constexpr int kN = 3;
+  std::vector<std::unique_ptr<grpc::ClientContext>> ctx;
+  std::vector<std::unique_ptr<grpc::ClientReaderWriter<engram::v1::ClientMessage, engram::v1::ServerMessage>>> st;
+  for (int i = 0; i < kN; ++i) {
+    ctx.push_back(std::make_unique<grpc::ClientContext>());
+    ctx.back()->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    st.push_back(stub->Session(ctx.back().get()));
+    engram::v1::ServerMessage m;
+    ASSERT_TRUE(st.back()->Write(hello) && st.back()->Read(&m) && m.has_grant());
+  }
+  auto registering = [&] {
+    int n = 0;
+    const json now = d.Status();
+    for (const auto& r : now["replicas"]) n += r["backend"] == "registering";
+    return n;
+  };
+  // Each session asks for the ticket; a reader thread per session records the order in which tickets arrive.
+  std::mutex mu;
+  std::vector<int> granted;
+  std::vector<std::thread> readers;
+  for (int i = 0; i < kN; ++i) {
+    engram::v1::ClientMessage t;
+    t.mutable_ticket_request();
+    ASSERT_TRUE(st[static_cast<size_t>(i)]->Write(t));
+    readers.emplace_back([&, i] {
+      engram::v1::ServerMessage m;
+      while (st[static_cast<size_t>(i)]->Read(&m)) {
+        if (m.has_ticket()) {
+          std::lock_guard<std::mutex> lock(mu);
+          granted.push_back(i);
+          return;
+        }
+      }
+    });
+  }
+  auto n_granted = [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return granted.size();
+  };
+  for (size_t round = 1; round <= kN; ++round) {
+    // Exactly `round` tickets handed out so far (one at a time), and status shows one holder.
+    ASSERT_TRUE(WaitFor([&] { return n_granted() >= round; }, std::chrono::seconds(30))) << "round " << round;
+    ASSERT_TRUE(WaitFor([&] { return registering() == 1; }, std::chrono::seconds(30))) << d.Status().dump();
+    EXPECT_EQ(n_granted(), round) << "a second ticket was handed out while one was held";
+    EXPECT_EQ(registering(), 1) << d.Status().dump();
+    int holder;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      holder = granted.back();
+    }
+    engram::v1::ClientMessage res;
+    res.mutable_register_result()->set_ok(true);
+    res.mutable_register_result()->set_backend("cpu");
+    ASSERT_TRUE(st[static_cast<size_t>(holder)]->Write(res));
+  }
+  ASSERT_TRUE(WaitFor([&] { return registering() == 0; }, std::chrono::seconds(30))) << d.Status().dump();
+  for (auto& c : ctx) c->TryCancel();
+  for (auto& r : readers) r.join();
+  for (auto& s2 : st) s2->Finish();
+  EXPECT_EQ(std::set<int>(granted.begin(), granted.end()).size(), static_cast<size_t>(kN));
+}
+
+// A replica that dies (kill -9) while it holds the only ticket releases it: the next one gets it.
+TEST(DaemonTest, TicketOfADeadHolderGoesToTheNext) {
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--tickets", "1"});
+  ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
+  const std::string helper = BinPath("../tests/session_helper");
+  Process holder({helper, d.socket(), ckpt, shm, "ticket"}, dir / "holder.log");
+  ASSERT_TRUE(WaitFor([&] { return holder.Output().find("\"ticket\": true") != std::string::npos; },
+                      std::chrono::seconds(30)))
+      << holder.Output();
+  Process next({helper, d.socket(), ckpt, shm, "ticket"}, dir / "next.log");
+  // The second one is connected and waiting (status lists two replicas, one registering).
+  ASSERT_TRUE(WaitFor([&] { return d.Status()["replicas"].size() == 2; }, std::chrono::seconds(30)));
+  EXPECT_EQ(next.Output().find("ticket"), std::string::npos) << "the ticket was handed out twice";
+  holder.Signal(SIGKILL);
+  EXPECT_EQ(holder.Wait(), 128 + SIGKILL);
+  ASSERT_TRUE(WaitFor([&] { return next.Output().find("\"ticket\": true") != std::string::npos; },
+                      std::chrono::seconds(30)))
+      << "the dead holder's ticket was not released: " << d.Status().dump();
+  const json s = d.Status();
+  ASSERT_EQ(s["replicas"].size(), 1u) << s.dump();
+  EXPECT_EQ(s["replicas"][0]["pid"], next.pid());
+  EXPECT_EQ(s["replicas"][0]["backend"], "registering");
+}
+
+// Drain (`engramctl drain`): every open session receives the DRAINING event, status says draining, and new sessions
+// are refused; the READY segment stays.
+TEST(DaemonTest, DrainTellsSessionsAndRefusesNewOnes) {
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm});
+  ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
+  EXPECT_EQ(d.Status()["draining"], false);
+  const std::string helper = BinPath("../tests/session_helper");
+  Process a({helper, d.socket(), ckpt, shm, "events"}, dir / "a.log");
+  Process b({helper, d.socket(), ckpt, shm, "events"}, dir / "b.log");
+  for (auto* p : {&a, &b}) {
+    ASSERT_TRUE(WaitFor([&] { return p->Output().find("\"granted\": true") != std::string::npos; },
+                        std::chrono::seconds(30)))
+        << p->Output();
+  }
+  ASSERT_TRUE(WaitFor([&] { return d.Status()["replicas"].size() == 2; }, std::chrono::seconds(30)));
+  auto drain = RunCmd(BinPath("engramctl") + " drain --socket " + d.socket());
+  EXPECT_EQ(drain.exit_code, 0) << drain.out << drain.err;
+  for (auto* p : {&a, &b}) {
+    EXPECT_TRUE(WaitFor([&] { return p->Output().find("\"event\": \"DRAINING\"") != std::string::npos; },
+                        std::chrono::seconds(30)))
+        << p->Output();
+  }
+  EXPECT_EQ(d.Status()["draining"], true);
+  auto late = RunCmd(BinPath("engramctl") + " attach --socket " + d.socket() + " --checkpoint " + ckpt +
+                     " --shm-dir " + shm + " --dp-size 2");
+  EXPECT_NE(late.exit_code, 0) << late.out;
+  EXPECT_NE((late.out + late.err).find("draining"), std::string::npos) << late.out << late.err;
+  EXPECT_TRUE(d.proc().Running());
+  EXPECT_EQ(ListSegments(shm).size(), 1u);
+}
+
+// An adopted segment whose bytes changed while no daemon watched fails the background checksum: the daemon logs
+// the mismatch and publishes it again; the rows are the checkpoint's (checked against the independent oracle).
+TEST(DaemonTest, AdoptedSegmentWithBadChecksumIsRepublished) {
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string ckpt = MakeCheckpoint(dir, 16);
+  std::string name;
+  {
+    Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm}, "first");
+    ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
+    name = d.Status()["segments"][0]["name"];
+    d.proc().Signal(SIGTERM);
+    ASSERT_EQ(d.proc().Wait(), 0);
+  }
+  const std::string path = shm + "/" + name;
+  auto h = ReadSegmentHeader(path);
+  ASSERT_TRUE(h.ok());
+  ASSERT_EQ(h->state, static_cast<uint32_t>(SegmentState::kReady));
+  const uint64_t victim = h->data_offset + 1000 * 264 + 7;  // a weight byte of row 1000 of the first layer
+  uint8_t byte = 0;
+  {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    ASSERT_EQ(::pread(fd, &byte, 1, static_cast<off_t>(victim)), 1);
+    ::close(fd);
+  }
+  byte ^= 0x5A;
+  Poke(path, victim, &byte, 1);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm}, "second");
+  ASSERT_TRUE(WaitFor([&] { return d.proc().Output().find("event=segment_checksum_mismatch") != std::string::npos; },
+                      std::chrono::seconds(60)))
+      << d.proc().Output();
+  ASSERT_TRUE(WaitFor([&] {
+    const json s = d.Status();
+    return !s.is_null() && s["segments"].size() == 1 && s["segments"][0]["state"] == "READY" &&
+           s["segments"][0]["origin"] == "published";
+  }, std::chrono::seconds(60))) << d.Status().dump();
+  // The republished segment's row 1000 is the checkpoint's again.
+  std::string error;
+  auto oracle = oracle::RowOracle::Open(ckpt, &error);
+  ASSERT_NE(oracle, nullptr) << error;
+  auto want = oracle->RecordAt(0, 1000, &error);
+  ASSERT_TRUE(want.has_value()) << error;
+  const std::string now_name = d.Status()["segments"][0]["name"];
+  auto h2 = ReadSegmentHeader(shm + "/" + now_name);
+  ASSERT_TRUE(h2.ok());
+  std::vector<uint8_t> got(want->size());
+  const int fd = ::open((shm + "/" + now_name).c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_EQ(::pread(fd, got.data(), got.size(), static_cast<off_t>(h2->data_offset + 1000 * got.size())),
+            static_cast<ssize_t>(got.size()));
+  ::close(fd);
+  EXPECT_EQ(got, *want);
+  Process r = Attach(dir, d, ckpt, shm, "--dp-size 2 --verify 200", "after.log");
+  EXPECT_EQ(r.Wait(), 0) << r.Output();
+  EXPECT_EQ(FirstJson(r.Output())["mismatches"], 0) << r.Output();
+}
+
+// `engramctl status --json` has every field README's engramctl section documents, with its type.
+TEST(DaemonTest, StatusJsonHasTheDocumentedShape) {
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm});
+  ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
+  Process holder = Attach(dir, d, ckpt, shm, "--dp-size 2 --ticket --hold 600", "holder.log");
+  ASSERT_TRUE(WaitFor([&] {
+    const json now = d.Status();
+    return now["replicas"].size() == 1 && now["replicas"][0]["backend"] == "cpu";
+  }, std::chrono::seconds(30))) << d.Status().dump();
+  Process fb = Attach(dir, d, ckpt, shm, "--dp-size 1", "fallback.log");  // one recent fallback
+  EXPECT_EQ(fb.Wait(), 0);
+  ASSERT_TRUE(WaitFor([&] { return !d.Status()["recent_fallbacks"].empty(); }, std::chrono::seconds(30)));
+  const json s = d.Status();
+  auto has = [](const json& o, const char* k, json::value_t t, bool number = false) {
+    EXPECT_TRUE(o.contains(k)) << k << " missing in " << o.dump();
+    if (!o.contains(k)) return;
+    if (number) {
+      EXPECT_TRUE(o[k].is_number()) << k << " is not a number: " << o.dump();
+    } else {
+      EXPECT_EQ(o[k].type(), t) << k << " has the wrong type: " << o.dump();
+    }
+  };
+  using V = json::value_t;
+  ASSERT_TRUE(s.is_object());
+  for (const char* k : {"shm", "segments", "replicas", "recent_fallbacks", "draining"}) EXPECT_TRUE(s.contains(k)) << k;
+  has(s, "shm", V::object);
+  has(s, "segments", V::array);
+  has(s, "replicas", V::array);
+  has(s, "recent_fallbacks", V::array);
+  has(s, "draining", V::boolean);
+  has(s["shm"], "path", V::string);
+  for (const char* k : {"total_bytes", "free_bytes", "engram_bytes"}) has(s["shm"], k, V::number_unsigned, true);
+  has(s["shm"], "huge_pages", V::string);  // "always", "never", "within_size", ... or "missing"
+  ASSERT_EQ(s["segments"].size(), 1u);
+  const json& g = s["segments"][0];
+  for (const char* k : {"name", "checkpoint", "state", "origin", "checksum_state"}) has(g, k, V::string);
+  for (const char* k : {"tp_rank", "tp_size", "bytes", "load_seconds", "progress"}) has(g, k, V::number_float, true);
+  has(g, "error", V::string);
+  ASSERT_EQ(s["replicas"].size(), 1u);
+  const json& r = s["replicas"][0];
+  for (const char* k : {"pid", "uid", "dp_rank", "tp_rank", "attached_seconds", "register_seconds"}) {
+    has(r, k, V::number_float, true);
+  }
+  for (const char* k : {"mode", "backend"}) has(r, k, V::string);
+  for (const char* k : {"reasons", "hints"}) has(r, k, V::array);
+  EXPECT_EQ(r["pid"], holder.pid());
+  EXPECT_EQ(g["checkpoint"], ckpt);
+  EXPECT_EQ(r["backend"], "cpu") << "the holder pinned with mlock and reported it";
 }
 
 TEST(DaemonTest, NotifiesReadinessThroughNotifySocket) {
