@@ -11,7 +11,28 @@ namespace engram::kernels {
 
 absl::Status CudaStatus(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
+  const std::string msg = absl::StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
+  switch (err) {
+    case cudaErrorInvalidValue:
+    case cudaErrorInvalidConfiguration:
+    case cudaErrorInvalidDevicePointer:
+    case cudaErrorInvalidPitchValue:
+    case cudaErrorInvalidMemcpyDirection:
+    case cudaErrorInvalidResourceHandle:
+    case cudaErrorInvalidDevice:
+      return absl::InvalidArgumentError(msg);  // the caller's mistake, as the CPU engine reports it
+    case cudaErrorMemoryAllocation:
+    case cudaErrorLaunchOutOfResources:
+      return absl::ResourceExhaustedError(msg);
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorDevicesUnavailable:
+      return absl::UnavailableError(msg);
+    case cudaErrorNotSupported:
+      return absl::UnimplementedError(msg);
+    default:
+      return absl::InternalError(msg);  // a fault of ours or the device's (illegal address, launch failure, ...)
+  }
 }
 
 absl::StatusOr<std::unique_ptr<DeviceLayout>> DeviceLayout::Upload(const Layout& layout, const TokenMap& map) {

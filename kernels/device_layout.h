@@ -29,7 +29,9 @@ class DeviceLayout {
   LayoutView view_;
 };
 
-// Status for a CUDA runtime error, naming what was being done.
+// Status for a CUDA runtime error, naming what was being done. The code says whose fault it is, as on the CPU
+// engine: a bad argument (cudaErrorInvalidValue, ...) is INVALID_ARGUMENT, out of memory RESOURCE_EXHAUSTED, no
+// usable device UNAVAILABLE, anything else (an illegal address, a failed launch) INTERNAL.
 absl::Status CudaStatus(cudaError_t err, const char* what);
 
 }  // namespace engram::kernels

@@ -1,10 +1,11 @@
 // Prefetcher: runs the lookups of every Engram layer on a side CUDA stream, as soon as the hash ids are known,
 // into staging buffers at fixed device addresses (CUDA-graph friendly), with one event per layer.
 //
-//   Prefetcher p;  p.Init(tables, max_tokens, n_cols, head_dim)          // once
-//   p.Prefetch(ids_on_device, T, ids_stride, main_stream)                 // after the hash kernel on main_stream
+//   Prefetcher p;
+//   RETURN_IF_ERROR(p.Init(tables, max_tokens, n_cols, head_dim));        // once
+//   RETURN_IF_ERROR(p.Prefetch(ids_on_device, T, main_stream));           // after the hash kernel on main_stream
 //   ... main stream runs the earlier layers ...
-//   p.Wait(layer, main_stream); use p.staging(layer)                      // main stream now ordered after it
+//   RETURN_IF_ERROR(p.Wait(layer, main_stream)); use p.staging(layer)     // main stream now ordered after it
 //
 // Prefetch makes the side stream wait for the work already queued on `main_stream` (the ids), then launches each
 // layer's lookup with a small background grid (4 blocks by default: the UVA path is bound by address

@@ -2,7 +2,8 @@
 // id, in order of first appearance of its key; the key is the normalised decode of the id alone, or the raw piece
 // when the decode is lossy (contains U+FFFD), or the decode itself when normalising leaves nothing.
 //
-//   ASSIGN_OR_RETURN(TokenMap map, TokenMap::Build(tokenizer));
+//   ASSIGN_OR_RETURN(Tokenizer tokenizer, Tokenizer::Load(path));
+//   TokenMap map = TokenMap::Build(tokenizer);
 //   RETURN_IF_ERROR(map.CheckAgainst(config));      // compressed size must equal engram_compressed_vocab_size
 //
 // Immutable value; thread-safe.
