@@ -155,17 +155,23 @@ SegmentWriter::~SegmentWriter() {
   if (!finished_ && !path_.empty()) env_->Unlink(path_.c_str());
 }
 
-absl::StatusOr<SegmentHeader> ReadSegmentHeader(const std::string& path, Env* env) {
-  int fd = RetryEintr([&] { return env->Open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0); });
-  if (fd < 0) return Errno(absl::StrCat("open ", path), errno);
+namespace {
+
+// The header of the file open on `fd`; with `owner`, also that the file is the daemon's: owned by that uid and
+// writable by nobody else (a file planted in a world-writable shm directory is refused, not adopted).
+absl::StatusOr<SegmentHeader> HeaderOfOpenFile(const std::string& path, int fd, const uid_t* owner, Env* env) {
   struct stat st {};
   if (env->Fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    env->Close(fd);
     return absl::DataLossError(absl::StrCat(path, ": not a regular file"));
+  }
+  if (owner != nullptr && (st.st_uid != *owner || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0)) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "%s: owned by uid %d with mode %04o; a segment must be owned by this daemon (uid %d) and writable by no one "
+        "else: not adopted",
+        path, st.st_uid, st.st_mode & 07777, *owner));
   }
   SegmentHeader h;
   ssize_t n = RetryEintr([&] { return env->Pread(fd, static_cast<void*>(&h), sizeof(h), 0); });
-  env->Close(fd);
   if (n != static_cast<ssize_t>(sizeof(h))) return absl::DataLossError(absl::StrCat(path, ": shorter than a header"));
   if (std::memcmp(h.magic, kSegmentMagic, 8) != 0) return absl::DataLossError(absl::StrCat(path, ": not a segment"));
   if (h.version != kSegmentVersion) {
@@ -177,6 +183,24 @@ absl::StatusOr<SegmentHeader> ReadSegmentHeader(const std::string& path, Env* en
     return absl::DataLossError(absl::StrCat(path, ": header sizes disagree with the file (", st.st_size, " bytes)"));
   }
   return h;
+}
+
+absl::StatusOr<SegmentHeader> ReadHeader(const std::string& path, const uid_t* owner, Env* env) {
+  int fd = RetryEintr([&] { return env->Open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0); });
+  if (fd < 0) return Errno(absl::StrCat("open ", path), errno);
+  auto h = HeaderOfOpenFile(path, fd, owner, env);
+  env->Close(fd);
+  return h;
+}
+
+}  // namespace
+
+absl::StatusOr<SegmentHeader> ReadSegmentHeader(const std::string& path, Env* env) {
+  return ReadHeader(path, nullptr, env);
+}
+
+absl::StatusOr<SegmentHeader> ReadOwnedSegmentHeader(const std::string& path, uid_t owner, Env* env) {
+  return ReadHeader(path, &owner, env);
 }
 
 absl::Status SetSegmentState(const std::string& path, SegmentState state, Env* env) {

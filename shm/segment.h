@@ -13,6 +13,8 @@
 // SegmentWriter is single-owner (the publisher); SegmentReader maps read-only and is immutable after Open.
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -117,6 +119,9 @@ class SegmentReader {
 
 // Reads only the header of a file (no mapping); fails on foreign or truncated files.
 absl::StatusOr<SegmentHeader> ReadSegmentHeader(const std::string& path, Env* env = Env::Default());
+// The same for a file the daemon is about to adopt or modify: also PermissionDenied unless it is owned by `owner`
+// (the daemon's uid) and writable by nobody else, so a file planted in a world-writable directory is never served.
+absl::StatusOr<SegmentHeader> ReadOwnedSegmentHeader(const std::string& path, uid_t owner, Env* env = Env::Default());
 
 // Changes the state byte of an existing segment file (daemon only: e.g. READY -> RETIRED).
 absl::Status SetSegmentState(const std::string& path, SegmentState state, Env* env = Env::Default());

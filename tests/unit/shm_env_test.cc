@@ -198,6 +198,21 @@ TEST(SegmentHeaderTest, SymlinksAndFifosAreRefusedWithoutHanging) {
   EXPECT_FALSE(SetSegmentState(dir / "fifo", SegmentState::kRetired).ok());
 }
 
+TEST(SegmentHeaderTest, OnlyTheDaemonsOwnFilesAreAdoptable) {
+  TempDir dir;
+  auto w = MustCreate(dir.path(), 0x99, Env::Default());
+  ASSERT_TRUE(w->Finish(0).ok());
+  const std::string path = w->path();
+  EXPECT_TRUE(ReadOwnedSegmentHeader(path, ::geteuid()).ok());
+  ASSERT_EQ(::chmod(path.c_str(), 0666), 0);  // writable by others: anyone could rewrite its rows
+  auto h = ReadOwnedSegmentHeader(path, ::geteuid());
+  EXPECT_EQ(h.status().code(), absl::StatusCode::kPermissionDenied) << h.status();
+  EXPECT_TRUE(ReadSegmentHeader(path).ok()) << "the plain reader (status, tools) still reads it";
+  ASSERT_EQ(::chmod(path.c_str(), 0640), 0);
+  EXPECT_EQ(ReadOwnedSegmentHeader(path, ::geteuid() + 1).status().code(), absl::StatusCode::kPermissionDenied)
+      << "a file owned by another uid is not ours";
+}
+
 TEST(SegmentNameTest, ParsesOnlyWhatItWrites) {
   uint64_t fp;
   int64_t n, r;
