@@ -2,9 +2,11 @@
 
 #include <dirent.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <exception>
+#include <set>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -139,6 +141,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::st
                                               ", but that file does not hold it"));
     }
   }
+  RETURN_IF_ERROR(ck->ComputeFingerprint());
   return std::shared_ptr<const Checkpoint>(std::move(ck));
 }
 
@@ -182,18 +185,47 @@ absl::Status Checkpoint::ValidateEngramTensors() const {
   return absl::OkStatus();
 }
 
-uint64_t Checkpoint::Fingerprint() const {
+uint64_t Checkpoint::Fingerprint() const { return fingerprint_; }
+
+absl::Status Checkpoint::ComputeFingerprint() {
   const EngramConfig& c = config_;
   std::string s = absl::StrCat(c.architecture, "|", absl::StrJoin(c.layer_ids, ","), "|",
                                absl::StrJoin(c.num_embeddings, ","), "|", c.max_ngram_size, "|", c.n_heads, "|",
                                c.head_dim, "|", c.vocab_size_engram, "|", c.compressed_vocab_size, "|",
                                c.pad_token_id, "|", c.hidden_size, "|", c.hc_mult);
+  std::set<const SafetensorsFile*> table_files;
   for (const auto& [name, ref] : tensors_) {
     if (name.find(".engram.") == std::string::npos) continue;
     absl::StrAppend(&s, "|", name, ":", DTypeName(ref.info->dtype), ":", Shape(ref.info->shape), ":",
                     ref.info->bytes());
+    table_files.insert(ref.file.get());
   }
-  return XXH3_64bits(s.data(), s.size());
+  // The identity of the exact files (README "Segment identity"): the contents of config.json and tokenizer.json,
+  // and for every file holding an Engram tensor its name, size, modification time and header bytes. No table
+  // bytes are read, so adoption stays cheap; a rewritten or different checkpoint with equal shapes differs here.
+  ASSIGN_OR_RETURN(std::string config_text, ReadSmallFile(config_path(), size_t{64} << 20));
+  absl::StrAppend(&s, "|config:", XXH3_64bits(config_text.data(), config_text.size()));
+  auto tokenizer_text = ReadSmallFile(tokenizer_path(), size_t{1} << 30);
+  if (tokenizer_text.ok()) {
+    absl::StrAppend(&s, "|tokenizer:", XXH3_64bits(tokenizer_text->data(), tokenizer_text->size()));
+  } else if (tokenizer_text.status().code() != absl::StatusCode::kNotFound) {
+    return tokenizer_text.status();
+  }
+  for (const auto& f : files_) {
+    if (!table_files.count(f.get())) continue;
+    ASSIGN_OR_RETURN(int fd, OpenRegularFile(f->path()));
+    struct stat st {};
+    std::string header(f->header_bytes(), '\0');
+    const bool ok = ::fstat(fd, &st) == 0 &&
+                    ::pread(fd, header.data(), header.size(), 0) == static_cast<ssize_t>(header.size());
+    ::close(fd);
+    if (!ok) return absl::DataLossError(absl::StrCat(f->path(), ": cannot re-read its header"));
+    const std::string base = f->path().substr(f->path().rfind('/') + 1);
+    absl::StrAppend(&s, "|file:", base, ":", st.st_size, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec, ":",
+                    XXH3_64bits(header.data(), header.size()));
+  }
+  fingerprint_ = XXH3_64bits(s.data(), s.size());
+  return absl::OkStatus();
 }
 
 }  // namespace engram

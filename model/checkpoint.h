@@ -8,8 +8,12 @@
 //   ckpt->ReadRange(*t.embed_weight, offset, dst, n);
 //
 // Only headers and the small JSON files are read by Open and Validate; table data is read by callers in ranges.
-// Fingerprint(): xxh3-64 over the config's Engram fields and every Engram tensor header (name, dtype, shape,
-// size): two checkpoints with the same fingerprint hash and lay out their tables identically.
+// Fingerprint(): the identity of the exact files, computed once by Open: xxh3-64 over the config's Engram fields,
+// every Engram tensor's name, dtype, shape and size, the bytes of config.json and tokenizer.json, and, for every
+// safetensors file holding an Engram tensor, its name, size, modification time and header bytes. Two checkpoints
+// with the same fingerprint are the same files as far as can be told without reading table bytes: a fine-tune or a
+// new revision written into the directory, or another directory with equal shapes, gets another fingerprint (a
+// byte edited in place with the modification time restored is not caught).
 // Immutable after Open; thread-safe for concurrent reads.
 #pragma once
 
@@ -62,6 +66,8 @@ class Checkpoint {
   uint64_t Fingerprint() const;
 
  private:
+  absl::Status ComputeFingerprint();
+  uint64_t fingerprint_ = 0;
   std::string dir_;
   EngramConfig config_;
   std::vector<std::shared_ptr<const SafetensorsFile>> files_;

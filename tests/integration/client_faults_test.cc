@@ -50,6 +50,27 @@ class FaultEnv : public PosixEnv {
 
 constexpr uint64_t kSeed = 11;
 
+// Every row of every layer the table holds, record by record, against the generator's formula.
+int64_t RowMismatches(const client::Table& t, uint64_t seed = kSeed) {
+  int64_t bad = 0;
+  const int64_t D = t.head_dim(), sb = D / 32;
+  for (size_t l = 0; l < t.layers().size(); ++l) {
+    const auto& li = t.layers()[l];
+    const std::string base = "layers." + std::to_string(li.layer_id) + ".engram.";
+    const uint8_t* rec = t.records(static_cast<int>(l));
+    for (int64_t row = li.row_begin; row < li.row_end; row += 7) {
+      const uint8_t* got = rec + (row - li.row_begin) * (D + sb);
+      for (int64_t j = 0; j < D; ++j) {
+        bad += got[j] != tools::SyntheticByte(seed, base + "embed.weight", static_cast<uint64_t>(row * D + j), false, false);
+      }
+      for (int64_t j = 0; j < sb; ++j) {
+        bad += got[D + j] != tools::SyntheticByte(seed, base + "embed.scale", static_cast<uint64_t>(row * sb + j), true, false);
+      }
+    }
+  }
+  return bad;
+}
+
 class ClientFaultsTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -99,26 +120,6 @@ class ClientFaultsTest : public ::testing::Test {
     r.shm_dir = dir_ / "shm";
     r.threads = 2;
     return r;
-  }
-  // Every row of every layer the table holds, record by record, against the generator's formula.
-  static int64_t RowMismatches(const client::Table& t) {
-    int64_t bad = 0;
-    const int64_t D = t.head_dim(), sb = D / 32;
-    for (size_t l = 0; l < t.layers().size(); ++l) {
-      const auto& li = t.layers()[l];
-      const std::string base = "layers." + std::to_string(li.layer_id) + ".engram.";
-      const uint8_t* rec = t.records(static_cast<int>(l));
-      for (int64_t row = li.row_begin; row < li.row_end; row += 7) {
-        const uint8_t* got = rec + (row - li.row_begin) * (D + sb);
-        for (int64_t j = 0; j < D; ++j) {
-          bad += got[j] != tools::SyntheticByte(kSeed, base + "embed.weight", static_cast<uint64_t>(row * D + j), false, false);
-        }
-        for (int64_t j = 0; j < sb; ++j) {
-          bad += got[D + j] != tools::SyntheticByte(kSeed, base + "embed.scale", static_cast<uint64_t>(row * sb + j), true, false);
-        }
-      }
-    }
-    return bad;
   }
   static std::set<std::string> Names(const std::vector<client::Reason>& reasons) {
     std::set<std::string> s;
@@ -218,6 +219,62 @@ TEST_F(ClientFaultsTest, PrivateTableThatCannotBeMappedIsAClearError) {
   EXPECT_EQ(t.status().code(), absl::StatusCode::kResourceExhausted) << t.status();
   EXPECT_NE(t.status().message().find("private table"), std::string::npos) << t.status();
   EXPECT_TRUE(daemon_.Running());
+}
+
+// A new revision (same config, tokenizer and shapes, other rows) written into the served directory while the daemon
+// is down: on restart the old segment is not adopted (its fingerprint is the old files'), the new one is
+// published, and a replica reads the new rows.
+TEST(SegmentIdentityTest, ARewrittenCheckpointIsRepublishedNotAdopted) {
+  TempDir dir;
+  ::mkdir((dir / "shm").c_str(), 0755);
+  auto make = [&](uint64_t seed) {
+    tools::SyntheticSpec spec;
+    spec.out_dir = dir / "ck";
+    spec.table_mib = 4;
+    spec.seed = seed;
+    spec.threads = 2;
+    ASSERT_TRUE(tools::WriteSyntheticCheckpoint(spec).ok());
+  };
+  const std::string socket = dir / "engramd.sock";
+  auto status = [&] {
+    auto r = RunCmd(BinPath("engramctl") + " status --json --socket " + socket);
+    return r.exit_code == 0 ? json::parse(r.out) : json();
+  };
+  auto ready = [&] {
+    json s = status();
+    if (s.is_null() || s["segments"].size() != 1) return false;
+    return s["segments"][0]["state"] == "READY" && s["segments"][0]["checksum_state"] == "ok";
+  };
+  const std::vector<std::string> argv = {BinPath("../daemon/engramd"), "--checkpoint", dir / "ck", "--shm-dir",
+                                         dir / "shm", "--socket", socket};
+  make(1);
+  {
+    Process d(argv, dir / "engramd1.log");
+    ASSERT_TRUE(WaitFor(ready, std::chrono::seconds(60))) << d.Output();
+    d.Signal(SIGTERM);
+    ASSERT_EQ(d.Wait(), 0) << d.Output();
+  }
+  // A "fine-tune": the same config.json and tokenizer.json, the same shapes, other table bytes.
+  const std::string config = testing::ReadFile(dir / "ck/config.json");
+  const std::string tokenizer = testing::ReadFile(dir / "ck/tokenizer.json");
+  make(2);
+  testing::WriteFile(dir / "ck/config.json", config);
+  testing::WriteFile(dir / "ck/tokenizer.json", tokenizer);
+  Process d(argv, dir / "engramd2.log");
+  ASSERT_TRUE(WaitFor(ready, std::chrono::seconds(60))) << d.Output();
+  EXPECT_EQ(status()["segments"][0]["origin"], "published") << d.Output();
+  client::ClientOptions o;
+  o.socket = socket;
+  o.use_gpu = false;
+  client::AttachRequest r;
+  r.checkpoint = dir / "ck";
+  r.dp_size = 2;
+  r.shm_dir = dir / "shm";
+  auto t = (*client::Client::Connect(o))->Attach(r);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)->mode(), client::Mode::kShared);
+  EXPECT_EQ(RowMismatches(**t, 2), 0) << "the replica must read the new revision's rows";
+  EXPECT_GT(RowMismatches(**t, 1), 0) << "the two revisions must differ for this test to mean anything";
 }
 
 TEST(ReasonNamesTest, OneEnumFromTheWireToC) {
