@@ -18,7 +18,9 @@ case "${1:-kernels}" in
   daemon) bins=("$build/bench/bench_daemon" "$build/daemon/engramd") ;;
   client) bins=("$build/tests/gpu_client_test" "$build/daemon/engramd" "$build/tools/engramctl"
                 "$build/tools/engram-replica" "$build/tools/engram-mkckpt") ;;
-  *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon|client]" >&2; exit 2 ;;
+  tests) bins=("$build/tests/gpu_kernels_test" "$build/tests/gpu_prefetch_test" "$build/tests/uva_lookup_helper"
+               "$build/tests/gpu_client_test" "$build/daemon/engramd") ;;
+  *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon|client|tests]" >&2; exit 2 ;;
 esac
 for b in "${bins[@]}"; do
   cp "$b" "$out/bin/"
@@ -26,6 +28,8 @@ for b in "${bins[@]}"; do
   ldd "$b" | awk '/=> \// {print $3}' | grep -vE '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libcuda)\.so' |
     while read -r lib; do cp -Lu "$lib" "$out/lib/"; done
 done
+# gpu_client_test starts engramd as $ENGRAM_BIN_DIR/../daemon/engramd.
+if [ -x "$out/bin/engramd" ]; then mkdir -p "$out/daemon" && cp "$out/bin/engramd" "$out/daemon/engramd"; fi
 mkdir -p "$out/data"
 cp -r "$root/tests/data/configs" "$root/tests/data/goldens" "$root/tests/data/tokenizers" "$out/data/"
 strip --strip-debug "$out"/lib/*.so* "$out"/bin/* 2>/dev/null || true
@@ -40,15 +44,18 @@ here=$(cd "$(dirname "$0")" && pwd)
 libs=/tmp/engram-gpu-libs-$(cksum < "$here/lib.tar.gz" | cut -d" " -f1)
 [ -d "$libs/lib" ] || { mkdir -p "$libs" && tar -C "$libs" -xzf "$here/lib.tar.gz"; }
 export LD_LIBRARY_PATH=$libs/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export ENGRAM_TEST_DATA_DIR=$here/data
+export ENGRAM_TEST_DATA_DIR=$here/data ENGRAM_BIN_DIR=$here/bin
 out=${OUT:-/tmp/engram-gpu-out}
 mkdir -p "$out"
 what=${1:-all}
 rc=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  for t in gpu_kernels_test gpu_prefetch_test; do
-    "$here/bin/$t" 2>&1 | tee "$out/$t.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED|seed' ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  # Exit 77 means the binary found no GPU (skipped): on the GPU machine that is a failure of the run too.
+  for t in gpu_kernels_test gpu_prefetch_test gpu_client_test; do
+    [ -x "$here/bin/$t" ] || continue
+    "$here/bin/$t" 2>&1 | tee "$out/$t.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED|seed|no GPU|GPU probe' ; r=${PIPESTATUS[0]}
+    echo "$t: exit $r"; [ "$r" = 0 ] || rc=1
   done
 fi
 if [ "$what" = sanitize ] || [ "$what" = all ]; then
@@ -64,10 +71,14 @@ if [ "$what" = client ]; then
   # libengram_client on the GPU: its GPU test, then engramd + 4 replicas (DP 4) registering a shared table:
   # 4 KiB pages with 1 and 4 tickets, then a huge=always tmpfs with 1 ticket.
   "$here/bin/gpu_client_test" 2>&1 | tee "$out/gpu_client_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure' || rc=1
-  w=/tmp/engram-client-run; rm -rf "$w"; mkdir -p "$w" /mnt/engram-hp
+  # Only this run's own directories are used and removed: a private subdirectory of /dev/shm (same tmpfs, so the
+  # same registration cost; engramd scans only its --shm-dir) and one in a huge-page tmpfs this run mounts.
+  w=$(mktemp -d /tmp/engram-client-run.XXXXXX)
+  shm=$(mktemp -d /dev/shm/engram-run.XXXXXX)
+  hp=$(mktemp -d /mnt/engram-hp.XXXXXX)
   "$here/bin/engram-mkckpt" --out "$w/ck" --table-mib $(( ${ENGRAM_CLIENT_GIB:-16} * 1024 )) | tee "$out/client.log"
-  mountpoint -q /mnt/engram-hp || mount -t tmpfs -o size=$(( ${ENGRAM_CLIENT_GIB:-16} + 4 ))G,huge=always tmpfs /mnt/engram-hp
-  for setting in "/dev/shm 1" "/dev/shm 4" "/mnt/engram-hp 1"; do
+  mount -t tmpfs -o size=$(( ${ENGRAM_CLIENT_GIB:-16} + 4 ))G,huge=always tmpfs "$hp"
+  for setting in "$shm 1" "$shm 4" "$hp 1"; do
     set -- $setting
     "$here/bin/engramd" --checkpoint "$w/ck" --shm-dir "$1" --socket "$w/sock" --tickets "$2" --log-level warn 2>> "$out/client.log" &
     d=$!
@@ -82,9 +93,10 @@ if [ "$what" = client ]; then
     echo "  4 replicas done in $(awk "BEGIN{print $(date +%s.%N) - $t0}") s" | tee -a "$out/client.log"
     for r in 0 1 2 3; do tail -1 "$w/r$r.json" | tee -a "$out/client.log"; done
     kill $d; wait $d
-    [ "$1" = /mnt/engram-hp ] && rm -f /mnt/engram-hp/engram-*
+    rm -f "$1"/engram-*   # this run's segments only: $1 is one of its own directories
   done
-  rm -f /dev/shm/engram-*
+  umount "$hp" && rmdir "$hp"
+  rm -rf "$shm" "$w"
 fi
 if [ "$what" = daemon ]; then
   "$here/bin/bench_daemon" --gib "${ENGRAM_PUBLISH_GIB:-16}" --engramd "$here/bin/engramd" 2>&1 | tee "$out/bench_daemon.log" || rc=1

@@ -1,6 +1,6 @@
 // GPU kernels against the CPU reference (model/reference.h): fresh random inputs every run, outputs poisoned
 // before each launch. Hash ids and lookup rows must be equal bit for bit; the gate within bf16 rounding of the
-// float64 oracle and never NaN. Skips cleanly without a GPU.
+// float64 oracle and never NaN. Exits 77 (ctest skip) without a GPU; a CUDA error fails.
 #include <fcntl.h>
 #include <spawn.h>
 #include <sys/mman.h>
@@ -77,7 +77,7 @@ TokenMap RandomMap(std::mt19937_64& rng, int64_t raw, int64_t compressed) {
 }
 
 TEST(GpuHashTest, EqualsTheCpuReference) {
-  SKIP_WITHOUT_GPU();
+  REQUIRE_GPU();
   std::mt19937_64 rng(Seed());
   for (const char* name : {"v41-flash", "bytelevel-hash", "three-layers-tiny-vocab", "nested-text-config"}) {
     auto cfg = LoadEngramConfig(testing::DataPath(std::string("configs/") + name + ".json"));
@@ -110,7 +110,7 @@ TEST(GpuHashTest, EqualsTheCpuReference) {
 }
 
 TEST(GpuHashTest, RaisesTheErrorFlagForIdsOutsideTheMap) {
-  SKIP_WITHOUT_GPU();
+  REQUIRE_GPU();
   auto cfg = LoadEngramConfig(testing::DataPath("configs/bytelevel-hash.json"));
   auto layout = Layout::Build(*cfg);
   std::mt19937_64 rng(Seed());
@@ -161,7 +161,7 @@ std::vector<int32_t> LookupIds(std::mt19937_64& rng, int T, int C, int64_t strid
 enum class Residency { kDevice, kHostUva };
 
 TEST(GpuLookupTest, EqualsTheCpuReferenceBitForBit) {
-  SKIP_WITHOUT_GPU();
+  REQUIRE_GPU();
   std::mt19937_64 rng(Seed());
   for (int64_t D : {256, 64, 512}) {
     const int64_t rb = D + D / 32, begin = 1000, rows = 50000, end = begin + rows;
@@ -239,7 +239,7 @@ TEST(GpuLookupTest, EqualsTheCpuReferenceBitForBit) {
 }
 
 TEST(GpuLookupTest, SortedGatherNeedsEnoughScratch) {
-  SKIP_WITHOUT_GPU();
+  REQUIRE_GPU();
   const int T = 1024, C = 24;
   std::vector<int32_t> ids(static_cast<size_t>(T * C), 3);
   std::vector<uint8_t> table(100 * 264, 1);
@@ -262,7 +262,7 @@ TEST(GpuLookupTest, SortedGatherNeedsEnoughScratch) {
 }
 
 TEST(GpuLookupTest, MisuseIsInvalidValue) {
-  SKIP_WITHOUT_GPU();
+  REQUIRE_GPU();
   kernels::LookupArgs a;
   a.head_dim = 100;
   EXPECT_EQ(kernels::LaunchLookup(a, nullptr), cudaErrorInvalidValue);
@@ -278,7 +278,7 @@ TEST(GpuLookupTest, MisuseIsInvalidValue) {
 using testing::RandomBf16;
 
 TEST(GpuGateTest, AgreesWithTheFloat64Oracle) {
-  SKIP_WITHOUT_GPU();
+  REQUIRE_GPU();
   std::mt19937_64 rng(Seed());
   struct Shape {
     int T, HC, D;
@@ -314,7 +314,7 @@ TEST(GpuGateTest, AgreesWithTheFloat64Oracle) {
 // A table in a /dev/shm segment, registered by this process and, at the same time, by a second process that runs
 // its own lookup on it (tests/gpu/uva_lookup_helper.cc); both equal the CPU reference.
 TEST(GpuLookupTest, SharedSegmentRegisteredByAnotherProcess) {
-  SKIP_WITHOUT_GPU();
+  REQUIRE_GPU();
   std::mt19937_64 rng(Seed());
   const int64_t D = 256, rb = 264, rows = 200000;
   const std::string path = "/dev/shm/engram-gputest-" + std::to_string(::getpid());

@@ -1,5 +1,7 @@
-// The side-stream prefetcher: lookups started on the side stream overlap a long main-stream kernel, and
-// Wait(layer) orders the main stream after exactly that layer's lookup. Skips cleanly without a GPU.
+// The side-stream prefetcher: lookups started on the side stream complete while the main stream is held busy by a
+// gate kernel that only the host can open (no durations: if the lookups did not overlap, they could not finish
+// before the gate opens), and Wait(layer) orders the main stream after exactly that layer's lookup. The rows equal
+// the CPU reference. Exits 77 (ctest skip) without a GPU; a CUDA error fails.
 #include <chrono>
 #include <random>
 #include <thread>
@@ -17,7 +19,7 @@ namespace {
 using testing::DeviceBuffer;
 
 TEST(GpuPrefetchTest, OverlapsTheMainStreamAndWaitOrders) {
-  SKIP_WITHOUT_GPU();
+  REQUIRE_GPU();
   std::mt19937_64 rng(std::random_device{}());
   const int64_t D = 256, rb = 264, rows = 400000;
   const int L = 2, C = 24, T = 8192;
@@ -42,19 +44,29 @@ TEST(GpuPrefetchTest, OverlapsTheMainStreamAndWaitOrders) {
   CUDA_OK(cudaStreamCreateWithFlags(&main_stream, cudaStreamNonBlocking));
   cudaEvent_t main_done;
   CUDA_OK(cudaEventCreate(&main_done));
-  // The ids are "ready" on the main stream; then the main stream runs a long kernel on a few SMs (200 ms).
+  // The host-mapped gate flag, closed.
+  int32_t* gate_host = nullptr;
+  CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&gate_host), sizeof(int32_t), cudaHostAllocMapped));
+  *const_cast<volatile int32_t*>(gate_host) = 0;
+  int32_t* gate_dev = nullptr;
+  CUDA_OK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&gate_dev), gate_host, 0));
+  // The ids are "ready" on the main stream; then the main stream is held by the gate kernel on a few SMs.
   ASSERT_TRUE(p.Prefetch(d_ids.get(), T, main_stream).ok());
-  CUDA_OK(testing::LaunchSpin(200'000'000, 16, main_stream));
+  CUDA_OK(testing::LaunchGate(gate_dev, 16, main_stream));
   CUDA_OK(testing::LaunchSetFlag(flag.get(), 1, main_stream));
   CUDA_OK(cudaEventRecord(main_done, main_stream));
-  // Both layers' lookups finish while the main stream is still busy.
+  // Both layers' lookups finish while the gate is closed. (The bound only turns a hang into a failure; nothing is
+  // timed: a lookup that does not overlap never finishes before the gate opens.)
   const auto t0 = std::chrono::steady_clock::now();
   while (cudaEventQuery(p.layer_event(L - 1)) == cudaErrorNotReady &&
-         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5)) {
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(120)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  EXPECT_EQ(cudaEventQuery(p.layer_event(L - 1)), cudaSuccess);
-  EXPECT_EQ(cudaEventQuery(main_done), cudaErrorNotReady) << "the lookup did not overlap the main-stream kernel";
+  const cudaError_t lookups = cudaEventQuery(p.layer_event(L - 1));
+  const cudaError_t main_state = cudaEventQuery(main_done);
+  *const_cast<volatile int32_t*>(gate_host) = 1;  // open the gate whatever happened
+  EXPECT_EQ(lookups, cudaSuccess) << "the lookups did not run beside the held main stream";
+  EXPECT_EQ(main_state, cudaErrorNotReady) << "the gate did not hold the main stream";
   // Wait orders the main stream after layer 1's lookup: a copy of the staging buffer on the main stream sees it.
   ASSERT_TRUE(p.Wait(1, main_stream).ok());
   DeviceBuffer<uint16_t> copy(static_cast<size_t>(T * C * D));
@@ -73,6 +85,7 @@ TEST(GpuPrefetchTest, OverlapsTheMainStreamAndWaitOrders) {
   EXPECT_FALSE(p.Wait(2, main_stream).ok());
   for (auto& h : host) CUDA_OK(cudaHostUnregister(h.data()));
   cudaEventDestroy(main_done);
+  CUDA_OK(cudaFreeHost(gate_host));
   cudaStreamDestroy(main_stream);
 }
 

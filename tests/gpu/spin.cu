@@ -3,15 +3,9 @@
 namespace engram::testing {
 namespace {
 
-__device__ uint64_t GlobalTimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__global__ void Spin(uint64_t ns) {
-  const uint64_t start = GlobalTimer();
-  while (GlobalTimer() - start < ns) {
+__global__ void Gate(const volatile int32_t* open) {
+  while (*open == 0) {
+    __nanosleep(1000);
   }
 }
 
@@ -19,8 +13,8 @@ __global__ void SetFlag(int32_t* flag, int32_t value) { *flag = value; }
 
 }  // namespace
 
-cudaError_t LaunchSpin(uint64_t ns, int blocks, cudaStream_t stream) {
-  Spin<<<blocks, 64, 0, stream>>>(ns);
+cudaError_t LaunchGate(const volatile int32_t* open, int blocks, cudaStream_t stream) {
+  Gate<<<blocks, 32, 0, stream>>>(open);
   return cudaGetLastError();
 }
 

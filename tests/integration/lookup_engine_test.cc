@@ -1,6 +1,7 @@
-// LookupEngine on the CPU backend (what CI has): the same calls as on the GPU, over host pointers, equal to the
-// Table's reference calls; Prefetch/Wait fill the fixed staging buffers; every misuse is a Status. Uses a private
-// table (no daemon) built from a generated checkpoint.
+// LookupEngine on the CPU backend (what CI has): the same calls as on the GPU, over host pointers. Its rows (bf16
+// and packed, direct and prefetched into the staging buffers) equal the independent row oracle's reading of the
+// checkpoint (tools/row_oracle.h), and the first rows also the generator's formula; its hash ids equal the Table's.
+// Every misuse is a Status. Uses a private table (no daemon) built from a generated checkpoint.
 #include <sys/stat.h>
 
 #include <random>
@@ -11,6 +12,7 @@
 #include "model/fp8.h"
 #include "tests/oracle.h"
 #include "tests/test_util.h"
+#include "tools/row_oracle.h"
 #include "tools/synthetic.h"
 
 namespace engram {
@@ -40,6 +42,9 @@ TEST(LookupEngineTest, CpuBackendRunsTheSameCallsAsTheGpu) {
   EXPECT_EQ(t.col_begin(), 0);
   EXPECT_EQ(t.col_end(), t.n_cols());
 
+  std::string oracle_error;
+  auto oracle = oracle::RowOracle::Open(spec.out_dir, &oracle_error);
+  ASSERT_NE(oracle, nullptr) << oracle_error;
   const int T = 64, L = static_cast<int>(t.layers().size()), C = static_cast<int>(t.n_cols());
   const int64_t D = t.head_dim();
   auto engine = client::LookupEngine::Create(t, T);
@@ -62,13 +67,36 @@ TEST(LookupEngineTest, CpuBackendRunsTheSameCallsAsTheGpu) {
     for (int i = 0; i < T; ++i) {
       for (int col = 0; col < C; ++col) flat.push_back(ids[static_cast<size_t>((i * L + l) * C + col)]);
     }
-    std::vector<uint16_t> ref(flat.size() * static_cast<size_t>(D)), got(ref.size(), 0xFFFF);
-    ASSERT_TRUE(t.Lookup(l, flat, ref).ok());
+    // Expected rows from the oracle (packed records and their bf16 rows).
+    const size_t rb = static_cast<size_t>(D + D / 32);
+    std::vector<uint16_t> ref;
+    std::vector<uint8_t> ref_packed;
+    for (int32_t id : flat) {
+      std::string error;
+      auto rec = oracle->RecordAt(l, id, &error);
+      ASSERT_TRUE(rec.has_value()) << error;
+      ref_packed.insert(ref_packed.end(), rec->begin(), rec->end());
+      const auto row = oracle::DequantBf16Row(*rec, D);
+      ref.insert(ref.end(), row.begin(), row.end());
+    }
+    std::vector<uint16_t> got(ref.size(), 0xFFFF);
     ASSERT_TRUE((*engine)->Lookup(l, ids.data() + l * C, T, L * C, got.data(), false).ok());
-    EXPECT_EQ(got, ref);
-    EXPECT_TRUE(std::equal(ref.begin(), ref.end(), (*engine)->staging(l)));
-    std::vector<uint8_t> packed(flat.size() * static_cast<size_t>(D + D / 32));
-    EXPECT_TRUE((*engine)->Lookup(l, ids.data() + l * C, T, L * C, packed.data(), true).ok());
+    EXPECT_EQ(got, ref) << "layer " << l;
+    EXPECT_TRUE(std::equal(ref.begin(), ref.end(), (*engine)->staging(l))) << "prefetched layer " << l;
+    std::vector<uint8_t> packed(flat.size() * rb, 0xAB);
+    ASSERT_TRUE((*engine)->Lookup(l, ids.data() + l * C, T, L * C, packed.data(), true).ok());
+    EXPECT_EQ(packed, ref_packed) << "packed layer " << l;
+    // The first looked-up row, byte for byte as the generator wrote it.
+    const std::string base = "layers." + std::to_string(t.layers()[static_cast<size_t>(l)].layer_id) + ".engram.";
+    for (int64_t j = 0; j < D; ++j) {
+      ASSERT_EQ(packed[static_cast<size_t>(j)],
+                tools::SyntheticByte(spec.seed, base + "embed.weight", static_cast<uint64_t>(flat[0] * D + j), false, false));
+    }
+    for (int64_t j = 0; j < D / 32; ++j) {
+      ASSERT_EQ(packed[static_cast<size_t>(D + j)],
+                tools::SyntheticByte(spec.seed, base + "embed.scale", static_cast<uint64_t>(flat[0] * (D / 32) + j), true,
+                                     false));
+    }
   }
   // Gate through the engine equals the float64 oracle.
   const int HC = 4, H = 64;

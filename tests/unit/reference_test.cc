@@ -212,13 +212,17 @@ TEST(LookupReferenceTest, DequantisesOwnedRowsAndZeroesTheRest) {
         const int64_t r = id - begin;
         want = Bf16Oracle(E4M3Definition(weight[r * D + j]) *
                           std::ldexp(1.0, scale[r * D / 32 + j / 32] == 0 ? -100000 : scale[r * D / 32 + j / 32] - 127));
-        if (scale[r * D / 32 + j / 32] == 255) want = FloatToBf16(E4M3ToFloat(weight[r * D + j]) * INFINITY);
+        if (scale[r * D / 32 + j / 32] == 255) {  // a scale of +inf, computed without the code under test
+          const double e = E4M3Definition(weight[r * D + j]);
+          want = std::isnan(e) || e == 0.0 ? uint16_t{0x7FFF} : e > 0 ? uint16_t{0x7F80} : uint16_t{0xFF80};
+        }
       }
       ASSERT_EQ(out[i * D + j], want) << "id " << id << " j " << j;
     }
-    for (int64_t k = 0; k < rb; ++k) {
-      const uint8_t want = owned ? records[(id - begin) * rb + k] : 0;
-      ASSERT_EQ(packed[i * rb + k], want);
+    for (int64_t k = 0; k < rb; ++k) {  // the record is the row's weight bytes, then its scale bytes
+      const int64_t r = id - begin;
+      const uint8_t want = !owned ? 0 : k < D ? weight[r * D + k] : scale[r * D / 32 + (k - D)];
+      ASSERT_EQ(packed[i * rb + k], want) << "id " << id << " byte " << k;
     }
   }
   std::vector<uint16_t> small(3);
