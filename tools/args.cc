@@ -56,6 +56,17 @@ absl::StatusOr<int64_t> Args::GetInt(const std::string& name, int64_t fallback) 
   return v;
 }
 
+absl::Status Args::RequireInts(const std::vector<std::string>& names, int64_t min, int64_t max) const {
+  for (const auto& name : names) {
+    auto v = GetInt(name, min);
+    if (!v.ok()) return v.status();
+    if (*v < min || *v > max) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " must be in [", min, ", ", max, "], got ", Get(name)));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<int64_t>> ParseIntList(const std::string& option, const std::string& text) {
   std::vector<int64_t> out;
   for (absl::string_view part : absl::StrSplit(text, ',')) {

@@ -28,6 +28,9 @@ class Args {
   std::string Get(const std::string& name, const std::string& fallback = "") const;
   std::vector<std::string> GetAll(const std::string& name) const;
   absl::StatusOr<int64_t> GetInt(const std::string& name, int64_t fallback) const;
+  // Every one of `names` that is present must be an integer in [min, max]: a value that does not parse, or would be
+  // truncated where it is used (--tp-size 4294967297), is an error naming the option, never the default.
+  absl::Status RequireInts(const std::vector<std::string>& names, int64_t min, int64_t max) const;
   const std::vector<std::string>& positional() const { return positional_; }
 
  private:

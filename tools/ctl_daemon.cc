@@ -2,16 +2,21 @@
 
 #include <grpcpp/grpcpp.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <iostream>
 #include <random>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -39,11 +44,50 @@ std::unique_ptr<engram::v1::Engram::Stub> Connect(const std::string& socket) {
   return engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
 }
 
-// Exit code and message for a failed RPC: 3 when nothing answers on the socket.
+// Why nothing answered on `socket`, from a plain connect(2): no socket, a stale one, or a permission refusal
+// (which is not "engramd is not running"). Empty when the connect succeeds.
+std::string DiagnoseSocket(const std::string& socket) {
+  sockaddr_un addr{};
+  if (socket.size() >= sizeof(addr.sun_path)) return socket + ": socket path too long";
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, socket.c_str(), socket.size() + 1);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return std::string("cannot create a socket: ") + std::strerror(errno);
+  const int rc = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  const int err = errno;
+  ::close(fd);
+  if (rc == 0) return "";
+  switch (err) {
+    case ENOENT:
+      return "engramd is not running (no socket at " + socket + ")";
+    case ECONNREFUSED:
+      return "engramd is not running (nothing listens on " + socket + ")";
+    case EACCES:
+    case EPERM:
+      return "permission denied on " + socket + ": this user may not use engramd (add it to the daemon's group)";
+    default:
+      return "cannot connect to " + socket + ": " + std::strerror(err);
+  }
+}
+
+// Exit code and message for a failed RPC: 3 when nothing answers on the socket, 4 when this user may not use it.
 int RpcFailure(const grpc::Status& st, const std::string& socket) {
   if (st.error_code() == grpc::StatusCode::UNAVAILABLE || st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-    std::cerr << "engramctl: engramd is not running (nothing answers on " << socket << ")\n";
+    const std::string why = DiagnoseSocket(socket);
+    if (why.rfind("permission denied", 0) == 0) {
+      std::cerr << "engramctl: " << why << "\n";
+      return 4;
+    }
+    if (!why.empty()) {
+      std::cerr << "engramctl: " << why << "\n";
+      return 3;
+    }
+    std::cerr << "engramctl: engramd on " << socket << " did not answer: " << st.error_message() << "\n";
     return 3;
+  }
+  if (st.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
+    std::cerr << "engramctl: " << st.error_message() << "\n";
+    return 4;
   }
   std::cerr << "engramctl: " << st.error_message() << "\n";
   return 1;
@@ -165,7 +209,14 @@ int CmdWatch(int argc, char** argv) {
     return Usage(std::string(st.message()));
   }
   const std::string socket = a.Get("--socket", kDefaultSocket);
-  const double interval = std::max(0.1, std::atof(a.Get("--interval", "1").c_str()));
+  if (auto st = a.RequireInts({"--count"}, 0, std::numeric_limits<int32_t>::max()); !st.ok()) {
+    return Usage(std::string(st.message()));
+  }
+  double interval = 1;
+  if (a.Has("--interval") && (!absl::SimpleAtod(a.Get("--interval"), &interval) || !(interval > 0) || interval > 3600)) {
+    return Usage("--interval wants seconds in (0, 3600], got " + a.Get("--interval"));
+  }
+  interval = std::max(0.1, interval);
   const int64_t count = a.GetInt("--count", 0).value_or(0);
   auto stub = Connect(socket);
   std::map<std::string, std::pair<double, std::chrono::steady_clock::time_point>> last;  // progress seen
@@ -207,19 +258,25 @@ int CmdWatch(int argc, char** argv) {
 
 int CmdLoad(int argc, char** argv) {
   Args a;
-  if (auto st = a.Parse(argc, argv, 2, {"--socket", "--checkpoint", "--tp"}, {}); !st.ok()) {
+  if (auto st = a.Parse(argc, argv, 2, {"--socket", "--checkpoint", "--tp", "--timeout"}, {}); !st.ok()) {
     return Usage(std::string(st.message()));
   }
   if (!a.Has("--checkpoint")) return Usage("load needs --checkpoint DIR");
+  if (auto st = a.RequireInts({"--timeout"}, 1, 24 * 3600); !st.ok()) return Usage(std::string(st.message()));
   engram::v1::LoadRequest req;
   req.set_checkpoint(a.Get("--checkpoint"));
   if (a.Has("--tp")) {
     auto tps = ParseIntList("--tp", a.Get("--tp"));
     if (!tps.ok()) return Usage(std::string(tps.status().message()));
-    for (int64_t t : *tps) req.add_tp_sizes(static_cast<int32_t>(t));
+    for (int64_t t : *tps) {
+      if (t < 1 || t > 1024) return Usage("--tp sizes must be in [1, 1024], got " + a.Get("--tp"));
+      req.add_tp_sizes(static_cast<int32_t>(t));
+    }
   }
   const std::string socket = a.Get("--socket", kDefaultSocket);
   grpc::ClientContext ctx;
+  // Opening a checkpoint reads its headers and builds the token map; publishing runs in the background.
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(a.GetInt("--timeout", 300).value_or(300)));
   engram::v1::LoadReply reply;
   grpc::Status st = Connect(socket)->Load(&ctx, req, &reply);
   if (!st.ok()) return RpcFailure(st, socket);
@@ -265,6 +322,12 @@ int CmdAttach(int argc, char** argv) {
     return Usage(std::string(st.message()));
   }
   if (!a.Has("--checkpoint")) return Usage("attach needs --checkpoint DIR");
+  if (auto st = a.RequireInts({"--tp-size", "--tp-rank", "--dp-size", "--dp-rank", "--local-dp-size", "--verify",
+                               "--hold", "--timeout"},
+                              0, std::numeric_limits<int32_t>::max());
+      !st.ok()) {
+    return Usage(std::string(st.message()));
+  }
   auto ckpt = Checkpoint::Open(a.Get("--checkpoint"));
   if (!ckpt.ok()) {
     std::cerr << "engramctl: " << ckpt.status().message() << "\n";

@@ -18,7 +18,7 @@ int Help(int code) {
          "  hash (--checkpoint DIR | --config FILE --tokenizer FILE) --tokens a,b,... [--dead 0,1,...] [--json]\n"
          "  status [--socket PATH] [--json]\n"
          "  watch [--socket PATH] [--interval S] [--count N]\n"
-         "  load --checkpoint DIR [--tp 1,2] [--socket PATH]\n"
+         "  load --checkpoint DIR [--tp 1,2] [--timeout S] [--socket PATH]\n"
          "  unload --checkpoint DIR [--socket PATH]\n"
          "  drain [--socket PATH]\n"
          "  attach --checkpoint DIR [--tp-size N --tp-rank R --dp-size N --dp-rank R --local-dp-size N]\n"

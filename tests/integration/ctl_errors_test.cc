@@ -1,0 +1,67 @@
+// engramctl's errors say what is wrong: an integer option that does not parse or would be truncated is a usage
+// error (exit 2) naming the option, never the default or a wrapped value; "not running" (exit 3) only when nothing
+// listens; a socket this user may not open is a permission error (exit 4), not "not running".
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "gtest/gtest.h"
+#include "tests/test_util.h"
+
+namespace engram {
+namespace {
+
+using testing::BinPath;
+using testing::RunCmd;
+using testing::TempDir;
+
+TEST(CtlErrorsTest, IntegersAreParsedStrictly) {
+  TempDir dir;
+  const std::string ctl = BinPath("engramctl");
+  auto r = RunCmd(ctl + " attach --checkpoint " + dir.path() + " --tp-size 4294967297 --socket " + (dir / "s"));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--tp-size"), std::string::npos) << r.err;
+  r = RunCmd(ctl + " attach --checkpoint " + dir.path() + " --dp-rank two --socket " + (dir / "s"));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--dp-rank wants an integer"), std::string::npos) << r.err;
+  r = RunCmd(ctl + " watch --count x --socket " + (dir / "s"));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  r = RunCmd(ctl + " watch --interval -1 --socket " + (dir / "s"));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  r = RunCmd(ctl + " load --checkpoint " + dir.path() + " --tp 0 --socket " + (dir / "s"));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+}
+
+TEST(CtlErrorsTest, NotRunningIsOnlySaidWhenNothingListens) {
+  TempDir dir;
+  auto r = RunCmd(BinPath("engramctl") + " status --socket " + (dir / "none.sock"));
+  EXPECT_EQ(r.exit_code, 3);
+  EXPECT_NE(r.err.find("not running"), std::string::npos) << r.err;
+}
+
+TEST(CtlErrorsTest, APermissionRefusalIsNotNotRunning) {
+  if (::geteuid() != 0 || RunCmd("setpriv --reuid 65534 --regid 65534 --clear-groups true").exit_code != 0) {
+    GTEST_SKIP() << "needs root and setpriv to run engramctl as another user";
+  }
+  TempDir dir;
+  ::chmod(dir.path().c_str(), 0755);
+  const std::string path = dir / "engramd.sock";
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  ASSERT_EQ(::chmod(path.c_str(), 0600), 0);  // root's socket: nobody else may connect
+  auto r = RunCmd("setpriv --reuid 65534 --regid 65534 --clear-groups " + BinPath("engramctl") + " status --socket " + path);
+  ::close(fd);
+  EXPECT_EQ(r.exit_code, 4) << r.err;
+  EXPECT_NE(r.err.find("permission denied"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("not running"), std::string::npos) << r.err;
+}
+
+}  // namespace
+}  // namespace engram
