@@ -132,7 +132,7 @@ TEST_F(ClientTest, EveryFallbackServesCorrectRowsAndSaysWhy) {
   json status = json::parse(st.out);
   ASSERT_EQ(status["replicas"].size(), 1u) << st.out;
   EXPECT_EQ(status["replicas"][0]["mode"], "PRIVATE_PINNED");
-  EXPECT_EQ(status["replicas"][0]["reasons"], json({"DP_SIZE_ONE"}));
+  EXPECT_TRUE(Reasons(status["replicas"][0]).count("DP_SIZE_ONE")) << st.out;
   EXPECT_EQ(status["replicas"][0]["pid"], holder.pid());
   holder.Signal(SIGTERM);
   holder.Wait();
@@ -167,7 +167,7 @@ TEST_F(ClientTest, RegistrationFailureFallsBackWithRegisterFailed) {
   auto st2 = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
   json s2 = json::parse(st2.out);
   ASSERT_EQ(s2["replicas"].size(), 1u) << st2.out;
-  EXPECT_EQ(s2["replicas"][0]["reasons"], json({"REGISTER_FAILED"})) << st2.out;
+  EXPECT_TRUE(Reasons(s2["replicas"][0]).count("REGISTER_FAILED")) << st2.out;
   reg.Signal(SIGKILL);
   reg.Wait();
   // The same again without holding: the final line has the rows' verdict.
@@ -191,7 +191,8 @@ TEST_F(ClientTest, GrantedSegmentWithAnotherFingerprintIsNotShared) {
   ASSERT_EQ(ok["mode"], "SHARED") << ok.dump();
   auto st = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
   std::string tp1;
-  for (const auto& g : json::parse(st.out)["segments"]) {
+  const json status = json::parse(st.out);
+  for (const auto& g : status["segments"]) {
     if (g["tp_size"] == 1) tp1 = shm_ + "/" + g["name"].get<std::string>();
   }
   ASSERT_FALSE(tp1.empty()) << st.out;
