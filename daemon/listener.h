@@ -14,7 +14,7 @@
 #include <thread>
 
 #include "absl/status/status.h"
-#include "daemon/state.h"
+#include "daemon/peer.h"
 
 namespace engram::daemon {
 

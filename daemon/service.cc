@@ -45,11 +45,16 @@ grpc::Status EngramService::Session(
   grpc::Status result = grpc::Status::OK;
   engram::v1::ClientMessage msg;
   bool ticket_held = false;
+  bool outcome_sent = false;
   while (stream->Read(&msg)) {
     switch (msg.msg_case()) {
       case engram::v1::ClientMessage::kTicketRequest: {
         if (!answer->has_grant()) {
           result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "ticket requested without a grant");
+          break;
+        }
+        if (outcome_sent) {
+          result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "ticket requested after the outcome");
           break;
         }
         if (ticket_held) {
@@ -71,6 +76,25 @@ grpc::Status EngramService::Session(
         state_->ReportRegistration(lease, msg.register_result());
         ticket_held = false;
         continue;
+      case engram::v1::ClientMessage::kOutcome: {
+        // Once, after the replica settled: after its grant (and its registration, if it took a ticket) or after
+        // the fallback it built.
+        if (ticket_held) {
+          result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                "outcome sent while holding a registration ticket: send the register_result first");
+          break;
+        }
+        if (outcome_sent) {
+          result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "outcome sent twice in one session");
+          break;
+        }
+        if (auto st = state_->RecordOutcome(lease, msg.outcome()); !st.ok()) {
+          result = ToGrpc(st);
+          break;
+        }
+        outcome_sent = true;
+        continue;
+      }
       case engram::v1::ClientMessage::kHello:
         result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "hello sent twice in one session");
         break;

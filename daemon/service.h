@@ -1,6 +1,7 @@
 // EngramService: the gRPC service of engramd (proto/engram/v1/engram.proto) over DaemonState. Session is one
 // long-lived bidirectional stream per replica: hello -> grant or fallback; ticket requests and registration
-// results; daemon events. The stream is the lease: when it ends for any reason the replica is detached. Every
+// results; then once the replica settled, its outcome (at most one, never while it holds a ticket); daemon events.
+// The stream is the lease: when it ends for any reason the replica is detached. Every
 // malformed or out-of-order message ends that one session with a precise status; nothing a client sends can take
 // the daemon down. Thread-safe (gRPC's sync server runs each call on its own thread).
 #pragma once

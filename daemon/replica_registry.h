@@ -1,0 +1,146 @@
+// ReplicaRegistry: the replicas holding a session with engramd. A session is a lease: while it is registered the
+// replica may hold the segment it was granted (its segment key), and it leaves with Detach. The registry also
+// owns the registration tickets (a FIFO queue and a capacity: at most `capacity` replicas register their mapping
+// with CUDA at once), the recent fallback decisions (bounded) and the counters the metrics show.
+//
+// What status shows for a replica is what it reported last: the daemon's decision at attach, then the result of
+// its registration, then its Outcome (ClientMessage.outcome), which replaces mode, reasons and backend exactly as
+// the replica sent them, so status never lists a mode no process is in.
+//
+// Ownership: the registry owns its replica records (including each session's notify callback); callers get copies
+// (ReplicaInfo). It knows segments only by key (checkpoint dir + "/" + segment name).
+//
+// Thread-safety: every public method may be called from any thread. One internal mutex guards all state.
+// AcquireTicket blocks (polling `cancelled`); nothing else blocks. The notify callbacks run under the mutex (they
+// only queue a write on their session's stream) and must not call back into the registry. The registry never
+// calls SegmentRegistry, so the two locks are never held together.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "daemon/fallback.h"
+#include "daemon/peer.h"
+#include "engram/v1/engram.pb.h"
+
+namespace engram::daemon {
+
+// Where a replica stands with the registration tickets.
+enum class TicketState { kNone, kQueued, kHeld };
+std::string_view Name(TicketState s);  // "none", "queued", "held"
+
+inline constexpr size_t kMaxRecentFallbacks = 32;
+inline constexpr int kMaxOutcomeReasons = 32;
+inline constexpr size_t kMaxHintBytes = 512;
+
+// Checks an Outcome a replica sent: mode a known value other than MODE_UNSPECIFIED, at most kMaxOutcomeReasons
+// reasons with known codes other than REASON_UNSPECIFIED, backend "cuda" or "cpu". InvalidArgument naming the
+// problem otherwise. On success `*clean` is the outcome with every hint cut to kMaxHintBytes (at a UTF-8
+// character boundary).
+absl::Status ValidateOutcome(const engram::v1::Outcome& outcome, engram::v1::Outcome* clean);
+
+// A copy of one replica's record, for status and tests.
+struct ReplicaInfo {
+  std::string lease_id;
+  PeerInfo peer;
+  engram::v1::Hello hello;
+  engram::v1::Mode mode = engram::v1::MODE_UNSPECIFIED;
+  // "unknown" until the replica reports one; status shows "registering" while it holds a ticket instead.
+  std::string backend = "unknown";
+  std::vector<engram::v1::Reason> reasons;
+  TicketState ticket = TicketState::kNone;
+  bool outcome_reported = false;
+  double attached_seconds = 0;
+  double register_seconds = -1;
+  std::string segment_key;  // the segment it holds a lease on; "" when none
+};
+
+struct ReplicaCounters {
+  std::map<std::string, uint64_t> fallbacks_by_reason;  // since start
+  uint64_t sessions_total = 0;
+  double register_seconds_sum = 0;
+  uint64_t register_count = 0;
+};
+
+class ReplicaRegistry {
+ public:
+  // `instance_id` prefixes lease ids; `tickets` is the initial ticket capacity (at least 1 is used).
+  ReplicaRegistry(uint64_t instance_id, int tickets);
+  ~ReplicaRegistry();  // wakes ticket waiters (they return false)
+
+  // Records a new session after the daemon decided (`decision`). On share, `segment_key` names the segment the
+  // replica is granted (a lease on it); on fallback the decision goes to the recent fallbacks and counters.
+  // `notify` pushes an event to the session. Returns the lease id.
+  std::string Attach(const engram::v1::Hello& hello, const PeerInfo& peer, const Decision& decision,
+                     const std::string& segment_key,
+                     std::function<void(const engram::v1::ServerMessage&)> notify);
+  // Queues the replica for a ticket and blocks until it is at the head of the queue and a ticket is free (true),
+  // or `cancelled()` turns true, the replica is detached or the registry shuts down (false; it leaves the queue).
+  bool AcquireTicket(const std::string& lease_id, const std::function<bool()>& cancelled);
+  // Registration result: frees the replica's ticket; on failure the replica falls back (REGISTER_FAILED), its
+  // lease is released and the fallback recorded.
+  void ReportRegistration(const std::string& lease_id, const engram::v1::RegisterResult& result);
+  // The replica's settled outcome (see the file comment). InvalidArgument for a malformed outcome (see
+  // ValidateOutcome), FailedPrecondition for a second one, NotFound for an unknown lease. A mode other than SHARED
+  // releases the replica's lease.
+  absl::Status RecordOutcome(const std::string& lease_id, const engram::v1::Outcome& outcome);
+  // Ends the session: frees its ticket, removes it from the ticket queue, releases its lease.
+  void Detach(const std::string& lease_id);
+
+  // Sends `msg` to every session; returns how many there are.
+  size_t NotifyAll(const engram::v1::ServerMessage& msg);
+  // Forgets the leases on the segments of checkpoint `dir` (it was unloaded; the replicas keep their mappings).
+  void ForgetSegmentsOf(const std::string& dir);
+  // SIGHUP: a new ticket capacity (at least 1). Takes effect at once: the free count becomes capacity minus the
+  // tickets in use (never negative; tickets held beyond a smaller capacity are kept until they are given back).
+  void SetTicketCapacity(int tickets);
+
+  std::vector<ReplicaInfo> Replicas() const;  // in lease-id order
+  std::vector<std::string> RecentFallbacks() const;  // oldest first, at most kMaxRecentFallbacks
+  ReplicaCounters Counters() const;
+  int ticket_capacity() const;
+  int tickets_free() const;  // capacity minus tickets held, never negative
+  size_t ticket_queue_length() const;
+  int leases_on(const std::string& segment_key) const;
+
+ private:
+  struct Replica {
+    std::string lease_id;
+    PeerInfo peer;
+    engram::v1::Hello hello;
+    engram::v1::Mode mode = engram::v1::MODE_UNSPECIFIED;
+    std::string backend = "unknown";
+    std::vector<engram::v1::Reason> reasons;
+    TicketState ticket = TicketState::kNone;
+    bool outcome_reported = false;
+    std::chrono::steady_clock::time_point attached;
+    double register_seconds = -1;
+    std::string segment_key;
+    std::function<void(const engram::v1::ServerMessage&)> notify;
+  };
+  void AddRecentFallbackLocked(std::string line);
+  void ReleaseTicketLocked(Replica& r);
+
+  const uint64_t instance_id_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, Replica> replicas_;
+  std::deque<std::string> recent_fallbacks_;
+  ReplicaCounters counters_;
+  int ticket_capacity_ = 1;
+  int tickets_held_ = 0;
+  std::deque<std::string> ticket_queue_;
+  bool stopping_ = false;
+  uint64_t next_lease_ = 1;
+};
+
+}  // namespace engram::daemon

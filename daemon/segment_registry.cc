@@ -1,0 +1,465 @@
+#include "daemon/segment_registry.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "base/status_macros.h"
+#include "daemon/publisher.h"
+#include "model/tokenizer.h"
+#include "shm/segment.h"
+#include "spdlog/spdlog.h"
+
+namespace engram::daemon {
+
+std::string_view Name(SegState s) {
+  switch (s) {
+    case SegState::kPending: return "PENDING";
+    case SegState::kLoading: return "LOADING";
+    case SegState::kReady: return "READY";
+    case SegState::kFailed: return "FAILED";
+    case SegState::kRetired: return "RETIRED";
+  }
+  return "UNKNOWN";
+}
+
+std::string_view Name(ChecksumState s) {
+  switch (s) {
+    case ChecksumState::kPending: return "pending";
+    case ChecksumState::kVerifying: return "verifying";
+    case ChecksumState::kOk: return "ok";
+    case ChecksumState::kMismatch: return "mismatch";
+  }
+  return "unknown";
+}
+
+std::string_view Name(SegOrigin o) {
+  switch (o) {
+    case SegOrigin::kNone: return "";
+    case SegOrigin::kPublished: return "published";
+    case SegOrigin::kAdopted: return "adopted";
+  }
+  return "";
+}
+
+namespace {
+
+bool Unsettled(SegState s) { return s == SegState::kPending || s == SegState::kLoading; }
+
+std::shared_ptr<const engram::v1::SegmentDescriptor> ReadDescriptor(const std::string& path) {
+  auto reader = SegmentReader::Open(path);
+  if (!reader.ok()) return nullptr;
+  auto d = std::make_shared<engram::v1::SegmentDescriptor>();
+  if (!d->ParseFromString((*reader)->descriptor_bytes())) return nullptr;
+  return d;
+}
+
+}  // namespace
+
+SegmentRegistry::SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id)
+    : shm_dir_(std::move(shm_dir)), threads_(std::max(1, threads)), instance_id_(instance_id),
+      shm_(absl::UnknownError("not probed yet")) {}
+
+SegmentRegistry::~SegmentRegistry() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+absl::StatusOr<std::unique_ptr<SegmentRegistry::ServedCheckpoint>> SegmentRegistry::OpenCheckpoint(
+    const std::string& dir, const std::vector<int64_t>& tps) const {
+  auto c = std::make_unique<ServedCheckpoint>();
+  c->dir = dir;
+  c->tp_sizes = tps;
+  ASSIGN_OR_RETURN(c->ckpt, Checkpoint::Open(dir));
+  c->fingerprint = c->ckpt->Fingerprint();
+  if (c->ckpt->config().kind == ModelKind::kPle) {
+    spdlog::warn("event=checkpoint_ple dir={} arch={}: PLE tables are never shared (MODEL_NOT_SHAREABLE)", dir,
+                 c->ckpt->config().architecture);
+    return c;
+  }
+  RETURN_IF_ERROR(c->ckpt->ValidateEngramTensors());
+  ASSIGN_OR_RETURN(Layout layout, Layout::Build(c->ckpt->config()));
+  c->layout = std::make_shared<const Layout>(std::move(layout));
+  ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Load(c->ckpt->tokenizer_path()));
+  c->map = std::make_shared<const TokenMap>(TokenMap::Build(tok));
+  if (auto st = c->map->CheckAgainst(c->ckpt->config()); !st.ok()) {
+    return absl::Status(st.code(), absl::StrCat(dir, ": ", st.message()));
+  }
+  for (int64_t tp : tps) {
+    if (auto s = c->layout->Shard(tp, 0); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(dir, ": ", s.status().message()));
+    }
+  }
+  return c;
+}
+
+void SegmentRegistry::ScanShmDirLocked() {
+  // Debris (anything not READY) goes; READY segments that no configured checkpoint wants are retired (unlinked:
+  // a replica that maps one keeps its mapping, the memory returns when the last mapping goes).
+  for (const std::string& name : ListSegments(shm_dir_)) {
+    const std::string path = shm_dir_ + "/" + name;
+    auto h = ReadSegmentHeader(path);
+    if (!h.ok() || h->state != static_cast<uint32_t>(SegmentState::kReady)) {
+      spdlog::warn("event=segment_debris path={} state={} detail=\"{}\": removed", path,
+                   h.ok() ? SegmentStateName(static_cast<SegmentState>(h->state)) : "unreadable",
+                   h.ok() ? "left by a crash during loading" : std::string(h.status().message()));
+      ::unlink(path.c_str());
+      continue;
+    }
+    bool wanted = false;
+    for (const auto& [dir, c] : checkpoints_) {
+      for (const auto& [key, seg] : c->segments) wanted = wanted || seg.name == name;
+    }
+    if (!wanted) {
+      spdlog::info("event=segment_retired path={}: not served by this configuration", path);
+      (void)SetSegmentState(path, SegmentState::kRetired);
+      ::unlink(path.c_str());
+    }
+  }
+}
+
+void SegmentRegistry::PlanSegmentsLocked(ServedCheckpoint& c) const {
+  if (!c.layout) return;
+  for (int64_t tp : c.tp_sizes) {
+    for (int64_t r = 0; r < tp; ++r) {
+      Segment e;
+      e.tp_size = tp;
+      e.tp_rank = r;
+      e.name = SegmentName(c.fingerprint, tp, r);
+      e.path = shm_dir_ + "/" + e.name;
+      auto shard = c.layout->Shard(tp, r);
+      auto desc = MakeDescriptor(*c.ckpt, *c.layout, *c.map, *shard, c.fingerprint);
+      for (auto& l : *desc.mutable_layers()) l.set_checksum(~uint64_t{0});
+      e.bytes = SegmentFileBytes(desc.ByteSizeLong(), static_cast<uint64_t>(shard->bytes(c.layout->record_bytes())));
+      e.rows_total = static_cast<uint64_t>(shard->rows());
+      c.segments[{tp, r}] = e;
+    }
+  }
+}
+
+absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
+                                    const std::vector<int64_t>& tp_sizes) {
+  std::unique_lock<std::mutex> lock(mu_);
+  shm_ = ProbeShm(shm_dir_);
+  for (const auto& dir : checkpoints) {
+    ASSIGN_OR_RETURN(auto c, OpenCheckpoint(dir, tp_sizes));
+    PlanSegmentsLocked(*c);
+    c->serial = next_serial_++;
+    checkpoints_[dir] = std::move(c);
+  }
+  if (!shm_.ok()) {
+    spdlog::error("event=shm_missing dir={} detail=\"{}\": replicas will fall back (SHM_MISSING)", shm_dir_,
+                  std::string(shm_.status().message()));
+    for (auto& [dir, c] : checkpoints_) {
+      for (auto& [key, e] : c->segments) {
+        e.state = SegState::kFailed;
+        e.error = std::string(shm_.status().message());
+      }
+    }
+    return absl::OkStatus();
+  }
+  ScanShmDirLocked();
+  for (auto& [dir, c] : checkpoints_) {
+    for (auto& [key, e] : c->segments) {
+      auto h = ReadSegmentHeader(e.path);
+      if (h.ok() && h->state == static_cast<uint32_t>(SegmentState::kReady) && h->fingerprint == c->fingerprint &&
+          h->total_bytes == e.bytes) {
+        if (auto desc = ReadDescriptor(e.path)) {
+          e.descriptor = std::move(desc);
+          e.state = SegState::kReady;
+          e.origin = SegOrigin::kAdopted;
+          e.load_seconds = h->load_seconds;
+          e.checksum = ChecksumState::kVerifying;
+          spdlog::info("event=segment_adopted path={} bytes={} load_seconds={:.2f}", e.path, e.bytes, e.load_seconds);
+          workers_.emplace_back([this, d = dir, k = key] { VerifyAdopted(d, k); });
+          continue;
+        }
+      }
+      if (h.ok()) ::unlink(e.path.c_str());  // stale: wrong size or fingerprint
+      publish_queue_.push_back({dir, key});
+    }
+  }
+  workers_.emplace_back([this] { PublishLoop(); });
+  return absl::OkStatus();
+}
+
+SegmentRegistry::Segment* SegmentRegistry::FindLocked(const std::string& dir, Key key, uint64_t serial) {
+  auto it = checkpoints_.find(dir);
+  if (it == checkpoints_.end() || (serial != 0 && it->second->serial != serial)) return nullptr;
+  auto s = it->second->segments.find(key);
+  return s == it->second->segments.end() ? nullptr : &s->second;
+}
+
+void SegmentRegistry::VerifyAdopted(const std::string& dir, Key key) {
+  std::string path;
+  std::shared_ptr<std::atomic<uint64_t>> progress;
+  uint64_t serial = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Segment* e = FindLocked(dir, key);
+    if (e == nullptr) return;
+    serial = checkpoints_.at(dir)->serial;
+    path = e->path;
+    progress = e->rows_done;
+  }
+  absl::Status st = VerifyChecksums(path, std::max(1, threads_ / 2), progress.get());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Segment* e = FindLocked(dir, key, serial);
+    if (e == nullptr) return;
+    e->checksum = st.ok() ? ChecksumState::kOk : ChecksumState::kMismatch;
+    if (!st.ok()) {
+      spdlog::error("event=segment_checksum_mismatch path={} detail=\"{}\": republishing", path,
+                    std::string(st.message()));
+      e->state = SegState::kPending;
+      e->descriptor.reset();
+      ::unlink(path.c_str());
+      publish_queue_.push_back({dir, key});
+    }
+  }
+  cv_.notify_all();
+}
+
+void SegmentRegistry::PublishLoop() {
+  while (true) {
+    std::string dir;
+    Key key;
+    std::shared_ptr<const Checkpoint> ckpt;
+    std::shared_ptr<const Layout> layout;
+    std::shared_ptr<const TokenMap> map;
+    uint64_t serial = 0;
+    std::shared_ptr<std::atomic<uint64_t>> progress;
+    uint64_t bytes = 0;
+    std::string path;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !publish_queue_.empty(); });
+      if (stopping_) return;
+      std::tie(dir, key) = publish_queue_.front();
+      publish_queue_.pop_front();
+      auto it = checkpoints_.find(dir);
+      if (it == checkpoints_.end()) continue;
+      Segment* e = FindLocked(dir, key);
+      if (e == nullptr) continue;
+      // Shared: an Unload during the publish erases the entry, not what the publisher reads.
+      ckpt = it->second->ckpt;
+      layout = it->second->layout;
+      map = it->second->map;
+      serial = it->second->serial;
+      progress = e->rows_done;
+      progress->store(0);
+      bytes = e->bytes;
+      path = e->path;
+      // Capacity: the segment must fit in what the mount has free now.
+      auto cap = ProbeShm(shm_dir_);
+      if (!cap.ok() || cap->free_bytes < bytes) {
+        e->state = SegState::kFailed;
+        e->too_small = cap.ok();
+        e->error = cap.ok() ? absl::StrFormat("%s has %d bytes free, the segment needs %d", shm_dir_,
+                                              cap->free_bytes, bytes)
+                            : std::string(cap.status().message());
+        spdlog::error("event=segment_not_created path={} reason={} detail=\"{}\"", path,
+                      cap.ok() ? "SHM_TOO_SMALL" : "SHM_MISSING", e->error);
+        cv_.notify_all();
+        continue;
+      }
+      e->state = SegState::kLoading;
+      e->origin = SegOrigin::kPublished;
+    }
+    spdlog::info("event=publish_start path={} bytes={} threads={}", path, bytes, threads_);
+    auto r = Publish(*ckpt, *layout, *map, key.first, key.second, shm_dir_, instance_id_, epoch_.load(), threads_,
+                     progress.get());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // Unloaded (and maybe loaded again) while publishing: Unload/Load unlinked the file already, nothing to record.
+      Segment* e = FindLocked(dir, key, serial);
+      if (e == nullptr) {
+        spdlog::info("event=publish_discarded path={}: the checkpoint was unloaded meanwhile", path);
+      } else if (r.ok()) {
+        e->descriptor = ReadDescriptor(path);
+        e->state = SegState::kReady;
+        e->load_seconds = r->seconds;
+        e->checksum = ChecksumState::kOk;
+        spdlog::info("event=publish_done path={} bytes={} seconds={:.2f} gib_per_s={:.2f}", path, r->bytes,
+                     r->seconds, r->bytes / 1073741824.0 / std::max(r->seconds, 1e-9));
+      } else {
+        e->state = SegState::kFailed;
+        e->too_small = r.status().code() == absl::StatusCode::kResourceExhausted;
+        e->error = std::string(r.status().message());
+        spdlog::error("event=publish_failed path={} detail=\"{}\"", path, e->error);
+      }
+    }
+    cv_.notify_all();
+  }
+}
+
+bool SegmentRegistry::WaitSettled(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_for(lock, timeout, [&] {
+    for (const auto& [dir, c] : checkpoints_) {
+      for (const auto& [k, e] : c->segments) {
+        if (Unsettled(e.state)) return false;
+      }
+    }
+    return true;
+  });
+}
+
+std::string SegmentRegistry::LoadProgressLine() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int ready = 0, total = 0;
+  uint64_t done = 0, all = 0;
+  for (const auto& [dir, c] : checkpoints_) {
+    for (const auto& [k, e] : c->segments) {
+      ++total;
+      ready += e.state == SegState::kReady;
+      all += e.rows_total;
+      done += e.state == SegState::kReady ? e.rows_total : e.rows_done->load();
+    }
+  }
+  return absl::StrFormat("%d/%d segments ready, %.0f%% of rows", ready, total, all ? 100.0 * done / all : 100.0);
+}
+
+absl::StatusOr<ShardOffer> SegmentRegistry::Offer(const engram::v1::Hello& h, const std::function<bool()>& cancelled,
+                                                  const std::function<bool()>& give_up) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const Key key{h.tp_size(), h.tp_rank()};
+  while (true) {
+    ShardOffer offer;
+    NodeView& node = offer.node;
+    node.shm_path = shm_dir_;
+    node.shm_exists = shm_.ok();
+    if (shm_.ok()) {
+      node.shm_dev = shm_->device;
+      node.shm_ino = shm_->inode;
+      node.shm_free_bytes = shm_->free_bytes;
+    }
+    const ServedCheckpoint* c = nullptr;
+    for (const auto& [dir, entry] : checkpoints_) {
+      if (entry->fingerprint == h.fingerprint()) c = entry.get();
+    }
+    node.checkpoint_served = c != nullptr;
+    if (c == nullptr) return offer;
+    offer.checkpoint = c->dir;
+    node.model_shareable = c->layout != nullptr;
+    auto it = c->segments.find(key);
+    if (it == c->segments.end()) {
+      if (node.model_shareable) {
+        node.segment_failed = true;
+        node.segment_error = absl::StrFormat("TP size %d is not served (engramd --tp %s)", h.tp_size(),
+                                             absl::StrJoin(c->tp_sizes, ","));
+      }
+      return offer;
+    }
+    const Segment& seg = it->second;
+    // Wait for loading to settle; the replica's own timeout bounds this (it cancels the call). The entry is
+    // looked up again after every wait: an Unload may have removed it meanwhile.
+    if (Unsettled(seg.state) && !cancelled() && !give_up()) {
+      cv_.wait_for(lock, std::chrono::milliseconds(100));
+      continue;
+    }
+    if (cancelled()) return absl::CancelledError("replica gave up waiting");
+    for (const auto& [k, e] : c->segments) {
+      if (k.first == h.tp_size()) node.tables_bytes += e.bytes;
+    }
+    if (seg.state == SegState::kReady && seg.descriptor) {
+      offer.ready = true;
+      offer.segment_name = seg.name;
+      offer.segment_path = seg.path;
+      offer.segment_bytes = seg.bytes;
+      offer.descriptor = seg.descriptor;
+    } else {
+      node.shm_too_small = seg.too_small;
+      node.segment_failed = true;
+      node.segment_error = seg.error;
+    }
+    return offer;
+  }
+}
+
+absl::Status SegmentRegistry::Load(const std::string& dir, const std::vector<int64_t>& tp_sizes) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (checkpoints_.count(dir)) return absl::AlreadyExistsError(absl::StrCat(dir, " is already served"));
+  }
+  ASSIGN_OR_RETURN(auto c, OpenCheckpoint(dir, tp_sizes));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (checkpoints_.count(dir)) return absl::AlreadyExistsError(absl::StrCat(dir, " is already served"));
+    PlanSegmentsLocked(*c);
+    c->serial = next_serial_++;
+    for (auto& [key, e] : c->segments) {
+      ::unlink(e.path.c_str());
+      publish_queue_.push_back({dir, key});
+    }
+    checkpoints_[dir] = std::move(c);
+  }
+  spdlog::info("event=load dir={}", dir);
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+absl::Status SegmentRegistry::Unload(const std::string& dir) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = checkpoints_.find(dir);
+  if (it == checkpoints_.end()) return absl::NotFoundError(absl::StrCat(dir, " is not served"));
+  // Segments still queued for publishing are not published any more.
+  publish_queue_.erase(std::remove_if(publish_queue_.begin(), publish_queue_.end(),
+                                      [&](const auto& q) { return q.first == dir; }),
+                       publish_queue_.end());
+  for (auto& [k, e] : it->second->segments) {
+    (void)SetSegmentState(e.path, SegmentState::kRetired);
+    ::unlink(e.path.c_str());  // replicas that map it keep their mapping
+  }
+  checkpoints_.erase(it);
+  lock.unlock();
+  spdlog::info("event=unload dir={}", dir);
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+std::vector<std::string> SegmentRegistry::CheckpointDirs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> out;
+  for (const auto& [dir, c] : checkpoints_) out.push_back(dir);
+  return out;
+}
+
+std::vector<SegmentInfo> SegmentRegistry::Segments() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<SegmentInfo> out;
+  for (const auto& [dir, c] : checkpoints_) {
+    for (const auto& [k, e] : c->segments) {
+      SegmentInfo i;
+      i.checkpoint = dir;
+      i.name = e.name;
+      i.path = e.path;
+      i.tp_size = e.tp_size;
+      i.tp_rank = e.tp_rank;
+      i.bytes = e.bytes;
+      i.state = e.state;
+      i.origin = e.origin;
+      i.load_seconds = e.load_seconds;
+      i.checksum = e.checksum;
+      i.rows_done = e.rows_done->load();
+      i.rows_total = e.rows_total;
+      i.error = e.error;
+      out.push_back(std::move(i));
+    }
+  }
+  return out;
+}
+
+void SegmentRegistry::Wake() {
+  { std::lock_guard<std::mutex> lock(mu_); }
+  cv_.notify_all();
+}
+
+}  // namespace engram::daemon

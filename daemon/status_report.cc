@@ -1,0 +1,110 @@
+#include "daemon/status_report.h"
+
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "shm/capacity.h"
+
+namespace engram::daemon {
+
+engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const ReplicaRegistry& replicas, bool draining) {
+  engram::v1::StatusReply s;
+  const std::string& shm_dir = segments.shm_dir();
+  auto cap = ProbeShm(shm_dir);
+  auto* shm = s.mutable_shm();
+  shm->set_path(cap.ok() ? cap->path : shm_dir);
+  if (cap.ok()) {
+    shm->set_total_bytes(cap->total_bytes);
+    shm->set_free_bytes(cap->free_bytes);
+    shm->set_huge_pages(cap->huge_pages);
+  } else {
+    shm->set_huge_pages("missing");
+  }
+  uint64_t engram_bytes = 0;
+  for (const SegmentInfo& e : segments.Segments()) {
+    auto* seg = s.add_segments();
+    seg->set_name(e.name);
+    seg->set_checkpoint(e.checkpoint);
+    seg->set_tp_rank(static_cast<int32_t>(e.tp_rank));
+    seg->set_tp_size(static_cast<int32_t>(e.tp_size));
+    seg->set_bytes(e.bytes);
+    seg->set_state(std::string(Name(e.state)));
+    seg->set_origin(std::string(Name(e.origin)));
+    seg->set_load_seconds(e.load_seconds);
+    seg->set_checksum_state(std::string(Name(e.checksum)));
+    seg->set_progress(e.state == SegState::kReady && e.checksum != ChecksumState::kVerifying
+                          ? 1.0
+                          : e.rows_total ? static_cast<double>(e.rows_done) / e.rows_total : 0.0);
+    seg->set_error(e.error);
+    if (e.state == SegState::kReady) engram_bytes += e.bytes;
+  }
+  shm->set_engram_bytes(engram_bytes);
+  for (const ReplicaInfo& r : replicas.Replicas()) {
+    auto* rep = s.add_replicas();
+    rep->set_pid(r.peer.pid);
+    rep->set_uid(r.peer.uid);
+    rep->set_dp_rank(r.hello.dp_rank());
+    rep->set_tp_rank(r.hello.tp_rank());
+    rep->set_mode(ModeName(r.mode));
+    rep->set_backend(r.ticket == TicketState::kHeld ? "registering" : r.backend);
+    for (const auto& reason : r.reasons) *rep->add_reasons() = reason;
+    rep->set_attached_seconds(r.attached_seconds);
+    rep->set_register_seconds(r.register_seconds);
+    rep->set_lease_id(r.lease_id);
+  }
+  for (const auto& f : replicas.RecentFallbacks()) s.add_recent_fallbacks(f);
+  s.set_draining(draining);
+  s.set_epoch(segments.epoch());
+  return s;
+}
+
+std::string MetricsText(const engram::v1::StatusReply& s, const ReplicaCounters& counters) {
+  std::string out;
+  auto line = [&](const std::string& name, const std::string& labels, double v) {
+    absl::StrAppend(&out, name, labels.empty() ? "" : "{" + labels + "}", " ", absl::StrFormat("%.6g", v), "\n");
+  };
+  absl::StrAppend(&out, "# HELP engram_shm_bytes shm directory capacity.\n# TYPE engram_shm_bytes gauge\n");
+  line("engram_shm_bytes", "kind=\"total\"", static_cast<double>(s.shm().total_bytes()));
+  line("engram_shm_bytes", "kind=\"free\"", static_cast<double>(s.shm().free_bytes()));
+  line("engram_shm_bytes", "kind=\"engram\"", static_cast<double>(s.shm().engram_bytes()));
+  absl::StrAppend(&out, "# HELP engram_segment_bytes Size of each segment, by state.\n"
+                        "# TYPE engram_segment_bytes gauge\n");
+  std::map<std::string, int> by_state;
+  for (const auto& g : s.segments()) {
+    line("engram_segment_bytes", absl::StrFormat("segment=\"%s\",state=\"%s\",origin=\"%s\"", g.name(), g.state(),
+                                                 g.origin()),
+         static_cast<double>(g.bytes()));
+    ++by_state[g.state()];
+  }
+  absl::StrAppend(&out, "# TYPE engram_segments gauge\n");
+  for (const auto& [st, n] : by_state) line("engram_segments", "state=\"" + st + "\"", n);
+  absl::StrAppend(&out, "# HELP engram_publish_gib_per_second Publish rate of each published segment.\n"
+                        "# TYPE engram_publish_gib_per_second gauge\n");
+  for (const auto& g : s.segments()) {
+    if (g.origin() == Name(SegOrigin::kPublished) && g.state() == Name(SegState::kReady) && g.load_seconds() > 0) {
+      line("engram_publish_gib_per_second", "segment=\"" + g.name() + "\"",
+           g.bytes() / 1073741824.0 / g.load_seconds());
+    }
+  }
+  std::map<std::string, int> by_mode;
+  for (const auto& r : s.replicas()) ++by_mode[r.mode()];
+  absl::StrAppend(&out, "# HELP engram_replicas Attached replicas by mode.\n# TYPE engram_replicas gauge\n");
+  for (const char* m : {"SHARED", "PRIVATE_PINNED", "DEVICE", "DP_SHARDED"}) {
+    line("engram_replicas", absl::StrCat("mode=\"", m, "\""), by_mode[m]);
+  }
+  absl::StrAppend(&out, "# HELP engram_fallbacks_total Fallback decisions since start, by reason.\n"
+                        "# TYPE engram_fallbacks_total counter\n");
+  for (const auto& [reason, n] : counters.fallbacks_by_reason) {
+    line("engram_fallbacks_total", "reason=\"" + reason + "\"", static_cast<double>(n));
+  }
+  absl::StrAppend(&out, "# TYPE engram_sessions_total counter\n");
+  line("engram_sessions_total", "", static_cast<double>(counters.sessions_total));
+  absl::StrAppend(&out, "# HELP engram_register_seconds Registration time reported by replicas.\n"
+                        "# TYPE engram_register_seconds summary\n");
+  line("engram_register_seconds_sum", "", counters.register_seconds_sum);
+  line("engram_register_seconds_count", "", static_cast<double>(counters.register_count));
+  return out;
+}
+
+}  // namespace engram::daemon
