@@ -10,12 +10,15 @@
 
 #include <cstddef>
 #include <fstream>
+#include <random>
 #include <set>
 #include <sstream>
 
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "client/engram_client.h"
 #include "shm/segment.h"
+#include "tools/synthetic.h"
 #include "tests/integration/json_lines.h"
 #include "tests/integration/process.h"
 #include "tests/test_util.h"
@@ -240,6 +243,58 @@ TEST_F(ClientTest, CpuOffloadFlagBeatsEnvironmentWhichBeatsDefault) {
       EXPECT_TRUE(Reasons(j).count("CPU_OFFLOAD_DISABLED")) << j.dump();
     }
     EXPECT_EQ(j["mismatches"], 0);
+  }
+}
+
+// The bytes a replica is served, in-process through libengram_client: from the daemon's shared segment (SHARED) and
+// from a private fallback table (no daemon: PRIVATE_PINNED), for TP 1 and both TP 2 shards, equal the generator's
+// own formula (SyntheticByte, default seed 1 as engram-mkckpt writes) at the first, last and sampled rows.
+TEST_F(ClientTest, SharedAndPrivateRowsEqualTheGeneratorsFormula) {
+  auto expect_formula = [](const client::Table& t, const std::string& what) {
+    const int64_t D = t.head_dim(), S = D / 32, rb = D + S;
+    std::mt19937_64 rng(9);
+    for (size_t l = 0; l < t.layers().size(); ++l) {
+      const auto& li = t.layers()[l];
+      const uint8_t* base = t.records(static_cast<int>(l));
+      ASSERT_NE(base, nullptr) << what;
+      const std::string name = "layers." + std::to_string(li.layer_id) + ".engram.";
+      std::vector<int64_t> rows = {li.row_begin, li.row_end - 1};
+      for (int i = 0; i < 30; ++i) {
+        rows.push_back(li.row_begin + static_cast<int64_t>(rng() % static_cast<uint64_t>(li.row_end - li.row_begin)));
+      }
+      for (int64_t row : rows) {
+        const uint8_t* rec = base + (row - li.row_begin) * rb;
+        for (int64_t j = 0; j < D; ++j) {
+          ASSERT_EQ(rec[j], tools::SyntheticByte(1, name + "embed.weight", static_cast<uint64_t>(row * D + j), false, false))
+              << what << " layer " << li.layer_id << " row " << row << " byte " << j;
+        }
+        for (int64_t j = 0; j < S; ++j) {
+          ASSERT_EQ(rec[D + j], tools::SyntheticByte(1, name + "embed.scale", static_cast<uint64_t>(row * S + j), true, false))
+              << what << " layer " << li.layer_id << " row " << row << " scale " << j;
+        }
+      }
+    }
+  };
+  for (const auto& [tp, rank] : std::vector<std::pair<int, int>>{{1, 0}, {2, 0}, {2, 1}}) {
+    for (bool shared : {true, false}) {
+      client::ClientOptions opts;
+      opts.socket = shared ? socket_ : dir_ / "nobody.sock";
+      opts.timeout = std::chrono::milliseconds(shared ? 30000 : 200);
+      opts.use_gpu = false;
+      auto c = client::Client::Connect(opts);
+      ASSERT_TRUE(c.ok()) << c.status();
+      client::AttachRequest req;
+      req.checkpoint = ckpt_;
+      req.shm_dir = shm_;
+      req.dp_size = 2;
+      req.tp_size = tp;
+      req.tp_rank = rank;
+      auto t = (*c)->Attach(req);
+      ASSERT_TRUE(t.ok()) << t.status();
+      ASSERT_EQ((*t)->mode(), shared ? client::Mode::kShared : client::Mode::kPrivatePinned);
+      expect_formula(**t, std::string(shared ? "shared" : "private") + " tp" + std::to_string(rank) + "of" +
+                              std::to_string(tp));
+    }
   }
 }
 
