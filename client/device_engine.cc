@@ -8,7 +8,7 @@ namespace engram::client {
 absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& table, int32_t max_tokens,
                                                                    cudaStream_t stream) {
   if (table.backend() != Backend::kCuda) {
-    return absl::FailedPreconditionError("the table has the CPU backend (no usable GPU): use Table's host calls");
+    return absl::FailedPreconditionError("the table has the CPU backend (no usable GPU): use LookupEngine::Create, which gives the CPU engine");
   }
   if (max_tokens < 1) return absl::InvalidArgumentError("max_tokens must be >= 1");
   std::unique_ptr<DeviceEngine> e(new DeviceEngine());

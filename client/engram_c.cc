@@ -1,11 +1,13 @@
 #include "client/engram_c.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "client/engram_client.h"
+#include "client/lookup_engine.h"
 
 // The C enum carries the same numbers as the C++ one (and the wire protocol's).
 static_assert(ENGRAM_REASON_SHM_MISSING == static_cast<int>(engram::client::ReasonCode::kShmMissing) &&
@@ -103,23 +105,37 @@ int engram_table_hash(const engram_table* t, const int32_t* tokens, int64_t n, i
   if (t == nullptr || (n > 0 && (tokens == nullptr || out == nullptr)) || n < 0 || n > (int64_t{1} << 30)) {
     return Fail(absl::InvalidArgumentError("engram_table_hash: null table/buffer or bad count"), err, err_len);
   }
+  if (n == 0) return 0;
   std::vector<int64_t> pos(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) pos[static_cast<size_t>(i)] = i;
   const std::vector<int32_t> qsl = {0, static_cast<int32_t>(n)};
-  const size_t n_out = static_cast<size_t>(n) * t->table->layers().size() * static_cast<size_t>(t->table->n_cols());
-  absl::Status st = t->table->Hash({std::span<const int32_t>(tokens, static_cast<size_t>(n)), pos, qsl, {}, {}},
-                                   std::span<int32_t>(out, n_out));
+  auto engine = engram::client::LookupEngine::CreateOnHost(*t->table, static_cast<int32_t>(n));
+  if (!engine.ok()) return Fail(engine.status(), err, err_len);
+  absl::Status st = (*engine)->Hash(tokens, pos.data(), qsl.data(), nullptr, nullptr, static_cast<int32_t>(n), 1, out);
   return st.ok() ? 0 : Fail(st, err, err_len);
 }
 
 int engram_table_lookup(const engram_table* t, int layer, const int32_t* ids, int64_t n, uint16_t* out, char* err,
                         size_t err_len) {
-  if (t == nullptr || (n > 0 && (ids == nullptr || out == nullptr)) || n < 0) {
+  if (t == nullptr || (n > 0 && (ids == nullptr || out == nullptr)) || n < 0 || n > (int64_t{1} << 30)) {
     return Fail(absl::InvalidArgumentError("engram_table_lookup: null table/buffer or bad count"), err, err_len);
   }
-  absl::Status st = t->table->Lookup(layer, std::span<const int32_t>(ids, static_cast<size_t>(n)),
-                                     std::span<uint16_t>(out, static_cast<size_t>(n * t->table->head_dim())));
-  return st.ok() ? 0 : Fail(st, err, err_len);
+  // n ids as ceil(n / cols) "tokens" of `cols` ids each; a partial last token is padded with -1 (a zero row).
+  const int64_t C = t->table->n_cols(), D = t->table->head_dim();
+  if (layer < 0 || layer >= static_cast<int>(t->table->layers().size())) {
+    return Fail(absl::InvalidArgumentError("engram_table_lookup: layer out of range"), err, err_len);
+  }
+  if (n == 0) return 0;
+  const int64_t tokens = (n + C - 1) / C;
+  std::vector<int32_t> padded(static_cast<size_t>(tokens * C), -1);
+  std::copy(ids, ids + n, padded.begin());
+  std::vector<uint16_t> rows(static_cast<size_t>(tokens * C * D));
+  auto engine = engram::client::LookupEngine::CreateOnHost(*t->table, static_cast<int32_t>(tokens));
+  if (!engine.ok()) return Fail(engine.status(), err, err_len);
+  absl::Status st = (*engine)->Lookup(layer, padded.data(), static_cast<int32_t>(tokens), C, rows.data(), false);
+  if (!st.ok()) return Fail(st, err, err_len);
+  std::copy(rows.begin(), rows.begin() + n * D, out);
+  return 0;
 }
 
 }  // extern "C"

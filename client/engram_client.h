@@ -34,7 +34,7 @@
 #include "absl/status/statusor.h"
 #include "model/layout.h"
 #include "client/types.h"
-#include "model/reference.h"
+#include "model/token_map.h"
 
 namespace engram {
 class Env;  // shm/env.h
@@ -91,15 +91,8 @@ class Table {
   virtual const uint8_t* device_records(int l) const = 0;
   // Seconds spent registering (pinning) the table; -1 when nothing was registered.
   virtual double register_seconds() const = 0;
-  // SPEC 2.4 for this model: out [T, n_layers, n_cols].
-  virtual absl::Status Hash(const HashBatch& batch, std::span<int32_t> out) const = 0;
-  // SPEC 3 for layer `l`: out bf16 [n, head_dim] (ids outside this shard's rows give zero rows).
-  virtual absl::Status Lookup(int l, std::span<const int32_t> ids, std::span<uint16_t> out) const = 0;
-  virtual absl::Status LookupPacked(int l, std::span<const int32_t> ids, std::span<uint8_t> out) const = 0;
-  // SPEC 4 on the host (the gate needs no table; here for a complete CPU path).
-  virtual absl::Status Gate(const GateShape& shape, std::span<const uint16_t> hidden, std::span<const uint16_t> kv,
-                            std::span<const uint16_t> q_weight, std::span<const uint16_t> k_weight,
-                            std::span<const uint8_t> mask, std::span<uint16_t> out) const = 0;
+  // Hashing, lookups and the gate go through a LookupEngine (client/lookup_engine.h): the one lookup API, on the
+  // GPU or the CPU, and on the host records of any table (LookupEngine::CreateOnHost).
 };
 
 class Client {

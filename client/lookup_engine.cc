@@ -13,13 +13,11 @@
 namespace engram::client {
 namespace {
 
-// The CPU backend: the reference functions over host pointers.
+// The CPU backend: the reference functions (model/reference.h) over the table's host records. Staging buffers are
+// allocated on the first Prefetch (an engine used only for Hash/Lookup holds no staging memory).
 class CpuEngine final : public LookupEngine {
  public:
-  CpuEngine(const Table& t, int32_t max_tokens) : t_(t), max_tokens_(max_tokens) {
-    staging_.resize(t.layers().size());
-    for (auto& s : staging_) s.resize(static_cast<size_t>(max_tokens) * t.n_cols() * t.head_dim());
-  }
+  CpuEngine(const Table& t, int32_t max_tokens) : t_(t), max_tokens_(max_tokens) {}
   Backend backend() const override { return Backend::kCpu; }
 
   absl::Status Hash(const int32_t* tokens, const int64_t* positions, const int32_t* qsl, const int32_t* lookback,
@@ -34,13 +32,22 @@ class CpuEngine final : public LookupEngine {
                 {qsl, static_cast<size_t>(R) + 1},
                 lookback ? std::span<const int32_t>(lookback, static_cast<size_t>(R) * nl) : std::span<const int32_t>(),
                 dead ? std::span<const uint8_t>(dead, static_cast<size_t>(T)) : std::span<const uint8_t>()};
-    return t_.Hash(b, {out, static_cast<size_t>(T) * t_.layers().size() * static_cast<size_t>(t_.n_cols())});
+    return HashIdsCpu(t_.layout(), t_.token_map(), b,
+                      {out, static_cast<size_t>(T) * t_.layers().size() * static_cast<size_t>(t_.n_cols())});
   }
 
   absl::Status Lookup(int l, const int32_t* ids, int32_t T, int64_t stride, void* out, bool packed) override {
     RETURN_IF_ERROR(CheckTokens(T));
+    if (l < 0 || l >= static_cast<int>(t_.layers().size())) {
+      return absl::InvalidArgumentError(absl::StrCat("layer index ", l, " outside [0, ", t_.layers().size(), ")"));
+    }
     const int64_t C = t_.n_cols();
     if (ids == nullptr || out == nullptr || stride < C) return absl::InvalidArgumentError("lookup: null or bad stride");
+    if (t_.records(l) == nullptr) {
+      return absl::FailedPreconditionError("the table has no host records (a DEVICE table lives on the GPU only)");
+    }
+    const auto& li = t_.layers()[static_cast<size_t>(l)];
+    const RecordTable records{t_.records(l), li.row_begin, li.row_end, t_.head_dim()};
     std::vector<int32_t> flat(static_cast<size_t>(T * C));
     for (int64_t i = 0; i < T; ++i) {
       for (int64_t c = 0; c < C; ++c) flat[static_cast<size_t>(i * C + c)] = ids[i * stride + c];
@@ -48,9 +55,9 @@ class CpuEngine final : public LookupEngine {
     const size_t n = flat.size();
     if (packed) {
       const size_t rb = static_cast<size_t>(t_.head_dim() + t_.head_dim() / 32);
-      return t_.LookupPacked(l, flat, {static_cast<uint8_t*>(out), n * rb});
+      return LookupPackedCpu(records, flat, {static_cast<uint8_t*>(out), n * rb});
     }
-    return t_.Lookup(l, flat, {static_cast<uint16_t*>(out), n * static_cast<size_t>(t_.head_dim())});
+    return LookupBf16Cpu(records, flat, {static_cast<uint16_t*>(out), n * static_cast<size_t>(t_.head_dim())});
   }
 
   absl::Status Gate(const GateInputs& g) override {
@@ -58,13 +65,15 @@ class CpuEngine final : public LookupEngine {
       return absl::InvalidArgumentError("gate: null input");
     }
     const size_t T = static_cast<size_t>(g.num_tokens), HC = static_cast<size_t>(g.hc_mult), D = static_cast<size_t>(g.dim);
-    return t_.Gate({g.num_tokens, g.hc_mult, g.dim, g.eps}, {g.hidden, T * HC * D}, {g.kv, T * (HC + 1) * D},
+    return GateCpu({g.num_tokens, g.hc_mult, g.dim, g.eps}, {g.hidden, T * HC * D}, {g.kv, T * (HC + 1) * D},
                    {g.q_weight, HC * D}, {g.k_weight, HC * D},
                    g.mask ? std::span<const uint8_t>(g.mask, T) : std::span<const uint8_t>(), {g.out, T * HC * D});
   }
 
   absl::Status Prefetch(const int32_t* hash_ids, int32_t T) override {
     const int L = static_cast<int>(t_.layers().size());
+    if (hash_ids == nullptr && T > 0) return absl::InvalidArgumentError("prefetch: null hash ids");
+    AllocateStaging();
     for (int l = 0; l < L; ++l) {
       RETURN_IF_ERROR(Lookup(l, hash_ids + static_cast<int64_t>(l) * t_.n_cols(), T, L * t_.n_cols(),
                              staging_[static_cast<size_t>(l)].data(), false));
@@ -75,9 +84,18 @@ class CpuEngine final : public LookupEngine {
     if (l < 0 || l >= static_cast<int>(staging_.size())) return absl::InvalidArgumentError("wait: layer out of range");
     return absl::OkStatus();
   }
-  uint16_t* staging(int l) const override { return const_cast<uint16_t*>(staging_[static_cast<size_t>(l)].data()); }
+  uint16_t* staging(int l) const override {
+    const_cast<CpuEngine*>(this)->AllocateStaging();
+    return l < 0 || l >= static_cast<int>(staging_.size()) ? nullptr
+                                                           : const_cast<uint16_t*>(staging_[static_cast<size_t>(l)].data());
+  }
 
  private:
+  void AllocateStaging() {
+    if (!staging_.empty()) return;
+    staging_.resize(t_.layers().size());
+    for (auto& s : staging_) s.resize(static_cast<size_t>(max_tokens_) * t_.n_cols() * t_.head_dim());
+  }
   absl::Status CheckTokens(int32_t T) const {
     if (T < 0 || T > max_tokens_) {
       return absl::InvalidArgumentError(absl::StrCat(T, " tokens; the engine was sized for ", max_tokens_));
@@ -102,7 +120,11 @@ absl::StatusOr<std::unique_ptr<LookupEngine>> LookupEngine::Create(const Table& 
     return absl::InternalError("a CUDA table in a build without CUDA");
 #endif
   }
-  if (table.records(0) == nullptr) return absl::FailedPreconditionError("the table has no host records");
+  return CreateOnHost(table, max_tokens);
+}
+
+absl::StatusOr<std::unique_ptr<LookupEngine>> LookupEngine::CreateOnHost(const Table& table, int32_t max_tokens) {
+  if (max_tokens < 1) return absl::InvalidArgumentError("max_tokens must be >= 1");
   return std::unique_ptr<LookupEngine>(new CpuEngine(table, max_tokens));
 }
 

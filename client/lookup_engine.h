@@ -1,4 +1,5 @@
-// LookupEngine: one replica's per-step Engram path over an attached Table, the same calls on either backend:
+// LookupEngine: one replica's per-step Engram path over an attached Table, the same calls on either backend, and
+// the library's one public way to hash, look up and gate:
 //   Hash -> (Prefetch ... Wait(layer) | Lookup) -> Gate.
 // CUDA backend: the fused kernels on the caller's stream, pointers are device pointers (DeviceEngine).
 // CPU backend (no usable GPU): the CPU reference, pointers are host pointers, Prefetch computes every layer into
@@ -31,6 +32,9 @@ class LookupEngine {
   // `stream` is a cudaStream_t for the CUDA backend (nullptr: the default stream); ignored on the CPU backend.
   static absl::StatusOr<std::unique_ptr<LookupEngine>> Create(const Table& table, int32_t max_tokens,
                                                               void* stream = nullptr);
+  // The CPU engine over the table's host records whatever its backend (host pointers in and out): the C API's host
+  // calls and host-side checks. Its lookups fail with FailedPrecondition on a DEVICE table (no host copy).
+  static absl::StatusOr<std::unique_ptr<LookupEngine>> CreateOnHost(const Table& table, int32_t max_tokens);
   virtual ~LookupEngine() = default;
   virtual Backend backend() const = 0;
 

@@ -46,39 +46,6 @@ TableImpl::~TableImpl() {
   if (private_ != nullptr) env_->Munmap(private_, bytes_);
 }
 
-absl::Status TableImpl::CheckLayer(int l) const {
-  if (l < 0 || l >= static_cast<int>(layers_.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("layer index ", l, " outside [0, ", layers_.size(), ")"));
-  }
-  if (records(l) == nullptr) return absl::FailedPreconditionError("the table lives on the GPU: use a LookupEngine");
-  return absl::OkStatus();
-}
-
-RecordTable TableImpl::Records(int l) const {
-  const auto& li = layers_[static_cast<size_t>(l)];
-  return RecordTable{records(l), li.row_begin, li.row_end, head_dim()};
-}
-
-absl::Status TableImpl::Hash(const HashBatch& batch, std::span<int32_t> out) const {
-  return HashIdsCpu(*layout_, *map_, batch, out);
-}
-
-absl::Status TableImpl::Lookup(int l, std::span<const int32_t> ids, std::span<uint16_t> out) const {
-  RETURN_IF_ERROR(CheckLayer(l));
-  return LookupBf16Cpu(Records(l), ids, out);
-}
-
-absl::Status TableImpl::LookupPacked(int l, std::span<const int32_t> ids, std::span<uint8_t> out) const {
-  RETURN_IF_ERROR(CheckLayer(l));
-  return LookupPackedCpu(Records(l), ids, out);
-}
-
-absl::Status TableImpl::Gate(const GateShape& shape, std::span<const uint16_t> hidden, std::span<const uint16_t> kv,
-                             std::span<const uint16_t> q_weight, std::span<const uint16_t> k_weight,
-                             std::span<const uint8_t> mask, std::span<uint16_t> out) const {
-  return GateCpu(shape, hidden, kv, q_weight, k_weight, mask, out);
-}
-
 absl::StatusOr<std::unique_ptr<TableImpl>> OpenSharedTable(const Grant& g, uint64_t fingerprint, const Layout& layout,
                                                            const ShardRange& shard, Env* env) {
   auto seg = SegmentReader::Open(g.segment_path, env);

@@ -45,13 +45,6 @@ class TableImpl final : public Table {
   }
   double register_seconds() const override { return register_seconds_; }
 
-  absl::Status Hash(const HashBatch& batch, std::span<int32_t> out) const override;
-  absl::Status Lookup(int l, std::span<const int32_t> ids, std::span<uint16_t> out) const override;
-  absl::Status LookupPacked(int l, std::span<const int32_t> ids, std::span<uint8_t> out) const override;
-  absl::Status Gate(const GateShape& shape, std::span<const uint16_t> hidden, std::span<const uint16_t> kv,
-                    std::span<const uint16_t> q_weight, std::span<const uint16_t> k_weight,
-                    std::span<const uint8_t> mask, std::span<uint16_t> out) const override;
-
   // The bytes the table's records span (one mapping or allocation), for pinning.
   const uint8_t* base() const { return base_; }
   size_t bytes() const { return bytes_; }
@@ -75,9 +68,6 @@ class TableImpl final : public Table {
   size_t bytes_ = 0;
   bool mlocked_ = false;
 
- private:
-  absl::Status CheckLayer(int l) const;
-  RecordTable Records(int l) const;
 };
 
 // Maps the granted segment and checks it against the grant and the replica's fingerprint. NotFound /

@@ -14,11 +14,11 @@
 #include <thread>
 
 #include "client/engram_client.h"
+#include "client/lookup_engine.h"
 
 #ifdef ENGRAM_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "client/device_engine.h"
 #endif
 #include "nlohmann/json.hpp"
 #include "tools/args.h"
@@ -93,14 +93,20 @@ int main(int argc, char** argv) {
   std::vector<int32_t> tokens(static_cast<size_t>(T)), qsl = {0, static_cast<int32_t>(T)}, ids(static_cast<size_t>(T * L * C));
   std::vector<int64_t> pos(static_cast<size_t>(T));
   std::vector<uint16_t> rows(static_cast<size_t>(T * C * D));
+  auto host_engine = engram::client::LookupEngine::CreateOnHost(t, static_cast<int32_t>(std::max<int64_t>(T, 1)));
+  if (!host_engine.ok()) {
+    std::cout << json{{"error", std::string(host_engine.status().message())}}.dump() << std::endl;
+    return 1;
+  }
+  auto& host = *host_engine;
 #ifdef ENGRAM_HAVE_CUDA
-  // CUDA backend: hash and lookups run as kernels through DeviceEngine; the host calls check them.
-  std::unique_ptr<engram::client::DeviceEngine> engine;
+  // CUDA backend: hash and lookups run as kernels through the table's LookupEngine; the host engine checks them.
+  std::unique_ptr<engram::client::LookupEngine> engine;
   int32_t *d_tokens = nullptr, *d_qsl = nullptr, *d_ids = nullptr;
   int64_t* d_pos = nullptr;
   uint16_t* d_rows = nullptr;
   if (t.backend() == engram::client::Backend::kCuda) {
-    auto e = engram::client::DeviceEngine::Create(t, static_cast<int32_t>(T), nullptr);
+    auto e = engram::client::LookupEngine::Create(t, static_cast<int32_t>(T), nullptr);
     if (!e.ok()) {
       std::cout << json{{"error", std::string(e.status().message())}}.dump() << std::endl;
       return 1;
@@ -122,7 +128,9 @@ int main(int argc, char** argv) {
       return std::chrono::duration<double>(std::chrono::steady_clock::now() - x).count();
     };
     const auto t0 = std::chrono::steady_clock::now();
-    if (!t.Hash({tokens, pos, qsl, {}, {}}, ids).ok()) return 1;
+    if (!host->Hash(tokens.data(), pos.data(), qsl.data(), nullptr, nullptr, static_cast<int32_t>(T), 1, ids.data()).ok()) {
+      return 1;
+    }
     busy += since(t0);
 #ifdef ENGRAM_HAVE_CUDA
     if (engine) {
@@ -158,7 +166,7 @@ int main(int argc, char** argv) {
                   cudaMemcpy(rows.data(), d_rows, rows.size() * 2, cudaMemcpyDeviceToHost) == cudaSuccess;
       }
 #endif
-      if (!host_ok && !t.Lookup(l, layer_ids, rows).ok()) return 1;
+      if (!host_ok && !host->Lookup(l, layer_ids.data(), static_cast<int32_t>(T), C, rows.data(), false).ok()) return 1;
       busy += since(t1);
       for (int64_t k = 0; k < verify / std::max<int64_t>(1, batches) + 1; ++k) {
         const size_t idx = static_cast<size_t>(rng() % static_cast<uint64_t>(T * C));

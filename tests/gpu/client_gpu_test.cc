@@ -10,6 +10,7 @@
 #include "client/cuda_backend.h"
 #include "client/device_engine.h"
 #include "client/lookup_engine.h"
+#include "model/reference.h"
 #include "client/engram_client.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -64,7 +65,7 @@ TEST(GpuClientTest, PrivateAndDeviceTablesMatchTheCpuReference) {
     pos[i] = i < 400 ? i : i - 400 + 7;
   }
   std::vector<int32_t> lookback(2 * (ref.layout().max_ngram() - 1), 3);
-  ASSERT_TRUE(ref.Hash({tokens, pos, qsl, lookback, {}}, ids).ok());
+  ASSERT_TRUE(HashIdsCpu(ref.layout(), ref.token_map(), {tokens, pos, qsl, lookback, {}}, ids).ok());
   for (const auto* table : {pinned->get(), device->get()}) {
     auto engine = client::LookupEngine::Create(*table, T, nullptr);  // the CUDA backend's DeviceEngine
     ASSERT_TRUE(engine.ok()) << engine.status();
@@ -86,7 +87,8 @@ TEST(GpuClientTest, PrivateAndDeviceTablesMatchTheCpuReference) {
         for (int col = 0; col < C; ++col) layer_ids.push_back(ids[static_cast<size_t>((t * L + l) * C + col)]);
       }
       std::vector<uint16_t> want(layer_ids.size() * static_cast<size_t>(D));
-      ASSERT_TRUE(ref.Lookup(l, layer_ids, want).ok());
+      const auto& li = ref.layers()[static_cast<size_t>(l)];
+      ASSERT_TRUE(LookupBf16Cpu({ref.records(l), li.row_begin, li.row_end, D}, layer_ids, want).ok());
       EXPECT_EQ(rows.Download(), want) << "layer " << l;
       std::vector<uint16_t> staged(want.size());
       CUDA_OK(cudaMemcpy(staged.data(), (*engine)->staging(l), staged.size() * 2, cudaMemcpyDeviceToHost));

@@ -8,6 +8,7 @@
 
 #include "client/engram_client.h"
 #include "client/lookup_engine.h"
+#include "model/reference.h"
 #include "gtest/gtest.h"
 #include "model/fp8.h"
 #include "tests/oracle.h"
@@ -57,7 +58,7 @@ TEST(LookupEngineTest, CpuBackendRunsTheSameCallsAsTheGpu) {
     tokens[i] = static_cast<int32_t>(rng() % static_cast<uint64_t>(t.token_map().raw_size()));
     pos[i] = i < 30 ? i : i - 30;
   }
-  ASSERT_TRUE(t.Hash({tokens, pos, qsl, {}, {}}, want).ok());
+  ASSERT_TRUE(HashIdsCpu(t.layout(), t.token_map(), {tokens, pos, qsl, {}, {}}, want).ok());
   ASSERT_TRUE((*engine)->Hash(tokens.data(), pos.data(), qsl.data(), nullptr, nullptr, T, 2, ids.data()).ok());
   EXPECT_EQ(ids, want);
   ASSERT_TRUE((*engine)->Prefetch(ids.data(), T).ok());
