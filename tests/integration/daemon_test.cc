@@ -17,6 +17,8 @@
 #include <cstddef>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <mutex>
 #include <thread>
 #include <set>
 #include <sstream>
@@ -685,6 +687,16 @@ TEST(DaemonTest, OneTicketSerialisesRegistration) {
   std::mutex mu;
   std::vector<int> granted;
   std::vector<std::thread> readers;
+  // On any exit (a failed ASSERT included): end the sessions, then join the readers blocked in Read.
+  struct Cleanup {
+    std::function<void()> fn;
+    ~Cleanup() { fn(); }
+  } cleanup{[&] {
+    for (auto& c : ctx) c->TryCancel();
+    for (auto& r : readers) {
+      if (r.joinable()) r.join();
+    }
+  }};
   for (int i = 0; i < kN; ++i) {
     engram::v1::ClientMessage t;
     t.mutable_ticket_request();
@@ -721,8 +733,7 @@ TEST(DaemonTest, OneTicketSerialisesRegistration) {
     ASSERT_TRUE(st[static_cast<size_t>(holder)]->Write(res));
   }
   ASSERT_TRUE(WaitFor([&] { return registering() == 0; }, std::chrono::seconds(30))) << d.Status().dump();
-  for (auto& c : ctx) c->TryCancel();
-  for (auto& r : readers) r.join();
+  cleanup.fn();
   for (auto& s2 : st) s2->Finish();
   EXPECT_EQ(std::set<int>(granted.begin(), granted.end()).size(), static_cast<size_t>(kN));
 }
