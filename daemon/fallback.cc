@@ -24,6 +24,13 @@ std::string ReasonName(FallbackReason code) { return engram::v1::FallbackReason_
 
 std::string ModeName(engram::v1::Mode mode) { return engram::v1::Mode_Name(mode); }
 
+std::string EchoOf(const std::string& s, size_t max) {
+  if (s.size() <= max) return s;
+  size_t n = max;
+  while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;
+  return s.substr(0, n) + "...";
+}
+
 Decision Decide(const engram::v1::Hello& h, const NodeView& node) {
   Decision d;
   const auto& cfg = h.config();
@@ -54,7 +61,7 @@ Decision Decide(const engram::v1::Hello& h, const NodeView& node) {
     add(engram::v1::FINGERPRINT_MISMATCH,
         absl::StrFormat("the daemon serves no checkpoint with fingerprint %016x (%s): load it with `engramctl load "
                         "--checkpoint DIR`, or check that replica and daemon read the same files",
-                        h.fingerprint(), h.checkpoint()));
+                        h.fingerprint(), EchoOf(h.checkpoint())));
   }
   if (!node.shm_exists) {
     add(engram::v1::SHM_MISSING,

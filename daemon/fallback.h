@@ -3,6 +3,7 @@
 // applies, each with a hint that says what to do about it. Pure function; thread-safe.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -36,5 +37,10 @@ Decision Decide(const engram::v1::Hello& hello, const NodeView& node);
 engram::v1::Reason MakeReason(engram::v1::FallbackReason code, const std::string& hint);
 std::string ReasonName(engram::v1::FallbackReason code);
 std::string ModeName(engram::v1::Mode mode);
+
+// Client input quoted in a hint or a status line is cut to this many bytes (at a UTF-8 boundary, "..." appended),
+// so that no client can make status (every replica's hints) large.
+inline constexpr size_t kMaxEchoBytes = 200;
+std::string EchoOf(const std::string& client_text, size_t max = kMaxEchoBytes);
 
 }  // namespace engram::daemon

@@ -8,7 +8,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -82,24 +84,46 @@ absl::Status UdsListener::Bind(const std::string& path, const std::string& group
   return absl::OkStatus();
 }
 
-void UdsListener::Start(std::function<void(int)> on_connection) {
+void UdsListener::Start(std::function<void(int, bool)> on_connection) {
   thread_ = std::thread([this, on_connection] {
+    int backoff_ms = 0;  // > 0 while accept fails for lack of descriptors or memory
     while (!stop_) {
       pollfd p{fd_, POLLIN, 0};
       if (::poll(&p, 1, 200) <= 0) continue;
       int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);  // gRPC wants non-blocking fds
-      if (c < 0) continue;
+      if (c < 0) {
+        const int err = errno;
+        if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+          // The pending connection stays in the backlog, so poll would wake at once: wait instead of spinning.
+          if (backoff_ms == 0) {
+            spdlog::warn("event=accept_backoff errno={} detail=\"{}\": new connections wait, established ones are "
+                         "served", err, std::strerror(err));
+          }
+          backoff_ms = backoff_ms == 0 ? 50 : std::min(backoff_ms * 2, 400);
+          for (int waited = 0; waited < backoff_ms && !stop_; waited += 10) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          }
+        }
+        continue;
+      }
+      if (backoff_ms > 0) {
+        spdlog::info("event=accept_resumed");
+        backoff_ms = 0;
+      }
       ucred cred{};
       socklen_t len = sizeof(cred);
       if (::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
         ::close(c);
         continue;
       }
+      const PeerInfo peer{cred.pid, cred.uid, cred.gid};
       {
         std::lock_guard<std::mutex> lock(mu_);
-        peers_[c] = PeerInfo{cred.pid, cred.uid, cred.gid};
+        peers_[c] = peer;
       }
-      on_connection(c);
+      const bool allowed = Allowed(peer);
+      if (!allowed) spdlog::warn("event=refused pid={} uid={} reason=PERMISSION_DENIED", peer.pid, peer.uid);
+      on_connection(c, allowed);
     }
   });
 }

@@ -2,6 +2,14 @@
 // configurable), refuses to start when another engramd answers on the same path, accepts connections itself so
 // that it can read each peer's real uid/gid/pid (SO_PEERCRED), and hands the connected fd to the gRPC server.
 // The service maps a call back to its peer through ServerContext::peer() ("fd:N").
+//
+// Authorisation happens here, for every service on the socket (engram, health, reflection): each connection is
+// handed on with `allowed` (Allowed(peer)); main() gives the refused ones to a server whose only service answers
+// every method PERMISSION_DENIED (daemon/refuser.h), so a uid that may not connect learns nothing.
+//
+// Running out of descriptors (EMFILE/ENFILE) or kernel memory (ENOBUFS/ENOMEM) in accept does not spin: the loop
+// backs off (50 ms doubling to 400 ms), logs `event=accept_backoff` once per episode and `event=accept_resumed` when
+// accept works again; established connections keep being served meanwhile.
 // Thread-safe: the accept loop runs on its own thread; PeerOf may be called from any thread.
 #pragma once
 
@@ -23,8 +31,8 @@ class UdsListener {
   ~UdsListener();
   // Binds `path`; fails (AlreadyExists) when a live daemon listens there, removes a stale socket file otherwise.
   absl::Status Bind(const std::string& path, const std::string& group);
-  // Starts accepting; each connection's fd goes to `on_connection`.
-  void Start(std::function<void(int fd)> on_connection);
+  // Starts accepting; each connection's fd goes to `on_connection`, with whether its peer is Allowed.
+  void Start(std::function<void(int fd, bool allowed)> on_connection);
   void Stop();  // stops accepting (existing connections stay)
   std::optional<PeerInfo> PeerOf(const std::string& grpc_peer);
   // Whether a peer may use the daemon: root, the daemon's own uid, or a member of the configured group.

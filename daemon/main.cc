@@ -20,7 +20,9 @@
 
 #include "daemon/listener.h"
 #include "daemon/options.h"
+#include "daemon/refuser.h"
 #include "daemon/service.h"
+#include "daemon/shm_lock.h"
 #include "daemon/state.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -54,6 +56,13 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
+  // One engramd per shm directory, taken before anything there is touched (a second daemon would retire the
+  // first one's segments).
+  auto shm_lock = ShmDirLock::Acquire(opts->shm_dir);
+  if (!shm_lock.ok()) {
+    std::fprintf(stderr, "engramd: %s\n", std::string(shm_lock.status().message()).c_str());
+    return 1;
+  }
   UdsListener listener;
   if (auto st = listener.Bind(opts->socket, opts->group); !st.ok()) {
     std::fprintf(stderr, "engramd: %s\n", std::string(st.message()).c_str());
@@ -62,6 +71,17 @@ int main(int argc, char** argv) {
   DaemonState state(*opts);
   if (auto st = state.Start(); !st.ok()) {
     std::fprintf(stderr, "engramd: %s\n", std::string(st.message()).c_str());
+    return 1;
+  }
+  // Refused peers' connections go to a server of their own whose only service answers PERMISSION_DENIED to every
+  // method. Built before health and reflection are switched on: those plugins apply to every server built later.
+  RefusingService refusing(&listener);
+  grpc::ServerBuilder refuser_builder;
+  refuser_builder.RegisterCallbackGenericService(&refusing);
+  refuser_builder.SetMaxReceiveMessageSize(4096);
+  std::unique_ptr<grpc::Server> refuser = refuser_builder.BuildAndStart();
+  if (!refuser) {
+    std::fprintf(stderr, "engramd: the gRPC server for refused peers did not start\n");
     return 1;
   }
   grpc::EnableDefaultHealthCheckService(true);
@@ -81,7 +101,9 @@ int main(int argc, char** argv) {
   }
   auto* health = server->GetHealthCheckService();
   health->SetServingStatus(false);
-  listener.Start([&](int fd) { grpc::AddInsecureChannelFromFd(server.get(), fd); });
+  listener.Start([&](int fd, bool allowed) {
+    grpc::AddInsecureChannelFromFd(allowed ? server.get() : refuser.get(), fd);
+  });
   spdlog::info("event=listening socket={} shm_dir={} checkpoints={} tickets={}", opts->socket, opts->shm_dir,
                opts->checkpoints.size(), opts->tickets);
 
@@ -129,6 +151,7 @@ int main(int argc, char** argv) {
       if (auto st = state.Reload(*fresh); !st.ok()) {
         spdlog::error("event=reload_failed detail=\"{}\"", std::string(st.message()));
       }
+      // Reload leaves the served set as it was (failure) or fully applied: readiness again once it settled.
       sd_notify(0, "READY=1");
       continue;
     }
@@ -140,6 +163,7 @@ int main(int argc, char** argv) {
   listener.Stop();
   state.Drain();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  refuser->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   readiness.join();
   if (metrics.joinable()) metrics.join();
   spdlog::info("event=stopped: READY segments stay in place for the next start");

@@ -1,5 +1,8 @@
 #include "daemon/options.h"
 
+#include <climits>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -83,6 +86,18 @@ absl::Status ApplyConfigText(const std::string& text, const std::string& origin,
     RETURN_IF_ERROR(Set(absl::StrCat(origin, ":", n), key, value, opts, &replaced));
   }
   return absl::OkStatus();
+}
+
+std::string CanonicalCheckpointPath(const std::string& dir) {
+  if (dir.empty()) return dir;
+  char buf[PATH_MAX];
+  if (::realpath(dir.c_str(), buf) != nullptr) return buf;
+  std::error_code ec;
+  std::filesystem::path p = std::filesystem::absolute(dir, ec);
+  if (ec) p = dir;
+  std::string out = p.lexically_normal().string();
+  while (out.size() > 1 && out.back() == '/') out.pop_back();
+  return out;
 }
 
 absl::StatusOr<Options> ParseOptions(int argc, char** argv) {

@@ -29,6 +29,10 @@ struct Options {
 };
 
 absl::StatusOr<Options> ParseOptions(int argc, char** argv);
+// The one name of a checkpoint directory, so that aliases (a trailing slash, `.`/`..`, a symlink) are the same
+// checkpoint everywhere the daemon takes one (config, Load, Unload, Reload): realpath(3) when the directory exists,
+// else the absolute, lexically normal path without a trailing slash.
+std::string CanonicalCheckpointPath(const std::string& dir);
 // Parses config file text into `opts` (only keys present change).
 absl::Status ApplyConfigText(const std::string& text, const std::string& origin, Options* opts);
 

@@ -146,7 +146,7 @@ void ReplicaRegistry::ReportRegistration(const std::string& lease_id, const engr
   if (it == replicas_.end()) return;
   Replica& r = it->second;
   if (r.ticket == TicketState::kHeld) ReleaseTicketLocked(r);
-  r.backend = res.backend().empty() ? (res.ok() ? "cuda" : "cpu") : res.backend();
+  r.backend = res.backend().empty() ? (res.ok() ? "cuda" : "cpu") : EchoOf(res.backend(), 16);
   r.register_seconds = res.seconds();
   counters_.register_seconds_sum += res.seconds();
   ++counters_.register_count;
@@ -154,14 +154,14 @@ void ReplicaRegistry::ReportRegistration(const std::string& lease_id, const engr
     ++counters_.fallbacks_by_reason["REGISTER_FAILED"];
     r.reasons.push_back(MakeReason(engram::v1::REGISTER_FAILED,
                                    absl::StrFormat("cudaHostRegister failed at chunk %d: %s (check ulimit -l / "
-                                                   "LimitMEMLOCK)", res.failed_chunk(), res.error())));
+                                                   "LimitMEMLOCK)", res.failed_chunk(), EchoOf(res.error()))));
     r.mode = r.hello.config().cpu_offload() == engram::v1::DISABLED ? engram::v1::DEVICE : engram::v1::PRIVATE_PINNED;
     r.segment_key.clear();  // the lease goes: it did not keep the mapping registered
     AddRecentFallbackLocked(absl::StrFormat("pid %d dp %d tp %d: REGISTER_FAILED (chunk %d) -> %s", r.peer.pid,
                                             r.hello.dp_rank(), r.hello.tp_rank(), res.failed_chunk(),
                                             ModeName(r.mode)));
     spdlog::warn("event=register_failed pid={} lease={} chunk={} detail=\"{}\"", r.peer.pid, lease_id,
-                 res.failed_chunk(), res.error());
+                 res.failed_chunk(), EchoOf(res.error()));
   }
   cv_.notify_all();
 }
@@ -221,6 +221,13 @@ void ReplicaRegistry::ForgetSegmentsOf(const std::string& dir) {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [id, r] : replicas_) {
     if (r.segment_key.rfind(dir + "/", 0) == 0) r.segment_key.clear();
+  }
+}
+
+void ReplicaRegistry::ForgetSegment(const std::string& segment_key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [id, r] : replicas_) {
+    if (r.segment_key == segment_key) r.segment_key.clear();
   }
 }
 

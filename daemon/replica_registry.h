@@ -100,6 +100,8 @@ class ReplicaRegistry {
   size_t NotifyAll(const engram::v1::ServerMessage& msg);
   // Forgets the leases on the segments of checkpoint `dir` (it was unloaded; the replicas keep their mappings).
   void ForgetSegmentsOf(const std::string& dir);
+  // Forgets the leases on one segment (its shard was dropped by a reload).
+  void ForgetSegment(const std::string& segment_key);
   // SIGHUP: a new ticket capacity (at least 1). Takes effect at once: the free count becomes capacity minus the
   // tickets in use (never negative; tickets held beyond a smaller capacity are kept until they are given back).
   void SetTicketCapacity(int tickets);

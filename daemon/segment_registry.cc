@@ -1,13 +1,18 @@
 #include "daemon/segment_registry.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
+#include "daemon/options.h"
 #include "daemon/publisher.h"
 #include "model/tokenizer.h"
 #include "shm/segment.h"
@@ -49,6 +54,38 @@ namespace {
 
 bool Unsettled(SegState s) { return s == SegState::kPending || s == SegState::kLoading; }
 
+// What occupies a segment's `path`: nothing (or a foreign file, now removed) -> false; this daemon's own regular
+// file -> true; a foreign file that cannot be removed -> FailedPrecondition naming its owner. Foreign: a symlink,
+// anything but a regular file, another owner, or writable by group/others (a world-writable shm directory lets
+// anyone plant a file under our name before we start).
+absl::StatusOr<bool> OursOrClear(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return false;
+    return absl::InternalError(absl::StrCat("lstat ", path, ": ", std::strerror(errno)));
+  }
+  if (S_ISREG(st.st_mode) && st.st_uid == ::geteuid() && (st.st_mode & (S_IWGRP | S_IWOTH)) == 0) return true;
+  const char* kind = S_ISLNK(st.st_mode) ? "symlink" : S_ISREG(st.st_mode) ? "file" : "special";
+  if (::unlink(path.c_str()) == 0 || errno == ENOENT) {
+    spdlog::warn("event=segment_foreign path={} owner={} mode={:04o} kind={}: not this daemon's, removed", path,
+                 st.st_uid, st.st_mode & 07777, kind);
+    return false;
+  }
+  const int err = errno;
+  spdlog::error("event=segment_foreign path={} owner={} mode={:04o} kind={} detail=\"{}\": cannot be removed", path,
+                st.st_uid, st.st_mode & 07777, kind, std::strerror(err));
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "a file owned by uid %d occupies %s (mode %04o) and cannot be removed (%s): it is not this daemon's (uid %d)",
+      st.st_uid, path, st.st_mode & 07777, std::strerror(err), ::geteuid()));
+}
+
+std::string Bounded(const std::string& s, size_t max) {
+  if (s.size() <= max) return s;
+  size_t n = max;
+  while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;
+  return s.substr(0, n) + "...";
+}
+
 std::shared_ptr<const engram::v1::SegmentDescriptor> ReadDescriptor(const std::string& path) {
   auto reader = SegmentReader::Open(path);
   if (!reader.ok()) return nullptr;
@@ -59,9 +96,9 @@ std::shared_ptr<const engram::v1::SegmentDescriptor> ReadDescriptor(const std::s
 
 }  // namespace
 
-SegmentRegistry::SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id)
+SegmentRegistry::SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id, int group_gid)
     : shm_dir_(std::move(shm_dir)), threads_(std::max(1, threads)), instance_id_(instance_id),
-      shm_(absl::UnknownError("not probed yet")) {}
+      group_gid_(group_gid), shm_(absl::UnknownError("not probed yet")) {}
 
 SegmentRegistry::~SegmentRegistry() {
   {
@@ -76,6 +113,7 @@ absl::StatusOr<std::unique_ptr<SegmentRegistry::ServedCheckpoint>> SegmentRegist
     const std::string& dir, const std::vector<int64_t>& tps) const {
   auto c = std::make_unique<ServedCheckpoint>();
   c->dir = dir;
+  if (tps.empty()) return absl::InvalidArgumentError(absl::StrCat(dir, ": no TP size to serve"));
   c->tp_sizes = tps;
   ASSIGN_OR_RETURN(c->ckpt, Checkpoint::Open(dir));
   c->fingerprint = c->ckpt->Fingerprint();
@@ -105,7 +143,9 @@ void SegmentRegistry::ScanShmDirLocked() {
   // a replica that maps one keeps its mapping, the memory returns when the last mapping goes).
   for (const std::string& name : ListSegments(shm_dir_)) {
     const std::string path = shm_dir_ + "/" + name;
-    auto h = ReadSegmentHeader(path);
+    auto ours = OursOrClear(path);
+    if (!ours.ok() || !*ours) continue;  // foreign: removed, or left (its segment fails when planned)
+    auto h = ReadOwnedSegmentHeader(path, ::geteuid());
     if (!h.ok() || h->state != static_cast<uint32_t>(SegmentState::kReady)) {
       spdlog::warn("event=segment_debris path={} state={} detail=\"{}\": removed", path,
                    h.ok() ? SegmentStateName(static_cast<SegmentState>(h->state)) : "unreadable",
@@ -119,28 +159,41 @@ void SegmentRegistry::ScanShmDirLocked() {
     }
     if (!wanted) {
       spdlog::info("event=segment_retired path={}: not served by this configuration", path);
-      (void)SetSegmentState(path, SegmentState::kRetired);
-      ::unlink(path.c_str());
+      RetireFileLocked(path);
     }
   }
 }
 
+void SegmentRegistry::RetireFileLocked(const std::string& path) const {
+  // Only a file of ours is written to (never through a link, never someone else's file).
+  if (ReadOwnedSegmentHeader(path, ::geteuid()).ok()) (void)SetSegmentState(path, SegmentState::kRetired);
+  ::unlink(path.c_str());
+}
+
+void SegmentRegistry::DropQueuedLocked(const std::string& dir, const Key* key) {
+  publish_queue_.erase(std::remove_if(publish_queue_.begin(), publish_queue_.end(),
+                                      [&](const auto& q) { return q.first == dir && (key == nullptr || q.second == *key); }),
+                       publish_queue_.end());
+}
+
 void SegmentRegistry::PlanSegmentsLocked(ServedCheckpoint& c) const {
+  for (int64_t tp : c.tp_sizes) PlanShardsLocked(c, tp);
+}
+
+void SegmentRegistry::PlanShardsLocked(ServedCheckpoint& c, int64_t tp) const {
   if (!c.layout) return;
-  for (int64_t tp : c.tp_sizes) {
-    for (int64_t r = 0; r < tp; ++r) {
-      Segment e;
-      e.tp_size = tp;
-      e.tp_rank = r;
-      e.name = SegmentName(c.fingerprint, tp, r);
-      e.path = shm_dir_ + "/" + e.name;
-      auto shard = c.layout->Shard(tp, r);
-      auto desc = MakeDescriptor(*c.ckpt, *c.layout, *c.map, *shard, c.fingerprint);
-      for (auto& l : *desc.mutable_layers()) l.set_checksum(~uint64_t{0});
-      e.bytes = SegmentFileBytes(desc.ByteSizeLong(), static_cast<uint64_t>(shard->bytes(c.layout->record_bytes())));
-      e.rows_total = static_cast<uint64_t>(shard->rows());
-      c.segments[{tp, r}] = e;
-    }
+  for (int64_t r = 0; r < tp; ++r) {
+    Segment e;
+    e.tp_size = tp;
+    e.tp_rank = r;
+    e.name = SegmentName(c.fingerprint, tp, r);
+    e.path = shm_dir_ + "/" + e.name;
+    auto shard = c.layout->Shard(tp, r);
+    auto desc = MakeDescriptor(*c.ckpt, *c.layout, *c.map, *shard, c.fingerprint);
+    for (auto& l : *desc.mutable_layers()) l.set_checksum(~uint64_t{0});
+    e.bytes = SegmentFileBytes(desc.ByteSizeLong(), static_cast<uint64_t>(shard->bytes(c.layout->record_bytes())));
+    e.rows_total = static_cast<uint64_t>(shard->rows());
+    c.segments[{tp, r}] = e;
   }
 }
 
@@ -148,8 +201,16 @@ absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
                                     const std::vector<int64_t>& tp_sizes) {
   std::unique_lock<std::mutex> lock(mu_);
   shm_ = ProbeShm(shm_dir_);
-  for (const auto& dir : checkpoints) {
+  for (const auto& given : checkpoints) {
+    const std::string dir = CanonicalCheckpointPath(given);
+    if (checkpoints_.count(dir)) continue;  // the same checkpoint named twice
     ASSIGN_OR_RETURN(auto c, OpenCheckpoint(dir, tp_sizes));
+    for (const auto& [other, oc] : checkpoints_) {
+      if (oc->fingerprint == c->fingerprint) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s and %s are the same checkpoint (fingerprint %016x): serve it once", other, dir, c->fingerprint));
+      }
+    }
     PlanSegmentsLocked(*c);
     c->serial = next_serial_++;
     checkpoints_[dir] = std::move(c);
@@ -168,7 +229,14 @@ absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
   ScanShmDirLocked();
   for (auto& [dir, c] : checkpoints_) {
     for (auto& [key, e] : c->segments) {
-      auto h = ReadSegmentHeader(e.path);
+      auto ours = OursOrClear(e.path);
+      if (!ours.ok()) {
+        e.state = SegState::kFailed;
+        e.error = std::string(ours.status().message());
+        continue;
+      }
+      auto h = *ours ? ReadOwnedSegmentHeader(e.path, ::geteuid()) : absl::StatusOr<SegmentHeader>(
+                                                                          absl::NotFoundError("no segment"));
       if (h.ok() && h->state == static_cast<uint32_t>(SegmentState::kReady) && h->fingerprint == c->fingerprint &&
           h->total_bytes == e.bytes) {
         if (auto desc = ReadDescriptor(e.path)) {
@@ -270,18 +338,30 @@ void SegmentRegistry::PublishLoop() {
         cv_.notify_all();
         continue;
       }
+      // The name must be free: a stale file of ours goes, a foreign one is removed or fails the segment.
+      auto ours = OursOrClear(path);
+      if (ours.ok() && *ours) ::unlink(path.c_str());
+      if (!ours.ok()) {
+        e->state = SegState::kFailed;
+        e->error = std::string(ours.status().message());
+        spdlog::error("event=segment_not_created path={} reason=SEGMENT_NOT_READY detail=\"{}\"", path, e->error);
+        cv_.notify_all();
+        continue;
+      }
       e->state = SegState::kLoading;
       e->origin = SegOrigin::kPublished;
     }
     spdlog::info("event=publish_start path={} bytes={} threads={}", path, bytes, threads_);
     auto r = Publish(*ckpt, *layout, *map, key.first, key.second, shm_dir_, instance_id_, epoch_.load(), threads_,
-                     progress.get());
+                     progress.get(), group_gid_);
     {
       std::lock_guard<std::mutex> lock(mu_);
       // Unloaded (and maybe loaded again) while publishing: Unload/Load unlinked the file already, nothing to record.
       Segment* e = FindLocked(dir, key, serial);
       if (e == nullptr) {
-        spdlog::info("event=publish_discarded path={}: the checkpoint was unloaded meanwhile", path);
+        // Its shard was unloaded (or dropped by a reload) meanwhile: the file just made is nobody's.
+        if (r.ok()) RetireFileLocked(path);
+        spdlog::info("event=publish_discarded path={}: the shard was unloaded meanwhile", path);
       } else if (r.ok()) {
         e->descriptor = ReadDescriptor(path);
         e->state = SegState::kReady;
@@ -384,7 +464,8 @@ absl::StatusOr<ShardOffer> SegmentRegistry::Offer(const engram::v1::Hello& h, co
   }
 }
 
-absl::Status SegmentRegistry::Load(const std::string& dir, const std::vector<int64_t>& tp_sizes) {
+absl::Status SegmentRegistry::Load(const std::string& given, const std::vector<int64_t>& tp_sizes) {
+  const std::string dir = CanonicalCheckpointPath(given);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (checkpoints_.count(dir)) return absl::AlreadyExistsError(absl::StrCat(dir, " is already served"));
@@ -393,12 +474,16 @@ absl::Status SegmentRegistry::Load(const std::string& dir, const std::vector<int
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (checkpoints_.count(dir)) return absl::AlreadyExistsError(absl::StrCat(dir, " is already served"));
+    for (const auto& [other, oc] : checkpoints_) {
+      if (oc->fingerprint == c->fingerprint) {
+        return absl::AlreadyExistsError(absl::StrFormat("%s is the checkpoint %s serves already (fingerprint %016x)",
+                                                        dir, other, c->fingerprint));
+      }
+    }
     PlanSegmentsLocked(*c);
     c->serial = next_serial_++;
-    for (auto& [key, e] : c->segments) {
-      ::unlink(e.path.c_str());
-      publish_queue_.push_back({dir, key});
-    }
+    // Files under these names are replaced when their publish starts (PublishLoop frees the name).
+    for (auto& [key, e] : c->segments) publish_queue_.push_back({dir, key});
     checkpoints_[dir] = std::move(c);
   }
   spdlog::info("event=load dir={}", dir);
@@ -406,23 +491,122 @@ absl::Status SegmentRegistry::Load(const std::string& dir, const std::vector<int
   return absl::OkStatus();
 }
 
-absl::Status SegmentRegistry::Unload(const std::string& dir) {
+absl::Status SegmentRegistry::Unload(const std::string& given) {
+  const std::string dir = CanonicalCheckpointPath(given);
   std::unique_lock<std::mutex> lock(mu_);
   auto it = checkpoints_.find(dir);
   if (it == checkpoints_.end()) return absl::NotFoundError(absl::StrCat(dir, " is not served"));
   // Segments still queued for publishing are not published any more.
-  publish_queue_.erase(std::remove_if(publish_queue_.begin(), publish_queue_.end(),
-                                      [&](const auto& q) { return q.first == dir; }),
-                       publish_queue_.end());
+  DropQueuedLocked(dir);
   for (auto& [k, e] : it->second->segments) {
-    (void)SetSegmentState(e.path, SegmentState::kRetired);
-    ::unlink(e.path.c_str());  // replicas that map it keep their mapping
+    RetireFileLocked(e.path);  // replicas that map it keep their mapping
   }
   checkpoints_.erase(it);
   lock.unlock();
   spdlog::info("event=unload dir={}", dir);
   cv_.notify_all();
   return absl::OkStatus();
+}
+
+absl::StatusOr<ReconfigureResult> SegmentRegistry::Reconfigure(const std::vector<std::string>& given,
+                                                               const std::vector<int64_t>& tps) {
+  if (tps.empty()) return absl::InvalidArgumentError("no TP size to serve");
+  std::vector<std::string> wanted;
+  for (const auto& d : given) {
+    const std::string c = CanonicalCheckpointPath(d);
+    if (std::find(wanted.begin(), wanted.end(), c) == wanted.end()) wanted.push_back(c);
+  }
+  // 1. Validate everything; nothing changes yet.
+  std::map<std::string, std::pair<std::shared_ptr<const Layout>, uint64_t>> served;  // dir -> (layout, fingerprint)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [dir, c] : checkpoints_) served[dir] = {c->layout, c->fingerprint};
+  }
+  std::vector<std::unique_ptr<ServedCheckpoint>> fresh;
+  std::map<uint64_t, std::string> fingerprints;
+  for (const auto& d : wanted) {
+    auto it = served.find(d);
+    if (it != served.end()) {
+      if (it->second.first) {
+        for (int64_t tp : tps) {
+          if (auto s = it->second.first->Shard(tp, 0); !s.ok()) {
+            return absl::InvalidArgumentError(absl::StrCat(d, ": ", s.status().message()));
+          }
+        }
+      }
+      fingerprints[it->second.second] = d;
+      continue;
+    }
+    ASSIGN_OR_RETURN(auto c, OpenCheckpoint(d, tps));
+    fresh.push_back(std::move(c));
+  }
+  for (const auto& c : fresh) {
+    auto [it, inserted] = fingerprints.emplace(c->fingerprint, c->dir);
+    if (!inserted) {
+      return absl::InvalidArgumentError(absl::StrFormat("%s and %s are the same checkpoint (fingerprint %016x)",
+                                                        it->second, c->dir, c->fingerprint));
+    }
+  }
+  // 2. Apply it all under the lock.
+  ReconfigureResult result;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = checkpoints_.begin(); it != checkpoints_.end();) {
+      if (std::find(wanted.begin(), wanted.end(), it->first) != wanted.end()) {
+        ++it;
+        continue;
+      }
+      DropQueuedLocked(it->first);
+      for (auto& [k, e] : it->second->segments) RetireFileLocked(e.path);
+      result.removed.push_back(it->first);
+      it = checkpoints_.erase(it);
+    }
+    for (auto& [dir, c] : checkpoints_) {
+      if (c->tp_sizes == tps) continue;
+      const std::set<int64_t> keep(tps.begin(), tps.end());
+      const std::set<int64_t> had(c->tp_sizes.begin(), c->tp_sizes.end());
+      for (auto it = c->segments.begin(); it != c->segments.end();) {
+        if (keep.count(it->first.first)) {
+          ++it;
+          continue;
+        }
+        DropQueuedLocked(dir, &it->first);
+        RetireFileLocked(it->second.path);
+        result.retired_segment_keys.push_back(dir + "/" + it->second.name);
+        it = c->segments.erase(it);
+      }
+      c->tp_sizes = tps;
+      for (int64_t tp : tps) {
+        if (had.count(tp)) continue;
+        PlanShardsLocked(*c, tp);
+        for (int64_t r = 0; r < tp && c->layout; ++r) publish_queue_.push_back({dir, {tp, r}});
+      }
+      result.tp_changed.push_back(dir);
+    }
+    for (auto& c : fresh) {
+      if (checkpoints_.count(c->dir)) continue;  // loaded meanwhile
+      PlanSegmentsLocked(*c);
+      c->serial = next_serial_++;
+      for (auto& [key, e] : c->segments) publish_queue_.push_back({c->dir, key});
+      result.added.push_back(c->dir);
+      const std::string dir = c->dir;
+      checkpoints_[dir] = std::move(c);
+    }
+  }
+  cv_.notify_all();
+  return result;
+}
+
+void SegmentRegistry::RecordLoadFailure(const std::string& what, const std::string& dir, const std::string& detail) {
+  std::lock_guard<std::mutex> lock(mu_);
+  load_failures_.push_back(
+      absl::StrCat(what, "_failed dir=", Bounded(dir, 256), " detail=\"", Bounded(detail, 512), "\""));
+  while (load_failures_.size() > kMaxRecentLoadFailures) load_failures_.pop_front();
+}
+
+std::vector<std::string> SegmentRegistry::RecentLoadFailures() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {load_failures_.begin(), load_failures_.end()};
 }
 
 std::vector<std::string> SegmentRegistry::CheckpointDirs() const {

@@ -8,6 +8,19 @@
 // adopted segment) and the segment files it creates; callers get copies (SegmentInfo, ShardOffer), never pointers
 // into the registry. Segment files outlive it (READY segments stay in place for the next daemon).
 //
+// Paths: every checkpoint directory the registry takes (Start, Load, Unload, Reconfigure) is canonicalised first
+// (CanonicalCheckpointPath, daemon/options.h): `DIR/`, `DIR/.` and a symlink to DIR are DIR. Two checkpoints with
+// the same fingerprint are never served at once (their segments would have the same names).
+//
+// Foreign files: the shm directory is usually world-writable. A file under a segment's name that is not this
+// daemon's (another owner, writable by group/others, a symlink, not a regular file) is never adopted, served or
+// written to: it is logged (`event=segment_foreign`) and removed; when it cannot be removed (the daemon is not root
+// and does not own it) the segment is FAILED ("a file owned by uid N occupies PATH"), replicas get SEGMENT_NOT_READY.
+//
+// Reconfigure (SIGHUP) is all-or-nothing: every new checkpoint is opened and every TP size checked before anything
+// changes; then checkpoints are added and removed and kept ones re-planned for the new TP sizes (new shards queued,
+// dropped shards retired) in one step under the lock.
+//
 // Thread-safety: every public method may be called from any thread. One internal mutex guards all state; it is
 // never held while a segment is published or verified, and never while calling out of the registry (no callback
 // runs under it), so it can't take part in a lock-order cycle with ReplicaRegistry.
@@ -77,10 +90,19 @@ struct ShardOffer {
   std::string segment_key() const { return checkpoint + "/" + segment_name; }
 };
 
+// What a Reconfigure changed (canonical directories; segment keys as ShardOffer::segment_key()).
+struct ReconfigureResult {
+  std::vector<std::string> added, removed, tp_changed;
+  std::vector<std::string> retired_segment_keys;  // shards dropped from kept checkpoints
+};
+
+inline constexpr size_t kMaxRecentLoadFailures = 8;
+
 class SegmentRegistry {
  public:
   // `threads`: publish/verify workers (>= 1). `instance_id`: written into the headers of published segments.
-  SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id);
+  // `group_gid` >= 0: published segment files get that group (engramd --group), mode 0640.
+  SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id, int group_gid = -1);
   ~SegmentRegistry();  // stops the workers (a publish in progress finishes first)
   SegmentRegistry(const SegmentRegistry&) = delete;
   SegmentRegistry& operator=(const SegmentRegistry&) = delete;
@@ -102,6 +124,12 @@ class SegmentRegistry {
   absl::Status Load(const std::string& dir, const std::vector<int64_t>& tp_sizes);
   // Retires and unlinks the checkpoint's segments (replicas that map them keep their mappings).
   absl::Status Unload(const std::string& dir);
+  // Serve exactly `checkpoints` with `tp_sizes` (SIGHUP), all or nothing: an error changes nothing.
+  absl::StatusOr<ReconfigureResult> Reconfigure(const std::vector<std::string>& checkpoints,
+                                                const std::vector<int64_t>& tp_sizes);
+  // Failed loads/reloads, for status (oldest first, at most kMaxRecentLoadFailures, each line bounded).
+  void RecordLoadFailure(const std::string& what, const std::string& dir, const std::string& detail);
+  std::vector<std::string> RecentLoadFailures() const;
   std::vector<std::string> CheckpointDirs() const;
 
   std::vector<SegmentInfo> Segments() const;  // in (checkpoint dir, tp size, tp rank) order
@@ -141,6 +169,11 @@ class SegmentRegistry {
   absl::StatusOr<std::unique_ptr<ServedCheckpoint>> OpenCheckpoint(const std::string& dir,
                                                               const std::vector<int64_t>& tp_sizes) const;
   void PlanSegmentsLocked(ServedCheckpoint& c) const;
+  void PlanShardsLocked(ServedCheckpoint& c, int64_t tp) const;
+  // Sets the segment's file RETIRED (only when it is this daemon's own file) and unlinks it.
+  void RetireFileLocked(const std::string& path) const;
+  // Drops queued publishes of `dir` (all of its shards, or only those of `key` when given).
+  void DropQueuedLocked(const std::string& dir, const Key* key = nullptr);
   void ScanShmDirLocked();
   void PublishLoop();
   void VerifyAdopted(const std::string& dir, Key key);
@@ -150,7 +183,9 @@ class SegmentRegistry {
   const std::string shm_dir_;
   const int threads_;
   const uint64_t instance_id_;
+  const int group_gid_;
   std::atomic<uint64_t> epoch_{1};
+  std::deque<std::string> load_failures_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   absl::StatusOr<ShmCapacity> shm_;

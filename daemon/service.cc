@@ -12,6 +12,17 @@ grpc::Status ToGrpc(const absl::Status& st) {
   return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
 }
 
+namespace {
+
+// OK, or INVALID_ARGUMENT naming the field when `value` is longer than `max` bytes.
+grpc::Status Bounded(const char* field, const std::string& value, size_t max = kMaxClientStringBytes) {
+  if (value.size() <= max) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                      absl::StrCat(field, " is ", value.size(), " bytes, at most ", max, " are accepted"));
+}
+
+}  // namespace
+
 grpc::Status EngramService::Authorize(grpc::ServerContext* ctx, PeerInfo* peer) {
   auto p = listener_->PeerOf(ctx->peer());
   if (!p) return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, "cannot identify the peer (SO_PEERCRED)");
@@ -32,6 +43,11 @@ grpc::Status EngramService::Session(
   if (!stream->Read(&first)) return grpc::Status(grpc::StatusCode::CANCELLED, "session closed before hello");
   if (first.msg_case() != engram::v1::ClientMessage::kHello) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the first message of a session must be a hello");
+  }
+  if (auto st = Bounded("hello.checkpoint", first.hello().checkpoint()); !st.ok()) {
+    spdlog::warn("event=refused pid={} uid={} reason=INVALID_ARGUMENT detail=\"{}\"", peer.pid, peer.uid,
+                 st.error_message());
+    return st;
   }
   std::mutex write_mu;
   auto write = [&](const engram::v1::ServerMessage& m) {
@@ -69,6 +85,15 @@ grpc::Status EngramService::Session(
         continue;
       }
       case engram::v1::ClientMessage::kRegisterResult:
+        if (auto st = Bounded("register_result.error", msg.register_result().error()); !st.ok()) {
+          result = st;
+          break;
+        }
+        if (auto st = Bounded("register_result.backend", msg.register_result().backend(), kMaxBackendBytes);
+            !st.ok()) {
+          result = st;
+          break;
+        }
         if (!ticket_held) {
           result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "registration reported without a ticket");
           break;
@@ -120,6 +145,15 @@ grpc::Status EngramService::Load(grpc::ServerContext* ctx, const engram::v1::Loa
                                  engram::v1::LoadReply*) {
   PeerInfo peer;
   if (auto st = Authorize(ctx, &peer); !st.ok()) return st;
+  if (auto st = Bounded("checkpoint", req->checkpoint()); !st.ok()) return st;
+  if (req->tp_sizes_size() > 64) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "at most 64 TP sizes are accepted");
+  }
+  for (int32_t tp : req->tp_sizes()) {
+    if (tp < 1 || tp > 1024) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("TP size ", tp, " is not in [1, 1024]"));
+    }
+  }
   std::vector<int64_t> tps(req->tp_sizes().begin(), req->tp_sizes().end());
   return ToGrpc(state_->Load(req->checkpoint(), tps));
 }
@@ -128,6 +162,7 @@ grpc::Status EngramService::Unload(grpc::ServerContext* ctx, const engram::v1::U
                                    engram::v1::UnloadReply*) {
   PeerInfo peer;
   if (auto st = Authorize(ctx, &peer); !st.ok()) return st;
+  if (auto st = Bounded("checkpoint", req->checkpoint()); !st.ok()) return st;
   return ToGrpc(state_->Unload(req->checkpoint()));
 }
 

@@ -3,7 +3,10 @@
 // results; then once the replica settled, its outcome (at most one, never while it holds a ticket); daemon events.
 // The stream is the lease: when it ends for any reason the replica is detached. Every
 // malformed or out-of-order message ends that one session with a precise status; nothing a client sends can take
-// the daemon down. Thread-safe (gRPC's sync server runs each call on its own thread).
+// the daemon down. Every string a client sends is bounded (kMaxClientStringBytes: hello.checkpoint, the checkpoint
+// of Load/Unload, a registration's error; a backend name kMaxBackendBytes): longer is INVALID_ARGUMENT, and what is
+// echoed back into hints and status is cut further (kMaxEchoBytes, daemon/fallback.h). Thread-safe (gRPC's sync
+// server runs each call on its own thread).
 #pragma once
 
 #include "daemon/listener.h"
@@ -11,6 +14,9 @@
 #include "engram/v1/engram.grpc.pb.h"
 
 namespace engram::daemon {
+
+inline constexpr size_t kMaxClientStringBytes = 4096;
+inline constexpr size_t kMaxBackendBytes = 64;
 
 class EngramService final : public engram::v1::Engram::Service {
  public:

@@ -1,11 +1,13 @@
 #include "daemon/state.h"
 
+#include <grp.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <random>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
@@ -25,10 +27,22 @@ int DaemonState::WorkerThreads(int requested) {
   return requested > 0 ? requested : static_cast<int>(std::min(16u, hw));
 }
 
+namespace {
+
+// The gid of --group (segment files get it so that members can map them); -1 when none or unknown (the listener
+// refuses an unknown group before the state is built).
+int GroupGid(const std::string& group) {
+  if (group.empty()) return -1;
+  struct group* g = ::getgrnam(group.c_str());
+  return g == nullptr ? -1 : static_cast<int>(g->gr_gid);
+}
+
+}  // namespace
+
 DaemonState::DaemonState(Options opts)
     : opts_(std::move(opts)),
       instance_id_(NewInstanceId()),
-      segments_(opts_.shm_dir, WorkerThreads(opts_.threads), instance_id_),
+      segments_(opts_.shm_dir, WorkerThreads(opts_.threads), instance_id_, GroupGid(opts_.group)),
       replicas_(instance_id_, opts_.tickets) {}
 
 DaemonState::~DaemonState() = default;
@@ -109,7 +123,13 @@ std::string DaemonState::MetricsText() {
 }
 
 absl::Status DaemonState::Load(const std::string& dir, const std::vector<int64_t>& tp_sizes) {
-  return segments_.Load(dir, tp_sizes.empty() ? options().tp_sizes : tp_sizes);
+  absl::Status st = segments_.Load(dir, tp_sizes.empty() ? options().tp_sizes : tp_sizes);
+  if (!st.ok()) {
+    const std::string detail(st.message());
+    spdlog::error("event=load_failed dir={} detail=\"{}\"", EchoOf(dir, 512), EchoOf(detail, 1024));
+    segments_.RecordLoadFailure("load", dir, detail);
+  }
+  return st;
 }
 
 absl::Status DaemonState::Unload(const std::string& dir) {
@@ -129,27 +149,37 @@ void DaemonState::Drain() {
 }
 
 absl::Status DaemonState::Reload(const Options& opts) {
-  std::vector<std::string> to_load, to_unload;
-  const std::vector<std::string> served = segments_.CheckpointDirs();
-  for (const auto& d : opts.checkpoints) {
-    if (std::find(served.begin(), served.end(), d) == served.end()) to_load.push_back(d);
+  // All or nothing: the registry validates the whole new set (opens every new checkpoint, checks every TP size)
+  // before it changes anything; the ticket capacity and the options change only once that succeeded.
+  auto r = segments_.Reconfigure(opts.checkpoints, opts.tp_sizes);
+  if (!r.ok()) {
+    const std::string detail(r.status().message());
+    segments_.RecordLoadFailure("reload", opts.config_file, detail);
+    return absl::Status(r.status().code(),
+                        absl::StrCat(detail, ": nothing changed, still serving ",
+                                     absl::StrJoin(segments_.CheckpointDirs(), ",")));
   }
-  for (const auto& d : served) {
-    if (std::find(opts.checkpoints.begin(), opts.checkpoints.end(), d) == opts.checkpoints.end()) {
-      to_unload.push_back(d);
-    }
-  }
+  for (const auto& d : r->removed) replicas_.ForgetSegmentsOf(d);
+  for (const auto& k : r->retired_segment_keys) replicas_.ForgetSegment(k);
+  const Options before = options();
   {
     std::lock_guard<std::mutex> lock(opts_mu_);
-    opts_.checkpoints = opts.checkpoints;
+    opts_.checkpoints = segments_.CheckpointDirs();
     opts_.tp_sizes = opts.tp_sizes;
     opts_.tickets = opts.tickets;
   }
   replicas_.SetTicketCapacity(opts.tickets);
   segments_.BumpEpoch();
-  for (const auto& d : to_unload) RETURN_IF_ERROR(Unload(d));
-  for (const auto& d : to_load) RETURN_IF_ERROR(Load(d, opts.tp_sizes));
-  spdlog::info("event=reload loaded={} unloaded={} tickets={}", to_load.size(), to_unload.size(), opts.tickets);
+  for (const char* key : {"shm_dir", "socket", "group", "threads"}) {
+    const bool changed = std::string(key) == "shm_dir" ? before.shm_dir != opts.shm_dir
+                         : std::string(key) == "socket" ? before.socket != opts.socket
+                         : std::string(key) == "group"  ? before.group != opts.group
+                                                        : before.threads != opts.threads;
+    if (changed) spdlog::warn("event=reload_ignored key={}: takes effect at the next start", key);
+  }
+  spdlog::info("event=reload added={} removed={} tp={} tp_changed={} retired={} tickets={}",
+               absl::StrJoin(r->added, ","), absl::StrJoin(r->removed, ","), absl::StrJoin(opts.tp_sizes, ","),
+               absl::StrJoin(r->tp_changed, ","), r->retired_segment_keys.size(), opts.tickets);
   return absl::OkStatus();
 }
 

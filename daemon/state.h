@@ -3,7 +3,10 @@
 // daemon/segment_registry.h) and the ReplicaRegistry (sessions/leases, registration tickets, recent fallbacks,
 // counters; see daemon/replica_registry.h), and runs the steps that involve both: a hello is offered a shard by
 // the segment registry, decided by Decide (daemon/fallback.h) and recorded by the replica registry; an unload
-// drops the leases on the unloaded segments; SIGHUP (Reload) re-applies the checkpoints and the ticket capacity.
+// drops the leases on the unloaded segments; SIGHUP (Reload) re-applies the checkpoints, TP sizes and the ticket
+// capacity, all or nothing (SegmentRegistry::Reconfigure validates the whole new set first; a failure changes
+// nothing, not even the tickets, and says why). A failed Load is logged (`event=load_failed`) and kept for status.
+// Segment files get the --group's gid (mode 0640) so that members can map them.
 // Status and metrics are built by daemon/status_report.h.
 //
 // Lifecycle: Start() probes the shm directory, opens every configured checkpoint (a checkpoint that cannot be
@@ -66,7 +69,8 @@ class DaemonState {
   absl::Status Unload(const std::string& dir);
   void Drain();
   bool draining() const { return draining_; }
-  // SIGHUP: serve the new set of checkpoints, with the new TP sizes and ticket capacity.
+  // SIGHUP: serve the new set of checkpoints, with the new TP sizes and ticket capacity; all or nothing (an error
+  // names the reason and that nothing changed).
   absl::Status Reload(const Options& opts);
   Options options() const;
 

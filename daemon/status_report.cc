@@ -40,7 +40,14 @@ engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const Repli
     if (e.state == SegState::kReady) engram_bytes += e.bytes;
   }
   shm->set_engram_bytes(engram_bytes);
+  // Bounded whatever the clients do: at most kMaxStatusReplicas replicas and kMaxStatusReplicaBytes of them (each
+  // one's hints are bounded already); the rest are counted in a line of recent_fallbacks.
+  size_t listed_bytes = 0, not_listed = 0;
   for (const ReplicaInfo& r : replicas.Replicas()) {
+    if (static_cast<size_t>(s.replicas_size()) >= kMaxStatusReplicas || listed_bytes >= kMaxStatusReplicaBytes) {
+      ++not_listed;
+      continue;
+    }
     auto* rep = s.add_replicas();
     rep->set_pid(r.peer.pid);
     rep->set_uid(r.peer.uid);
@@ -52,8 +59,15 @@ engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const Repli
     rep->set_attached_seconds(r.attached_seconds);
     rep->set_register_seconds(r.register_seconds);
     rep->set_lease_id(r.lease_id);
+    listed_bytes += rep->ByteSizeLong();
   }
   for (const auto& f : replicas.RecentFallbacks()) s.add_recent_fallbacks(f);
+  // Loads and reloads that failed (kept by the segment registry; `load_failed dir=... detail=...`).
+  for (const auto& f : segments.RecentLoadFailures()) s.add_recent_fallbacks(f);
+  if (not_listed > 0) {
+    s.add_recent_fallbacks(absl::StrFormat("replicas_not_listed count=%d: status lists at most %d replicas",
+                                           not_listed, s.replicas_size()));
+  }
   s.set_draining(draining);
   s.set_epoch(segments.epoch());
   return s;

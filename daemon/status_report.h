@@ -3,9 +3,12 @@
 // lock at a time; the report itself holds none). The strings shown are the registries' Name()s: segment states
 // PENDING/LOADING/READY/FAILED/RETIRED, checksum states pending/verifying/ok/mismatch, origins published/adopted,
 // modes as the replicas reported them; a replica holding a registration ticket shows backend "registering".
+// recent_fallbacks also carries the last failed loads/reloads (`load_failed dir=... detail=...`) and, when the
+// replica list was cut (kMaxStatusReplicas / kMaxStatusReplicaBytes), a `replicas_not_listed count=N` line.
 // Pure functions over their arguments (BuildStatus also probes the shm directory); thread-safe.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -14,6 +17,10 @@
 #include "engram/v1/engram.pb.h"
 
 namespace engram::daemon {
+
+// Status stays far below gRPC's 4 MiB default message limit whatever the clients send.
+inline constexpr size_t kMaxStatusReplicas = 1024;
+inline constexpr size_t kMaxStatusReplicaBytes = size_t{1} << 20;
 
 engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const ReplicaRegistry& replicas, bool draining);
 

@@ -88,7 +88,7 @@ absl::StatusOr<std::unique_ptr<SegmentWriter>> SegmentWriter::Create(const std::
                                                                      int64_t tp_size, int64_t tp_rank,
                                                                      const std::string& descriptor,
                                                                      uint64_t data_bytes, uint64_t instance_id,
-                                                                     uint64_t epoch, Env* env) {
+                                                                     uint64_t epoch, Env* env, gid_t gid) {
   std::unique_ptr<SegmentWriter> w(new SegmentWriter());
   w->env_ = env;
   w->path_ = dir + "/" + SegmentName(fingerprint, tp_size, tp_rank);
@@ -96,6 +96,12 @@ absl::StatusOr<std::unique_ptr<SegmentWriter>> SegmentWriter::Create(const std::
   int fd = RetryEintr([&] { return env->Open(w->path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0640); });
   if (fd < 0) return Errno(absl::StrCat("create ", w->path_), errno);
   env->Fchmod(fd, 0640);  // whatever the umask
+  if (gid != kKeepGroup && ::fchown(fd, static_cast<uid_t>(-1), gid) != 0) {
+    const int e = errno;
+    env->Close(fd);
+    env->Unlink(w->path_.c_str());
+    return Errno(absl::StrCat("give ", w->path_, " to group ", gid), e);
+  }
   int err;
   do {
     err = env->PosixFallocate(fd, 0, static_cast<off_t>(total));

@@ -63,13 +63,16 @@ bool ParseSegmentName(const std::string& name, uint64_t* fingerprint, int64_t* t
 uint64_t SegmentFileBytes(uint64_t desc_bytes, uint64_t data_bytes);
 
 // Creates, sizes (fallocate: ENOSPC surfaces here, not as SIGBUS later) and maps a new segment read-write.
+// `gid`: the group the file is given (fchown on the new descriptor, mode stays 0640) so that members of the
+// daemon's --group can map it; kKeepGroup leaves the creator's group. A failed fchown fails the create.
+inline constexpr gid_t kKeepGroup = static_cast<gid_t>(-1);
 class SegmentWriter {
  public:
   static absl::StatusOr<std::unique_ptr<SegmentWriter>> Create(const std::string& dir, uint64_t fingerprint,
                                                                int64_t tp_size, int64_t tp_rank,
                                                                const std::string& descriptor, uint64_t data_bytes,
                                                                uint64_t instance_id, uint64_t epoch,
-                                                               Env* env = Env::Default());
+                                                               Env* env = Env::Default(), gid_t gid = kKeepGroup);
   ~SegmentWriter();  // unmaps; a segment not Finish()ed is removed
   SegmentWriter(const SegmentWriter&) = delete;
   SegmentWriter& operator=(const SegmentWriter&) = delete;

@@ -1,0 +1,101 @@
+#include "daemon/shm_lock.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "spdlog/spdlog.h"
+
+namespace engram::daemon {
+namespace {
+
+absl::Status Errno(const std::string& what) {
+  return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
+}
+
+// The file on `fd` is ours: a regular file of this uid that nobody else may write.
+bool Ours(int fd) {
+  struct stat st {};
+  return ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() &&
+         (st.st_mode & (S_IWGRP | S_IWOTH)) == 0;
+}
+
+std::string PidIn(int fd) {
+  char buf[32] = {};
+  const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+  int64_t pid = 0;
+  if (n > 0 && absl::SimpleAtoi(absl::StripAsciiWhitespace(absl::string_view(buf, static_cast<size_t>(n))), &pid)) {
+    return std::to_string(pid);
+  }
+  return "unknown";
+}
+
+}  // namespace
+
+ShmDirLock::ShmDirLock(ShmDirLock&& o) noexcept : fd_(std::exchange(o.fd_, -1)), path_(std::move(o.path_)) {}
+
+ShmDirLock& ShmDirLock::operator=(ShmDirLock&& o) noexcept {
+  std::swap(fd_, o.fd_);
+  std::swap(path_, o.path_);
+  return *this;
+}
+
+ShmDirLock::~ShmDirLock() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+absl::StatusOr<ShmDirLock> ShmDirLock::Acquire(const std::string& shm_dir) {
+  ShmDirLock lock;
+  lock.path_ = shm_dir + "/" + kShmLockName;
+  struct stat dst {};
+  if (::stat(shm_dir.c_str(), &dst) != 0 && errno == ENOENT) {
+    spdlog::warn("event=shm_lock_skipped dir={}: the directory does not exist", shm_dir);
+    return lock;
+  }
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    int fd = ::open(lock.path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
+    if (fd < 0 && errno != ELOOP && errno != EACCES && errno != EPERM) return Errno(absl::StrCat("open ", lock.path_));
+    if (fd >= 0 && Ours(fd)) {
+      if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        const int err = errno;
+        const std::string pid = PidIn(fd);
+        ::close(fd);
+        if (err == EWOULDBLOCK) {
+          return absl::FailedPreconditionError(absl::StrCat("another engramd (pid ", pid, ") owns ", shm_dir,
+                                                            " (", lock.path_, " is locked)"));
+        }
+        errno = err;
+        return Errno(absl::StrCat("flock ", lock.path_));
+      }
+      const std::string text = absl::StrCat(::getpid(), "\n");
+      if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
+        spdlog::warn("event=shm_lock_pid_not_written path={} errno={}", lock.path_, errno);
+      }
+      ::fchmod(fd, 0600);
+      lock.fd_ = fd;
+      spdlog::info("event=shm_lock path={} pid={}", lock.path_, ::getpid());
+      return lock;
+    }
+    // Not ours (planted by another user, or a symlink): remove it and create our own.
+    struct stat st {};
+    ::lstat(lock.path_.c_str(), &st);
+    spdlog::warn("event=segment_foreign path={} owner={} mode={:04o}: not this daemon's lock file, removed",
+                 lock.path_, st.st_uid, st.st_mode & 07777);
+    if (fd >= 0) ::close(fd);
+    if (::unlink(lock.path_.c_str()) != 0 && errno != ENOENT) {
+      return absl::FailedPreconditionError(absl::StrCat("a file owned by uid ", st.st_uid, " occupies ", lock.path_,
+                                                        " and cannot be removed: ", std::strerror(errno)));
+    }
+  }
+  return absl::FailedPreconditionError(absl::StrCat("cannot create ", lock.path_, ": it keeps being replaced"));
+}
+
+}  // namespace engram::daemon

@@ -1,0 +1,615 @@
+// engramd hardening, as real processes: forged files in the shm directory are never adopted nor written through,
+// aliases of a checkpoint path are one checkpoint, one engramd per shm directory (flock), SIGHUP is all or nothing
+// (a broken new configuration changes nothing; a TP change publishes and retires shards), running out of
+// descriptors does not spin the accept loop, long client strings cannot blow up status, --group members can map the
+// segments, failed loads are logged and shown, and refused uids get nothing from any service (health included).
+//
+// Every test has its own shm directory and socket under a temporary directory (never /dev/shm), so the tests run in
+// parallel. They synchronise on conditions (status answers, files, log lines), never on sleeps; the one measurement
+// is the CPU-usage behaviour check of the descriptor-exhaustion test (a busy spin uses a whole core; a backed-off
+// loop almost none). Root-only cases skip with the reason.
+//
+// The binary has its own main(): `daemon_hardening_test --health-probe SOCKET` prints the health status code (or
+// the gRPC error code) and exits, so a test can run the probe as another uid through setpriv.
+#include <fcntl.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engram/v1/engram.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "model/checkpoint.h"
+#include "nlohmann/json.hpp"
+#include "shm/segment.h"
+#include "tests/integration/json_lines.h"
+#include "tests/integration/process.h"
+#include "tests/test_util.h"
+
+namespace engram {
+namespace {
+
+using nlohmann::json;
+using testing::BinPath;
+using testing::Process;
+using testing::RunCmd;
+using testing::TempDir;
+using testing::WaitFor;
+using namespace std::chrono_literals;
+
+std::string g_self;  // this binary, for the --health-probe mode
+
+class Daemon {
+ public:
+  Daemon(const TempDir& dir, const std::vector<std::string>& extra, const std::string& name = "engramd",
+         const std::vector<std::string>& prefix = {})
+      : socket_(dir / (name + ".sock")), log_(dir / (name + ".log")) {
+    std::vector<std::string> argv = prefix;
+    for (const auto& a : std::vector<std::string>{BinPath("../daemon/engramd"), "--socket", socket_, "--log-level",
+                                                  "debug"}) {
+      argv.push_back(a);
+    }
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    proc_ = Process(argv, log_);
+  }
+  const std::string& socket() const { return socket_; }
+  Process& proc() { return proc_; }
+  std::string Log() const { return testing::ReadFile(log_); }
+  json Status() const {
+    auto r = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
+    return r.exit_code == 0 ? json::parse(r.out, nullptr, false) : json();
+  }
+  bool WaitReady(std::chrono::milliseconds timeout = 60s) {
+    return WaitFor(
+        [&] {
+          json s = Status();
+          if (s.is_null() || s.is_discarded() || s["segments"].empty()) return false;
+          for (const auto& seg : s["segments"]) {
+            if (seg["state"] != "READY" && seg["state"] != "FAILED") return false;
+          }
+          return true;
+        },
+        timeout);
+  }
+  bool WaitLog(const std::string& needle, std::chrono::milliseconds timeout = 30s) const {
+    return WaitFor([&] { return Log().find(needle) != std::string::npos; }, timeout);
+  }
+
+ private:
+  std::string socket_, log_;
+  Process proc_;
+};
+
+std::string MakeCheckpoint(const TempDir& dir, double mib, const std::string& name = "ck", int seed = 1) {
+  auto r = RunCmd(BinPath("engram-mkckpt") + " --out " + (dir / name) + " --table-mib " + std::to_string(mib) +
+                  " --seed " + std::to_string(seed));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  return dir / name;
+}
+
+std::string MakeShm(const TempDir& dir) {
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  return shm;
+}
+
+// `engramctl attach` once: its first JSON line (decision, verified rows, mismatches).
+json AttachOnce(const Daemon& d, const std::string& ckpt, const std::string& shm, const std::string& extra = "",
+                const std::string& prefix = "") {
+  auto r = RunCmd(prefix + BinPath("engramctl") + " attach --socket " + d.socket() + " --checkpoint " + ckpt +
+                  " --shm-dir " + shm + " --dp-size 2 --verify 100 " + extra);
+  json j = testing::JsonLine(r.out, false);
+  if (j.is_null()) std::cerr << "attach: " << r.exit_code << " " << r.out << r.err << "\n";
+  return j;
+}
+
+ino_t InodeOf(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 ? st.st_ino : 0;
+}
+
+bool SegmentsReady(const json& s, size_t n) {
+  if (s.is_null() || s.is_discarded() || s["segments"].size() != n) return false;
+  for (const auto& seg : s["segments"]) {
+    if (seg["state"] != "READY") return false;
+  }
+  return true;
+}
+
+// --- item 2: forged segments -------------------------------------------------------------------------------------
+
+// A file with a segment's name and a valid READY header, planted before engramd starts, is not adopted: a copy of a
+// real segment made writable by others (mode 0666), and (as root) one owned by another uid. The daemon logs it,
+// removes it, publishes its own; replicas read the checkpoint's rows.
+TEST(DaemonHardeningTest, PlantedSegmentIsNotAdopted) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  ::chmod(shm.c_str(), 01777);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  std::string name;
+  {
+    Daemon first(dir, {"--checkpoint", ckpt, "--shm-dir", shm}, "first");
+    ASSERT_TRUE(first.WaitReady()) << first.Log();
+    name = first.Status()["segments"][0]["name"];
+    first.proc().Signal(SIGTERM);
+    ASSERT_EQ(first.proc().Wait(), 0);
+  }
+  const std::string path = shm + "/" + name;
+  ASSERT_TRUE(ReadSegmentHeader(path).ok());
+  struct Plant {
+    const char* what;
+    mode_t mode;
+    uid_t uid;
+  };
+  std::vector<Plant> plants = {{"mode0666", 0666, ::geteuid()}};
+  if (::geteuid() == 0) plants.push_back({"uid65534", 0640, 65534});
+  for (const Plant& p : plants) {
+    SCOPED_TRACE(p.what);
+    // The planted file: the real segment's bytes (valid header, fingerprint, size), another mode or owner.
+    if (!std::filesystem::exists(path)) {
+      ASSERT_TRUE(std::filesystem::copy_file(dir / "saved", path));
+    } else {
+      std::filesystem::copy_file(path, dir / "saved", std::filesystem::copy_options::overwrite_existing);
+    }
+    ASSERT_EQ(::chmod(path.c_str(), p.mode), 0);
+    ASSERT_EQ(::chown(path.c_str(), p.uid, static_cast<gid_t>(-1)), 0);
+    Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm}, std::string("second-") + p.what);
+    ASSERT_TRUE(d.WaitReady()) << d.Log();
+    const json s = d.Status();
+    ASSERT_EQ(s["segments"].size(), 1u);
+    EXPECT_EQ(s["segments"][0]["state"], "READY") << s.dump();
+    EXPECT_EQ(s["segments"][0]["origin"], "published") << "a planted file was adopted: " << s.dump();
+    EXPECT_NE(d.Log().find("event=segment_foreign path=" + path), std::string::npos) << d.Log();
+    struct stat st {};
+    ASSERT_EQ(::stat(path.c_str(), &st), 0);
+    EXPECT_EQ(st.st_uid, ::geteuid());
+    EXPECT_EQ(st.st_mode & 0777, 0640u);
+    const json a = AttachOnce(d, ckpt, shm);
+    EXPECT_EQ(a["decision"], "shared") << a.dump();
+    EXPECT_EQ(a["mismatches"], 0) << a.dump();
+    d.proc().Signal(SIGTERM);
+    EXPECT_EQ(d.proc().Wait(), 0);
+  }
+}
+
+// A symlink under a segment's name (one this configuration does not serve, so the start-up scan would retire it,
+// and one it serves) pointing at a file holding a READY segment: the target is never written (no RETIRED through
+// the link), the link is removed, the daemon publishes its own file.
+TEST(DaemonHardeningTest, PlantedSymlinkIsNotWrittenThrough) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string a = MakeCheckpoint(dir, 8, "a", 1);
+  const std::string b = MakeCheckpoint(dir, 8, "b", 2);
+  std::string name_a, name_b;
+  {
+    Daemon first(dir, {"--checkpoint", a, "--checkpoint", b, "--shm-dir", shm}, "first");
+    ASSERT_TRUE(first.WaitReady()) << first.Log();
+    const json st = first.Status();
+    for (const auto& seg : st["segments"]) {
+      (seg["checkpoint"] == a ? name_a : name_b) = seg["name"];
+    }
+    first.proc().Signal(SIGTERM);
+    ASSERT_EQ(first.proc().Wait(), 0);
+  }
+  // Victims outside the shm directory: real READY segments; the links take the segments' names.
+  const std::string victim_a = dir / "victim-a", victim_b = dir / "victim-b";
+  std::filesystem::rename(shm + "/" + name_a, victim_a);
+  std::filesystem::rename(shm + "/" + name_b, victim_b);
+  const std::string before_a = testing::ReadFile(victim_a), before_b = testing::ReadFile(victim_b);
+  ASSERT_EQ(::symlink(victim_a.c_str(), (shm + "/" + name_a).c_str()), 0);
+  ASSERT_EQ(::symlink(victim_b.c_str(), (shm + "/" + name_b).c_str()), 0);
+  Daemon d(dir, {"--checkpoint", a, "--shm-dir", shm}, "second");  // serves a, not b: b's name is retired
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  const json s = d.Status();
+  ASSERT_EQ(s["segments"].size(), 1u);
+  EXPECT_EQ(s["segments"][0]["state"], "READY");
+  EXPECT_EQ(s["segments"][0]["origin"], "published");
+  EXPECT_EQ(testing::ReadFile(victim_a), before_a) << "written through a symlink";
+  EXPECT_EQ(testing::ReadFile(victim_b), before_b) << "RETIRED written through a symlink";
+  auto hb = ReadSegmentHeader(victim_b);
+  ASSERT_TRUE(hb.ok());
+  EXPECT_EQ(hb->state, static_cast<uint32_t>(SegmentState::kReady));
+  struct stat st {};
+  EXPECT_NE(::lstat((shm + "/" + name_b).c_str(), &st), 0) << "the link to b stays";
+  ASSERT_EQ(::lstat((shm + "/" + name_a).c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode)) << "a's name is still a link";
+}
+
+// --- item 3: aliases and neighbours ------------------------------------------------------------------------------
+
+TEST(DaemonHardeningTest, AliasesOfACheckpointAreTheSameCheckpoint) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  Daemon d(dir, {"--checkpoint", ckpt + "/", "--shm-dir", shm});  // the config's alias is canonical too
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  json s = d.Status();
+  ASSERT_EQ(s["segments"].size(), 1u);
+  EXPECT_EQ(s["segments"][0]["checkpoint"], ckpt);
+  const std::string seg = shm + "/" + s["segments"][0]["name"].get<std::string>();
+  const ino_t ino = InodeOf(seg);
+  ASSERT_EQ(::symlink(ckpt.c_str(), (dir / "link").c_str()), 0);
+  const std::string ctl = BinPath("engramctl");
+  for (const std::string& alias : {ckpt + "/", ckpt + "/.", dir / "link", dir / "x/../ck"}) {
+    SCOPED_TRACE(alias);
+    auto r = RunCmd(ctl + " load --checkpoint " + alias + " --socket " + d.socket());
+    EXPECT_NE(r.exit_code, 0) << r.out << r.err;
+    EXPECT_NE(r.err.find(ckpt + " is already served"), std::string::npos) << r.err;
+    s = d.Status();
+    ASSERT_EQ(s["segments"].size(), 1u) << s.dump();
+    EXPECT_EQ(s["segments"][0]["state"], "READY");
+    EXPECT_EQ(InodeOf(seg), ino) << "the READY segment was replaced";
+  }
+  // Unload through an alias unloads the checkpoint itself: status and the directory agree.
+  auto r = RunCmd(ctl + " unload --checkpoint " + ckpt + "/ --socket " + d.socket());
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  s = d.Status();
+  EXPECT_TRUE(s["segments"].empty()) << s.dump();
+  EXPECT_TRUE(ListSegments(shm).empty());
+  EXPECT_TRUE(d.proc().Running());
+}
+
+// A second engramd with its own socket on the same shm directory refuses to start and deletes nothing; the first
+// one's segment is untouched and still served.
+TEST(DaemonHardeningTest, SecondDaemonOnTheSameShmDirRefuses) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string a = MakeCheckpoint(dir, 8, "a", 1);
+  const std::string b = MakeCheckpoint(dir, 8, "b", 2);
+  Daemon first(dir, {"--checkpoint", a, "--shm-dir", shm}, "first");
+  ASSERT_TRUE(first.WaitReady()) << first.Log();
+  const std::string seg = shm + "/" + first.Status()["segments"][0]["name"].get<std::string>();
+  const ino_t ino = InodeOf(seg);
+  Daemon second(dir, {"--checkpoint", b, "--shm-dir", shm}, "second");
+  EXPECT_EQ(second.proc().Wait(), 1) << second.Log();
+  EXPECT_NE(second.Log().find("another engramd (pid " + std::to_string(first.proc().pid()) + ") owns " + shm),
+            std::string::npos)
+      << second.Log();
+  EXPECT_EQ(InodeOf(seg), ino) << "the first daemon's segment was removed";
+  auto h = ReadSegmentHeader(seg);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->state, static_cast<uint32_t>(SegmentState::kReady));
+  EXPECT_EQ(ListSegments(shm).size(), 1u);
+  const json s = first.Status();
+  ASSERT_EQ(s["segments"].size(), 1u);
+  EXPECT_EQ(s["segments"][0]["state"], "READY");
+  EXPECT_EQ(AttachOnce(first, a, shm)["decision"], "shared");
+  // The lock goes with the process: once the first stops, a daemon on the directory starts (and adopts).
+  first.proc().Signal(SIGTERM);
+  ASSERT_EQ(first.proc().Wait(), 0);
+  Daemon third(dir, {"--checkpoint", a, "--shm-dir", shm}, "third");
+  ASSERT_TRUE(third.WaitReady()) << third.Log();
+  EXPECT_EQ(third.Status()["segments"][0]["origin"], "adopted");
+}
+
+// --- item 4: SIGHUP is all or nothing ---------------------------------------------------------------------------
+
+TEST(DaemonHardeningTest, ReloadWithABrokenCheckpointChangesNothing) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string a = MakeCheckpoint(dir, 8, "a", 1);
+  const std::string bad = MakeCheckpoint(dir, 8, "bad", 2);
+  ASSERT_EQ(RunCmd("truncate -s -1000 " + bad + "/model-00002-of-00002.safetensors").exit_code, 0);
+  const std::string conf = dir / "engramd.conf";
+  testing::WriteFile(conf, "checkpoint = " + a + "\ntp = 1\ntickets = 1\nshm_dir = " + shm + "\n");
+  Daemon d(dir, {"--config", conf});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  const json before = d.Status();
+  ASSERT_EQ(before["segments"].size(), 1u);
+  // A replica holds a session across the reload.
+  Process holder({BinPath("engramctl"), "attach", "--socket", d.socket(), "--checkpoint", a, "--shm-dir", shm,
+                  "--dp-size", "2", "--hold", "600"},
+                 dir / "holder.log");
+  ASSERT_TRUE(WaitFor([&] { return !testing::JsonLine(holder.Output(), false).is_null(); }, 30s));
+  // The new configuration replaces a by a broken checkpoint (and changes the tickets): nothing may change.
+  testing::WriteFile(conf, "checkpoint = " + bad + "\ntp = 1\ntickets = 3\nshm_dir = " + shm + "\n");
+  d.proc().Signal(SIGHUP);
+  ASSERT_TRUE(d.WaitLog("event=reload_failed")) << d.Log();
+  EXPECT_NE(d.Log().find("nothing changed"), std::string::npos) << d.Log();
+  EXPECT_NE(d.Log().find("truncated"), std::string::npos) << "the log says why: " << d.Log();
+  const json after = d.Status();
+  ASSERT_EQ(after["segments"].size(), 1u) << after.dump();
+  EXPECT_EQ(after["segments"][0]["checkpoint"], a);
+  EXPECT_EQ(after["segments"][0]["state"], "READY");
+  EXPECT_EQ(after["segments"][0]["name"], before["segments"][0]["name"]);
+  EXPECT_EQ(ListSegments(shm).size(), 1u);
+  EXPECT_EQ(after["replicas"].size(), 1u);
+  EXPECT_EQ(AttachOnce(d, a, shm)["decision"], "shared") << "a replica still shares";
+  bool shown = false;
+  for (const auto& f : after["recent_fallbacks"]) shown = shown || f.get<std::string>().find("reload_failed") == 0;
+  EXPECT_TRUE(shown) << after.dump();
+  EXPECT_TRUE(holder.Running());
+}
+
+TEST(DaemonHardeningTest, ReloadChangingTpPublishesAndRetiresShards) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string a = MakeCheckpoint(dir, 8, "a", 1);
+  const std::string conf = dir / "engramd.conf";
+  testing::WriteFile(conf, "checkpoint = " + a + "\ntp = 1\nshm_dir = " + shm + "\n");
+  Daemon d(dir, {"--config", conf});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  ASSERT_EQ(d.Status()["segments"].size(), 1u);
+  const std::string tp1 = d.Status()["segments"][0]["name"];
+  testing::WriteFile(conf, "checkpoint = " + a + "\ntp = 1,2\nshm_dir = " + shm + "\n");
+  d.proc().Signal(SIGHUP);
+  ASSERT_TRUE(WaitFor([&] { return SegmentsReady(d.Status(), 3); }, 30s)) << d.Status().dump() << d.Log();
+  EXPECT_EQ(ListSegments(shm).size(), 3u);
+  EXPECT_NE(d.Log().find("event=reload added= removed= tp=1,2"), std::string::npos) << d.Log();
+  EXPECT_EQ(AttachOnce(d, a, shm, "--tp-size 2 --tp-rank 1")["decision"], "shared");
+  // tp 2 only: the tp1 shard is retired (unlinked), the tp2 ones stay as they are.
+  testing::WriteFile(conf, "checkpoint = " + a + "\ntp = 2\nshm_dir = " + shm + "\n");
+  d.proc().Signal(SIGHUP);
+  ASSERT_TRUE(WaitFor([&] { return SegmentsReady(d.Status(), 2); }, 30s)) << d.Status().dump() << d.Log();
+  EXPECT_EQ(ListSegments(shm).size(), 2u);
+  EXPECT_FALSE(std::filesystem::exists(shm + "/" + tp1));
+}
+
+// --- item 10: descriptor exhaustion ------------------------------------------------------------------------------
+
+int CountFds(pid_t pid) {
+  int n = 0;
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    ++n;
+  }
+  return n;
+}
+
+// utime + stime of a process, in clock ticks.
+long CpuTicks(pid_t pid) {
+  std::string stat = testing::ReadFile("/proc/" + std::to_string(pid) + "/stat");
+  auto close = stat.rfind(')');
+  if (close == std::string::npos) return -1;
+  std::istringstream ss(stat.substr(close + 2));
+  std::string field;
+  long utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && ss >> field; ++i) {
+    if (i == 14) utime = std::stol(field);
+    if (i == 15) stime = std::stol(field);
+  }
+  return utime + stime;
+}
+
+int ConnectRaw(const std::string& path) {
+  int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(s);
+    return -1;
+  }
+  return s;
+}
+
+TEST(DaemonHardeningTest, RunningOutOfDescriptorsDoesNotSpinAndKeepsServing) {
+  if (RunCmd("command -v prlimit").exit_code != 0) GTEST_SKIP() << "prlimit (util-linux) is not installed";
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--threads", "1"});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  const pid_t pid = d.proc().pid();
+  // A connection kept across the exhaustion.
+  auto stub = engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+  auto status_ok = [&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+    engram::v1::StatusReply r;
+    return stub->Status(&ctx, engram::v1::StatusRequest(), &r).ok() && r.segments_size() == 1;
+  };
+  ASSERT_TRUE(status_ok());
+  const int limit = CountFds(pid) + 6;
+  ASSERT_EQ(RunCmd("prlimit --pid " + std::to_string(pid) + " --nofile=" + std::to_string(limit) + ":" +
+                   std::to_string(limit)).exit_code, 0);
+  std::vector<int> extra;
+  for (int i = 0; i < 40; ++i) {
+    int s = ConnectRaw(d.socket());
+    if (s >= 0) extra.push_back(s);
+  }
+  ASSERT_GT(extra.size(), 10u);
+  ASSERT_TRUE(WaitFor([&] { return CountFds(pid) >= limit; }, 20s)) << CountFds(pid) << " of " << limit;
+  EXPECT_TRUE(d.WaitLog("event=accept_backoff", 10s)) << d.Log();
+  // Behaviour check, not a speed threshold: a loop that spins on a failing accept burns a whole core over the
+  // window; one that backs off uses next to nothing.
+  const long hz = ::sysconf(_SC_CLK_TCK);
+  const long t0 = CpuTicks(pid);
+  const auto w0 = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(3s);  // the measurement window itself (nothing waits on it)
+  const double window = std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
+  const double used = static_cast<double>(CpuTicks(pid) - t0) / static_cast<double>(hz);
+  std::cout << "[ fds ] daemon cpu " << used << " s over " << window << " s with descriptors exhausted\n";
+  EXPECT_LT(used, 0.5 * window) << "the accept loop spins while descriptors are exhausted";
+  EXPECT_TRUE(status_ok()) << "the kept connection is still served";
+  EXPECT_TRUE(d.proc().Running());
+  for (int s : extra) ::close(s);
+  EXPECT_TRUE(WaitFor([&] { return !d.Status().is_null(); }, 30s)) << "new connections are accepted again";
+}
+
+// --- item 11: client strings are bounded -------------------------------------------------------------------------
+
+TEST(DaemonHardeningTest, LongClientStringsCannotBreakStatus) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  auto stub = engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+  struct stat sst {};
+  ::stat(shm.c_str(), &sst);
+  auto hello_with = [&](size_t checkpoint_bytes) {
+    engram::v1::ClientMessage m;
+    auto* h = m.mutable_hello();
+    h->set_fingerprint(0x1234);  // not served: FINGERPRINT_MISMATCH, whose hint quotes the checkpoint
+    h->set_checkpoint(std::string(checkpoint_bytes, 'c'));
+    h->set_tp_size(1);
+    h->set_dp_size(2);
+    h->set_shm_visible(true);
+    h->set_shm_dev(sst.st_dev);
+    h->set_shm_ino(sst.st_ino);
+    return m;
+  };
+  // Five sessions with a 1 MB checkpoint string: refused.
+  for (int i = 0; i < 5; ++i) {
+    grpc::ClientContext ctx;
+    auto s = stub->Session(&ctx);
+    s->Write(hello_with(1000000));
+    s->WritesDone();
+    engram::v1::ServerMessage m;
+    EXPECT_FALSE(s->Read(&m) && m.has_fallback()) << "a 1 MB hello was accepted";
+    const grpc::Status st = s->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_NE(st.error_message().find("hello.checkpoint"), std::string::npos) << st.error_message();
+  }
+  // Five held sessions with the longest accepted checkpoint: their hints quote at most ~200 bytes of it.
+  std::vector<std::unique_ptr<grpc::ClientContext>> ctx;
+  std::vector<std::unique_ptr<grpc::ClientReaderWriter<engram::v1::ClientMessage, engram::v1::ServerMessage>>> held;
+  for (int i = 0; i < 5; ++i) {
+    ctx.push_back(std::make_unique<grpc::ClientContext>());
+    held.push_back(stub->Session(ctx.back().get()));
+    ASSERT_TRUE(held.back()->Write(hello_with(4096)));
+    engram::v1::ServerMessage m;
+    ASSERT_TRUE(held.back()->Read(&m));
+    ASSERT_TRUE(m.has_fallback());
+    for (const auto& r : m.fallback().reasons()) EXPECT_LT(r.hint().size(), 600u) << r.hint().size();
+  }
+  // A registration error and a Load path beyond the bound are refused too.
+  {
+    grpc::ClientContext lctx;
+    engram::v1::LoadRequest req;
+    req.set_checkpoint(std::string(5000, 'p'));
+    engram::v1::LoadReply reply;
+    EXPECT_EQ(stub->Load(&lctx, req, &reply).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  const json s = d.Status();
+  ASSERT_FALSE(s.is_null()) << "status fails";
+  ASSERT_EQ(s["replicas"].size(), 5u);
+  for (const auto& r : s["replicas"]) {
+    for (const auto& h : r["hints"]) EXPECT_LT(h["hint"].get<std::string>().size(), 600u) << h.dump().size();
+  }
+  for (auto& c : ctx) c->TryCancel();
+  for (auto& h : held) h->Finish();
+  EXPECT_TRUE(d.proc().Running());
+}
+
+// --- item 12: --group members can map the segments ---------------------------------------------------------------
+
+TEST(DaemonHardeningTest, GroupMemberMapsTheSegments) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the daemon gives files to a group and setpriv changes uid";
+  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  if (RunCmd("getent group nogroup").exit_code != 0) GTEST_SKIP() << "no group 'nogroup' (gid 65534)";
+  TempDir dir;
+  ::chmod(dir.path().c_str(), 0755);
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--group", "nogroup"});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  const json s = d.Status();
+  ASSERT_EQ(s["segments"].size(), 1u);
+  struct stat st {};
+  ASSERT_EQ(::stat((shm + "/" + s["segments"][0]["name"].get<std::string>()).c_str(), &st), 0);
+  EXPECT_EQ(st.st_gid, 65534u);
+  EXPECT_EQ(st.st_mode & 0777, 0640u);
+  // A member by supplementary group only, as the daemon's check allows.
+  const json a = AttachOnce(d, ckpt, shm, "", "setpriv --reuid=65533 --regid=65533 --groups=65534 ");
+  EXPECT_EQ(a["decision"], "shared") << a.dump();
+  EXPECT_EQ(a["mismatches"], 0) << a.dump();
+}
+
+// --- item 13: failed loads are visible; refused uids get nothing from any service --------------------------------
+
+TEST(DaemonHardeningTest, FailedLoadIsLoggedAndShownInStatus) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  auto r = RunCmd(BinPath("engramctl") + " load --checkpoint " + (dir / "missing") + " --socket " + d.socket());
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_TRUE(d.WaitLog("event=load_failed dir=" + (dir / "missing"))) << d.Log();
+  const json s = d.Status();
+  bool shown = false;
+  for (const auto& f : s["recent_fallbacks"]) {
+    shown = shown || f.get<std::string>().find("load_failed dir=" + (dir / "missing")) == 0;
+  }
+  EXPECT_TRUE(shown) << s.dump();
+  EXPECT_EQ(s["segments"].size(), 1u) << "status fields are unchanged: " << s.dump();
+}
+
+// grpc.health.v1.Health/Check through the generic stub: the status byte (1 SERVING, 2 NOT_SERVING), or 100 + the
+// gRPC error code.
+int HealthProbe(const std::string& socket) {
+  auto channel = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+  grpc::CompletionQueue cq;
+  const char req_bytes[] = {0x0a, 0x00};
+  grpc::Slice req_slice(req_bytes, sizeof(req_bytes));
+  grpc::ByteBuffer request(&req_slice, 1), response;
+  auto call = stub.PrepareUnaryCall(&ctx, "/grpc.health.v1.Health/Check", request, &cq);
+  call->StartCall();
+  grpc::Status status;
+  call->Finish(&response, &status, reinterpret_cast<void*>(1));
+  void* tag = nullptr;
+  bool ok = false;
+  if (!cq.Next(&tag, &ok) || !ok) return 99;
+  if (!status.ok()) {
+    std::cerr << status.error_message() << "\n";
+    return 100 + status.error_code();
+  }
+  std::vector<grpc::Slice> slices;
+  if (!response.Dump(&slices).ok()) return 98;
+  std::string bytes;
+  for (const auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : 97;
+}
+
+TEST(DaemonHardeningTest, RefusedUidsGetNothingFromAnyService) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: setpriv switches to another uid";
+  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  TempDir dir;
+  ::chmod(dir.path().c_str(), 0755);
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--group", "nogroup"});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  ::chmod(d.socket().c_str(), 0666);  // the socket is reachable: the daemon's own check is what is tested
+  EXPECT_EQ(HealthProbe(d.socket()), 1) << "the daemon's own uid gets the health status";
+  const std::string probe = g_self + " --health-probe " + d.socket();
+  auto member = RunCmd("setpriv --reuid=65533 --regid=65533 --groups=65534 " + probe);
+  EXPECT_EQ(member.exit_code, 1) << member.err;
+  auto stranger = RunCmd("setpriv --reuid=65533 --regid=65533 --clear-groups " + probe);
+  EXPECT_EQ(stranger.exit_code, 100 + grpc::StatusCode::PERMISSION_DENIED) << stranger.err;
+  EXPECT_NE(stranger.err.find("uid 65533 may not use engramd"), std::string::npos) << stranger.err;
+  auto status = RunCmd("setpriv --reuid=65533 --regid=65533 --clear-groups " + BinPath("engramctl") +
+                       " status --json --socket " + d.socket());
+  EXPECT_NE(status.exit_code, 0);
+  EXPECT_NE(status.err.find("uid 65533 may not use engramd"), std::string::npos) << status.err;
+  EXPECT_TRUE(d.proc().Running());
+  EXPECT_FALSE(d.Status().is_null());
+}
+
+}  // namespace
+}  // namespace engram
+
+int main(int argc, char** argv) {
+  engram::g_self = std::filesystem::canonical("/proc/self/exe").string();
+  if (argc == 3 && std::string(argv[1]) == "--health-probe") return engram::HealthProbe(argv[2]);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
