@@ -5,9 +5,12 @@
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
+#include <vector>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "engram/v1/engram.grpc.pb.h"
 #include "spdlog/spdlog.h"
 
@@ -35,40 +38,16 @@ absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
 
 }  // namespace
 
-struct Session::Impl {
+// One gRPC stream to engramd.
+struct Connection {
   std::unique_ptr<v1::Engram::Stub> stub;
   grpc::ClientContext ctx;
   std::unique_ptr<grpc::ClientReaderWriter<v1::ClientMessage, v1::ServerMessage>> stream;
-  std::string socket;
-  std::thread events;
-
-  absl::Status Write(const v1::ClientMessage& m) {
-    if (stream->Write(m)) return absl::OkStatus();
-    return absl::UnavailableError(absl::StrCat("the session with engramd on ", socket, " ended"));
-  }
-  // The stream's final status, for a failed read or write.
-  absl::Status Ended(const std::string& what) { return FromGrpc(stream->Finish(), what); }
 };
 
-Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+namespace {
 
-Session::~Session() {
-  impl_->ctx.TryCancel();
-  if (impl_->events.joinable()) impl_->events.join();
-}
-
-absl::StatusOr<std::unique_ptr<Session>> Session::Open(const std::string& socket, std::chrono::milliseconds timeout,
-                                                       const Declaration& d) {
-  auto impl = std::make_unique<Impl>();
-  impl->socket = socket;
-  auto channel = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
-  const auto deadline = std::chrono::system_clock::now() + timeout;
-  if (!channel->WaitForConnected(deadline)) {
-    return absl::UnavailableError(absl::StrCat("no engramd answers on ", socket, " (start it: systemctl start engramd)"));
-  }
-  impl->stub = v1::Engram::NewStub(channel);
-  impl->stream = impl->stub->Session(&impl->ctx);
-
+v1::ClientMessage Hello(const Declaration& d) {
   v1::ClientMessage hello;
   auto* h = hello.mutable_hello();
   h->set_fingerprint(d.fingerprint);
@@ -86,25 +65,136 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(const std::string& socket
   h->set_shm_visible(d.shm_visible);
   h->set_shm_dev(d.shm_dev);
   h->set_shm_ino(d.shm_ino);
+  return hello;
+}
 
-  // The daemon may hold its answer while the segment loads: cancel the call at the deadline.
+// Connects, says hello and waits for the answer within `timeout` (the call is cancelled at the deadline).
+absl::StatusOr<std::unique_ptr<Connection>> Connect(const std::string& socket, std::chrono::milliseconds timeout,
+                                                    const Declaration& d, v1::ServerMessage* answer) {
+  auto c = std::make_unique<Connection>();
+  auto channel = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
+  const auto deadline = std::chrono::system_clock::now() + timeout;
+  if (!channel->WaitForConnected(deadline)) {
+    return absl::UnavailableError(absl::StrCat("no engramd answers on ", socket, " (start it: systemctl start engramd)"));
+  }
+  c->stub = v1::Engram::NewStub(channel);
+  c->stream = c->stub->Session(&c->ctx);
+  // The daemon may hold its answer while the segment loads.
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
   std::thread watchdog([&] {
     std::unique_lock<std::mutex> lock(mu);
-    if (!cv.wait_until(lock, deadline, [&] { return done; })) impl->ctx.TryCancel();
+    if (!cv.wait_until(lock, deadline, [&] { return done; })) c->ctx.TryCancel();
   });
-  v1::ServerMessage answer;
-  const bool answered = impl->stream->Write(hello) && impl->stream->Read(&answer);
+  const bool answered = c->stream->Write(Hello(d)) && c->stream->Read(answer);
   {
     std::lock_guard<std::mutex> lock(mu);
     done = true;
   }
   cv.notify_all();
   watchdog.join();
-  if (!answered) return impl->Ended(absl::StrCat("engramd did not answer on ", socket));
+  if (!answered) {
+    return FromGrpc(c->stream->Finish(), absl::StrCat("engramd did not answer on ", socket));
+  }
+  if (!answer->has_grant() && !answer->has_fallback()) {
+    return absl::InternalError("engramd answered the hello with neither a grant nor a fallback");
+  }
+  return c;
+}
 
+}  // namespace
+
+struct Session::Impl {
+  std::string socket;
+  Declaration declaration;
+  std::string segment_path;  // of the grant this session's mapping came from ("" for a fallback)
+
+  std::mutex mu;  // guards conn, closing, outcome
+  std::condition_variable cv;
+  std::unique_ptr<Connection> conn;
+  bool closing = false;
+  std::optional<v1::ClientMessage> outcome;  // replayed after a reconnect
+  std::thread events;
+
+  absl::Status Write(const v1::ClientMessage& m) {
+    if (conn->stream->Write(m)) return absl::OkStatus();
+    return absl::UnavailableError(absl::StrCat("the session with engramd on ", socket, " ended"));
+  }
+  // The stream's final status, for a failed read or write.
+  absl::Status Ended(const std::string& what) { return FromGrpc(conn->stream->Finish(), what); }
+
+  // The events loop: drains daemon events; when the session breaks (engramd died or restarted), logs it and
+  // reconnects with backoff, replays the outcome so that status lists this replica again, and keeps the mapping
+  // it has (still valid: the pages stay mapped whatever happened to the daemon).
+  void Run() {
+    while (true) {
+      Connection* c;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (closing) return;
+        c = conn.get();
+      }
+      v1::ServerMessage m;
+      while (c->stream->Read(&m)) {
+        if (m.has_event() && m.event().kind() == v1::Event::DRAINING) {
+          spdlog::warn("engram: event=daemon_draining detail=\"{}\"", m.event().detail());
+        }
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (closing) return;
+      }
+      spdlog::warn("engram: event=lease_lost socket={} detail=\"engramd ended the session; the mapping stays valid, "
+                   "reconnecting\"", socket);
+      auto backoff = std::chrono::milliseconds(100);
+      while (true) {
+        {
+          std::unique_lock<std::mutex> lock(mu);
+          if (cv.wait_for(lock, backoff, [&] { return closing; })) return;
+        }
+        backoff = std::min(backoff * 2, std::chrono::milliseconds(5000));
+        v1::ServerMessage answer;
+        auto next = Connect(socket, std::chrono::milliseconds(2000), declaration, &answer);
+        if (!next.ok()) continue;
+        const bool same = answer.has_grant() && answer.grant().segment_path() == segment_path;
+        std::lock_guard<std::mutex> lock(mu);
+        if (closing) {
+          (*next)->ctx.TryCancel();
+          return;
+        }
+        if (outcome && !(*next)->stream->Write(*outcome)) continue;
+        std::unique_ptr<Connection> old = std::move(conn);
+        conn = std::move(*next);
+        (void)old->stream->Finish();  // it ended (Read returned false): collect its status, then let it go
+        spdlog::info("engram: event=lease_restored socket={} same_segment={}", socket, same);
+        ++reconnects;
+        break;
+      }
+    }
+  }
+  int reconnects = 0;
+};
+
+Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Session::~Session() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->closing = true;
+    impl_->conn->ctx.TryCancel();
+  }
+  impl_->cv.notify_all();
+  if (impl_->events.joinable()) impl_->events.join();
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Open(const std::string& socket, std::chrono::milliseconds timeout,
+                                                       const Declaration& d) {
+  auto impl = std::make_unique<Impl>();
+  impl->socket = socket;
+  impl->declaration = d;
+  v1::ServerMessage answer;
+  ASSIGN_OR_RETURN(impl->conn, Connect(socket, timeout, d, &answer));
   std::unique_ptr<Session> s(new Session(std::move(impl)));
   Answer& a = s->answer_;
   if (answer.has_grant()) {
@@ -121,13 +211,12 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(const std::string& socket
     a.grant.token_map.assign(g.segment().token_map().begin(), g.segment().token_map().end());
     a.grant.lease_id = g.lease_id();
     a.grant.epoch = g.epoch();
-  } else if (answer.has_fallback()) {
+    s->impl_->segment_path = g.segment_path();
+  } else {
     a.mode = static_cast<Mode>(answer.fallback().mode());
     for (const auto& r : answer.fallback().reasons()) {
       a.reasons.push_back({static_cast<ReasonCode>(r.code()), r.hint()});
     }
-  } else {
-    return absl::InternalError("engramd answered the hello with neither a grant nor a fallback");
   }
   return s;
 }
@@ -137,7 +226,7 @@ absl::Status Session::AcquireTicket() {
   req.mutable_ticket_request();
   if (auto st = impl_->Write(req); !st.ok()) return impl_->Ended("ticket request");
   v1::ServerMessage reply;
-  while (impl_->stream->Read(&reply)) {
+  while (impl_->conn->stream->Read(&reply)) {
     if (reply.has_ticket()) return absl::OkStatus();
     // Events may arrive while the ticket queue moves; they need no answer.
   }
@@ -165,20 +254,19 @@ absl::Status Session::ReportOutcome(Mode mode, const std::vector<Reason>& reason
     w->set_hint(r.hint);
   }
   o->set_backend(BackendName(backend));
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->outcome = m;
   return impl_->Write(m);
 }
 
 void Session::Keep() {
   if (impl_->events.joinable()) return;
-  auto* stream = impl_->stream.get();
-  impl_->events = std::thread([stream] {
-    v1::ServerMessage m;
-    while (stream->Read(&m)) {
-      if (m.has_event() && m.event().kind() == v1::Event::DRAINING) {
-        spdlog::warn("engram: event=daemon_draining detail=\"{}\"", m.event().detail());
-      }
-    }
-  });
+  impl_->events = std::thread([impl = impl_.get()] { impl->Run(); });
+}
+
+int Session::reconnects() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->reconnects;
 }
 
 }  // namespace engram::client

@@ -11,7 +11,7 @@
 // daemon answers, PERMISSION_DENIED when it refuses this uid, INVALID_ARGUMENT for a hello it rejects; the caller
 // turns them into DAEMON_UNAVAILABLE / PERMISSION_DENIED. A Session is driven by one thread; after Keep() a
 // background thread drains daemon events (DRAINING is logged) until the Session is destroyed, which cancels the
-// stream and releases the lease.
+// stream and releases the lease (a session that broke is re-established in the background: see Keep).
 #pragma once
 
 #include <chrono>
@@ -82,8 +82,13 @@ class Session {
   absl::Status AcquireTicket();
   absl::Status ReportRegistration(const RegistrationReport& report);
   absl::Status ReportOutcome(Mode mode, const std::vector<Reason>& reasons, Backend backend);
-  // Holds the session (the lease) and drains daemon events in the background until destruction.
+  // Holds the session (the lease) and drains daemon events in the background until destruction. When the session
+  // breaks (engramd died or restarted) the background thread logs event=lease_lost, reconnects with backoff (up to
+  // 5 s apart), says hello again and replays the outcome, so status lists this replica again; the table keeps its
+  // mapping (pages stay mapped whatever happens to the daemon), nothing is remapped or re-registered.
   void Keep();
+  // How many times Keep's thread re-established the session.
+  int reconnects() const;
 
  private:
   struct Impl;

@@ -277,6 +277,29 @@ TEST(SegmentIdentityTest, ARewrittenCheckpointIsRepublishedNotAdopted) {
   EXPECT_GT(RowMismatches(**t, 1), 0) << "the two revisions must differ for this test to mean anything";
 }
 
+// The daemon dies and comes back: the replica notices, reconnects, is listed in status again, and its table (never
+// remapped) still serves the checkpoint's rows.
+TEST_F(ClientFaultsTest, ALostLeaseIsReestablishedAfterTheDaemonRestarts) {
+  FaultEnv env;
+  auto c = client::Client::Connect(Options(&env));
+  auto t = (*c)->Attach(Request(2));
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_EQ((*t)->mode(), client::Mode::kShared);
+  const uint8_t* mapped = (*t)->records(0);
+  ASSERT_FALSE(Me().is_null());
+  daemon_.Signal(SIGKILL);
+  daemon_.Wait();
+  daemon_ = Process({BinPath("../daemon/engramd"), "--checkpoint", dir_ / "ck", "--shm-dir", dir_ / "shm",
+                     "--socket", socket_},
+                    dir_ / "engramd-again.log");
+  ASSERT_TRUE(WaitFor([&] {
+    json me = Me();
+    return !me.is_null() && me["mode"] == "SHARED";
+  }, std::chrono::seconds(60))) << Status().dump() << daemon_.Output();
+  EXPECT_EQ((*t)->records(0), mapped) << "nothing is remapped";
+  EXPECT_EQ(RowMismatches(**t), 0);
+}
+
 TEST(ReasonNamesTest, OneEnumFromTheWireToC) {
   // The wire's names (the daemon's, engramctl's), the C++ client's and the C API's agree for every code, and unknown
   // codes say so.
