@@ -9,6 +9,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -96,6 +97,15 @@ Process Attach(const TempDir& dir, const Daemon& d, const std::string& ckpt, con
 json FirstJson(const std::string& out) { return testing::JsonLine(out, false); }
 std::set<std::string> Reasons(const json& j) { return testing::ReasonSet(j); }
 
+// `engramctl attach --ticket` pins the mapping with mlock: that needs root (CAP_IPC_LOCK) or a memlock limit above
+// the bytes pinned at once.
+bool CanPin(uint64_t bytes) {
+  rlimit rl{};
+  return ::geteuid() == 0 || (::getrlimit(RLIMIT_MEMLOCK, &rl) == 0 && (rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= bytes));
+}
+#define SKIP_UNLESS_CAN_PIN(bytes) \
+  if (!CanPin(bytes)) GTEST_SKIP() << "mlock of " << (bytes) << " bytes needs root (CAP_IPC_LOCK) or ulimit -l"
+
 uint64_t ReadBytesOf(pid_t pid) {  // bytes the process read through read()/pread() so far
   std::ifstream in("/proc/" + std::to_string(pid) + "/io");
   std::string k;
@@ -107,6 +117,7 @@ uint64_t ReadBytesOf(pid_t pid) {  // bytes the process read through read()/prea
 }
 
 TEST(DaemonTest, PublishesSharesAndHoldsLeases) {
+  SKIP_UNLESS_CAN_PIN(uint64_t{8} << 30);  // 8 replicas pin their 1-2 GiB segments
   TempDir dir;
   const std::string shm = dir / "shm";
   ::mkdir(shm.c_str(), 0755);
@@ -880,6 +891,7 @@ TEST(DaemonTest, AdoptedSegmentWithBadChecksumIsRepublished) {
 
 // `engramctl status --json` has every field README's engramctl section documents, with its type.
 TEST(DaemonTest, StatusJsonHasTheDocumentedShape) {
+  SKIP_UNLESS_CAN_PIN(uint64_t{64} << 20);
   TempDir dir;
   const std::string shm = dir / "shm";
   ::mkdir(shm.c_str(), 0755);
