@@ -5,6 +5,7 @@
 // without a GPU; a CUDA error fails.
 #include <cuda_runtime_api.h>
 
+#include <filesystem>
 #include <random>
 
 #include "client/cuda_backend.h"
@@ -121,8 +122,18 @@ TEST(GpuClientTest, ChunkedRegistrationRollsBackOnFailure) {
 TEST(GpuClientTest, SharedSegmentRegisteredReadOnlyServesTheOraclesRows) {
   REQUIRE_GPU();
   testing::TempDir dir;
-  const std::string shm = dir / "shm", sock = dir / "engramd.sock";
-  ::mkdir(shm.c_str(), 0755);
+  // The segment lives where production puts it (a tmpfs), in this test's own subdirectory of /dev/shm: engramd scans
+  // only its --shm-dir, so nothing else there is touched; the subdirectory is removed at the end.
+  std::string shm_tmpl = "/dev/shm/engram-gpu-test-XXXXXX";
+  ASSERT_NE(::mkdtemp(shm_tmpl.data()), nullptr);
+  const std::string shm = shm_tmpl, sock = dir / "engramd.sock";
+  struct RemoveShm {
+    std::string path;
+    ~RemoveShm() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  } remove_shm{shm};
   tools::SyntheticSpec spec;
   spec.out_dir = dir / "ck";
   spec.table_mib = 64;
