@@ -317,7 +317,11 @@ TEST(GpuLookupTest, SharedSegmentRegisteredByAnotherProcess) {
   REQUIRE_GPU();
   std::mt19937_64 rng(Seed());
   const int64_t D = 256, rb = 264, rows = 200000;
-  const std::string path = "/dev/shm/engram-gputest-" + std::to_string(::getpid());
+  // In this test's own subdirectory of /dev/shm (never a top-level engram-* name, which a production engramd's scan
+  // would treat as its own debris); removed at the end.
+  std::string shm_dir = "/dev/shm/engram-gputest-XXXXXX";
+  ASSERT_NE(::mkdtemp(shm_dir.data()), nullptr);
+  const std::string path = shm_dir + "/table";
   std::vector<uint8_t> records = RandomRecords(rng, rows, D);
   testing::WriteFile(path, std::string(records.begin(), records.end()));
   int fd = ::open(path.c_str(), O_RDONLY);
@@ -373,6 +377,7 @@ TEST(GpuLookupTest, SharedSegmentRegisteredByAnotherProcess) {
   CUDA_OK(cudaHostUnregister(map));
   ::munmap(map, records.size());
   ::unlink(path.c_str());
+  ::rmdir(shm_dir.c_str());
   (void)rb;
 }
 
