@@ -74,10 +74,10 @@ int main(int argc, char** argv) {
   CHECK(rows_checked == T * C);
   CHECK(row_mismatches == 0);
   /* Refusals: a bad layer, a token outside the vocabulary, null buffers, an explicit dp_shared_memory true. */
-  CHECK(engram_table_lookup(t, L, ids, 5, rows, err, sizeof err) != 0 && strstr(err, "layer index") != NULL);
+  CHECK(engram_table_lookup(t, L, layer0, T * C, rows, err, sizeof err) != 0 && strstr(err, "layer") != NULL);
   int32_t bad = (int32_t)engram_table_raw_vocab(t);
   CHECK(engram_table_hash(t, &bad, 1, ids, err, sizeof err) != 0 && strstr(err, "outside") != NULL);
-  CHECK(engram_table_lookup(t, 0, NULL, 5, rows, err, sizeof err) != 0);
+  CHECK(engram_table_lookup(t, 0, NULL, T * C, rows, err, sizeof err) != 0);
   engram_table* t2 = NULL;
   req.dp_shared_memory = 1;
   CHECK(engram_attach("/nonexistent/engramd.sock", 200, &req, &t2, err, sizeof err) != 0);
