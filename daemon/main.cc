@@ -22,7 +22,6 @@
 #include "daemon/options.h"
 #include "daemon/refuser.h"
 #include "daemon/service.h"
-#include "daemon/shm_lock.h"
 #include "daemon/state.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -56,13 +55,6 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
-  // One engramd per shm directory, taken before anything there is touched (a second daemon would retire the
-  // first one's segments).
-  auto shm_lock = ShmDirLock::Acquire(opts->shm_dir);
-  if (!shm_lock.ok()) {
-    std::fprintf(stderr, "engramd: %s\n", std::string(shm_lock.status().message()).c_str());
-    return 1;
-  }
   UdsListener listener;
   if (auto st = listener.Bind(opts->socket, opts->group); !st.ok()) {
     std::fprintf(stderr, "engramd: %s\n", std::string(st.message()).c_str());

@@ -198,7 +198,7 @@ void SegmentRegistry::PlanShardsLocked(ServedCheckpoint& c, int64_t tp) const {
 }
 
 absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
-                                    const std::vector<int64_t>& tp_sizes) {
+                                    const std::vector<int64_t>& tp_sizes, bool lock_shm_dir) {
   std::unique_lock<std::mutex> lock(mu_);
   shm_ = ProbeShm(shm_dir_);
   for (const auto& given : checkpoints) {
@@ -214,6 +214,9 @@ absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
     PlanSegmentsLocked(*c);
     c->serial = next_serial_++;
     checkpoints_[dir] = std::move(c);
+  }
+  if (lock_shm_dir && shm_.ok()) {
+    ASSIGN_OR_RETURN(shm_lock_, ShmDirLock::Acquire(shm_dir_));
   }
   if (!shm_.ok()) {
     spdlog::error("event=shm_missing dir={} detail=\"{}\": replicas will fall back (SHM_MISSING)", shm_dir_,

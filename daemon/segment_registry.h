@@ -43,6 +43,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/fallback.h"
+#include "daemon/shm_lock.h"
 #include "engram/v1/engram.pb.h"
 #include "model/checkpoint.h"
 #include "model/layout.h"
@@ -110,7 +111,11 @@ class SegmentRegistry {
   // Probes the shm directory, opens every checkpoint (an error when one can't be opened or is inconsistent),
   // removes debris, retires READY segments not served, adopts matching READY segments and queues the rest for
   // publishing. A missing shm directory is not an error: every segment is FAILED (replicas fall back).
-  absl::Status Start(const std::vector<std::string>& checkpoints, const std::vector<int64_t>& tp_sizes);
+  // `lock_shm_dir` (engramd): after the checkpoints opened and before anything in the shm directory is touched, take
+  // its one-daemon lock (daemon/shm_lock.h), held until the registry goes; FailedPrecondition "another engramd
+  // (pid N) owns DIR" when another process holds it.
+  absl::Status Start(const std::vector<std::string>& checkpoints, const std::vector<int64_t>& tp_sizes,
+                     bool lock_shm_dir = false);
   // Blocks until no segment is PENDING or LOADING (true), or the timeout passes (false).
   bool WaitSettled(std::chrono::milliseconds timeout);
   std::string LoadProgressLine() const;
@@ -186,6 +191,7 @@ class SegmentRegistry {
   const int group_gid_;
   std::atomic<uint64_t> epoch_{1};
   std::deque<std::string> load_failures_;
+  ShmDirLock shm_lock_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   absl::StatusOr<ShmCapacity> shm_;

@@ -91,8 +91,11 @@ absl::StatusOr<ShmDirLock> ShmDirLock::Acquire(const std::string& shm_dir) {
                  lock.path_, st.st_uid, st.st_mode & 07777);
     if (fd >= 0) ::close(fd);
     if (::unlink(lock.path_.c_str()) != 0 && errno != ENOENT) {
-      return absl::FailedPreconditionError(absl::StrCat("a file owned by uid ", st.st_uid, " occupies ", lock.path_,
-                                                        " and cannot be removed: ", std::strerror(errno)));
+      // Refusing to start would let any local user stop a non-root engramd by planting the file: run unlocked.
+      spdlog::error("event=shm_lock_unavailable path={} owner={} detail=\"{}\": a file owned by uid {} occupies it; "
+                    "running without the one-daemon-per-directory lock", lock.path_, st.st_uid, std::strerror(errno),
+                    st.st_uid);
+      return ShmDirLock();
     }
   }
   return absl::FailedPreconditionError(absl::StrCat("cannot create ", lock.path_, ": it keeps being replaced"));

@@ -54,7 +54,7 @@ Options DaemonState::options() const {
 
 absl::Status DaemonState::Start() {
   const Options o = options();
-  return segments_.Start(o.checkpoints, o.tp_sizes);
+  return segments_.Start(o.checkpoints, o.tp_sizes, /*lock_shm_dir=*/true);
 }
 
 bool DaemonState::WaitSettled(std::chrono::milliseconds timeout) { return segments_.WaitSettled(timeout); }

@@ -10,7 +10,8 @@
 // Status and metrics are built by daemon/status_report.h.
 //
 // Lifecycle: Start() probes the shm directory, opens every configured checkpoint (a checkpoint that cannot be
-// opened or whose token map disagrees with its config is a startup error), removes debris (segments not READY),
+// opened or whose token map disagrees with its config is a startup error), takes the shm directory's one-daemon
+// lock (another engramd there is a startup error; daemon/shm_lock.h), removes debris (segments not READY),
 // adopts READY segments whose fingerprint and size match, retires READY segments it no longer serves (unlinked:
 // replicas that map them keep working), and publishes the missing ones in the background.
 //

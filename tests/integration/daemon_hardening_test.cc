@@ -184,6 +184,43 @@ TEST(DaemonHardeningTest, PlantedSegmentIsNotAdopted) {
   }
 }
 
+// A non-root engramd (uid 65533, through setpriv) finds a file of another uid (root) under its segment's name in a
+// sticky directory: it cannot remove it, so it never adopts nor writes it, and the segment fails with a clear error
+// that replicas get as SEGMENT_NOT_READY.
+TEST(DaemonHardeningTest, ForeignFileThatCannotBeRemovedFailsTheSegment) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the daemon runs as another uid than the planted file's";
+  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  TempDir dir;
+  ::chmod(dir.path().c_str(), 0777);
+  const std::string shm = MakeShm(dir);
+  ::chmod(shm.c_str(), 01777);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  std::string name;
+  {
+    Daemon first(dir, {"--checkpoint", ckpt, "--shm-dir", shm}, "first");  // root: its file is root's, 0640
+    ASSERT_TRUE(first.WaitReady()) << first.Log();
+    name = first.Status()["segments"][0]["name"];
+    first.proc().Signal(SIGTERM);
+    ASSERT_EQ(first.proc().Wait(), 0);
+  }
+  const std::string path = shm + "/" + name;
+  const std::string before = testing::ReadFile(path);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm}, "nonroot",
+           {"/usr/bin/setpriv", "--reuid=65533", "--regid=65533", "--clear-groups"});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  const json s = d.Status();
+  ASSERT_EQ(s["segments"].size(), 1u);
+  EXPECT_EQ(s["segments"][0]["state"], "FAILED") << s.dump();
+  EXPECT_NE(s["segments"][0]["error"].get<std::string>().find("a file owned by uid 0 occupies " + path),
+            std::string::npos)
+      << s.dump();
+  EXPECT_NE(d.Log().find("event=segment_foreign path=" + path + " owner=0"), std::string::npos) << d.Log();
+  EXPECT_EQ(testing::ReadFile(path), before) << "the foreign file was written";
+  const json a = AttachOnce(d, ckpt, shm);
+  EXPECT_EQ(a["decision"], "fallback") << a.dump();
+  EXPECT_TRUE(testing::ReasonSet(a).count("SEGMENT_NOT_READY")) << a.dump();
+}
+
 // A symlink under a segment's name (one this configuration does not serve, so the start-up scan would retire it,
 // and one it serves) pointing at a file holding a READY segment: the target is never written (no RETIRED through
 // the link), the link is removed, the daemon publishes its own file.
