@@ -82,8 +82,9 @@ int RpcFailure(const grpc::Status& st, const std::string& socket) {
       std::cerr << "engramctl: " << why << "\n";
       return 3;
     }
-    std::cerr << "engramctl: engramd on " << socket << " did not answer: " << st.error_message() << "\n";
-    return 3;
+    // Something listens and answered with an error of its own (e.g. draining): say what it said.
+    std::cerr << "engramctl: engramd on " << socket << ": " << st.error_message() << "\n";
+    return 1;
   }
   if (st.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
     std::cerr << "engramctl: " << st.error_message() << "\n";

@@ -831,6 +831,12 @@ TEST(DaemonTest, DrainTellsSessionsAndRefusesNewOnes) {
     EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
     EXPECT_NE(st.error_message().find("draining"), std::string::npos) << st.error_message();
   }
+  // engramctl says what the daemon said (exit 1), not "not running".
+  auto refused = RunCmd(BinPath("engramctl") + " attach --socket " + d.socket() + " --checkpoint " + ckpt +
+                        " --shm-dir " + shm + " --timeout 5");
+  EXPECT_EQ(refused.exit_code, 1) << refused.err;
+  EXPECT_NE(refused.err.find("draining"), std::string::npos) << refused.err;
+  EXPECT_EQ(refused.err.find("not running"), std::string::npos) << refused.err;
   EXPECT_TRUE(d.proc().Running());
   EXPECT_EQ(ListSegments(shm).size(), 1u);
 }
