@@ -32,7 +32,7 @@ done
 if [ -x "$out/bin/engramd" ]; then mkdir -p "$out/daemon" && cp "$out/bin/engramd" "$out/daemon/engramd"; fi
 mkdir -p "$out/data"
 cp -r "$root/tests/data/configs" "$root/tests/data/goldens" "$root/tests/data/tokenizers" "$out/data/"
-strip --strip-debug "$out"/lib/*.so* "$out"/bin/* 2>/dev/null || true
+strip --strip-debug "$out"/lib/*.so* "$out"/bin/* "$out"/daemon/* 2>/dev/null || true
 # Libraries travel compressed (ICU's data alone is 30 MiB); run.sh unpacks them on first use.
 tar -C "$out" -czf "$out/lib.tar.gz" lib && rm -rf "$out/lib"
 cat > "$out/run.sh" <<'RUN'

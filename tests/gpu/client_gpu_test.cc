@@ -149,6 +149,7 @@ TEST(GpuClientTest, SharedSegmentRegisteredReadOnlyServesTheOraclesRows) {
   client::AttachRequest req;
   req.checkpoint = spec.out_dir;
   req.dp_size = 2;
+  req.shm_dir = shm;                             // the replica's view of the daemon's directory (SHM_NOT_VISIBLE check)
   req.dp_shared_memory = client::Choice::kTrue;  // a fallback is an error here
   absl::StatusOr<std::unique_ptr<client::Table>> table = absl::UnavailableError("not yet");
   // The daemon answers once its socket is up: retry the connect until it does (an event, not a sleep).
