@@ -1,6 +1,7 @@
 #include "client/session.h"
 
 #include <grpcpp/grpcpp.h>
+#include <sys/stat.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -109,6 +110,7 @@ struct Session::Impl {
   std::string socket;
   Declaration declaration;
   std::string segment_path;  // of the grant this session's mapping came from ("" for a fallback)
+  uint64_t segment_dev = 0, segment_ino = 0;  // that file's identity when it was granted
 
   std::mutex mu;  // guards conn, closing, outcome
   std::condition_variable cv;
@@ -157,11 +159,24 @@ struct Session::Impl {
         v1::ServerMessage answer;
         auto next = Connect(socket, std::chrono::milliseconds(2000), declaration, &answer);
         if (!next.ok()) continue;
-        const bool same = answer.has_grant() && answer.grant().segment_path() == segment_path;
+        // The same file (device and inode, not just the name: a republished segment has the old name), or not.
+        struct stat st {};
+        const bool same = answer.has_grant() && !segment_path.empty() &&
+                          ::stat(answer.grant().segment_path().c_str(), &st) == 0 && st.st_dev == segment_dev &&
+                          st.st_ino == segment_ino;
         std::lock_guard<std::mutex> lock(mu);
         if (closing) {
           (*next)->ctx.TryCancel();
           return;
+        }
+        if (outcome && outcome->outcome().mode() == v1::SHARED && !same) {
+          // This replica keeps reading its mapping of a file the daemon no longer serves: a copy of its own now.
+          auto* o = outcome->mutable_outcome();
+          o->set_mode(v1::PRIVATE_PINNED);
+          auto* r = o->add_reasons();
+          r->set_code(v1::SEGMENT_NOT_READY);
+          r->set_hint("engramd restarted and no longer serves the segment this replica mapped; the replica keeps "
+                      "reading its own mapping of the old file (no longer shared): restart it to share again");
         }
         if (outcome && !(*next)->stream->Write(*outcome)) continue;
         std::unique_ptr<Connection> old = std::move(conn);
@@ -212,6 +227,11 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(const std::string& socket
     a.grant.lease_id = g.lease_id();
     a.grant.epoch = g.epoch();
     s->impl_->segment_path = g.segment_path();
+    struct stat st {};
+    if (::stat(g.segment_path().c_str(), &st) == 0) {
+      s->impl_->segment_dev = st.st_dev;
+      s->impl_->segment_ino = st.st_ino;
+    }
   } else {
     a.mode = static_cast<Mode>(answer.fallback().mode());
     for (const auto& r : answer.fallback().reasons()) {

@@ -85,7 +85,9 @@ class Session {
   // Holds the session (the lease) and drains daemon events in the background until destruction. When the session
   // breaks (engramd died or restarted) the background thread logs event=lease_lost, reconnects with backoff (up to
   // 5 s apart), says hello again and replays the outcome, so status lists this replica again; the table keeps its
-  // mapping (pages stay mapped whatever happens to the daemon), nothing is remapped or re-registered.
+  // mapping (pages stay mapped whatever happens to the daemon), nothing is remapped or re-registered. A SHARED
+  // replica whose file the new daemon no longer grants (another file under the name, or a fallback) reports what
+  // it now is: PRIVATE_PINNED with SEGMENT_NOT_READY (its mapping is a copy no one else reads).
   void Keep();
   // How many times Keep's thread re-established the session.
   int reconnects() const;

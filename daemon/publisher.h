@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "engram/v1/engram.pb.h"
 #include "model/checkpoint.h"
+#include "shm/env.h"
 #include "model/layout.h"
 #include "model/token_map.h"
 
@@ -34,7 +35,8 @@ engram::v1::SegmentDescriptor MakeDescriptor(const Checkpoint& ckpt, const Layou
 absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layout, const TokenMap& map,
                                       int64_t tp_size, int64_t tp_rank, const std::string& shm_dir,
                                       uint64_t instance_id, uint64_t epoch, int threads,
-                                      std::atomic<uint64_t>* rows_done = nullptr, int group_gid = -1);
+                                      std::atomic<uint64_t>* rows_done = nullptr, int group_gid = -1,
+                                      Env* env = Env::Default());
 
 // Recomputes a READY segment's per-layer checksums from its records and compares them with the descriptor's.
 // `rows_done` reports progress. OK when all match; DataLoss naming the layer otherwise.

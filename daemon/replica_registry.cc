@@ -174,6 +174,10 @@ absl::Status ReplicaRegistry::RecordOutcome(const std::string& lease_id, const e
   if (it == replicas_.end()) return absl::NotFoundError(absl::StrCat("no session with lease ", lease_id));
   Replica& r = it->second;
   if (r.outcome_reported) return absl::FailedPreconditionError("outcome sent twice in one session");
+  if (clean.mode() == engram::v1::SHARED && (r.mode != engram::v1::SHARED || r.segment_key.empty())) {
+    // Status lists only modes processes run: SHARED needs this session's grant and its lease.
+    return absl::FailedPreconditionError("outcome: SHARED, but this session holds no granted segment");
+  }
   r.outcome_reported = true;
   const engram::v1::Mode decided = r.mode;
   std::vector<engram::v1::Reason> reasons(clean.reasons().begin(), clean.reasons().end());

@@ -96,9 +96,9 @@ std::shared_ptr<const engram::v1::SegmentDescriptor> ReadDescriptor(const std::s
 
 }  // namespace
 
-SegmentRegistry::SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id, int group_gid)
+SegmentRegistry::SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id, int group_gid, Env* env)
     : shm_dir_(std::move(shm_dir)), threads_(std::max(1, threads)), instance_id_(instance_id),
-      group_gid_(group_gid), shm_(absl::UnknownError("not probed yet")) {}
+      group_gid_(group_gid), env_(env), shm_(absl::UnknownError("not probed yet")) {}
 
 SegmentRegistry::~SegmentRegistry() {
   {
@@ -200,7 +200,7 @@ void SegmentRegistry::PlanShardsLocked(ServedCheckpoint& c, int64_t tp) const {
 absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
                                     const std::vector<int64_t>& tp_sizes, bool lock_shm_dir) {
   std::unique_lock<std::mutex> lock(mu_);
-  shm_ = ProbeShm(shm_dir_);
+  shm_ = ProbeShm(shm_dir_, env_);
   for (const auto& given : checkpoints) {
     const std::string dir = CanonicalCheckpointPath(given);
     if (checkpoints_.count(dir)) continue;  // the same checkpoint named twice
@@ -227,6 +227,8 @@ absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
         e.error = std::string(shm_.status().message());
       }
     }
+    // A later load or SIGHUP queues segments: the publish loop probes the directory again and fails them cleanly.
+    workers_.emplace_back([this] { PublishLoop(); });
     return absl::OkStatus();
   }
   ScanShmDirLocked();
@@ -329,7 +331,7 @@ void SegmentRegistry::PublishLoop() {
       bytes = e->bytes;
       path = e->path;
       // Capacity: the segment must fit in what the mount has free now.
-      auto cap = ProbeShm(shm_dir_);
+      auto cap = ProbeShm(shm_dir_, env_);
       if (!cap.ok() || cap->free_bytes < bytes) {
         e->state = SegState::kFailed;
         e->too_small = cap.ok();
@@ -356,7 +358,7 @@ void SegmentRegistry::PublishLoop() {
     }
     spdlog::info("event=publish_start path={} bytes={} threads={}", path, bytes, threads_);
     auto r = Publish(*ckpt, *layout, *map, key.first, key.second, shm_dir_, instance_id_, epoch_.load(), threads_,
-                     progress.get(), group_gid_);
+                     progress.get(), group_gid_, env_);
     {
       std::lock_guard<std::mutex> lock(mu_);
       // Unloaded (and maybe loaded again) while publishing: Unload/Load unlinked the file already, nothing to record.

@@ -49,6 +49,7 @@
 #include "model/layout.h"
 #include "model/token_map.h"
 #include "shm/capacity.h"
+#include "shm/env.h"
 
 namespace engram::daemon {
 
@@ -103,7 +104,9 @@ class SegmentRegistry {
  public:
   // `threads`: publish/verify workers (>= 1). `instance_id`: written into the headers of published segments.
   // `group_gid` >= 0: published segment files get that group (engramd --group), mode 0640.
-  SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id, int group_gid = -1);
+  // `env`: the OS seam for the shm directory (capacity probe, segment files); tests inject faults through it.
+  SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id, int group_gid = -1,
+                  Env* env = Env::Default());
   ~SegmentRegistry();  // stops the workers (a publish in progress finishes first)
   SegmentRegistry(const SegmentRegistry&) = delete;
   SegmentRegistry& operator=(const SegmentRegistry&) = delete;
@@ -189,6 +192,7 @@ class SegmentRegistry {
   const int threads_;
   const uint64_t instance_id_;
   const int group_gid_;
+  Env* const env_;
   std::atomic<uint64_t> epoch_{1};
   std::deque<std::string> load_failures_;
   ShmDirLock shm_lock_;

@@ -84,7 +84,21 @@ absl::StatusOr<ShmDirLock> ShmDirLock::Acquire(const std::string& shm_dir) {
       spdlog::info("event=shm_lock path={} pid={}", lock.path_, ::getpid());
       return lock;
     }
-    // Not ours (planted by another user, or a symlink): remove it and create our own.
+    // Not ours: planted by another user, a symlink, or the lock of another engramd running as another uid. A file
+    // that some process holds locked is a live daemon's: refuse to start (removing it would let both run).
+    if (fd >= 0 || errno == EACCES || errno == EPERM) {
+      const int probe = fd >= 0 ? ::dup(fd) : ::open(lock.path_.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+      if (probe >= 0) {
+        const bool held = ::flock(probe, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+        const std::string pid = held ? PidIn(probe) : "";
+        ::close(probe);
+        if (held) {
+          if (fd >= 0) ::close(fd);
+          return absl::FailedPreconditionError(absl::StrCat("another engramd (pid ", pid, ", another user) owns ",
+                                                            shm_dir, " (", lock.path_, " is locked)"));
+        }
+      }
+    }
     struct stat st {};
     ::lstat(lock.path_.c_str(), &st);
     spdlog::warn("event=segment_foreign path={} owner={} mode={:04o}: not this daemon's lock file, removed",

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <random>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -30,11 +31,26 @@ int DaemonState::WorkerThreads(int requested) {
 namespace {
 
 // The gid of --group (segment files get it so that members can map them); -1 when none or unknown (the listener
-// refuses an unknown group before the state is built).
+// refuses an unknown group before the state is built), or when this daemon may not give files to that group (not
+// root and not a member: fchown would fail and every publish with it), which it then says once.
 int GroupGid(const std::string& group) {
   if (group.empty()) return -1;
   struct group* g = ::getgrnam(group.c_str());
-  return g == nullptr ? -1 : static_cast<int>(g->gr_gid);
+  if (g == nullptr) return -1;
+  const gid_t gid = g->gr_gid;
+  bool may = ::geteuid() == 0 || ::getegid() == gid;
+  if (!may) {
+    std::vector<gid_t> mine(static_cast<size_t>(std::max(0, ::getgroups(0, nullptr))));
+    const int n = ::getgroups(static_cast<int>(mine.size()), mine.data());
+    may = n > 0 && std::find(mine.begin(), mine.begin() + n, gid) != mine.begin() + n;
+  }
+  if (!may) {
+    spdlog::warn("event=group_not_applied group={} gid={}: this daemon (uid {}) is neither root nor a member, so its "
+                 "segment files keep its own group; members of {} can connect but cannot map them (SHM_NOT_VISIBLE)",
+                 group, gid, ::geteuid(), group);
+    return -1;
+  }
+  return static_cast<int>(gid);
 }
 
 }  // namespace

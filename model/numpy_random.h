@@ -5,7 +5,7 @@
 //   NumpyDefaultRng rng(seed);                        // numpy.random.default_rng(seed), seed >= 0
 //   int64_t v = rng.Integers(0, high);                // numpy rng.integers(0, high, dtype=np.int64), one draw
 //
-// Golden values come from NumPy itself (../shared/tools/golden-multipliers.py, tests/data/multipliers-*.json).
+// Golden values come from NumPy itself (tests/data/golden_multipliers.py, tests/data/goldens/multipliers-*.json).
 // Plain value types; not thread-safe (each thread owns its generator).
 #pragma once
 

@@ -275,7 +275,7 @@ absl::Status Apply(const DecoderStep& s, std::vector<std::string>& toks, bool& l
       break;
     }
     case DecoderStep::kMetaspace:
-      // As the reference library (tokenizers, pinned by ../shared/tools) does: in the first token every
+      // As the reference library (tokenizers, pinned by tests/data/golden_tokenmap.js) does: in the first token every
       // replacement char is dropped when a prefix space is prepended; elsewhere each becomes a space.
       for (size_t i = 0; i < toks.size(); ++i) {
         toks[i] = ReplaceAll(toks[i], s.replacement, i == 0 && s.strip_first_space ? "" : " ");

@@ -1,7 +1,8 @@
 // Helpers for the GPU tests: what "no GPU" means, RAII device buffers, and CUDA error checks that fail the test.
 //
 // "No GPU" is exactly: no /dev/nvidia* device node, or the driver library libcuda.so.1 cannot be loaded, or
-// cudaGetDeviceCount answers cudaErrorNoDevice / cudaErrorInsufficientDriver (or zero devices). Then the test binary
+// cudaGetDeviceCount answers cudaErrorNoDevice (or zero devices); an insufficient driver with a device present is a
+// broken installation and fails. Then the test binary
 // prints the reason and exits kNoGpuExitCode, which ctest reports as skipped (SKIP_RETURN_CODE). Any other CUDA error
 // while probing is a failure (exit 1), and inside the tests every CUDA call is checked. The binaries' main() is
 // tests/gpu/gpu_main.cc; REQUIRE_GPU() asserts (it never skips: a test that runs without a GPU is a bug).
@@ -41,9 +42,11 @@ inline GpuProbeResult ProbeGpuUncached() {
   }
   int n = 0;
   const cudaError_t err = cudaGetDeviceCount(&n);
-  if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) {
+  if (err == cudaErrorNoDevice) {  // device nodes, but none visible to this process (e.g. CUDA_VISIBLE_DEVICES="")
     return {GpuProbeResult::kNoGpu, std::string("cudaGetDeviceCount: ") + cudaGetErrorName(err)};
   }
+  // Past this point a device node exists and the driver library loads: an error (an insufficient driver included) is
+  // a broken installation, which must fail, not read as "no GPU".
   if (err != cudaSuccess) {
     return {GpuProbeResult::kError,
             std::string("cudaGetDeviceCount failed: ") + cudaGetErrorName(err) + ": " + cudaGetErrorString(err)};

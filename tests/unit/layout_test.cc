@@ -1,4 +1,4 @@
-// Layout against NumPy's goldens (tests/data/goldens/multipliers-*.json, from ../shared/tools/golden-multipliers.py):
+// Layout against NumPy's goldens (tests/data/goldens/multipliers-*.json, from tests/data/golden_multipliers.py):
 // multipliers, primes, offsets and row counts for every committed config; TP shard ranges; prime testing.
 #include <filesystem>
 #include <random>

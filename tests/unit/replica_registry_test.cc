@@ -341,6 +341,17 @@ TEST(ReplicaRegistryTest, OutcomeAfterAFallbackReplacesTheDecision) {
   EXPECT_EQ(reg.Counters().fallbacks_by_reason.at("SHM_NOT_VISIBLE"), 1u) << "not counted twice";
 }
 
+// Status never lists SHARED for a replica the daemon did not grant, or whose lease is gone (e.g. after a failed
+// registration): such an outcome is refused.
+TEST(ReplicaRegistryTest, SharedOutcomeWithoutAGrantIsRefused) {
+  ReplicaRegistry reg(7, 1);
+  const std::string a = reg.Attach(MakeHello(0), {}, Fallback(engram::v1::DP_SIZE_ONE), "", nullptr);
+  EXPECT_EQ(reg.RecordOutcome(a, MakeOutcome(engram::v1::SHARED, "cpu")).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(reg.Replicas()[0].mode, engram::v1::PRIVATE_PINNED) << "the decision stands";
+  EXPECT_TRUE(reg.RecordOutcome(a, MakeOutcome(engram::v1::PRIVATE_PINNED, "cpu", {engram::v1::DP_SIZE_ONE})).ok())
+      << "a true outcome is still accepted after a refused one";
+}
+
 TEST(ReplicaRegistryTest, MalformedOutcomesAreRefused) {
   std::vector<engram::v1::Outcome> bad;
   bad.push_back(MakeOutcome(engram::v1::MODE_UNSPECIFIED, "cpu"));

@@ -11,9 +11,11 @@
 #include <string>
 #include <thread>
 
+#include "daemon/fallback.h"
 #include "daemon/segment_registry.h"
 #include "gtest/gtest.h"
 #include "model/checkpoint.h"
+#include "shm/env.h"
 #include "shm/segment.h"
 #include "tests/test_util.h"
 #include "tools/synthetic.h"
@@ -130,6 +132,32 @@ TEST_F(SegmentRegistryTest, PublishesEveryShardAndOffersIt) {
   EXPECT_TRUE(tp4->node.segment_failed);
   EXPECT_NE(tp4->node.segment_error.find("TP size 4 is not served (engramd --tp 1,2)"), std::string::npos)
       << tp4->node.segment_error;
+}
+
+// The OS seam reaches the daemon: fallocate refusing (ENOSPC) after the capacity probe passed fails the segment as
+// too small and removes the partial file, and the decision names SHM_TOO_SMALL; without root and without filling a
+// real filesystem.
+class NoSpaceEnv : public PosixEnv {
+ public:
+  int PosixFallocate(int, off_t, off_t) override { return ENOSPC; }
+};
+
+TEST_F(SegmentRegistryTest, NoSpaceDuringAPublishIsShmTooSmall) {
+  NoSpaceEnv env;
+  SegmentRegistry reg(shm_->path(), 2, 5, -1, &env);
+  ASSERT_TRUE(reg.Start({ck1_}, {1}).ok());
+  const auto segs = Settled(reg);
+  ASSERT_EQ(segs.size(), 1u);
+  EXPECT_EQ(Name(segs[0].state), "FAILED");
+  EXPECT_NE(segs[0].error.find("reserve"), std::string::npos) << segs[0].error;
+  EXPECT_FALSE(Exists(segs[0].path)) << "no partial segment is left";
+  auto offer = reg.Offer(HelloFor(fp1_, 1, 0), kNever, kNever);
+  ASSERT_TRUE(offer.ok()) << offer.status();
+  EXPECT_FALSE(offer->ready);
+  EXPECT_TRUE(offer->node.shm_too_small);
+  const Decision d = Decide(HelloFor(fp1_, 1, 0), offer->node);
+  ASSERT_FALSE(d.share);
+  EXPECT_EQ(d.reasons.at(0).code(), engram::v1::SHM_TOO_SMALL);
 }
 
 TEST_F(SegmentRegistryTest, RestartAdoptsVerifiesRetiresAndRemovesDebris) {

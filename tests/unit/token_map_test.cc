@@ -1,5 +1,5 @@
 // Token map against goldens made by the Hugging Face tokenizers library (tests/data/goldens/tokenmap-*.bin, from
-// ../shared/tools/golden-tokenmap.js), entry by entry; normaliser behaviour; refusals.
+// tests/data/golden_tokenmap.js), entry by entry; normaliser behaviour; refusals.
 #include <cstring>
 #include <string>
 #include <vector>
