@@ -300,6 +300,29 @@ TEST_F(ClientFaultsTest, ALostLeaseIsReestablishedAfterTheDaemonRestarts) {
   EXPECT_EQ(RowMismatches(**t), 0);
 }
 
+// The daemon comes back serving another file under the same name (here: the old one was removed while no daemon ran,
+// so it publishes anew): the replica keeps reading its own mapping, which no one shares any more, and says so.
+TEST_F(ClientFaultsTest, AReconnectToAnotherFileReportsWhatTheReplicaReallyRuns) {
+  FaultEnv env;
+  auto c = client::Client::Connect(Options(&env));
+  auto t = (*c)->Attach(Request(2));
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_EQ((*t)->mode(), client::Mode::kShared);
+  const std::string segment = Status()["segments"][0]["name"];
+  daemon_.Signal(SIGKILL);
+  daemon_.Wait();
+  ASSERT_EQ(::unlink((dir_ / "shm/" + segment).c_str()), 0);
+  daemon_ = Process({BinPath("../daemon/engramd"), "--checkpoint", dir_ / "ck", "--shm-dir", dir_ / "shm",
+                     "--socket", socket_},
+                    dir_ / "engramd-again.log");
+  ASSERT_TRUE(WaitFor([&] {
+    json me = Me();
+    return !me.is_null() && !me["reasons"].empty() && me["reasons"].back() == "SEGMENT_NOT_READY";
+  }, std::chrono::seconds(60))) << Status().dump() << daemon_.Output();
+  EXPECT_EQ(Me()["mode"], "PRIVATE_PINNED") << "status must not claim the new file is shared by this replica";
+  EXPECT_EQ(RowMismatches(**t), 0) << "the old mapping still holds the checkpoint's rows";
+}
+
 TEST(ReasonNamesTest, OneEnumFromTheWireToC) {
   // The wire's names (the daemon's, engramctl's), the C++ client's and the C API's agree for every code, and unknown
   // codes say so.

@@ -300,6 +300,29 @@ TEST(DaemonHardeningTest, AliasesOfACheckpointAreTheSameCheckpoint) {
 
 // A second engramd with its own socket on the same shm directory refuses to start and deletes nothing; the first
 // one's segment is untouched and still served.
+// The same across users: a non-root engramd owns the directory's lock; root starting another engramd there must
+// refuse (the lock file is not root's, but a live daemon holds it), not replace the lock and delete the segments.
+TEST(DaemonHardeningTest, ADaemonOfAnotherUserKeepsTheDirectory) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the two daemons run as different uids";
+  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  TempDir dir;
+  ::chmod(dir.path().c_str(), 0777);
+  const std::string shm = MakeShm(dir);
+  ::chmod(shm.c_str(), 01777);
+  const std::string a = MakeCheckpoint(dir, 8, "a", 1);
+  Daemon first(dir, {"--checkpoint", a, "--shm-dir", shm}, "first",
+               {"/usr/bin/setpriv", "--reuid=65533", "--regid=65533", "--clear-groups"});
+  ASSERT_TRUE(first.WaitReady()) << first.Log();
+  const std::string seg = shm + "/" + first.Status()["segments"][0]["name"].get<std::string>();
+  const ino_t ino = InodeOf(seg);
+  Daemon second(dir, {"--checkpoint", a, "--shm-dir", shm}, "second");  // root
+  EXPECT_EQ(second.proc().Wait(), 1) << second.Log();
+  EXPECT_NE(second.Log().find("another engramd"), std::string::npos) << second.Log();
+  EXPECT_EQ(InodeOf(seg), ino) << "the first daemon's segment was removed";
+  EXPECT_EQ(first.Status()["segments"][0]["state"], "READY");
+  EXPECT_EQ(AttachOnce(first, a, shm)["decision"], "shared");
+}
+
 TEST(DaemonHardeningTest, SecondDaemonOnTheSameShmDirRefuses) {
   TempDir dir;
   const std::string shm = MakeShm(dir);
