@@ -137,13 +137,15 @@ int main(int argc, char** argv) {
       auto fresh = ParseOptions(argc, argv);
       if (!fresh.ok()) {
         spdlog::error("event=reload_failed detail=\"{}\"", std::string(fresh.status().message()));
+        state.NoteReloadFailure(opts->config_file, std::string(fresh.status().message()));
         continue;
       }
       sd_notify(0, "RELOADING=1");
       if (auto st = state.Reload(*fresh); !st.ok()) {
         spdlog::error("event=reload_failed detail=\"{}\"", std::string(st.message()));
       }
-      // Reload leaves the served set as it was (failure) or fully applied: readiness again once it settled.
+      // The reload is decided (refused, or applied in full); new shards publish in the background and status shows
+      // their progress, so the service is ready again at once.
       sd_notify(0, "READY=1");
       continue;
     }

@@ -164,6 +164,10 @@ void DaemonState::Drain() {
   spdlog::info("event=drain replicas={}", n);
 }
 
+void DaemonState::NoteReloadFailure(const std::string& config_file, const std::string& detail) {
+  segments_.RecordLoadFailure("reload", config_file, detail + ": nothing changed");
+}
+
 absl::Status DaemonState::Reload(const Options& opts) {
   // All or nothing: the registry validates the whole new set (opens every new checkpoint, checks every TP size)
   // before it changes anything; the ticket capacity and the options change only once that succeeded.

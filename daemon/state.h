@@ -73,6 +73,8 @@ class DaemonState {
   // SIGHUP: serve the new set of checkpoints, with the new TP sizes and ticket capacity; all or nothing (an error
   // names the reason and that nothing changed).
   absl::Status Reload(const Options& opts);
+  // A SIGHUP whose configuration did not even parse: shown in status like a failed reload (nothing changed).
+  void NoteReloadFailure(const std::string& config_file, const std::string& detail);
   Options options() const;
 
   // The registries (tests and tools that look inside).

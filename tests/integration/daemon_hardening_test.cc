@@ -390,6 +390,14 @@ TEST(DaemonHardeningTest, ReloadWithABrokenCheckpointChangesNothing) {
   bool shown = false;
   for (const auto& f : after["recent_fallbacks"]) shown = shown || f.get<std::string>().find("reload_failed") == 0;
   EXPECT_TRUE(shown) << after.dump();
+  // A configuration that does not even parse: logged and shown in status too; still nothing changes.
+  const size_t failures = after["recent_fallbacks"].size();
+  testing::WriteFile(conf, "checkpoint = " + a + "\ntp = one\n");
+  d.proc().Signal(SIGHUP);
+  ASSERT_TRUE(WaitFor([&] { return d.Status()["recent_fallbacks"].size() > failures; }, 30s)) << d.Log();
+  const std::string last = d.Status()["recent_fallbacks"].back();
+  EXPECT_EQ(last.find("reload_failed"), 0u) << last;
+  EXPECT_EQ(AttachOnce(d, a, shm)["decision"], "shared");
   EXPECT_TRUE(holder.Running());
 }
 
