@@ -34,6 +34,7 @@
 #include "model/checkpoint.h"
 #include "nlohmann/json.hpp"
 #include "shm/segment.h"
+#include "tests/integration/daemon_harness.h"
 #include "tests/integration/json_lines.h"
 #include "tests/integration/process.h"
 #include "tests/test_util.h"
@@ -43,6 +44,8 @@ namespace {
 
 using nlohmann::json;
 using testing::BinPath;
+using testing::Daemon;
+using testing::MakeCheckpoint;
 using testing::Process;
 using testing::RunCmd;
 using testing::TempDir;
@@ -50,54 +53,6 @@ using testing::WaitFor;
 using namespace std::chrono_literals;
 
 std::string g_self;  // this binary, for the --health-probe mode
-
-class Daemon {
- public:
-  Daemon(const TempDir& dir, const std::vector<std::string>& extra, const std::string& name = "engramd",
-         const std::vector<std::string>& prefix = {})
-      : socket_(dir / (name + ".sock")), log_(dir / (name + ".log")) {
-    std::vector<std::string> argv = prefix;
-    for (const auto& a : std::vector<std::string>{BinPath("../daemon/engramd"), "--socket", socket_, "--log-level",
-                                                  "debug"}) {
-      argv.push_back(a);
-    }
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    proc_ = Process(argv, log_);
-  }
-  const std::string& socket() const { return socket_; }
-  Process& proc() { return proc_; }
-  std::string Log() const { return testing::ReadFile(log_); }
-  json Status() const {
-    auto r = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
-    return r.exit_code == 0 ? json::parse(r.out, nullptr, false) : json();
-  }
-  bool WaitReady(std::chrono::milliseconds timeout = 60s) {
-    return WaitFor(
-        [&] {
-          json s = Status();
-          if (s.is_null() || s.is_discarded() || s["segments"].empty()) return false;
-          for (const auto& seg : s["segments"]) {
-            if (seg["state"] != "READY" && seg["state"] != "FAILED") return false;
-          }
-          return true;
-        },
-        timeout);
-  }
-  bool WaitLog(const std::string& needle, std::chrono::milliseconds timeout = 30s) const {
-    return WaitFor([&] { return Log().find(needle) != std::string::npos; }, timeout);
-  }
-
- private:
-  std::string socket_, log_;
-  Process proc_;
-};
-
-std::string MakeCheckpoint(const TempDir& dir, double mib, const std::string& name = "ck", int seed = 1) {
-  auto r = RunCmd(BinPath("engram-mkckpt") + " --out " + (dir / name) + " --table-mib " + std::to_string(mib) +
-                  " --seed " + std::to_string(seed));
-  EXPECT_EQ(r.exit_code, 0) << r.err;
-  return dir / name;
-}
 
 std::string MakeShm(const TempDir& dir) {
   const std::string shm = dir / "shm";
@@ -618,34 +573,6 @@ TEST(DaemonHardeningTest, FailedLoadIsLoggedAndShownInStatus) {
   EXPECT_EQ(s["segments"].size(), 1u) << "status fields are unchanged: " << s.dump();
 }
 
-// grpc.health.v1.Health/Check through the generic stub: the status byte (1 SERVING, 2 NOT_SERVING), or 100 + the
-// gRPC error code.
-int HealthProbe(const std::string& socket) {
-  auto channel = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
-  grpc::GenericStub stub(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + 10s);
-  grpc::CompletionQueue cq;
-  const char req_bytes[] = {0x0a, 0x00};
-  grpc::Slice req_slice(req_bytes, sizeof(req_bytes));
-  grpc::ByteBuffer request(&req_slice, 1), response;
-  auto call = stub.PrepareUnaryCall(&ctx, "/grpc.health.v1.Health/Check", request, &cq);
-  call->StartCall();
-  grpc::Status status;
-  call->Finish(&response, &status, reinterpret_cast<void*>(1));
-  void* tag = nullptr;
-  bool ok = false;
-  if (!cq.Next(&tag, &ok) || !ok) return 99;
-  if (!status.ok()) {
-    std::cerr << status.error_message() << "\n";
-    return 100 + status.error_code();
-  }
-  std::vector<grpc::Slice> slices;
-  if (!response.Dump(&slices).ok()) return 98;
-  std::string bytes;
-  for (const auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
-  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : 97;
-}
 
 TEST(DaemonHardeningTest, RefusedUidsGetNothingFromAnyService) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root: setpriv switches to another uid";
@@ -657,7 +584,7 @@ TEST(DaemonHardeningTest, RefusedUidsGetNothingFromAnyService) {
   Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--group", "nogroup"});
   ASSERT_TRUE(d.WaitReady()) << d.Log();
   ::chmod(d.socket().c_str(), 0666);  // the socket is reachable: the daemon's own check is what is tested
-  EXPECT_EQ(HealthProbe(d.socket()), 1) << "the daemon's own uid gets the health status";
+  EXPECT_EQ(testing::HealthCheck(d.socket()), 1) << "the daemon's own uid gets the health status";
   const std::string probe = g_self + " --health-probe " + d.socket();
   auto member = RunCmd("setpriv --reuid=65533 --regid=65533 --groups=65534 " + probe);
   EXPECT_EQ(member.exit_code, 1) << member.err;
@@ -677,7 +604,7 @@ TEST(DaemonHardeningTest, RefusedUidsGetNothingFromAnyService) {
 
 int main(int argc, char** argv) {
   engram::g_self = std::filesystem::canonical("/proc/self/exe").string();
-  if (argc == 3 && std::string(argv[1]) == "--health-probe") return engram::HealthProbe(argv[2]);
+  if (argc == 3 && std::string(argv[1]) == "--health-probe") return engram::testing::HealthCheck(argv[2]);
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }

@@ -29,6 +29,7 @@
 #include "nlohmann/json.hpp"
 #include "model/checkpoint.h"
 #include "shm/segment.h"
+#include "tests/integration/daemon_harness.h"
 #include "tests/integration/json_lines.h"
 #include "tests/integration/process.h"
 #include "tests/test_util.h"
@@ -39,50 +40,12 @@ namespace {
 
 using nlohmann::json;
 using testing::BinPath;
+using testing::Daemon;
+using testing::MakeCheckpoint;
 using testing::Process;
 using testing::RunCmd;
 using testing::TempDir;
 using testing::WaitFor;
-
-class Daemon {
- public:
-  Daemon(const TempDir& dir, const std::vector<std::string>& extra, const std::string& name = "engramd")
-      : socket_(dir / (name + ".sock")) {
-    std::vector<std::string> argv = {BinPath("../daemon/engramd"), "--socket", socket_, "--log-level", "debug"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    proc_ = Process(argv, dir / (name + ".log"));
-  }
-  const std::string& socket() const { return socket_; }
-  Process& proc() { return proc_; }
-  // Status as JSON through engramctl; null when the daemon does not answer.
-  json Status() const {
-    auto r = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
-    return r.exit_code == 0 ? json::parse(r.out) : json();
-  }
-  bool WaitReady(std::chrono::milliseconds timeout = std::chrono::milliseconds(60000)) {
-    return WaitFor(
-        [&] {
-          json s = Status();
-          if (s.is_null() || s["segments"].empty()) return false;
-          for (const auto& seg : s["segments"]) {
-            if (seg["state"] != "READY" && seg["state"] != "FAILED") return false;
-          }
-          return true;
-        },
-        timeout);
-  }
-
- private:
-  std::string socket_;
-  Process proc_;
-};
-
-std::string MakeCheckpoint(const TempDir& dir, double mib, const std::string& name = "ck", int seed = 1) {
-  auto r = RunCmd(BinPath("engram-mkckpt") + " --out " + (dir / name) + " --table-mib " + std::to_string(mib) +
-                  " --seed " + std::to_string(seed));
-  EXPECT_EQ(r.exit_code, 0) << r.err;
-  return dir / name;
-}
 
 Process Attach(const TempDir& dir, const Daemon& d, const std::string& ckpt, const std::string& shm,
                const std::string& extra, const std::string& log) {
@@ -469,33 +432,6 @@ TEST(DaemonTest, SoakSessionsKillsAndStatusLeakNothing) {
   EXPECT_TRUE(d.proc().Running());
 }
 
-// grpc.health.v1.Health/Check through the generic stub: the response's status byte (1 SERVING, 2 NOT_SERVING).
-int HealthStatus(const std::string& socket) {
-  auto channel = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
-  grpc::GenericStub stub(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  grpc::CompletionQueue cq;
-  // HealthCheckRequest{service: ""}, with the empty field written out (the server refuses an empty buffer).
-  const char req_bytes[] = {0x0a, 0x00};
-  grpc::Slice req_slice(req_bytes, sizeof(req_bytes));
-  grpc::ByteBuffer request(&req_slice, 1), response;
-  auto call = stub.PrepareUnaryCall(&ctx, "/grpc.health.v1.Health/Check", request, &cq);
-  call->StartCall();
-  grpc::Status status;
-  call->Finish(&response, &status, reinterpret_cast<void*>(1));
-  void* tag = nullptr;
-  bool ok = false;
-  if (!cq.Next(&tag, &ok) || !ok || !status.ok()) {
-    std::cerr << "health: " << status.error_code() << " " << status.error_message() << "\n";
-    return -1;
-  }
-  std::vector<grpc::Slice> slices;
-  if (!response.Dump(&slices).ok()) return -1;
-  std::string bytes;
-  for (const auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
-  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : -1;
-}
 
 // Health answers SERVING once the segments are READY. (NOT_SERVING while loading is not asserted: catching the load
 // in progress would race with its speed; a daemon-side pause seam would make it deterministic.)
@@ -505,11 +441,15 @@ TEST(DaemonTest, HealthIsServingOnceReady) {
   ::mkdir(shm.c_str(), 0755);
   const std::string ckpt = MakeCheckpoint(dir, 64);
   Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--threads", "1"});
-  ASSERT_TRUE(WaitFor([&] { return HealthStatus(d.socket()) != -1; }, std::chrono::seconds(20))) << d.proc().Output();
-  const int first = HealthStatus(d.socket());
+  // Answered with a status (1 SERVING, 2 NOT_SERVING), not an error or no answer.
+  ASSERT_TRUE(WaitFor([&] { return testing::HealthCheck(d.socket(), std::chrono::seconds(5)) < 97; },
+                      std::chrono::seconds(20)))
+      << d.proc().Output();
+  const int first = testing::HealthCheck(d.socket(), std::chrono::seconds(5));
   EXPECT_TRUE(first == 1 || first == 2) << first;
   ASSERT_TRUE(d.WaitReady());
-  EXPECT_TRUE(WaitFor([&] { return HealthStatus(d.socket()) == 1; }, std::chrono::seconds(30)));
+  EXPECT_TRUE(
+      WaitFor([&] { return testing::HealthCheck(d.socket(), std::chrono::seconds(5)) == 1; }, std::chrono::seconds(30)));
 }
 
 TEST(DaemonTest, StartupRefusals) {
