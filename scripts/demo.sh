@@ -10,7 +10,8 @@ build=${ENGRAM_BUILD_DIR:-$root/build}
 "$root/scripts/build.sh" > /dev/null
 bin=$build/tools
 work=${ENGRAM_DEMO_DIR:-/tmp/engram-demo}
-shm=${ENGRAM_DEMO_SHM:-/dev/shm}
+# The demo's daemon gets its own directory on the shm tmpfs (never /dev/shm itself, which a production engramd may own).
+shm=${ENGRAM_DEMO_SHM:-$(mktemp -d /dev/shm/engram-demo.XXXXXX)}
 sock=$work/engramd.sock
 rm -rf "$work"
 mkdir -p "$work"
@@ -19,6 +20,7 @@ cleanup() {
   "$bin/engramctl" unload --socket "$sock" --checkpoint "$work/ckpt" > /dev/null 2>&1 || true
   for p in "${pids[@]}"; do kill "$p" 2> /dev/null || true; done
   wait 2> /dev/null || true
+  [ -n "${ENGRAM_DEMO_SHM:-}" ] || rm -rf "$shm"  # the directory this run made
 }
 trap cleanup EXIT
 replica() {  # replica LOG ARGS...: starts one engram-replica in the background
@@ -54,7 +56,7 @@ echo
 echo "== one more replica in a private mount namespace with its own /dev/shm (no --ipc=host)"
 if unshare -m --propagation private true 2> /dev/null; then
   unshare -m --propagation private sh -c "mount -t tmpfs -o size=64m tmpfs /dev/shm && exec '$bin/engram-replica' \
-    --socket '$sock' --checkpoint '$work/ckpt' --shm-dir /dev/shm --dp-size 4 --dp-rank 3 --tokens 512 \
+    --socket '$sock' --checkpoint '$work/ckpt' --shm-dir '$shm' --dp-size 4 --dp-rank 3 --tokens 512 \
     --batches 4 --verify 256 --hold 5" > "$work/private.log" 2>&1 &
   pids+=($!)
   wait_for "$work/private.log" '"attached"' || true
