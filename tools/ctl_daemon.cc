@@ -7,6 +7,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -101,8 +102,13 @@ int StatusFailure(const absl::Status& st, const std::string& socket) {
 
 std::string Bar(uint64_t used, uint64_t total, int width = 30) {
   const int n = total ? static_cast<int>(static_cast<double>(used) / total * width + 0.5) : 0;
-  return "[" + std::string(static_cast<size_t>(std::min(n, width)), '#') +
-         std::string(static_cast<size_t>(width - std::min(n, width)), '.') + "]";
+  const size_t filled = static_cast<size_t>(std::clamp(n, 0, width));
+  // Appended piece by piece: GCC 12 at -O3 reports a false -Wrestrict on a chain of operator+ here.
+  std::string bar = "[";
+  bar.append(filled, '#');
+  bar.append(static_cast<size_t>(width) - filled, '.');
+  bar.push_back(']');
+  return bar;
 }
 
 std::string GiB(uint64_t b) { return absl::StrFormat("%.2f GiB", static_cast<double>(b) / (1ull << 30)); }
