@@ -183,12 +183,10 @@ struct Session::Impl {
         conn = std::move(*next);
         (void)old->stream->Finish();  // it ended (Read returned false): collect its status, then let it go
         spdlog::info("engram: event=lease_restored socket={} same_segment={}", socket, same);
-        ++reconnects;
         break;
       }
     }
   }
-  int reconnects = 0;
 };
 
 Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -282,11 +280,6 @@ absl::Status Session::ReportOutcome(Mode mode, const std::vector<Reason>& reason
 void Session::Keep() {
   if (impl_->events.joinable()) return;
   impl_->events = std::thread([impl = impl_.get()] { impl->Run(); });
-}
-
-int Session::reconnects() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->reconnects;
 }
 
 }  // namespace engram::client

@@ -89,8 +89,6 @@ class Session {
   // replica whose file the new daemon no longer grants (another file under the name, or a fallback) reports what
   // it now is: PRIVATE_PINNED with SEGMENT_NOT_READY (its mapping is a copy no one else reads).
   void Keep();
-  // How many times Keep's thread re-established the session.
-  int reconnects() const;
 
  private:
   struct Impl;

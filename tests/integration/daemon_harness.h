@@ -11,7 +11,11 @@
 #include <string>
 #include <vector>
 
+#include <sys/stat.h>
+
+#include "engram/v1/engram.pb.h"
 #include "gtest/gtest.h"
+#include "model/checkpoint.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/process.h"
 #include "tests/test_util.h"
@@ -69,6 +73,24 @@ inline std::string MakeCheckpoint(const TempDir& dir, double mib, const std::str
                   " --seed " + std::to_string(seed));
   EXPECT_EQ(r.exit_code, 0) << r.err;
   return dir / name;
+}
+
+// The hello of a replica that can share `ckpt` served from `shm` (TP 1, rank 0): its fingerprint and its view of the
+// shm directory, as a raw session sends it.
+inline engram::v1::ClientMessage SharingHello(const std::string& ckpt, const std::string& shm, int dp_size) {
+  engram::v1::ClientMessage m;
+  auto ck = Checkpoint::Open(ckpt);
+  EXPECT_TRUE(ck.ok()) << ck.status();
+  struct stat st {};
+  EXPECT_EQ(::stat(shm.c_str(), &st), 0) << shm;
+  auto* h = m.mutable_hello();
+  if (ck.ok()) h->set_fingerprint((*ck)->Fingerprint());
+  h->set_tp_size(1);
+  h->set_dp_size(dp_size);
+  h->set_shm_visible(true);
+  h->set_shm_dev(st.st_dev);
+  h->set_shm_ino(st.st_ino);
+  return m;
 }
 
 // grpc.health.v1.Health/Check through the generic stub: the response's status byte (1 SERVING, 2 NOT_SERVING), or

@@ -345,17 +345,7 @@ TEST(DaemonTest, SoakSessionsKillsAndStatusLeakNothing) {
   Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--tickets", "4"});
   ASSERT_TRUE(d.WaitReady());
   const pid_t daemon_pid = d.proc().pid();
-  auto ck = Checkpoint::Open(ckpt);
-  ASSERT_TRUE(ck.ok());
-  struct stat sst {};
-  ::stat(shm.c_str(), &sst);
-  engram::v1::ClientMessage hello;
-  hello.mutable_hello()->set_fingerprint((*ck)->Fingerprint());
-  hello.mutable_hello()->set_tp_size(1);
-  hello.mutable_hello()->set_dp_size(64);
-  hello.mutable_hello()->set_shm_visible(true);
-  hello.mutable_hello()->set_shm_dev(sst.st_dev);
-  hello.mutable_hello()->set_shm_ino(sst.st_ino);
+  const engram::v1::ClientMessage hello = testing::SharingHello(ckpt, shm, 64);
   auto channel = grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials());
   auto stub = engram::v1::Engram::NewStub(channel);
   auto one_session = [&](bool ticket) {
@@ -609,17 +599,7 @@ TEST(DaemonTest, OneTicketSerialisesRegistration) {
   const std::string ckpt = MakeCheckpoint(dir, 8);
   Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--tickets", "1"});
   ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
-  auto ck = Checkpoint::Open(ckpt);
-  ASSERT_TRUE(ck.ok());
-  struct stat sst {};
-  ::stat(shm.c_str(), &sst);
-  engram::v1::ClientMessage hello;
-  hello.mutable_hello()->set_fingerprint((*ck)->Fingerprint());
-  hello.mutable_hello()->set_tp_size(1);
-  hello.mutable_hello()->set_dp_size(4);
-  hello.mutable_hello()->set_shm_visible(true);
-  hello.mutable_hello()->set_shm_dev(sst.st_dev);
-  hello.mutable_hello()->set_shm_ino(sst.st_ino);
+  const engram::v1::ClientMessage hello = testing::SharingHello(ckpt, shm, 4);
   auto stub = engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
   constexpr int kN = 3;
   std::vector<std::unique_ptr<grpc::ClientContext>> ctx;
