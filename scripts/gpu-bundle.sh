@@ -7,7 +7,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${ENGRAM_BUILD_DIR:-$root/build}
 "$root/scripts/build.sh" -DENGRAM_CUDA=ON -DENGRAM_CUDA_ARCHS=90 > /dev/null
-out=$root/.gpu-bundle
+out=${ENGRAM_BUNDLE_DIR:-$root/.gpu-bundle}   # .gpu-bundle-<name> when several bundles are in flight
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
 # What to bundle (the carry limit is 64 MiB): `kernels` (default: GPU tests and bench_kernels) or `daemon`
