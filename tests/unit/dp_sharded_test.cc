@@ -35,7 +35,19 @@ TEST(DpShardedTest, TpTimesDpShardsTileTheColumns) {
   EXPECT_EQ(b.ids_sent, 200 * 2 * 24 * 4);
   EXPECT_EQ(b.ids_received, 800 * 2 * 24 * 4);
   EXPECT_EQ(b.records_sent, 800 * 2 * 3 * 264);
-  EXPECT_EQ(b.records_received, 200 * 2 * 21 * 264);
+  // Only this TP position's columns (0..11) come back: the other 9 of the group, not all 21 others.
+  EXPECT_EQ(b.records_received, 200 * 2 * 9 * 264);
+  EXPECT_EQ(p->group_col_begin, 0);
+  EXPECT_EQ(p->group_col_end, 12);
+  // Two groups of two per TP position when only 2 of the 4 DP replicas share a node.
+  auto q = client::PlanDpSharded(*layout, 2, 1, 4, 3, 2);
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(q->edp, 2);
+  EXPECT_EQ(q->edp_rank, 1);
+  EXPECT_EQ(q->group_index, 1);
+  EXPECT_EQ(q->shard_index, 3);
+  EXPECT_EQ(q->owned.col_begin, 18);
+  EXPECT_EQ(q->owned.col_end, 24);
   EXPECT_FALSE(client::PlanDpSharded(*layout, 2, 2, 4, 0).ok());
   EXPECT_FALSE(client::PlanDpSharded(*layout, 8, 0, 4, 0).ok()) << "32 shards for 24 columns";
 }

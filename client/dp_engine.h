@@ -1,0 +1,28 @@
+// The LookupEngine of a DP_SHARDED table (embedding_across_dp, client/dp_sharded.h): the same calls as any engine,
+// with the group's exchange inside them. Created by LookupEngine::Create for a table of mode DP_SHARDED; creating it
+// joins the node-local DP group through engramd (client/dp_group.h) and sets up the transport, so every member must
+// create its engine (the group forms when the last one did).
+//   Hash, Gate     local, as on any engine (no exchange).
+//   Prefetch       one step for every layer: all-gather of the members' hash ids, lookup of this rank's columns for
+//                  every gathered token, all-to-all of packed records, unpacked to bf16 into staging(l) in column
+//                  order (columns outside the group's range are zero). A collective: every member calls it, with
+//                  its own token count (0 included); the step is padded to the group slot.
+//   Wait(l)        the step's status (the exchange is done when Prefetch returns on the host transport).
+//   Lookup(l, ...) one layer's step, the same collective for that layer alone (bf16 or packed records).
+// Buffers are fixed at creation (sized from the group slot). Any failure of a step (a member left, the lease
+// ended, the step timeout, a bad argument on one member) aborts the step on every member and poisons the engine:
+// every later call returns the same error. Transport: the host region (client/dp_host_transport.h) on the CPU
+// backend. One thread drives an engine; the Table must outlive it.
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "client/engram_client.h"
+#include "client/lookup_engine.h"
+
+namespace engram::client {
+
+absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpEngine(const Table& table, int32_t max_tokens, void* stream);
+
+}  // namespace engram::client

@@ -1,0 +1,212 @@
+#include "daemon/group_registry.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "daemon/fallback.h"
+#include "spdlog/spdlog.h"
+
+namespace engram::daemon {
+namespace {
+
+bool NameOk(const std::string& name) {
+  return std::all_of(name.begin(), name.end(), [](char ch) {
+    return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '-' ||
+           ch == '_' || ch == '.';
+  });
+}
+
+}  // namespace
+
+int32_t GroupRegistry::EdpSize(const engram::v1::Hello& h) {
+  const int32_t dp = std::max(1, h.dp_size());
+  const int32_t local = h.local_dp_size() > 0 ? h.local_dp_size() : dp;
+  return std::gcd(dp, local);
+}
+
+absl::Status GroupRegistry::Join(const std::string& lease_id, const engram::v1::Hello& h, const PeerInfo& peer,
+                                 const engram::v1::GroupJoin& join, Notify notify) {
+  if (!h.config().embedding_across_dp()) {
+    return absl::FailedPreconditionError("group join: this session's hello did not ask for embedding_across_dp");
+  }
+  const int32_t edp = EdpSize(h);
+  if (edp < 2) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "group join: dp %d with %d replicas on this node gives a DP group of %d: nothing to shard across",
+        h.dp_size(), h.local_dp_size(), edp));
+  }
+  if (join.name().size() > kMaxGroupNameBytes || !NameOk(join.name())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "group join: the name must be at most %d bytes of [A-Za-z0-9._-]", kMaxGroupNameBytes));
+  }
+  if (join.transport() != "host" && join.transport() != "nccl") {
+    return absl::InvalidArgumentError(absl::StrCat("group join: transport \"", EchoOf(join.transport(), 32),
+                                                   "\" is neither \"host\" nor \"nccl\""));
+  }
+  if (join.max_tokens() < 1 || join.max_tokens() > kMaxGroupSlot) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("group join: max_tokens %d is not in [1, %d]", join.max_tokens(), kMaxGroupSlot));
+  }
+  if (join.bytes_per_step() > (uint64_t{1} << 42)) {
+    return absl::InvalidArgumentError("group join: bytes_per_step is implausibly large");
+  }
+  const int32_t edp_rank = h.dp_rank() % edp, index = h.dp_rank() / edp;
+  if (join.rendezvous().size() > kMaxRendezvousBytes || (edp_rank == 0 && join.rendezvous().empty())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "group join: rendezvous is %d bytes; the rank-0 member must give 1..%d bytes", join.rendezvous().size(),
+        kMaxRendezvousBytes));
+  }
+  const std::string key =
+      absl::StrFormat("%s%016x/tp%dof%d/dp%d/g%d", join.name().empty() ? "" : join.name() + "/", h.fingerprint(),
+                      h.tp_rank(), h.tp_size(), h.dp_size(), index);
+
+  std::lock_guard<std::mutex> lock(mu_);
+  if (lease_group_.count(lease_id)) return absl::FailedPreconditionError("group join sent twice in one session");
+  auto it = groups_.find(key);
+  if (it != groups_.end() && it->second.status.state() == "BROKEN") {
+    // A new member under the key of a broken group starts a new group; the broken one stays in the history.
+    Group& old = it->second;
+    for (const auto& m : old.members) {
+      if (!m.left) lease_group_.erase(m.lease_id);
+    }
+    history_.push_front(old.status);
+    if (history_.size() > kMaxGroupHistory) history_.pop_back();
+    groups_.erase(it);
+    it = groups_.end();
+  }
+  if (it == groups_.end()) {
+    Group g;
+    g.generation = next_generation_++;
+    g.status.set_group(key);
+    g.status.set_checkpoint(EchoOf(h.checkpoint()));
+    g.status.set_tp_rank(h.tp_rank());
+    g.status.set_tp_size(h.tp_size());
+    g.status.set_size(edp);
+    g.status.set_state("FORMING");
+    g.status.set_transport(join.transport());
+    g.status.set_generation(g.generation);
+    it = groups_.emplace(key, std::move(g)).first;
+  }
+  Group& g = it->second;
+  if (g.status.transport() != join.transport()) {
+    return absl::FailedPreconditionError(absl::StrCat("group join: group ", key, " uses transport ",
+                                                      g.status.transport(), ", this member asked for ",
+                                                      join.transport()));
+  }
+  for (const auto& m : g.members) {
+    if (m.info.edp_rank() == edp_rank) {
+      return absl::AlreadyExistsError(absl::StrFormat("group join: edp rank %d of group %s is taken by pid %d",
+                                                      edp_rank, key, m.peer.pid));
+    }
+  }
+  Member m;
+  m.lease_id = lease_id;
+  m.peer = peer;
+  m.notify = std::move(notify);
+  m.info.set_pid(peer.pid);
+  m.info.set_dp_rank(h.dp_rank());
+  m.info.set_edp_rank(edp_rank);
+  m.info.set_max_tokens(join.max_tokens());
+  m.info.set_bytes_per_step(join.bytes_per_step());
+  m.info.set_lease_id(lease_id);
+  if (edp_rank == 0) g.rendezvous = join.rendezvous();
+  g.members.push_back(std::move(m));
+  lease_group_[lease_id] = key;
+  RefreshStatus(g);
+  spdlog::info("event=group_join group={} pid={} dp_rank={} edp_rank={} members={}/{}", key, peer.pid, h.dp_rank(),
+               edp_rank, g.members.size(), edp);
+  if (static_cast<int32_t>(g.members.size()) == edp) FormLocked(g);
+  return absl::OkStatus();
+}
+
+void GroupRegistry::RefreshStatus(Group& g) {
+  std::sort(g.members.begin(), g.members.end(),
+            [](const Member& a, const Member& b) { return a.info.edp_rank() < b.info.edp_rank(); });
+  g.status.clear_members();
+  int32_t slot = 0;
+  uint64_t bytes = 0;
+  for (const auto& m : g.members) {
+    *g.status.add_members() = m.info;
+    slot = std::max(slot, m.info.max_tokens());
+    bytes += m.info.bytes_per_step();
+  }
+  g.status.set_slot(slot);
+  g.status.set_bytes_per_step(bytes);
+}
+
+void GroupRegistry::FormLocked(Group& g) {
+  g.status.set_state("FORMED");
+  engram::v1::ServerMessage msg;
+  auto* u = msg.mutable_group_update();
+  u->set_state(engram::v1::GroupUpdate::FORMED);
+  u->set_group(g.status.group());
+  u->set_rendezvous(g.rendezvous);
+  u->set_slot(g.status.slot());
+  *u->mutable_members() = g.status.members();
+  u->set_generation(g.generation);
+  for (auto& m : g.members) {
+    if (m.notify) m.notify(msg);
+  }
+  spdlog::info("event=group_formed group={} size={} slot={} transport={} bytes_per_step={}", g.status.group(),
+               g.members.size(), g.status.slot(), g.status.transport(), g.status.bytes_per_step());
+}
+
+void GroupRegistry::Leave(const std::string& lease_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto lg = lease_group_.find(lease_id);
+  if (lg == lease_group_.end()) return;
+  const std::string key = lg->second;
+  lease_group_.erase(lg);
+  auto it = groups_.find(key);
+  if (it == groups_.end()) return;
+  Group& g = it->second;
+  auto self = std::find_if(g.members.begin(), g.members.end(), [&](const Member& m) { return m.lease_id == lease_id; });
+  if (self == g.members.end()) return;
+  const std::string state = g.status.state();
+  if (state == "FORMING") {
+    g.members.erase(self);
+    RefreshStatus(g);
+    if (g.members.empty()) groups_.erase(it);
+    return;
+  }
+  self->left = true;
+  self->notify = nullptr;
+  if (state == "FORMED") {
+    g.status.set_state("BROKEN");
+    g.status.set_left_pid(self->peer.pid);
+    g.status.set_left_dp_rank(self->info.dp_rank());
+    g.status.set_detail(absl::StrFormat(
+        "member dp rank %d (edp rank %d, pid %d) left: its session with engramd ended; the group's exchange cannot "
+        "continue", self->info.dp_rank(), self->info.edp_rank(), self->peer.pid));
+    engram::v1::ServerMessage msg;
+    auto* u = msg.mutable_group_update();
+    u->set_state(engram::v1::GroupUpdate::BROKEN);
+    u->set_group(key);
+    u->set_detail(g.status.detail());
+    u->set_left_pid(self->peer.pid);
+    u->set_left_dp_rank(self->info.dp_rank());
+    u->set_generation(g.generation);
+    for (auto& m : g.members) {
+      if (!m.left && m.notify) m.notify(msg);
+    }
+    spdlog::warn("event=group_broken group={} left_pid={} left_dp_rank={}", key, self->peer.pid,
+                 self->info.dp_rank());
+  }
+  if (std::all_of(g.members.begin(), g.members.end(), [](const Member& m) { return m.left; })) {
+    history_.push_front(g.status);
+    if (history_.size() > kMaxGroupHistory) history_.pop_back();
+    groups_.erase(it);
+  }
+}
+
+std::vector<engram::v1::GroupStatus> GroupRegistry::Groups() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<engram::v1::GroupStatus> out;
+  for (const auto& [key, g] : groups_) out.push_back(g.status);
+  out.insert(out.end(), history_.begin(), history_.end());
+  return out;
+}
+
+}  // namespace engram::daemon
