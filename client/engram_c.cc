@@ -1,13 +1,28 @@
 #include "client/engram_c.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
+#include <google/protobuf/util/json_util.h>
+
+#include "absl/strings/str_cat.h"
 #include "client/engram_client.h"
 #include "client/lookup_engine.h"
+#include "engram/v1/engram.grpc.pb.h"
+
+#ifdef ENGRAM_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "kernels/device_layout.h"
+#include "kernels/engram_kernels.h"
+#include "kernels/prefetch.h"
+#endif
 
 // The C enum carries the same numbers as the C++ one (and the wire protocol's).
 static_assert(ENGRAM_REASON_SHM_MISSING == static_cast<int>(engram::client::ReasonCode::kShmMissing) &&
@@ -32,7 +47,46 @@ int Fail(const absl::Status& st, char* err, size_t err_len) {
   return static_cast<int>(st.code());
 }
 
+bool LayerOk(const engram_table* t, int l) {
+  return t != nullptr && l >= 0 && l < static_cast<int>(t->table->layers().size());
+}
+
+absl::Status CheckTokens(int32_t n, int32_t max_tokens) {
+  if (n < 0 || n > max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(n, " tokens; the engine was sized for ", max_tokens));
+  }
+  return absl::OkStatus();
+}
+
+#ifdef ENGRAM_HAVE_CUDA
+// The CUDA path of an engram_engine: DeviceEngine's pieces (device layout, prefetcher with fixed staging buffers,
+// sort scratch) with the stream given per call instead of fixed at creation, so that the engine follows torch's
+// current stream (graph capture runs on a side stream torch picks).
+struct CudaPath {
+  const engram::client::Table* table = nullptr;
+  std::unique_ptr<engram::kernels::DeviceLayout> layout;
+  engram::kernels::Prefetcher prefetcher;
+  void* sort_scratch = nullptr;
+  size_t sort_bytes = 0;
+  ~CudaPath() {
+    if (sort_scratch != nullptr) cudaFree(sort_scratch);
+  }
+};
+
+cudaStream_t AsStream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+#endif
+
 }  // namespace
+
+struct engram_engine {
+  const engram_table* table = nullptr;
+  int32_t max_tokens = 0;
+  std::string backend;
+  std::unique_ptr<engram::client::LookupEngine> cpu;  // the CPU backend
+#ifdef ENGRAM_HAVE_CUDA
+  std::unique_ptr<CudaPath> cuda;
+#endif
+};
 
 extern "C" {
 
@@ -44,6 +98,7 @@ int engram_attach(const char* socket, int timeout_ms, const engram_attach_reques
   engram::client::ClientOptions o;
   if (socket != nullptr) o.socket = socket;
   if (timeout_ms > 0) o.timeout = std::chrono::milliseconds(timeout_ms);
+  o.use_gpu = req->use_gpu != 0;
   engram::client::AttachRequest r;
   r.checkpoint = req->checkpoint;
   r.tp_size = req->tp_size;
@@ -137,5 +192,249 @@ int engram_table_lookup(const engram_table* t, int layer, const int32_t* ids, in
   std::copy(rows.begin(), rows.begin() + n * D, out);
   return 0;
 }
+
+int64_t engram_table_layer_id(const engram_table* t, int layer) {
+  return LayerOk(t, layer) ? t->table->layers()[static_cast<size_t>(layer)].layer_id : -1;
+}
+
+int engram_table_layer_rows(const engram_table* t, int layer, int64_t* row_begin, int64_t* row_end) {
+  if (!LayerOk(t, layer) || row_begin == nullptr || row_end == nullptr) {
+    return static_cast<int>(absl::StatusCode::kInvalidArgument);
+  }
+  *row_begin = t->table->layers()[static_cast<size_t>(layer)].row_begin;
+  *row_end = t->table->layers()[static_cast<size_t>(layer)].row_end;
+  return 0;
+}
+
+int engram_table_column_rows(const engram_table* t, int layer, int64_t* rows, int cols) {
+  if (!LayerOk(t, layer) || rows == nullptr || cols < 0 || cols > t->table->n_cols()) {
+    return static_cast<int>(absl::StatusCode::kInvalidArgument);
+  }
+  const auto& primes = t->table->layout().primes(layer);
+  for (int c = 0; c < cols; ++c) rows[c] = primes[static_cast<size_t>(c)];
+  return 0;
+}
+
+int engram_table_col_range(const engram_table* t, int* col_begin, int* col_end) {
+  if (t == nullptr || col_begin == nullptr || col_end == nullptr) {
+    return static_cast<int>(absl::StatusCode::kInvalidArgument);
+  }
+  *col_begin = static_cast<int>(t->table->col_begin());
+  *col_end = static_cast<int>(t->table->col_end());
+  return 0;
+}
+
+int engram_table_max_ngram(const engram_table* t) { return t ? static_cast<int>(t->table->layout().max_ngram()) : 0; }
+int engram_table_record_bytes(const engram_table* t) {
+  return t ? static_cast<int>(t->table->layout().record_bytes()) : 0;
+}
+int engram_table_hidden_size(const engram_table* t) {
+  return t ? static_cast<int>(t->table->layout().config().hidden_size) : 0;
+}
+int engram_table_hc_mult(const engram_table* t) { return t ? static_cast<int>(t->table->layout().config().hc_mult) : 0; }
+double engram_table_rms_norm_eps(const engram_table* t) { return t ? t->table->layout().config().rms_norm_eps : 0; }
+int64_t engram_table_pad_token_id(const engram_table* t) { return t ? t->table->layout().config().pad_token_id : -1; }
+double engram_table_register_seconds(const engram_table* t) { return t ? t->table->register_seconds() : -1; }
+
+int engram_engine_create(const engram_table* t, int32_t max_tokens, uintptr_t stream, engram_engine** out, char* err,
+                         size_t err_len) {
+  if (t == nullptr || out == nullptr) {
+    return Fail(absl::InvalidArgumentError("engram_engine_create: null table or output"), err, err_len);
+  }
+  if (max_tokens < 1) return Fail(absl::InvalidArgumentError("max_tokens must be >= 1"), err, err_len);
+  auto e = std::make_unique<engram_engine>();
+  e->table = t;
+  e->max_tokens = max_tokens;
+  e->backend = engram::client::BackendName(t->table->backend());
+  if (t->table->backend() == engram::client::Backend::kCuda) {
+#ifdef ENGRAM_HAVE_CUDA
+    (void)stream;  // every call names its stream
+    const auto& table = *t->table;
+    auto c = std::make_unique<CudaPath>();
+    c->table = &table;
+    auto layout = engram::kernels::DeviceLayout::Upload(table.layout(), table.token_map());
+    if (!layout.ok()) return Fail(layout.status(), err, err_len);
+    c->layout = std::move(*layout);
+    std::vector<engram::kernels::LayerTable> tables;
+    for (size_t l = 0; l < table.layers().size(); ++l) {
+      tables.push_back({table.device_records(static_cast<int>(l)), table.layers()[l].row_begin,
+                        table.layers()[l].row_end});
+    }
+    absl::Status st = c->prefetcher.Init(tables, max_tokens, static_cast<int32_t>(table.n_cols()),
+                                         static_cast<int32_t>(table.head_dim()));
+    if (!st.ok()) return Fail(st, err, err_len);
+    c->sort_bytes = engram::kernels::LookupSortScratchBytes(static_cast<int64_t>(max_tokens) * table.n_cols());
+    st = engram::kernels::CudaStatus(cudaMalloc(&c->sort_scratch, c->sort_bytes), "sort scratch");
+    if (!st.ok()) return Fail(st, err, err_len);
+    e->cuda = std::move(c);
+#else
+    return Fail(absl::InternalError("a CUDA table in a build without CUDA"), err, err_len);
+#endif
+  } else {
+    auto engine = engram::client::LookupEngine::Create(*t->table, max_tokens);
+    if (!engine.ok()) return Fail(engine.status(), err, err_len);
+    e->cpu = std::move(*engine);
+  }
+  *out = e.release();
+  return 0;
+}
+
+void engram_engine_free(engram_engine* e) { delete e; }
+const char* engram_engine_backend(const engram_engine* e) { return e ? e->backend.c_str() : ""; }
+int32_t engram_engine_max_tokens(const engram_engine* e) { return e ? e->max_tokens : 0; }
+
+int engram_engine_hash(engram_engine* e, const int32_t* tokens, const int64_t* positions, const int32_t* qsl,
+                       const int32_t* lookback, const uint8_t* dead, int32_t num_tokens, int32_t num_requests,
+                       int32_t* out, uintptr_t stream, char* err, size_t err_len) {
+  if (e == nullptr) return Fail(absl::InvalidArgumentError("hash: null engine"), err, err_len);
+  absl::Status st = CheckTokens(num_tokens, e->max_tokens);
+  if (st.ok() && (num_requests < 1 || qsl == nullptr ||
+                  (num_tokens > 0 && (tokens == nullptr || positions == nullptr || out == nullptr)))) {
+    st = absl::InvalidArgumentError("hash: null input or no request");
+  }
+  if (!st.ok()) return Fail(st, err, err_len);
+#ifdef ENGRAM_HAVE_CUDA
+  if (e->cuda) {
+    engram::kernels::HashArgs a{tokens, positions, qsl, lookback, dead, num_tokens, num_requests, out, nullptr};
+    st = engram::kernels::CudaStatus(engram::kernels::LaunchHash(e->cuda->layout->view(), a, AsStream(stream)),
+                                     "hash kernel");
+    return st.ok() ? 0 : Fail(st, err, err_len);
+  }
+#endif
+  (void)stream;
+  st = e->cpu->Hash(tokens, positions, qsl, lookback, dead, num_tokens, num_requests, out);
+  return st.ok() ? 0 : Fail(st, err, err_len);
+}
+
+int engram_engine_lookup(engram_engine* e, int layer, const int32_t* ids, int32_t num_tokens, int64_t ids_stride,
+                         void* out, int packed, uintptr_t stream, char* err, size_t err_len) {
+  if (e == nullptr) return Fail(absl::InvalidArgumentError("lookup: null engine"), err, err_len);
+  absl::Status st = CheckTokens(num_tokens, e->max_tokens);
+  if (st.ok() && !LayerOk(e->table, layer)) {
+    st = absl::InvalidArgumentError(
+        absl::StrCat("layer index ", layer, " outside [0, ", e->table->table->layers().size(), ")"));
+  }
+  const int64_t C = e->table->table->n_cols();
+  if (st.ok() && num_tokens > 0 && (ids == nullptr || out == nullptr || ids_stride < C)) {
+    st = absl::InvalidArgumentError(absl::StrCat("lookup: null buffer or ids stride ", ids_stride, " < ", C));
+  }
+  if (!st.ok()) return Fail(st, err, err_len);
+  if (num_tokens == 0) return 0;
+#ifdef ENGRAM_HAVE_CUDA
+  if (e->cuda) {
+    const auto& table = *e->table->table;
+    engram::kernels::LookupArgs a;
+    a.records = table.device_records(layer);
+    a.row_begin = table.layers()[static_cast<size_t>(layer)].row_begin;
+    a.row_end = table.layers()[static_cast<size_t>(layer)].row_end;
+    a.head_dim = static_cast<int32_t>(table.head_dim());
+    a.ids = ids;
+    a.num_tokens = num_tokens;
+    a.num_cols = static_cast<int32_t>(C);
+    a.ids_stride = ids_stride;
+    a.out = out;
+    a.packed = packed != 0;
+    a.sort_scratch = e->cuda->sort_scratch;
+    a.sort_scratch_bytes = e->cuda->sort_bytes;
+    st = engram::kernels::CudaStatus(engram::kernels::LaunchLookup(a, AsStream(stream)), "lookup kernel");
+    return st.ok() ? 0 : Fail(st, err, err_len);
+  }
+#endif
+  st = e->cpu->Lookup(layer, ids, num_tokens, ids_stride, out, packed != 0);
+  return st.ok() ? 0 : Fail(st, err, err_len);
+}
+
+int engram_engine_prefetch(engram_engine* e, const int32_t* hash_ids, int32_t num_tokens, uintptr_t stream, char* err,
+                           size_t err_len) {
+  if (e == nullptr) return Fail(absl::InvalidArgumentError("prefetch: null engine"), err, err_len);
+  absl::Status st = CheckTokens(num_tokens, e->max_tokens);
+  if (st.ok() && num_tokens > 0 && hash_ids == nullptr) st = absl::InvalidArgumentError("prefetch: null hash ids");
+  if (!st.ok()) return Fail(st, err, err_len);
+#ifdef ENGRAM_HAVE_CUDA
+  if (e->cuda) {
+    st = e->cuda->prefetcher.Prefetch(hash_ids, num_tokens, AsStream(stream));
+    return st.ok() ? 0 : Fail(st, err, err_len);
+  }
+#endif
+  st = e->cpu->Prefetch(hash_ids, num_tokens);
+  return st.ok() ? 0 : Fail(st, err, err_len);
+}
+
+int engram_engine_wait(engram_engine* e, int layer, uintptr_t stream, char* err, size_t err_len) {
+  if (e == nullptr) return Fail(absl::InvalidArgumentError("wait: null engine"), err, err_len);
+  if (!LayerOk(e->table, layer)) return Fail(absl::InvalidArgumentError("wait: layer out of range"), err, err_len);
+#ifdef ENGRAM_HAVE_CUDA
+  if (e->cuda) {
+    absl::Status st = e->cuda->prefetcher.Wait(layer, AsStream(stream));
+    return st.ok() ? 0 : Fail(st, err, err_len);
+  }
+#endif
+  absl::Status st = e->cpu->Wait(layer);
+  return st.ok() ? 0 : Fail(st, err, err_len);
+}
+
+void* engram_engine_staging(const engram_engine* e, int layer) {
+  if (e == nullptr || !LayerOk(e->table, layer)) return nullptr;
+#ifdef ENGRAM_HAVE_CUDA
+  if (e->cuda) return e->cuda->prefetcher.staging(layer);
+#endif
+  return e->cpu->staging(layer);
+}
+
+int engram_engine_gate(engram_engine* e, const engram_gate_args* g, uintptr_t stream, char* err, size_t err_len) {
+  if (e == nullptr || g == nullptr) return Fail(absl::InvalidArgumentError("gate: null engine or args"), err, err_len);
+  absl::Status st = CheckTokens(g->num_tokens, e->max_tokens);
+  if (st.ok() && (g->hc_mult < 1 || g->dim < 1)) st = absl::InvalidArgumentError("gate: hc_mult and dim must be >= 1");
+  if (st.ok() && g->num_tokens > 0 &&
+      (g->hidden == nullptr || g->kv == nullptr || g->q_weight == nullptr || g->k_weight == nullptr ||
+       g->out == nullptr)) {
+    st = absl::InvalidArgumentError("gate: null input");
+  }
+  if (!st.ok()) return Fail(st, err, err_len);
+  if (g->num_tokens == 0) return 0;
+  engram::client::GateInputs in{g->hidden, g->kv, g->q_weight, g->k_weight, g->mask, g->out,
+                                g->num_tokens, g->hc_mult, g->dim, g->eps};
+#ifdef ENGRAM_HAVE_CUDA
+  if (e->cuda) {
+    engram::kernels::GateArgs a{in.hidden, in.kv, in.q_weight, in.k_weight, in.mask, in.out,
+                                in.num_tokens, in.hc_mult, in.dim, in.eps};
+    st = engram::kernels::CudaStatus(engram::kernels::LaunchGate(a, AsStream(stream)), "gate kernel");
+    return st.ok() ? 0 : Fail(st, err, err_len);
+  }
+#endif
+  st = e->cpu->Gate(in);
+  return st.ok() ? 0 : Fail(st, err, err_len);
+}
+
+int engram_status_json(const char* socket, int timeout_ms, char** json, char* err, size_t err_len) {
+  if (socket == nullptr || json == nullptr) {
+    return Fail(absl::InvalidArgumentError("engram_status_json: null socket or output"), err, err_len);
+  }
+  *json = nullptr;
+  auto channel = grpc::CreateChannel(absl::StrCat("unix:", socket), grpc::InsecureChannelCredentials());
+  auto stub = engram::v1::Engram::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms > 0 ? timeout_ms : 5000));
+  engram::v1::StatusReply reply;
+  grpc::Status rpc = stub->Status(&ctx, engram::v1::StatusRequest(), &reply);
+  if (!rpc.ok()) {
+    return Fail(absl::Status(static_cast<absl::StatusCode>(rpc.error_code()),
+                             absl::StrCat("engramd at ", socket, ": ", rpc.error_message())),
+                err, err_len);
+  }
+  google::protobuf::util::JsonPrintOptions o;
+  o.preserve_proto_field_names = true;
+  o.always_print_primitive_fields = true;
+  std::string text;
+  if (!google::protobuf::util::MessageToJsonString(reply, &text, o).ok()) {
+    return Fail(absl::InternalError("status: cannot print the reply as JSON"), err, err_len);
+  }
+  *json = static_cast<char*>(std::malloc(text.size() + 1));
+  if (*json == nullptr) return Fail(absl::ResourceExhaustedError("status: out of memory"), err, err_len);
+  std::memcpy(*json, text.c_str(), text.size() + 1);
+  return 0;
+}
+
+void engram_string_free(char* s) { std::free(s); }
 
 }  // extern "C"

@@ -8,8 +8,10 @@
  *   engram_table_free(t);
  *
  * Functions return 0 on success and a non-zero absl/gRPC status code on failure, with a message in `err`.
- * Host-memory calls (hash, lookup) run on the CPU; the GPU path is the C++ DeviceEngine. A table handle is used
- * by one thread at a time. */
+ * engram_table_hash / engram_table_lookup run on the CPU over host records (one request, simple); the per-step path
+ * (batches, prefetch, gate, device pointers and CUDA streams) is an engram_engine (below). A table handle is used
+ * by one thread at a time; libengram_c.so (target engram_c) is this API as a shared library, the python/ package's
+ * door. */
 #ifndef ENGRAM_C_H_
 #define ENGRAM_C_H_
 
@@ -51,9 +53,10 @@ typedef struct {
   int dp_shared_memory;  /* -1 auto, 0 false, 1 true */
   int embedding_across_dp;
   const char* shm_dir;   /* NULL: /dev/shm */
+  int use_gpu;           /* 1 (default): the CUDA backend where a GPU is usable; 0: the CPU backend regardless */
 } engram_attach_request;
 
-#define ENGRAM_ATTACH_REQUEST_INIT {NULL, 1, 0, 1, 0, 0, 0, -1, -1, 0, NULL}
+#define ENGRAM_ATTACH_REQUEST_INIT {NULL, 1, 0, 1, 0, 0, 0, -1, -1, 0, NULL, 1}
 
 int engram_attach(const char* socket, int timeout_ms, const engram_attach_request* req, engram_table** out,
                   char* err, size_t err_len);
@@ -78,6 +81,74 @@ int engram_table_hash(const engram_table* t, const int32_t* tokens, int64_t n, i
 /* Rows of layer `layer` for `n` ids: out [n, head_dim] bf16 bits (zero rows outside this shard). */
 int engram_table_lookup(const engram_table* t, int layer, const int32_t* ids, int64_t n, uint16_t* out, char* err,
                         size_t err_len);
+
+/* ---- Layout (what the Python package's Table.layout reports) ---- */
+int64_t engram_table_layer_id(const engram_table* t, int layer);    /* backbone layer id; -1 when out of range */
+/* This shard's rows [row_begin, row_end) of layer `layer`'s table, and rows per hash column (the column's prime,
+ * `cols` values: columns [0, cols) of num_cols). Return 0, or INVALID_ARGUMENT for a bad layer / null output. */
+int engram_table_layer_rows(const engram_table* t, int layer, int64_t* row_begin, int64_t* row_end);
+int engram_table_column_rows(const engram_table* t, int layer, int64_t* rows, int cols);
+int engram_table_col_range(const engram_table* t, int* col_begin, int* col_end); /* the columns this TP shard owns */
+int engram_table_max_ngram(const engram_table* t);
+int engram_table_record_bytes(const engram_table* t);
+int engram_table_hidden_size(const engram_table* t);
+int engram_table_hc_mult(const engram_table* t);
+double engram_table_rms_norm_eps(const engram_table* t);
+int64_t engram_table_pad_token_id(const engram_table* t);
+double engram_table_register_seconds(const engram_table* t);      /* -1 when nothing was registered */
+
+/* ---- Engine: the per-step path (client/lookup_engine.h) with a CUDA stream per call ----
+ * engram_engine_create sizes the engine for at most `max_tokens` tokens per call. On the CUDA backend every pointer
+ * is a device pointer (or registered host memory) and `stream` is a cudaStream_t as an integer (0: the legacy
+ * default stream); every call is asynchronous on the stream it is given, so an engine follows the caller's current
+ * stream (CUDA-graph capture included). On the CPU backend pointers are host pointers, `stream` is ignored and calls
+ * complete before they return. The staging buffers (bf16 [max_tokens, num_cols, head_dim] per layer, written by
+ * prefetch) sit at fixed addresses for the engine's life. One thread drives an engine; the table must outlive it.
+ * Every misuse (null, more than max_tokens tokens, a layer out of range, bad query_start_loc on the CPU) returns a
+ * non-zero code with a message, never a crash. */
+typedef struct engram_engine engram_engine;
+
+int engram_engine_create(const engram_table* t, int32_t max_tokens, uintptr_t stream, engram_engine** out, char* err,
+                         size_t err_len);
+void engram_engine_free(engram_engine* e);
+const char* engram_engine_backend(const engram_engine* e); /* "cuda" or "cpu" */
+int32_t engram_engine_max_tokens(const engram_engine* e);
+
+/* A flattened batch of `num_requests` requests (SPEC 2.4): tokens [T] int32 raw ids, positions [T] int64 (contiguous
+ * within a request), query_start_loc [R+1] int32, lookback [R, max_ngram-1] int32 raw ids oldest first, -1 unknown
+ * (NULL: all unknown), dead [T] uint8 nonzero = DEAD (NULL: none) -> out [T, num_layers, num_cols] int32. */
+int engram_engine_hash(engram_engine* e, const int32_t* tokens, const int64_t* positions, const int32_t* query_start_loc,
+                       const int32_t* lookback, const uint8_t* dead, int32_t num_tokens, int32_t num_requests,
+                       int32_t* out, uintptr_t stream, char* err, size_t err_len);
+/* Rows of layer `layer` for ids[t * ids_stride + c] (c < num_cols): bf16 bits [T, num_cols, head_dim], or with
+ * `packed` the raw records [T, num_cols, record_bytes]. Ids outside this shard give zero rows. */
+int engram_engine_lookup(engram_engine* e, int layer, const int32_t* ids, int32_t num_tokens, int64_t ids_stride,
+                         void* out, int packed, uintptr_t stream, char* err, size_t err_len);
+/* Every layer's lookup of hash ids [T, num_layers, num_cols] into the staging buffers: on the CUDA backend on the
+ * engine's side stream after the work queued on `stream`; engram_engine_wait(layer) orders `stream` after it. */
+int engram_engine_prefetch(engram_engine* e, const int32_t* hash_ids, int32_t num_tokens, uintptr_t stream, char* err,
+                           size_t err_len);
+int engram_engine_wait(engram_engine* e, int layer, uintptr_t stream, char* err, size_t err_len);
+void* engram_engine_staging(const engram_engine* e, int layer); /* NULL for a layer out of range */
+
+/* SPEC 4: out[t, c, :] = hidden[t, c, :] + g * value, bf16 bits; mask [T] nonzero = DEAD (gate 0), may be NULL. */
+typedef struct {
+  const uint16_t* hidden;   /* [T, hc_mult, dim] */
+  const uint16_t* kv;       /* [T, (hc_mult + 1) * dim] */
+  const uint16_t* q_weight; /* [hc_mult, dim] */
+  const uint16_t* k_weight; /* [hc_mult, dim] */
+  const uint8_t* mask;
+  uint16_t* out;            /* [T, hc_mult, dim]; may not alias the inputs */
+  int32_t num_tokens, hc_mult, dim;
+  float eps;
+} engram_gate_args;
+int engram_engine_gate(engram_engine* e, const engram_gate_args* args, uintptr_t stream, char* err, size_t err_len);
+
+/* ---- Daemon status ----
+ * engramd's status (what `engramctl status --json` shows: shm, segments, replicas with mode/backend/reasons) as a
+ * JSON text in *json (free it with engram_string_free). UNAVAILABLE / DEADLINE_EXCEEDED when no daemon answers. */
+int engram_status_json(const char* socket, int timeout_ms, char** json, char* err, size_t err_len);
+void engram_string_free(char* s);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,381 @@
+"""engram: DeepSeek-V4.1 Engram tables shared between serving replicas, from Python.
+
+    import engram
+    table = engram.attach("/models/DeepSeek-V4.1-Flash", tp_size=1, tp_rank=0, dp_size=4, dp_rank=1)
+    print(table.mode, table.backend, table.reasons)       # SHARED cuda [] -- or a fallback and why
+    eng = table.engine(max_tokens=8192)                    # stream: torch's current stream per call
+    ids = eng.hash(input_ids, positions, query_start_loc, lookback=lb, dead=dead)   # int32 [T, L, C]
+    eng.prefetch(ids)          # every layer's rows on a side stream, into fixed staging buffers
+    eng.wait(0); rows = eng.staging(0)[:T]                 # bf16 [T, C, head_dim]
+    out = eng.gate(hidden, kv, q_weight, k_weight, dead=dead)
+
+A thin ctypes binding of libengram_c.so (client/engram_c.h; python/README.md says why ctypes). Arrays: NumPy on the
+CPU backend (bf16 as uint16 bits), torch tensors or CUDA arrays on the CUDA backend; every shape, dtype, device and
+stride is checked here (TypeError/ValueError) before a pointer reaches C. A Table and its Engines are driven by one
+thread; the Table must outlive its Engines (an Engine holds a reference to it). torch custom ops: engram.torch.
+"""
+import ctypes
+import json
+import os
+from collections import namedtuple
+
+from . import _lib
+from ._arrays import check, torch_module, view
+from ._lib import EngramError
+
+__all__ = ["attach", "status", "Table", "Engine", "Reason", "Layout", "LayerLayout", "EngramError",
+           "DEFAULT_SOCKET"]
+__version__ = "0.1.0"
+
+DEFAULT_SOCKET = "/run/engramd/engramd.sock"
+
+Reason = namedtuple("Reason", "code name hint")
+Reason.__doc__ = "Why a table is not shared: code (engram.v1.FallbackReason number), name, hint (what to do)."
+LayerLayout = namedtuple("LayerLayout", "layer_id row_begin row_end column_rows")
+Layout = namedtuple("Layout", "layers n_cols col_begin col_end head_dim record_bytes max_ngram hidden_size hc_mult "
+                              "rms_norm_eps pad_token_id raw_vocab")
+Layout.__doc__ = ("A table's layout: layers (LayerLayout: backbone layer id, this shard's rows, rows per hash "
+                  "column), hash columns and the ones this TP shard owns, row width, gate dimensions.")
+
+
+def _choice(v, name):
+    if v is None or v == "auto":
+        return -1
+    if isinstance(v, bool):
+        return int(v)
+    raise ValueError(f"{name}: True, False, None or 'auto', got {v!r}")
+
+
+def attach(checkpoint, *, tp_size=1, tp_rank=0, dp_size=1, dp_rank=0, local_dp_size=None, cpu_offload=None,
+           dp_shared_memory="auto", embedding_across_dp=False, elastic_ep=False, socket=DEFAULT_SOCKET,
+           shm_dir=None, timeout_ms=10000, backend="auto"):
+    """Attaches this replica (one TP rank of one DP rank) to its TP shard's table: shared from engramd when the
+    daemon allows it, otherwise a private table with the reasons. dp_shared_memory=True turns a fallback into an
+    EngramError that names the reasons. shm_dir: the replica's view of the daemon's shm directory (/dev/shm).
+    backend: "auto" (CUDA where a GPU is usable) or "cpu" (the CPU backend, NumPy arrays, even beside a GPU)."""
+    if backend not in ("auto", "cpu"):
+        raise ValueError(f"backend: 'auto' or 'cpu', got {backend!r}")
+    for n, v in (("tp_size", tp_size), ("tp_rank", tp_rank), ("dp_size", dp_size), ("dp_rank", dp_rank)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{n}: a non-negative int, got {v!r}")
+    if tp_size < 1 or dp_size < 1 or tp_rank >= tp_size or dp_rank >= dp_size:
+        raise ValueError(f"rank outside its size: tp {tp_rank}/{tp_size}, dp {dp_rank}/{dp_size}")
+    req = _lib.AttachRequest()
+    req.checkpoint = os.fsencode(os.fspath(checkpoint))
+    req.tp_size, req.tp_rank, req.dp_size, req.dp_rank = tp_size, tp_rank, dp_size, dp_rank
+    req.local_dp_size = 0 if local_dp_size is None else int(local_dp_size)
+    req.elastic_ep = int(bool(elastic_ep))
+    req.cpu_offload = _choice(cpu_offload, "cpu_offload")
+    req.dp_shared_memory = _choice(dp_shared_memory, "dp_shared_memory")
+    req.embedding_across_dp = int(bool(embedding_across_dp))
+    req.shm_dir = os.fsencode(shm_dir) if shm_dir is not None else None
+    req.use_gpu = 0 if backend == "cpu" else 1
+    handle = ctypes.c_void_p()
+    err = ctypes.create_string_buffer(2048)
+    rc = _lib.lib.engram_attach(os.fsencode(socket), int(timeout_ms), ctypes.byref(req), ctypes.byref(handle), err,
+                                len(err))
+    if rc != 0:
+        raise EngramError(rc, err.value.decode("utf-8", "replace"))
+    return Table(handle)
+
+
+def status(socket=DEFAULT_SOCKET, timeout_ms=5000):
+    """engramd's status as a dict: shm, segments (state, tp, bytes, ...), replicas (pid, mode, backend, reasons with
+    hints), recent_fallbacks, draining. EngramError (UNAVAILABLE, ...) when no daemon answers."""
+    out = ctypes.c_void_p()
+    _lib.call(_lib.lib.engram_status_json, os.fsencode(socket), int(timeout_ms), ctypes.byref(out))
+    try:
+        return json.loads(ctypes.string_at(out.value).decode("utf-8"))
+    finally:
+        _lib.lib.engram_string_free(out)
+
+
+def _s(b):
+    return b.decode("utf-8", "replace") if b is not None else ""
+
+
+class Table:
+    """An attached table: mode ("SHARED", "PRIVATE_PINNED", "DEVICE"), backend ("cuda"/"cpu"), reasons, layout.
+    close() (or the end of a `with` block, or garbage collection) releases it and its lease; its engines must be
+    gone by then."""
+
+    def __init__(self, handle):
+        self._h = handle
+        L = _lib.lib
+        h = handle
+        self.mode = _s(L.engram_table_mode(h))
+        self.backend = _s(L.engram_table_backend(h))
+        self.reasons = [Reason(L.engram_table_reason_code(h, i), _s(L.engram_table_reason(h, i)),
+                               _s(L.engram_table_reason_hint(h, i))) for i in range(L.engram_table_num_reasons(h))]
+        n_cols = L.engram_table_num_cols(h)
+        layers = []
+        for i in range(L.engram_table_num_layers(h)):
+            b, e = ctypes.c_int64(), ctypes.c_int64()
+            _check_rc(L.engram_table_layer_rows(h, i, ctypes.byref(b), ctypes.byref(e)), "layer rows")
+            rows = (ctypes.c_int64 * n_cols)()
+            _check_rc(L.engram_table_column_rows(h, i, rows, n_cols), "column rows")
+            layers.append(LayerLayout(L.engram_table_layer_id(h, i), b.value, e.value, tuple(rows)))
+        cb, ce = ctypes.c_int(), ctypes.c_int()
+        _check_rc(L.engram_table_col_range(h, ctypes.byref(cb), ctypes.byref(ce)), "column range")
+        self.layout = Layout(tuple(layers), n_cols, cb.value, ce.value, L.engram_table_head_dim(h),
+                             L.engram_table_record_bytes(h), L.engram_table_max_ngram(h),
+                             L.engram_table_hidden_size(h), L.engram_table_hc_mult(h),
+                             L.engram_table_rms_norm_eps(h), L.engram_table_pad_token_id(h),
+                             L.engram_table_raw_vocab(h))
+        self.register_seconds = L.engram_table_register_seconds(h)
+
+    @property
+    def shared(self):
+        return self.mode == "SHARED"
+
+    def engine(self, max_tokens, stream=None):
+        """An Engine for batches of at most max_tokens tokens. stream: None = torch's (or CuPy's) current stream at
+        each call; else a torch.cuda.Stream, a CuPy stream or a cudaStream_t integer used by every call."""
+        return Engine(self, max_tokens, stream)
+
+    def close(self):
+        if self._h:
+            _lib.lib.engram_table_free(self._h)
+            self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        why = ", ".join(r.name for r in self.reasons) or "-"
+        return f"<engram.Table mode={self.mode} backend={self.backend} layers={len(self.layout.layers)} reasons={why}>"
+
+
+def _check_rc(rc, what):
+    if rc != 0:
+        raise EngramError(rc, what)
+
+
+def _stream_handle(s):
+    if s is None:
+        return None
+    if isinstance(s, int):
+        return s
+    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+        if hasattr(s, attr):
+            return int(getattr(s, attr))
+    raise TypeError(f"stream: a torch.cuda.Stream, a CuPy stream or an int, got {type(s).__name__}")
+
+
+class Engine:
+    """The per-step path of one replica over its table (client/lookup_engine.h): hash -> prefetch -> wait ->
+    staging, lookup, gate. CUDA backend: device arrays, asynchronous on the engine's stream (see Table.engine);
+    CPU backend: NumPy (or CPU torch) arrays, synchronous. Staging buffers sit at fixed addresses (CUDA graphs
+    replay them). One thread drives an Engine."""
+
+    def __init__(self, table, max_tokens, stream=None):
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"max_tokens: a positive int, got {max_tokens!r}")
+        if table._h is None:
+            raise ValueError("the table is closed")
+        self.table = table
+        self.layout = table.layout
+        self.max_tokens = max_tokens
+        self.backend = table.backend
+        self._fixed_stream = _stream_handle(stream)
+        self._device = ("cpu", None)
+        if self.backend == "cuda":
+            t = torch_module()
+            idx = t.cuda.current_device() if t is not None and t.cuda.is_available() else 0
+            self._device = ("cuda", idx)
+        h = ctypes.c_void_p()
+        _lib.call(_lib.lib.engram_engine_create, table._h, max_tokens, self._fixed_stream or 0, ctypes.byref(h))
+        self._h = h
+        self._prefetched = None  # keeps the hash ids alive while the side stream reads them
+        self._staging = {}
+
+    # -- streams and arrays ---------------------------------------------------------------------------------
+    def stream(self):
+        """The cudaStream_t the next call runs on (0 on the CPU backend)."""
+        if self.backend != "cuda":
+            return 0
+        if self._fixed_stream is not None:
+            return self._fixed_stream
+        t = torch_module()
+        if t is not None and t.cuda.is_available():
+            return t.cuda.current_stream().cuda_stream
+        import sys
+        cp = sys.modules.get("cupy")
+        if cp is not None:
+            return cp.cuda.get_current_stream().ptr
+        return 0
+
+    def _v(self, x, name, dtypes, shape, contiguous=True):
+        return check(view(x, name), name, dtypes, shape, self._device, contiguous)
+
+    def _tokens(self, n, name):
+        if n > self.max_tokens:
+            raise ValueError(f"{name}: {n} tokens; the engine was sized for {self.max_tokens}")
+
+    def _empty(self, like, shape, dtype):
+        """A new array of the same kind and device as `like` (a View)."""
+        if like.kind == "torch":
+            t = torch_module()
+            return t.empty(shape, dtype=getattr(t, dtype), device=like.obj.device)
+        if like.kind == "numpy":
+            import numpy as np
+            return np.empty(shape, dtype={"bfloat16": np.uint16}.get(dtype, dtype))
+        import cupy
+        return cupy.empty(shape, dtype={"bfloat16": "uint16"}.get(dtype, dtype))
+
+    def _bf16(self, v):
+        """bf16 arrays: torch bfloat16, or uint16 bits (NumPy, CuPy, torch)."""
+        return ("bfloat16", "uint16")
+
+    # -- the calls --------------------------------------------------------------------------------------------
+    def hash(self, tokens, positions, query_start_loc, lookback=None, dead=None, out=None):
+        """Hash ids of a flattened batch of requests (SPEC 2.4). tokens int32 [T] raw ids; positions int64 [T]
+        (contiguous within each request); query_start_loc int32 [R+1] (0 .. T); lookback int32 [R, N-1], the N-1
+        raw ids before each request's chunk, oldest first, -1 unknown (None: all unknown); dead bool/uint8 [T]
+        (DEAD spans: no n-grams across them). Returns (or writes) out int32 [T, n_layers, n_cols]."""
+        L, C, N = len(self.layout.layers), self.layout.n_cols, self.layout.max_ngram
+        tv = self._v(tokens, "tokens", ("int32",), (None,))
+        T = tv.shape[0]
+        self._tokens(T, "tokens")
+        pv = self._v(positions, "positions", ("int64",), (T,))
+        qv = self._v(query_start_loc, "query_start_loc", ("int32",), (None,))
+        R = qv.shape[0] - 1
+        if R < 1:
+            raise ValueError("query_start_loc: needs at least two entries (one request)")
+        lv = self._v(lookback, "lookback", ("int32",), (R, N - 1)) if lookback is not None else None
+        dv = self._v(dead, "dead", ("bool", "uint8"), (T,)) if dead is not None else None
+        if out is None:
+            out = self._empty(tv, (T, L, C), "int32")
+        ov = self._v(out, "out", ("int32",), (T, L, C))
+        _lib.call(_lib.lib.engram_engine_hash, self._h, tv.ptr, pv.ptr, qv.ptr, lv.ptr if lv else None,
+                  dv.ptr if dv else None, T, R, ov.ptr, self.stream())
+        return out
+
+    def lookup(self, layer, ids, out, packed=False):
+        """Rows of table `layer` (0 .. n_layers-1) for ids int32 [T, n_cols] (any row stride; other strides are
+        copied) into out: bf16 [T, n_cols, head_dim] (torch bfloat16 or uint16 bits), or with packed=True uint8
+        [T, n_cols, record_bytes] (the raw records: head_dim e4m3 bytes + head_dim/32 ue8m0 scales). Ids outside
+        this TP shard give zero rows. Returns out."""
+        self._layer(layer)
+        C, D, RB = self.layout.n_cols, self.layout.head_dim, self.layout.record_bytes
+        iv = self._v(ids, "ids", ("int32",), (None, C), contiguous=False)
+        T = iv.shape[0]
+        self._tokens(T, "ids")
+        if C > 1 and iv.strides[1] != 1 or T > 1 and iv.strides[0] < C:
+            ids = ids.contiguous() if iv.kind == "torch" else _ascontiguous(ids)
+            iv = self._v(ids, "ids", ("int32",), (T, C))
+        row_stride = iv.strides[0] if T > 1 else C
+        if packed:
+            ov = self._v(out, "out", ("uint8",), (T, C, RB))
+        else:
+            ov = self._v(out, "out", self._bf16(None), (T, C, D))
+        _lib.call(_lib.lib.engram_engine_lookup, self._h, int(layer), iv.ptr, T, row_stride, ov.ptr, int(bool(packed)),
+                  self.stream())
+        return out
+
+    def prefetch(self, hash_ids):
+        """Every layer's rows for hash ids int32 [T, n_layers, n_cols] into the staging buffers: on the CUDA backend
+        on the engine's side stream, after the work already queued on the current stream; wait(layer) orders the
+        current stream after that layer's rows."""
+        L, C = len(self.layout.layers), self.layout.n_cols
+        hv = self._v(hash_ids, "hash_ids", ("int32",), (None, L, C))
+        self._tokens(hv.shape[0], "hash_ids")
+        _lib.call(_lib.lib.engram_engine_prefetch, self._h, hv.ptr, hv.shape[0], self.stream())
+        self._prefetched = hash_ids
+        return None
+
+    def wait(self, layer):
+        """Orders the current stream after layer `layer`'s prefetched rows (never blocks the host)."""
+        self._layer(layer)
+        _lib.call(_lib.lib.engram_engine_wait, self._h, int(layer), self.stream())
+
+    def staging(self, layer):
+        """The staging buffer of `layer`: bf16 [max_tokens, n_cols, head_dim] at a fixed address for the engine's
+        life (a torch bfloat16 tensor on CUDA; NumPy uint16 bits on the CPU backend). A view: valid while the
+        Engine lives."""
+        self._layer(layer)
+        if layer in self._staging:
+            return self._staging[layer]
+        ptr = _lib.lib.engram_engine_staging(self._h, int(layer))
+        if not ptr:
+            raise EngramError(13, f"no staging buffer for layer {layer}")
+        shape = (self.max_tokens, self.layout.n_cols, self.layout.head_dim)
+        if self.backend == "cuda":
+            t = torch_module()
+            if t is None:
+                raise RuntimeError("staging() on the CUDA backend returns a torch tensor: torch is not importable")
+            arr = _DeviceBuffer(ptr, shape, "<i2", self._device[1])
+            s = t.as_tensor(arr, device=f"cuda:{self._device[1]}").view(t.bfloat16)
+        else:
+            import numpy as np
+            s = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint16)), shape=shape)
+        self._staging[layer] = s
+        return s
+
+    def gate(self, hidden, kv, q_weight, k_weight, dead=None, out=None, eps=None):
+        """SPEC 4: out[t, c] = hidden[t, c] + g * value, g = 0 for DEAD tokens. hidden bf16 [T, hc_mult, D], kv bf16
+        [T, (hc_mult + 1) * D], q_weight / k_weight bf16 [hc_mult, D], dead bool/uint8 [T] or None; eps defaults to
+        the checkpoint's rms_norm_eps. Returns (or writes) out bf16 [T, hc_mult, D]."""
+        bf = self._bf16(None)
+        hv = self._v(hidden, "hidden", bf, (None, None, None))
+        T, HC, D = hv.shape
+        self._tokens(T, "hidden")
+        if HC < 1 or D < 1:
+            raise ValueError(f"hidden: shape {list(hv.shape)} has an empty dimension")
+        kvv = self._v(kv, "kv", (hv.dtype,), (T, (HC + 1) * D))
+        qv = self._v(q_weight, "q_weight", (hv.dtype,), (HC, D))
+        kwv = self._v(k_weight, "k_weight", (hv.dtype,), (HC, D))
+        dv = self._v(dead, "dead", ("bool", "uint8"), (T,)) if dead is not None else None
+        if out is None:
+            out = self._empty(hv, (T, HC, D), "bfloat16" if hv.dtype == "bfloat16" else "uint16")
+        ov = self._v(out, "out", (hv.dtype,), (T, HC, D))
+        if ov.ptr in (hv.ptr, kvv.ptr) and T > 0:
+            raise ValueError("out: may not alias hidden or kv")
+        a = _lib.GateArgs(hv.ptr, kvv.ptr, qv.ptr, kwv.ptr, dv.ptr if dv else None, ov.ptr, T, HC, D,
+                          float(self.layout.rms_norm_eps if eps is None else eps))
+        _lib.call(_lib.lib.engram_engine_gate, self._h, ctypes.byref(a), self.stream())
+        return out
+
+    def _layer(self, layer):
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise TypeError(f"layer: an int table index, got {type(layer).__name__}")
+        if not 0 <= layer < len(self.layout.layers):
+            raise ValueError(f"layer {layer} outside [0, {len(self.layout.layers)})")
+
+    def close(self):
+        if getattr(self, "_h", None):
+            self._staging.clear()
+            _lib.lib.engram_engine_free(self._h)
+            self._h = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _ascontiguous(x):
+    import sys
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x)
+    import cupy
+    return cupy.ascontiguousarray(x)
+
+
+class _DeviceBuffer:
+    """A device allocation owned by the library, described through __cuda_array_interface__ (for torch.as_tensor)."""
+
+    def __init__(self, ptr, shape, typestr, device):
+        self.__cuda_array_interface__ = {"data": (int(ptr), False), "shape": tuple(shape), "typestr": typestr,
+                                         "version": 2, "strides": None}
