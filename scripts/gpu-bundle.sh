@@ -6,7 +6,13 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${ENGRAM_BUILD_DIR:-$root/build}
-"$root/scripts/build.sh" -DENGRAM_CUDA=ON -DENGRAM_CUDA_ARCHS=90 > /dev/null
+if [ "${1:-}" = python ]; then  # only what the Python set needs (a full CUDA build is long on 2 cores)
+  [ -f "$build/build.ninja" ] || cmake -S "$root" -B "$build" -G Ninja -DENGRAM_CUDA=ON -DENGRAM_CUDA_ARCHS=90 \
+    -DENGRAM_WERROR="${ENGRAM_WERROR:-OFF}" > /dev/null
+  cmake --build "$build" --target engram_c engramd engramctl engram-mkckpt > /dev/null
+else
+  "$root/scripts/build.sh" -DENGRAM_CUDA=ON -DENGRAM_CUDA_ARCHS=90 > /dev/null
+fi
 out=${ENGRAM_BUNDLE_DIR:-$root/.gpu-bundle}   # .gpu-bundle-<name> when several bundles are in flight
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
@@ -20,7 +26,11 @@ case "${1:-kernels}" in
                 "$build/tools/engram-replica" "$build/tools/engram-mkckpt") ;;
   tests) bins=("$build/tests/gpu_kernels_test" "$build/tests/gpu_prefetch_test" "$build/tests/uva_lookup_helper"
                "$build/tests/gpu_client_test" "$build/daemon/engramd") ;;
-  *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon|client|tests]" >&2; exit 2 ;;
+  # The Python package: libengram_c.so with engramd/engramctl/engram-mkckpt, the python/ tree, its tests and
+  # bench/decode_step.py, run with the GPU machine's own python3, torch, CuPy, NumPy (run.sh python).
+  python) bins=("$build/client/libengram_c.so" "$build/daemon/engramd" "$build/tools/engramctl"
+                "$build/tools/engram-mkckpt") ;;
+  *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon|client|tests|python]" >&2; exit 2 ;;
 esac
 for b in "${bins[@]}"; do
   cp "$b" "$out/bin/"
@@ -28,6 +38,20 @@ for b in "${bins[@]}"; do
   ldd "$b" | awk '/=> \// {print $3}' | grep -vE '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libcuda)\.so' |
     while read -r lib; do cp -Lu "$lib" "$out/lib/"; done
 done
+if [ "${1:-}" = python ]; then
+  # The host's libstdc++/libgcc_s stay (torch needs the newer ones there); the package finds its library by ENGRAM_LIB.
+  rm -f "$out"/lib/libstdc++.so* "$out"/lib/libgcc_s.so*
+  mkdir -p "$out/py/tests" "$out/py/bench"
+  cp -r "$root/python" "$out/py/python"
+  cp -r "$root/tests/python" "$out/py/tests/python"
+  cp "$root/bench/decode_step.py" "$out/py/bench/"
+  find "$out/py" -name __pycache__ -prune -exec rm -rf {} +
+  # pytest for a machine without it: Debian's (pure Python), used only when `import pytest` fails there.
+  mkdir -p "$out/py/pytest-fallback"
+  for m in pytest _pytest pluggy iniconfig py.py packaging; do
+    [ -e "/usr/lib/python3/dist-packages/$m" ] && cp -r "/usr/lib/python3/dist-packages/$m" "$out/py/pytest-fallback/"
+  done
+fi
 # gpu_client_test starts engramd as $ENGRAM_BIN_DIR/../daemon/engramd.
 if [ -x "$out/bin/engramd" ]; then mkdir -p "$out/daemon" && cp "$out/bin/engramd" "$out/daemon/engramd"; fi
 mkdir -p "$out/data"
@@ -103,6 +127,31 @@ if [ "$what" = daemon ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   "$here/bin/bench_kernels" "$here/data/configs/v41-flash.json" "${ENGRAM_TABLE_GIB:-16}" 2>&1 | tee "$out/bench_kernels.log" || rc=1
+fi
+if [ "$what" = python ]; then
+  # The engram package on this machine's python3/torch: pytest (every test, the torch ops, CUDA graphs, compile),
+  # then the decode-step benchmark against an engramd serving a table of ENGRAM_PY_TABLE_GIB GiB in /dev/shm.
+  export NCCL_NVLS_ENABLE=0
+  export ENGRAM_LIB=$here/bin/libengram_c.so PYTHONPATH=$here/py/python PYTHONDONTWRITEBYTECODE=1
+  export ENGRAM_BUILD_DIR=$here/pybuild
+  mkdir -p "$here/pybuild/tools" "$here/pybuild/daemon"
+  ln -sf "$here/bin/engram-mkckpt" "$here/bin/engramctl" "$here/pybuild/tools/"
+  ln -sf "$here/bin/engramd" "$here/pybuild/daemon/engramd"
+  py=$(command -v python3)
+  "$py" -c 'import torch, numpy; print("python", __import__("sys").version.split()[0], "torch", torch.__version__, "numpy", numpy.__version__)' | tee "$out/python-env.txt"
+  "$py" -c 'import pytest' 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$here/py/pytest-fallback
+  "$py" -m pytest -q -rs -p no:cacheprovider "$here/py/tests/python" -k "not test_install" 2>&1 | tee "$out/pytest.log" | tail -25
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  w=$(mktemp -d /tmp/engram-py.XXXXXX)
+  shm=$(mktemp -d /dev/shm/engram-py.XXXXXX)
+  "$here/bin/engram-mkckpt" --out "$w/ck" --table-mib $(( ${ENGRAM_PY_TABLE_GIB:-16} * 1024 )) --layers 1,14 --heads 8 \
+    --max-ngram 4 --hidden 5120 --hc-mult 4 --shards 2 | tee "$out/decode_step.log"
+  "$here/bin/engramd" --checkpoint "$w/ck" --tp 1 --shm-dir "$shm" --socket "$w/sock" --log-level warn 2>> "$out/decode_step.log" &
+  d=$!
+  for _ in $(seq 900); do "$here/bin/engramctl" status --socket "$w/sock" --json 2>/dev/null | grep -q '"state":"READY"' && break; sleep 0.2; done
+  "$py" "$here/py/bench/decode_step.py" --checkpoint "$w/ck" --socket "$w/sock" --shm-dir "$shm" 2>&1 | tee -a "$out/decode_step.log" || rc=1
+  kill $d; wait $d
+  rm -rf "$shm" "$w"
 fi
 exit $rc
 RUN
