@@ -216,16 +216,11 @@ int main(int argc, char** argv) {
     if (stub->Status(&ctx, engram::v1::StatusRequest(), &r).ok() && r.segments_size() && r.segments(0).state() == "READY") break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  struct stat sst {};
-  ::stat(shm.c_str(), &sst);
   engram::v1::ClientMessage hello;
   auto* h = hello.mutable_hello();
   h->set_fingerprint((*ckpt)->Fingerprint());
   h->set_tp_size(1);
   h->set_dp_size(4);
-  h->set_shm_visible(true);
-  h->set_shm_dev(sst.st_dev);
-  h->set_shm_ino(sst.st_ino);
   std::vector<double> rtt;
   for (int i = 0; i < 100; ++i) {
     grpc::ClientContext ctx;

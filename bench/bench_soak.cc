@@ -65,15 +65,10 @@ int main(int argc, char** argv) {
     if (!ready) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   auto ck = engram::Checkpoint::Open(spec.out_dir);
-  struct stat sst {};
-  ::stat(shm.c_str(), &sst);
   engram::v1::ClientMessage hello;
   hello.mutable_hello()->set_fingerprint((*ck)->Fingerprint());
   hello.mutable_hello()->set_tp_size(1);
   hello.mutable_hello()->set_dp_size(64);
-  hello.mutable_hello()->set_shm_visible(true);
-  hello.mutable_hello()->set_shm_dev(sst.st_dev);
-  hello.mutable_hello()->set_shm_ino(sst.st_ino);
   auto one_session = [&](bool ticket) {
     grpc::ClientContext ctx;
     auto s = stub->Session(&ctx);

@@ -1,7 +1,5 @@
 #include "client/engram_client.h"
 
-#include <sys/stat.h>
-
 #include <cstdlib>
 #include <thread>
 
@@ -9,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
+#include "client/dp_sharded.h"
 #include "client/session.h"
 #include "client/tables.h"
 #include "model/checkpoint.h"
@@ -68,27 +67,48 @@ Declaration Declare(const AttachRequest& req, uint64_t fingerprint, bool cpu_off
   d.cpu_offload = cpu_offload ? Choice::kTrue : Choice::kFalse;
   d.dp_shared_memory = req.dp_shared_memory;
   d.embedding_across_dp = req.embedding_across_dp;
-  struct stat st {};
-  d.shm_visible = ::stat(req.shm_dir.c_str(), &st) == 0;
-  d.shm_dev = st.st_dev;
-  d.shm_ino = st.st_ino;
   return d;
+}
+
+// The path of the granted segment as this process sees it: the grant's, or the same file name in `shm_dir` when
+// the caller mounts the daemon's directory elsewhere.
+std::string SegmentPathFor(const std::string& granted, const std::string& shm_dir) {
+  if (shm_dir.empty()) return granted;
+  const auto slash = granted.rfind('/');
+  return absl::StrCat(shm_dir, "/", slash == std::string::npos ? granted : granted.substr(slash + 1));
 }
 
 // A shared table from the daemon's grant: map and check, take the node's ticket, pin, report. Null (with the reason
 // added) when this replica must fall back; the session stays usable for reporting that.
-std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& options, Env* env, uint64_t fingerprint,
-                                        const Layout& layout, const ShardRange& shard, bool cuda,
-                                        std::vector<Reason>* reasons) {
+std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& options, const std::string& shm_dir,
+                                        Env* env, uint64_t fingerprint, const Layout& layout,
+                                        const ShardRange& shard, bool cuda, std::vector<Reason>* reasons) {
   const Grant& g = session.answer().grant;
-  auto table = OpenSharedTable(g, fingerprint, layout, shard, env);
+  // The descriptor first (any namespace that reaches the socket), the path where it cannot be passed.
+  absl::StatusOr<std::unique_ptr<TableImpl>> table = absl::UnavailableError("not attached");
+  std::string no_descriptor;
+  if (!options.descriptor_passing) {
+    no_descriptor = "descriptor passing is off in this client";
+  } else if (auto fd = session.FetchSegmentDescriptor(std::chrono::milliseconds(5000)); fd.ok()) {
+    table = OpenSharedTable(g, *fd, "", fingerprint, layout, shard, env);
+  } else {
+    no_descriptor = std::string(fd.status().message());
+  }
+  if (!no_descriptor.empty()) {
+    const std::string path = SegmentPathFor(g.segment_path, shm_dir);
+    table = OpenSharedTable(g, -1, path, fingerprint, layout, shard, env);
+    if (!table.ok() && (table.status().code() == absl::StatusCode::kNotFound ||
+                        table.status().code() == absl::StatusCode::kPermissionDenied)) {
+      reasons->push_back({ReasonCode::kShmNotVisible,
+                          absl::StrCat("no descriptor (", no_descriptor, ") and no path (", table.status().message(),
+                                       "): mount the daemon's socket directory (its .fds socket must be reachable "
+                                       "next to the gRPC socket), or give this replica the daemon's shm directory")});
+      return nullptr;
+    }
+    if (table.ok()) spdlog::warn("engram: event=attach_by_path path={} detail=\"{}\"", path, no_descriptor);
+  }
   if (!table.ok()) {
-    const bool unseen = table.status().code() == absl::StatusCode::kNotFound ||
-                        table.status().code() == absl::StatusCode::kPermissionDenied;
-    reasons->push_back({unseen ? ReasonCode::kShmNotVisible : ReasonCode::kFingerprintMismatch,
-                        absl::StrCat(table.status().message(),
-                                     unseen ? " (run the replica with the daemon's IPC namespace, or mount its shm "
-                                              "directory)" : "")});
+    reasons->push_back({ReasonCode::kFingerprintMismatch, std::string(table.status().message())});
     return nullptr;
   }
   if (auto st = session.AcquireTicket(); !st.ok()) {
@@ -141,7 +161,9 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
   std::string segment;  // the granted segment's path, for the log
   Mode mode = cpu_offload ? Mode::kPrivatePinned : Mode::kDevice;
   std::unique_ptr<TableImpl> table;
-  if (req.dp_shared_memory == Choice::kFalse) {
+  // embedding_across_dp asks the daemon even with dp_shared_memory false: it brokers the DP group (and names
+  // DP_SHARED_MEMORY_DISABLED itself).
+  if (req.dp_shared_memory == Choice::kFalse && !req.embedding_across_dp) {
     reasons.push_back({ReasonCode::kDpSharedMemoryDisabled, "dp_shared_memory is false: this replica holds its own table"});
   } else if (auto s = Session::Open(options_.socket, options_.timeout, Declare(req, ckpt->Fingerprint(), cpu_offload));
              !s.ok()) {
@@ -152,7 +174,7 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
     session = std::move(*s);
     if (session->answer().granted) {
       segment = session->answer().grant.segment_path;
-      table = ShareGranted(*session, options_, env, ckpt->Fingerprint(), layout, shard, cuda, &reasons);
+      table = ShareGranted(*session, options_, req.shm_dir, env, ckpt->Fingerprint(), layout, shard, cuda, &reasons);
     } else {
       mode = session->answer().mode;
       reasons.insert(reasons.end(), session->answer().reasons.begin(), session->answer().reasons.end());
@@ -164,18 +186,30 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
   }
   if (table == nullptr) {
     const int threads = req.threads > 0 ? req.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    ASSIGN_OR_RETURN(table, BuildPrivateTable(*ckpt, layout, shard, mode != Mode::kDevice, cuda, threads,
-                                              options_.register_chunk_bytes, options_.fail_register_at_chunk, env));
+    // DP_SHARDED: only this rank's shard of the group's columns (client/dp_sharded.h), in host memory or, with
+    // cpu_offload false, on the GPU; the LookupEngine exchanges the rest every step (client/dp_engine.h).
+    const bool dp_sharded = mode == Mode::kDpSharded;
+    ShardRange own = shard;
+    if (dp_sharded) {
+      ASSIGN_OR_RETURN(DpShardedPlan plan, PlanDpSharded(layout, req.tp_size, req.tp_rank, req.dp_size, req.dp_rank,
+                                                         req.local_dp_size));
+      own = plan.owned;
+    }
+    ASSIGN_OR_RETURN(table, BuildPrivateTable(*ckpt, layout, own, dp_sharded ? cpu_offload : mode != Mode::kDevice,
+                                              cuda, threads, options_.register_chunk_bytes,
+                                              options_.fail_register_at_chunk, env));
+    if (dp_sharded) table->mode_ = Mode::kDpSharded;
   }
   table->reasons_ = std::move(reasons);
   if (session != nullptr) {  // status lists this replica with exactly what it runs; the session is its lease
-    (void)session->ReportOutcome(table->mode(), table->reasons(), table->backend());
+    (void)session->ReportOutcome(table->mode(), table->reasons(), table->backend(), table->attach_method());
     session->Keep();
     table->session_ = std::move(session);
   }
   if (table->mode() == Mode::kShared) {
-    spdlog::info("engram: event=attached mode=SHARED backend={} segment={} register_seconds={:.3f}",
-                 BackendName(table->backend()), segment, table->register_seconds());
+    spdlog::info("engram: event=attached mode=SHARED backend={} attach={} segment={} register_seconds={:.3f}",
+                 BackendName(table->backend()), AttachMethodName(table->attach_method()), segment,
+                 table->register_seconds());
   } else {
     spdlog::warn("engram: event=fallback mode={} backend={} reasons={} detail=\"{}\"", ModeName(table->mode()),
                  BackendName(table->backend()), ReasonCodes(table->reasons()), ReasonList(table->reasons()));

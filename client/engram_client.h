@@ -8,9 +8,11 @@
 // Attach declares the replica's topology and engram config to engramd (config precedence as SPEC 6: an explicit
 // value, then VLLM_PLE_CPU_OFFLOAD, then the default) and receives a grant or a fallback; the daemon decides the
 // mode (daemon/fallback.h), the client adds only what it alone can know (NO_CUDA_DEVICE, DAEMON_UNAVAILABLE,
-// PERMISSION_DENIED, SHM_NOT_VISIBLE when the granted file cannot be opened, REGISTER_FAILED,
-// DP_SHARED_MEMORY_DISABLED) and reports the outcome, so `engramctl status` shows the mode this process runs.
-// Shared: the segment is mapped PROT_READ, checked against the grant, the registration ticket taken, the mapping
+// PERMISSION_DENIED, SHM_NOT_VISIBLE when neither the descriptor nor the granted path reaches the file,
+// REGISTER_FAILED, DP_SHARED_MEMORY_DISABLED) and reports the outcome, so `engramctl status` shows the mode this
+// process runs. Shared: engramd passes the segment's read-only descriptor over its socket directory (no shm
+// directory on the replica's side, any mount or IPC namespace; the path named in the grant is the fallback), the
+// segment is mapped PROT_READ, checked against the grant, the registration ticket taken, the mapping
 // pinned, the result reported; the session stays open for the Table's life (it is the lease). Fallback: a private
 // table for this TP shard is built from the checkpoint, in host memory (PRIVATE_PINNED) or, with cpu_offload
 // false, as the DEVICE table; with dp_shared_memory explicitly true, any fallback is an error carrying the reasons.
@@ -49,6 +51,9 @@ struct ClientOptions {
   bool use_gpu = true;                             // false: CPU backend even where a GPU is present
   Env* env = nullptr;  // OS seam for mapping, pinning and building tables (shm/env.h); null = the real one
   int fail_register_at_chunk = -1;  // fault seam for tests: CUDA registration fails at this chunk
+  // Fetch the granted segment as a descriptor over the daemon's descriptor socket (the default); false: open the
+  // segment's path only (for diagnosis; SHM_NOT_VISIBLE where this process cannot see the daemon's directory).
+  bool descriptor_passing = true;
 };
 
 struct AttachRequest {
@@ -60,7 +65,9 @@ struct AttachRequest {
   std::optional<bool> cpu_offload;  // unset: VLLM_PLE_CPU_OFFLOAD, then true
   Choice dp_shared_memory = Choice::kAuto;
   bool embedding_across_dp = false;
-  std::string shm_dir = "/dev/shm";  // only for the SHM_NOT_VISIBLE check: the replica's view of the daemon's dir
+  // Only for the path fallback, when no descriptor could be passed: where this process sees the daemon's shm
+  // directory if it is mounted elsewhere. Empty (the default): the directory named in the grant.
+  std::string shm_dir;
   int threads = 0;                 // for building a private table; 0 = hardware concurrency
 };
 
@@ -91,6 +98,8 @@ class Table {
   virtual const uint8_t* device_records(int l) const = 0;
   // Seconds spent registering (pinning) the table; -1 when nothing was registered.
   virtual double register_seconds() const = 0;
+  // How a SHARED table reached its segment: the descriptor engramd passed, or its path; kNone otherwise.
+  virtual AttachMethod attach_method() const { return AttachMethod::kNone; }
   // Hashing, lookups and the gate go through a LookupEngine (client/lookup_engine.h): the one lookup API, on the
   // GPU or the CPU, and on the host records of any table (LookupEngine::CreateOnHost).
 };

@@ -1,7 +1,6 @@
 #include "client/session.h"
 
 #include <grpcpp/grpcpp.h>
-#include <sys/stat.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -12,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "client/fd_channel.h"
 #include "engram/v1/engram.grpc.pb.h"
 #include "spdlog/spdlog.h"
 
@@ -28,6 +28,8 @@ static_assert(static_cast<int>(ReasonCode::kShmMissing) == v1::SHM_MISSING &&
               static_cast<int>(ReasonCode::kSegmentNotReady) == v1::SEGMENT_NOT_READY &&
               static_cast<int>(ReasonCode::kDpShardedNotBuilt) == v1::DP_SHARDED_NOT_BUILT &&
               kMaxReasonCode == v1::FallbackReason_MAX);
+static_assert(static_cast<int>(AttachMethod::kDescriptor) == v1::ATTACH_DESCRIPTOR &&
+              static_cast<int>(AttachMethod::kPath) == v1::ATTACH_PATH);
 
 v1::Choice WireChoice(Choice c) {
   return c == Choice::kTrue ? v1::ENABLED : c == Choice::kFalse ? v1::DISABLED : v1::AUTO;
@@ -63,9 +65,6 @@ v1::ClientMessage Hello(const Declaration& d) {
   h->mutable_config()->set_dp_shared_memory(WireChoice(d.dp_shared_memory));
   h->mutable_config()->set_embedding_across_dp(d.embedding_across_dp);
   h->set_pid(static_cast<int32_t>(::getpid()));
-  h->set_shm_visible(d.shm_visible);
-  h->set_shm_dev(d.shm_dev);
-  h->set_shm_ino(d.shm_ino);
   return hello;
 }
 
@@ -109,7 +108,7 @@ absl::StatusOr<std::unique_ptr<Connection>> Connect(const std::string& socket, s
 struct Session::Impl {
   std::string socket;
   Declaration declaration;
-  std::string segment_path;  // of the grant this session's mapping came from ("" for a fallback)
+  bool granted = false;                       // this session's mapping came from a grant
   uint64_t segment_dev = 0, segment_ino = 0;  // that file's identity when it was granted
 
   std::mutex mu;  // guards conn, closing, outcome
@@ -117,7 +116,44 @@ struct Session::Impl {
   std::unique_ptr<Connection> conn;
   bool closing = false;
   std::optional<v1::ClientMessage> outcome;  // replayed after a reconnect
+  std::function<void(const GroupEvent&)> on_group;  // the DP group this session joined (JoinGroup)
   std::thread events;
+
+  // DP group updates (JoinGroup), from the events thread.
+  void DeliverGroupUpdate(const v1::GroupUpdate& u) {
+    GroupEvent e;
+    e.formed = u.state() == v1::GroupUpdate::FORMED;
+    e.broken = u.state() == v1::GroupUpdate::BROKEN;
+    e.group = u.group();
+    e.detail = u.detail();
+    e.rendezvous = u.rendezvous();
+    e.slot = u.slot();
+    e.left_pid = u.left_pid();
+    e.left_dp_rank = u.left_dp_rank();
+    for (const auto& m : u.members()) e.members.push_back({m.pid(), m.dp_rank(), m.edp_rank(), m.max_tokens()});
+    std::function<void(const GroupEvent&)> cb;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      cb = on_group;
+    }
+    if (cb) cb(e);
+  }
+  // The session ended: a group this session joined cannot go on (its membership was this lease); the reconnect
+  // that follows does not rejoin it.
+  void LoseGroup() {
+    std::function<void(const GroupEvent&)> cb;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      cb = std::move(on_group);
+      on_group = nullptr;
+    }
+    if (!cb) return;
+    GroupEvent e;
+    e.broken = true;
+    e.detail = absl::StrCat("this replica's session with engramd on ", socket,
+                            " ended (lease lost, or the daemon refused the group join): the DP group cannot go on");
+    cb(e);
+  }
 
   absl::Status Write(const v1::ClientMessage& m) {
     if (conn->stream->Write(m)) return absl::OkStatus();
@@ -142,11 +178,13 @@ struct Session::Impl {
         if (m.has_event() && m.event().kind() == v1::Event::DRAINING) {
           spdlog::warn("engram: event=daemon_draining detail=\"{}\"", m.event().detail());
         }
+        if (m.has_group_update()) DeliverGroupUpdate(m.group_update());
       }
       {
         std::lock_guard<std::mutex> lock(mu);
         if (closing) return;
       }
+      LoseGroup();
       spdlog::warn("engram: event=lease_lost socket={} detail=\"engramd ended the session; the mapping stays valid, "
                    "reconnecting\"", socket);
       auto backoff = std::chrono::milliseconds(100);
@@ -159,11 +197,10 @@ struct Session::Impl {
         v1::ServerMessage answer;
         auto next = Connect(socket, std::chrono::milliseconds(2000), declaration, &answer);
         if (!next.ok()) continue;
-        // The same file (device and inode, not just the name: a republished segment has the old name), or not.
-        struct stat st {};
-        const bool same = answer.has_grant() && !segment_path.empty() &&
-                          ::stat(answer.grant().segment_path().c_str(), &st) == 0 && st.st_dev == segment_dev &&
-                          st.st_ino == segment_ino;
+        // The same file (device and inode as the daemon reports them, the same in every mount namespace; not
+        // just the name: a republished segment has the old name), or not.
+        const bool same = answer.has_grant() && granted && segment_ino != 0 &&
+                          answer.grant().segment_dev() == segment_dev && answer.grant().segment_ino() == segment_ino;
         std::lock_guard<std::mutex> lock(mu);
         if (closing) {
           (*next)->ctx.TryCancel();
@@ -173,6 +210,7 @@ struct Session::Impl {
           // This replica keeps reading its mapping of a file the daemon no longer serves: a copy of its own now.
           auto* o = outcome->mutable_outcome();
           o->set_mode(v1::PRIVATE_PINNED);
+          o->set_attach(v1::ATTACH_NONE);
           auto* r = o->add_reasons();
           r->set_code(v1::SEGMENT_NOT_READY);
           r->set_hint("engramd restarted and no longer serves the segment this replica mapped; the replica keeps "
@@ -224,12 +262,13 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(const std::string& socket
     a.grant.token_map.assign(g.segment().token_map().begin(), g.segment().token_map().end());
     a.grant.lease_id = g.lease_id();
     a.grant.epoch = g.epoch();
-    s->impl_->segment_path = g.segment_path();
-    struct stat st {};
-    if (::stat(g.segment_path().c_str(), &st) == 0) {
-      s->impl_->segment_dev = st.st_dev;
-      s->impl_->segment_ino = st.st_ino;
-    }
+    a.grant.fd_socket = g.fd_socket();
+    a.grant.fd_token = g.fd_token();
+    a.grant.segment_dev = g.segment_dev();
+    a.grant.segment_ino = g.segment_ino();
+    s->impl_->granted = true;
+    s->impl_->segment_dev = g.segment_dev();
+    s->impl_->segment_ino = g.segment_ino();
   } else {
     a.mode = static_cast<Mode>(answer.fallback().mode());
     for (const auto& r : answer.fallback().reasons()) {
@@ -237,6 +276,15 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(const std::string& socket
     }
   }
   return s;
+}
+
+absl::StatusOr<int> Session::FetchSegmentDescriptor(std::chrono::milliseconds timeout) const {
+  const Grant& g = answer_.grant;
+  if (!answer_.granted || g.fd_socket.empty() || g.fd_token.empty()) {
+    return absl::UnavailableError("the grant offers no descriptor (an engramd without descriptor passing)");
+  }
+  ASSIGN_OR_RETURN(std::string path, ChannelPath(impl_->socket, g.fd_socket));
+  return client::FetchSegmentDescriptor(path, g.lease_id, g.fd_token, timeout);
 }
 
 absl::Status Session::AcquireTicket() {
@@ -262,7 +310,8 @@ absl::Status Session::ReportRegistration(const RegistrationReport& r) {
   return impl_->Write(m);
 }
 
-absl::Status Session::ReportOutcome(Mode mode, const std::vector<Reason>& reasons, Backend backend) {
+absl::Status Session::ReportOutcome(Mode mode, const std::vector<Reason>& reasons, Backend backend,
+                                    AttachMethod attach) {
   v1::ClientMessage m;
   auto* o = m.mutable_outcome();
   o->set_mode(static_cast<v1::Mode>(mode));
@@ -272,6 +321,7 @@ absl::Status Session::ReportOutcome(Mode mode, const std::vector<Reason>& reason
     w->set_hint(r.hint);
   }
   o->set_backend(BackendName(backend));
+  o->set_attach(static_cast<v1::AttachMethod>(attach));
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->outcome = m;
   return impl_->Write(m);
@@ -280,6 +330,26 @@ absl::Status Session::ReportOutcome(Mode mode, const std::vector<Reason>& reason
 void Session::Keep() {
   if (impl_->events.joinable()) return;
   impl_->events = std::thread([impl = impl_.get()] { impl->Run(); });
+}
+
+}  // namespace engram::client
+
+namespace engram::client {
+
+const Declaration& Session::declaration() const { return impl_->declaration; }
+
+absl::Status Session::JoinGroup(const GroupJoinRequest& join, std::function<void(const GroupEvent&)> on_update) {
+  v1::ClientMessage m;
+  auto* j = m.mutable_group_join();
+  j->set_name(join.name);
+  j->set_transport(join.transport);
+  j->set_rendezvous(join.rendezvous);
+  j->set_max_tokens(join.max_tokens);
+  j->set_bytes_per_step(join.bytes_per_step);
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->on_group) return absl::FailedPreconditionError("this session joined a DP group already");
+  impl_->on_group = std::move(on_update);
+  return impl_->Write(m);
 }
 
 }  // namespace engram::client

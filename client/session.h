@@ -3,7 +3,7 @@
 //
 //   ASSIGN_OR_RETURN(auto s, Session::Open(socket, timeout, declaration));   // hello -> grant or fallback
 //   if (s->answer().granted) { RETURN_IF_ERROR(s->AcquireTicket()); ...pin...; s->ReportRegistration(result); }
-//   s->ReportOutcome(mode, reasons, backend);   // what this process really runs: engramctl status shows it
+//   s->ReportOutcome(mode, reasons, backend, attach);  // what this process really runs: engramctl status shows it
 //   s->Keep();                                  // the open session is the lease; it ends with the Session
 //
 // Open connects, sends the hello and waits for the daemon's answer within `timeout` (the daemon may hold it while a
@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,8 +35,6 @@ struct Declaration {
   Choice cpu_offload = Choice::kAuto;  // the resolved value (kTrue/kFalse) from a replica; kAuto from tools
   Choice dp_shared_memory = Choice::kAuto;
   bool embedding_across_dp = false;
-  bool shm_visible = false;  // the replica could stat the shm directory it was told about
-  uint64_t shm_dev = 0, shm_ino = 0;
 };
 
 // A granted segment, as the daemon describes it.
@@ -52,6 +51,8 @@ struct Grant {
   std::vector<int32_t> token_map;
   std::string lease_id;
   uint64_t epoch = 0;
+  std::string fd_socket, fd_token;        // descriptor passing (client/fd_channel.h); empty: path only
+  uint64_t segment_dev = 0, segment_ino = 0;  // the file's identity as the daemon saw it (0: not given)
 };
 
 struct Answer {
@@ -69,6 +70,25 @@ struct RegistrationReport {
   Backend backend = Backend::kCpu;
 };
 
+// A DP_SHARDED replica's group (embedding_across_dp), as the daemon brokers it (proto GroupJoin / GroupUpdate).
+struct GroupJoinRequest {
+  std::string name;        // optional; [A-Za-z0-9._-], at most 128 bytes
+  std::string transport;   // "host" or "nccl"
+  std::string rendezvous;  // the rank-0 member's opaque bytes (region name, ncclUniqueId); others: empty
+  int32_t max_tokens = 0;  // this member's fixed buffers; the group slot is the members' max
+  uint64_t bytes_per_step = 0;
+};
+struct GroupMemberInfo {
+  int32_t pid = 0, dp_rank = 0, edp_rank = 0, max_tokens = 0;
+};
+struct GroupEvent {
+  bool formed = false;  // FORMED: rendezvous, slot, members are final
+  bool broken = false;  // BROKEN, or this session ended (lease lost): detail says which
+  std::string group, detail, rendezvous;
+  int32_t slot = 0, left_pid = 0, left_dp_rank = -1;
+  std::vector<GroupMemberInfo> members;
+};
+
 class Session {
  public:
   static absl::StatusOr<std::unique_ptr<Session>> Open(const std::string& socket, std::chrono::milliseconds timeout,
@@ -78,10 +98,14 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   const Answer& answer() const { return answer_; }
+  // The granted segment's read-only descriptor, passed by engramd over its descriptor socket next to the gRPC
+  // socket (client/fd_channel.h); the caller owns it. Unavailable when the grant offers none.
+  absl::StatusOr<int> FetchSegmentDescriptor(std::chrono::milliseconds timeout) const;
   // Blocks until the node's registration ticket is this replica's (one registration at a time per node).
   absl::Status AcquireTicket();
   absl::Status ReportRegistration(const RegistrationReport& report);
-  absl::Status ReportOutcome(Mode mode, const std::vector<Reason>& reasons, Backend backend);
+  absl::Status ReportOutcome(Mode mode, const std::vector<Reason>& reasons, Backend backend,
+                             AttachMethod attach = AttachMethod::kNone);
   // Holds the session (the lease) and drains daemon events in the background until destruction. When the session
   // breaks (engramd died or restarted) the background thread logs event=lease_lost, reconnects with backoff (up to
   // 5 s apart), says hello again and replays the outcome, so status lists this replica again; the table keeps its
@@ -89,6 +113,13 @@ class Session {
   // replica whose file the new daemon no longer grants (another file under the name, or a fallback) reports what
   // it now is: PRIVATE_PINNED with SEGMENT_NOT_READY (its mapping is a copy no one else reads).
   void Keep();
+  // The declaration this session said hello with.
+  const Declaration& declaration() const;
+  // Joins the DP group after the outcome DP_SHARDED (call after Keep()): `on_update` is called from the events
+  // thread with FORMED and BROKEN updates, and once with broken = true when the session ends (the lease is lost:
+  // the group cannot go on). An error when the join could not be sent; the daemon ends the session on a join it
+  // refuses (then `on_update` is told so).
+  absl::Status JoinGroup(const GroupJoinRequest& join, std::function<void(const GroupEvent&)> on_update);
 
  private:
   struct Impl;

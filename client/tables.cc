@@ -46,9 +46,11 @@ TableImpl::~TableImpl() {
   if (private_ != nullptr) env_->Munmap(private_, bytes_);
 }
 
-absl::StatusOr<std::unique_ptr<TableImpl>> OpenSharedTable(const Grant& g, uint64_t fingerprint, const Layout& layout,
+absl::StatusOr<std::unique_ptr<TableImpl>> OpenSharedTable(const Grant& g, int fd, const std::string& path,
+                                                           uint64_t fingerprint, const Layout& layout,
                                                            const ShardRange& shard, Env* env) {
-  auto seg = SegmentReader::Open(g.segment_path, env);
+  const std::string name = fd >= 0 ? absl::StrCat(g.segment_path, " (descriptor from engramd)") : path;
+  auto seg = fd >= 0 ? SegmentReader::OpenDescriptor(fd, name, env) : SegmentReader::Open(path, env);
   if (!seg.ok()) {
     if (seg.status().code() == absl::StatusCode::kNotFound || seg.status().code() == absl::StatusCode::kPermissionDenied) {
       return seg.status();
@@ -56,11 +58,16 @@ absl::StatusOr<std::unique_ptr<TableImpl>> OpenSharedTable(const Grant& g, uint6
     return absl::FailedPreconditionError(absl::StrCat("the granted segment is unusable: ", seg.status().message()));
   }
   const SegmentReader& r = **seg;
+  if (g.segment_ino != 0 && (r.device() != g.segment_dev || r.inode() != g.segment_ino)) {
+    return absl::FailedPreconditionError(absl::StrCat(name, " is not the file engramd granted (device/inode ",
+                                                      r.device(), "/", r.inode(), ", granted ", g.segment_dev, "/",
+                                                      g.segment_ino, "): another directory under the same path?"));
+  }
   if (r.state() != SegmentState::kReady || r.header().fingerprint != fingerprint || g.fingerprint != fingerprint ||
       r.file_bytes() != g.segment_bytes || g.layers.size() != static_cast<size_t>(layout.n_layers()) ||
       g.token_map.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "the granted segment ", g.segment_path, " disagrees with the grant or this replica's checkpoint (state ",
+        "the granted segment ", name, " disagrees with the grant or this replica's checkpoint (state ",
         SegmentStateName(r.state()), ", fingerprint ", r.header().fingerprint, " vs ", fingerprint, ", ",
         r.file_bytes(), " bytes vs ", g.segment_bytes, ")"));
   }
@@ -75,6 +82,7 @@ absl::StatusOr<std::unique_ptr<TableImpl>> OpenSharedTable(const Grant& g, uint6
   }
   auto t = std::make_unique<TableImpl>(env);
   t->mode_ = Mode::kShared;
+  t->attach_ = fd >= 0 ? AttachMethod::kDescriptor : AttachMethod::kPath;
   t->base_ = r.data();
   t->bytes_ = r.file_bytes() - r.header().data_offset;
   // Build this process's page tables for the mapping before the node's ticket, so that the ticketed (serialised)

@@ -1,6 +1,7 @@
 // Tables: where a replica's rows live and how they got there (DESIGN.md "Data flow" 4).
-//   OpenSharedTable   maps the granted segment PROT_READ, checks it against the grant (READY, fingerprint, size),
-//                     and prefaults this process's page tables (outside the node's registration ticket).
+//   OpenSharedTable   maps the granted segment PROT_READ (from the descriptor engramd passed, or by path), checks
+//                     it against the grant (the same file, READY, fingerprint, size), and prefaults this process's
+//                     page tables (outside the node's registration ticket).
 //   PinTable          registers the table for the GPU (read-only, chunked, rolled back on failure) on the CUDA
 //                     backend, or pins it with mlock on the CPU backend; says how long it took or why it failed.
 //   BuildPrivateTable reads this TP shard's records from the checkpoint into private memory (PRIVATE_PINNED, then
@@ -44,6 +45,7 @@ class TableImpl final : public Table {
     return device_records_.empty() ? nullptr : device_records_[static_cast<size_t>(l)];
   }
   double register_seconds() const override { return register_seconds_; }
+  AttachMethod attach_method() const override { return attach_; }
 
   // The bytes the table's records span (one mapping or allocation), for pinning.
   const uint8_t* base() const { return base_; }
@@ -53,6 +55,7 @@ class TableImpl final : public Table {
   Mode mode_ = Mode::kPrivatePinned;
   Backend backend_ = Backend::kCpu;
   double register_seconds_ = -1;
+  AttachMethod attach_ = AttachMethod::kNone;
   std::vector<Reason> reasons_;
   std::vector<LayerInfo> layers_;
   int64_t col_begin_ = 0, col_end_ = 0;
@@ -70,11 +73,14 @@ class TableImpl final : public Table {
 
 };
 
-// Maps the granted segment and checks it against the grant and the replica's fingerprint. NotFound /
-// PermissionDenied when the file cannot be opened (the caller's SHM_NOT_VISIBLE), FailedPrecondition when it
-// disagrees with the grant (FINGERPRINT_MISMATCH).
-absl::StatusOr<std::unique_ptr<TableImpl>> OpenSharedTable(const Grant& grant, uint64_t fingerprint,
-                                                           const Layout& layout, const ShardRange& shard, Env* env);
+// Maps the granted segment and checks it against the grant and the replica's fingerprint: from `fd` when >= 0 (the
+// descriptor engramd passed, taken over: closed once mapped or on failure; the table's attach method is then
+// kDescriptor), else from `path` (kPath). NotFound / PermissionDenied when the path cannot be opened (the caller's
+// SHM_NOT_VISIBLE), FailedPrecondition when the file is not the granted one or disagrees with the grant
+// (FINGERPRINT_MISMATCH).
+absl::StatusOr<std::unique_ptr<TableImpl>> OpenSharedTable(const Grant& grant, int fd, const std::string& path,
+                                                           uint64_t fingerprint, const Layout& layout,
+                                                           const ShardRange& shard, Env* env);
 
 // Pins the table's records: CUDA registration (chunks of `chunk_bytes`; `fail_at_chunk` >= 0 injects a driver
 // refusal) when `cuda`, else mlock. On success the table's backend and register_seconds are set.

@@ -14,6 +14,10 @@ const char* ModeName(Mode m) {
 
 const char* BackendName(Backend b) { return b == Backend::kCuda ? "cuda" : "cpu"; }
 
+const char* AttachMethodName(AttachMethod m) {
+  return m == AttachMethod::kDescriptor ? "descriptor" : m == AttachMethod::kPath ? "path" : "";
+}
+
 const char* ReasonName(ReasonCode code) {
   static constexpr const char* kNames[] = {
       "REASON_UNSPECIFIED", "SHM_MISSING",    "SHM_TOO_SMALL",        "NOT_COLOCATED",        "DP_SIZE_ONE",

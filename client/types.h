@@ -12,6 +12,9 @@ namespace engram::client {
 enum class Mode { kShared = 1, kPrivatePinned = 2, kDevice = 3, kDpSharded = 4 };
 enum class Backend { kCuda, kCpu };
 enum class Choice { kAuto, kTrue, kFalse };
+// How a SHARED table reached its segment (engram.v1.AttachMethod's numbers): the descriptor engramd passed, or the
+// segment's path (where the descriptor could not be passed and this process may open the file); kNone otherwise.
+enum class AttachMethod { kNone = 0, kDescriptor = 1, kPath = 2 };
 
 enum class ReasonCode {
   kShmMissing = 1,
@@ -37,6 +40,7 @@ inline constexpr int kMaxReasonCode = 16;
 const char* ModeName(Mode m);
 const char* BackendName(Backend b);
 const char* ReasonName(ReasonCode code);
+const char* AttachMethodName(AttachMethod m);  // "descriptor", "path", "" (kNone)
 
 struct Reason {
   ReasonCode code;

@@ -1,5 +1,8 @@
 #include "daemon/fallback.h"
 
+#include <algorithm>
+#include <numeric>
+
 #include "absl/strings/str_format.h"
 
 namespace engram::daemon {
@@ -31,6 +34,11 @@ std::string EchoOf(const std::string& s, size_t max) {
   return s.substr(0, n) + "...";
 }
 
+int DpGroupSize(const engram::v1::Hello& h) {
+  const int dp = std::max(1, h.dp_size());
+  return std::gcd(dp, h.local_dp_size() > 0 ? h.local_dp_size() : dp);
+}
+
 Decision Decide(const engram::v1::Hello& h, const NodeView& node) {
   Decision d;
   const auto& cfg = h.config();
@@ -45,6 +53,10 @@ Decision Decide(const engram::v1::Hello& h, const NodeView& node) {
     add(engram::v1::CPU_OFFLOAD_DISABLED,
         "cpu_offload is false: tables live on the GPU; drop --engram-config.cpu_offload false (or "
         "VLLM_PLE_CPU_OFFLOAD=0) to share host tables");
+  }
+  if (cfg.dp_shared_memory() == engram::v1::DISABLED) {
+    add(engram::v1::DP_SHARED_MEMORY_DISABLED,
+        "dp_shared_memory is false: this replica does not share the node's table");
   }
   if (h.dp_size() <= 1) {
     add(engram::v1::DP_SIZE_ONE, "data_parallel_size is 1: one replica has nothing to share");
@@ -74,12 +86,9 @@ Decision Decide(const engram::v1::Hello& h, const NodeView& node) {
                         node.shm_path, node.shm_free_bytes < (1ull << 30) ? MiB(node.shm_free_bytes)
                                                                            : GiB(node.shm_free_bytes),
                         GiB(node.tables_bytes)));
-  } else if (!h.shm_visible() || h.shm_dev() != node.shm_dev || h.shm_ino() != node.shm_ino) {
-    add(engram::v1::SHM_NOT_VISIBLE,
-        absl::StrFormat("this replica sees a different %s than the daemon (private IPC namespace): run it with "
-                        "--ipc=host, or bind-mount the daemon's shm directory",
-                        node.shm_path));
   }
+  // SHM_NOT_VISIBLE is not the daemon's to decide: a replica that reaches the socket receives the segment's
+  // descriptor whatever its mount or IPC namespace; only the client knows when neither that nor the path worked.
   if (node.segment_failed && node.checkpoint_served && !node.shm_too_small) {
     add(engram::v1::SEGMENT_NOT_READY, "the daemon could not load this shard: " + node.segment_error);
   }
@@ -88,13 +97,11 @@ Decision Decide(const engram::v1::Hello& h, const NodeView& node) {
     d.mode = engram::v1::SHARED;
     return d;
   }
-  // SPEC 6: a replica that cannot share falls back to DP-sharded tables when it asked for embedding_across_dp, else
-  // to a table of its own. The DP collective is not built yet, so DP-sharded is named (a reason) and the replica gets
-  // its own table: the mode decided here is the mode the replica runs, never one it cannot be in.
-  if (cfg.embedding_across_dp()) {
-    add(engram::v1::DP_SHARDED_NOT_BUILT,
-        "embedding_across_dp needs the DP collective (all-gather of hash ids, all-to-all of rows), which this build "
-        "does not have: the replica holds a table of its own");
+  // SPEC 6: a replica that cannot share falls back to DP-sharded tables when it asked for embedding_across_dp (a
+  // node-local group of gcd(dp_size, local_dp_size) >= 2 replicas, not with elastic EP), else to a table of its own.
+  if (cfg.embedding_across_dp() && !h.elastic_ep() && DpGroupSize(h) >= 2) {
+    d.mode = engram::v1::DP_SHARDED;
+    return d;
   }
   d.mode = cpu_offload ? engram::v1::PRIVATE_PINNED : engram::v1::DEVICE;
   return d;

@@ -17,7 +17,6 @@ struct NodeView {
   bool checkpoint_served = false;   // a configured checkpoint has the replica's fingerprint
   bool model_shareable = true;      // false for Qwen4Exp PLE
   bool shm_exists = true;
-  uint64_t shm_dev = 0, shm_ino = 0;
   std::string shm_path;
   uint64_t shm_free_bytes = 0;      // at the time the tables were planned
   uint64_t tables_bytes = 0;        // all TP shards of the replica's TP size
@@ -33,6 +32,8 @@ struct Decision {
 };
 
 Decision Decide(const engram::v1::Hello& hello, const NodeView& node);
+// The node-local DP group a DP_SHARDED replica joins: gcd(dp_size, local_dp_size) replicas (embedding_across_dp).
+int DpGroupSize(const engram::v1::Hello& hello);
 
 engram::v1::Reason MakeReason(engram::v1::FallbackReason code, const std::string& hint);
 std::string ReasonName(engram::v1::FallbackReason code);

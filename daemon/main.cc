@@ -10,6 +10,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server_posix.h>
+#include <grp.h>
 #include <signal.h>
 #include <systemd/sd-daemon.h>
 
@@ -18,6 +19,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "daemon/descriptor_channel.h"
 #include "daemon/listener.h"
 #include "daemon/options.h"
 #include "daemon/refuser.h"
@@ -93,6 +95,17 @@ int main(int argc, char** argv) {
   }
   auto* health = server->GetHealthCheckService();
   health->SetServingStatus(false);
+  // Descriptor passing: a side socket next to the gRPC one, same mode and group, same authorisation.
+  DescriptorChannel descriptors([&listener](const PeerInfo& p) { return listener.Allowed(p); });
+  {
+    const struct group* g = opts->group.empty() ? nullptr : ::getgrnam(opts->group.c_str());
+    if (auto st = descriptors.Bind(opts->socket, g != nullptr ? static_cast<int>(g->gr_gid) : -1); st.ok()) {
+      state.SetDescriptorChannel(&descriptors);
+      descriptors.Start();
+    } else {
+      spdlog::warn("event=descriptor_passing_off detail=\"{}\": replicas attach by path", std::string(st.message()));
+    }
+  }
   listener.Start([&](int fd, bool allowed) {
     grpc::AddInsecureChannelFromFd(allowed ? server.get() : refuser.get(), fd);
   });
@@ -158,6 +171,7 @@ int main(int argc, char** argv) {
   state.Drain();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   refuser->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  descriptors.Stop();
   readiness.join();
   if (metrics.joinable()) metrics.join();
   spdlog::info("event=stopped: READY segments stay in place for the next start");

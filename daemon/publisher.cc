@@ -64,7 +64,7 @@ engram::v1::SegmentDescriptor MakeDescriptor(const Checkpoint& ckpt, const Layou
 absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layout, const TokenMap& map,
                                       int64_t tp_size, int64_t tp_rank, const std::string& shm_dir,
                                       uint64_t instance_id, uint64_t epoch, int threads,
-                                      std::atomic<uint64_t>* rows_done, int group_gid, Env* env) {
+                                      std::atomic<uint64_t>* rows_done, Env* env) {
   const auto t0 = std::chrono::steady_clock::now();
   auto shard = layout.Shard(tp_size, tp_rank);
   if (!shard.ok()) return shard.status();
@@ -76,8 +76,7 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   // (fixed64 fields serialise to the same size whatever their value).
   for (auto& l : *desc.mutable_layers()) l.set_checksum(~uint64_t{0});
   auto writer = SegmentWriter::Create(shm_dir, fingerprint, tp_size, tp_rank, desc.SerializeAsString(), data_bytes,
-                                      instance_id, epoch, env,
-                                      group_gid >= 0 ? static_cast<gid_t>(group_gid) : kKeepGroup);
+                                      instance_id, epoch, env);
   if (!writer.ok()) return writer.status();
   (*writer)->SetLoading();
   uint8_t* data = (*writer)->data();

@@ -4,8 +4,8 @@
 //
 // A failure (read error, truncated file, ENOSPC at fallocate) removes the partial segment; a killed daemon leaves a
 // CREATING/LOADING file that the next start removes. Progress is published through an atomic counter for status.
-// One Publish call per segment; the call blocks its thread and uses `threads` workers. `group_gid` >= 0: the segment
-// file is given that group (engramd --group), mode 0640, so that members can map it.
+// One Publish call per segment; the call blocks its thread and uses `threads` workers. The segment
+// file is 0600, the daemon's (shm/segment.h).
 #pragma once
 
 #include <atomic>
@@ -35,7 +35,7 @@ engram::v1::SegmentDescriptor MakeDescriptor(const Checkpoint& ckpt, const Layou
 absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layout, const TokenMap& map,
                                       int64_t tp_size, int64_t tp_rank, const std::string& shm_dir,
                                       uint64_t instance_id, uint64_t epoch, int threads,
-                                      std::atomic<uint64_t>* rows_done = nullptr, int group_gid = -1,
+                                      std::atomic<uint64_t>* rows_done = nullptr,
                                       Env* env = Env::Default());
 
 // Recomputes a READY segment's per-layer checksums from its records and compares them with the descriptor's.

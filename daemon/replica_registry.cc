@@ -39,6 +39,10 @@ std::string_view Name(TicketState s) {
   return "unknown";
 }
 
+std::string_view AttachName(engram::v1::AttachMethod m) {
+  return m == engram::v1::ATTACH_DESCRIPTOR ? "descriptor" : m == engram::v1::ATTACH_PATH ? "path" : "";
+}
+
 absl::Status ValidateOutcome(const engram::v1::Outcome& o, engram::v1::Outcome* clean) {
   if (!engram::v1::Mode_IsValid(o.mode()) || o.mode() == engram::v1::MODE_UNSPECIFIED) {
     return absl::InvalidArgumentError(absl::StrCat("outcome: mode ", static_cast<int>(o.mode()),
@@ -53,6 +57,13 @@ absl::Status ValidateOutcome(const engram::v1::Outcome& o, engram::v1::Outcome* 
       return absl::InvalidArgumentError(
           absl::StrCat("outcome: reason code ", static_cast<int>(r.code()), " is not a known fallback reason"));
     }
+  }
+  if (!engram::v1::AttachMethod_IsValid(o.attach()) ||
+      (o.mode() == engram::v1::SHARED) != (o.attach() != engram::v1::ATTACH_NONE)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "outcome: attach method ", static_cast<int>(o.attach()),
+        o.mode() == engram::v1::SHARED ? ": a SHARED outcome says how it attached (descriptor or path)"
+                                       : ": only a SHARED outcome has an attach method"));
   }
   if (o.backend() != "cuda" && o.backend() != "cpu") {
     return absl::InvalidArgumentError(
@@ -194,9 +205,10 @@ absl::Status ReplicaRegistry::RecordOutcome(const std::string& lease_id, const e
   r.mode = clean.mode();
   r.reasons = std::move(reasons);
   r.backend = clean.backend();
+  r.attach = clean.attach();
   if (r.mode != engram::v1::SHARED) r.segment_key.clear();  // it did not keep the mapping
-  spdlog::info("event=outcome pid={} lease={} mode={} backend={} reasons={}", r.peer.pid, lease_id,
-               ModeName(r.mode), r.backend, ReasonsText(r.reasons));
+  spdlog::info("event=outcome pid={} lease={} mode={} backend={} attach={} reasons={}", r.peer.pid, lease_id,
+               ModeName(r.mode), r.backend, AttachName(r.attach), ReasonsText(r.reasons));
   cv_.notify_all();
   return absl::OkStatus();
 }
@@ -259,6 +271,7 @@ std::vector<ReplicaInfo> ReplicaRegistry::Replicas() const {
     i.hello = r.hello;
     i.mode = r.mode;
     i.backend = r.backend;
+    i.attach = r.attach;
     i.reasons = r.reasons;
     i.ticket = r.ticket;
     i.outcome_reported = r.outcome_reported;

@@ -37,6 +37,8 @@ namespace engram::daemon {
 // Where a replica stands with the registration tickets.
 enum class TicketState { kNone, kQueued, kHeld };
 std::string_view Name(TicketState s);  // "none", "queued", "held"
+// "descriptor", "path", "" (ATTACH_NONE), as status shows it.
+std::string_view AttachName(engram::v1::AttachMethod m);
 
 inline constexpr size_t kMaxRecentFallbacks = 32;
 inline constexpr int kMaxOutcomeReasons = 32;
@@ -56,6 +58,7 @@ struct ReplicaInfo {
   engram::v1::Mode mode = engram::v1::MODE_UNSPECIFIED;
   // "unknown" until the replica reports one; status shows "registering" while it holds a ticket instead.
   std::string backend = "unknown";
+  engram::v1::AttachMethod attach = engram::v1::ATTACH_NONE;  // from its outcome: how a SHARED replica attached
   std::vector<engram::v1::Reason> reasons;
   TicketState ticket = TicketState::kNone;
   bool outcome_reported = false;
@@ -121,6 +124,7 @@ class ReplicaRegistry {
     engram::v1::Hello hello;
     engram::v1::Mode mode = engram::v1::MODE_UNSPECIFIED;
     std::string backend = "unknown";
+    engram::v1::AttachMethod attach = engram::v1::ATTACH_NONE;
     std::vector<engram::v1::Reason> reasons;
     TicketState ticket = TicketState::kNone;
     bool outcome_reported = false;

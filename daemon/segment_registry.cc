@@ -1,5 +1,6 @@
 #include "daemon/segment_registry.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -96,9 +97,9 @@ std::shared_ptr<const engram::v1::SegmentDescriptor> ReadDescriptor(const std::s
 
 }  // namespace
 
-SegmentRegistry::SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id, int group_gid, Env* env)
+SegmentRegistry::SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id, Env* env)
     : shm_dir_(std::move(shm_dir)), threads_(std::max(1, threads)), instance_id_(instance_id),
-      group_gid_(group_gid), env_(env), shm_(absl::UnknownError("not probed yet")) {}
+      env_(env), shm_(absl::UnknownError("not probed yet")) {}
 
 SegmentRegistry::~SegmentRegistry() {
   {
@@ -160,6 +161,13 @@ void SegmentRegistry::ScanShmDirLocked() {
     if (!wanted) {
       spdlog::info("event=segment_retired path={}: not served by this configuration", path);
       RetireFileLocked(path);
+      continue;
+    }
+    // A segment an older engramd left 0640 becomes 0600 like a new one: only the daemon hands it out.
+    int fd = RetryEintr([&] { return env_->Open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0); });
+    if (fd >= 0) {
+      env_->Fchmod(fd, 0600);
+      env_->Close(fd);
     }
   }
 }
@@ -358,7 +366,7 @@ void SegmentRegistry::PublishLoop() {
     }
     spdlog::info("event=publish_start path={} bytes={} threads={}", path, bytes, threads_);
     auto r = Publish(*ckpt, *layout, *map, key.first, key.second, shm_dir_, instance_id_, epoch_.load(), threads_,
-                     progress.get(), group_gid_, env_);
+                     progress.get(), env_);
     {
       std::lock_guard<std::mutex> lock(mu_);
       // Unloaded (and maybe loaded again) while publishing: Unload/Load unlinked the file already, nothing to record.
@@ -421,11 +429,7 @@ absl::StatusOr<ShardOffer> SegmentRegistry::Offer(const engram::v1::Hello& h, co
     NodeView& node = offer.node;
     node.shm_path = shm_dir_;
     node.shm_exists = shm_.ok();
-    if (shm_.ok()) {
-      node.shm_dev = shm_->device;
-      node.shm_ino = shm_->inode;
-      node.shm_free_bytes = shm_->free_bytes;
-    }
+    if (shm_.ok()) node.shm_free_bytes = shm_->free_bytes;
     const ServedCheckpoint* c = nullptr;
     for (const auto& [dir, entry] : checkpoints_) {
       if (entry->fingerprint == h.fingerprint()) c = entry.get();

@@ -103,9 +103,8 @@ inline constexpr size_t kMaxRecentLoadFailures = 8;
 class SegmentRegistry {
  public:
   // `threads`: publish/verify workers (>= 1). `instance_id`: written into the headers of published segments.
-  // `group_gid` >= 0: published segment files get that group (engramd --group), mode 0640.
   // `env`: the OS seam for the shm directory (capacity probe, segment files); tests inject faults through it.
-  SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id, int group_gid = -1,
+  SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id,
                   Env* env = Env::Default());
   ~SegmentRegistry();  // stops the workers (a publish in progress finishes first)
   SegmentRegistry(const SegmentRegistry&) = delete;
@@ -191,7 +190,6 @@ class SegmentRegistry {
   const std::string shm_dir_;
   const int threads_;
   const uint64_t instance_id_;
-  const int group_gid_;
   Env* const env_;
   std::atomic<uint64_t> epoch_{1};
   std::deque<std::string> load_failures_;

@@ -1,6 +1,6 @@
 #include "daemon/state.h"
 
-#include <grp.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -28,37 +28,10 @@ int DaemonState::WorkerThreads(int requested) {
   return requested > 0 ? requested : static_cast<int>(std::min(16u, hw));
 }
 
-namespace {
-
-// The gid of --group (segment files get it so that members can map them); -1 when none or unknown (the listener
-// refuses an unknown group before the state is built), or when this daemon may not give files to that group (not
-// root and not a member: fchown would fail and every publish with it), which it then says once.
-int GroupGid(const std::string& group) {
-  if (group.empty()) return -1;
-  struct group* g = ::getgrnam(group.c_str());
-  if (g == nullptr) return -1;
-  const gid_t gid = g->gr_gid;
-  bool may = ::geteuid() == 0 || ::getegid() == gid;
-  if (!may) {
-    std::vector<gid_t> mine(static_cast<size_t>(std::max(0, ::getgroups(0, nullptr))));
-    const int n = ::getgroups(static_cast<int>(mine.size()), mine.data());
-    may = n > 0 && std::find(mine.begin(), mine.begin() + n, gid) != mine.begin() + n;
-  }
-  if (!may) {
-    spdlog::warn("event=group_not_applied group={} gid={}: this daemon (uid {}) is neither root nor a member, so its "
-                 "segment files keep its own group; members of {} can connect but cannot map them (SHM_NOT_VISIBLE)",
-                 group, gid, ::geteuid(), group);
-    return -1;
-  }
-  return static_cast<int>(gid);
-}
-
-}  // namespace
-
 DaemonState::DaemonState(Options opts)
     : opts_(std::move(opts)),
       instance_id_(NewInstanceId()),
-      segments_(opts_.shm_dir, WorkerThreads(opts_.threads), instance_id_, GroupGid(opts_.group)),
+      segments_(opts_.shm_dir, WorkerThreads(opts_.threads), instance_id_),
       replicas_(instance_id_, opts_.tickets) {}
 
 DaemonState::~DaemonState() = default;
@@ -102,6 +75,15 @@ absl::StatusOr<engram::v1::ServerMessage> DaemonState::Attach(
     *g->mutable_segment() = *offer.descriptor;
     g->set_epoch(segments_.epoch());
     g->set_lease_id(*lease_id);
+    struct stat st {};
+    if (::stat(offer.segment_path.c_str(), &st) == 0) {
+      g->set_segment_dev(st.st_dev);
+      g->set_segment_ino(st.st_ino);
+    }
+    if (descriptors_ != nullptr) {
+      g->set_fd_socket(descriptors_->socket_name());
+      g->set_fd_token(descriptors_->Issue(*lease_id, peer, offer.segment_path, offer.segment_bytes));
+    }
     spdlog::info("event=attach decision=shared pid={} uid={} dp_rank={} tp_rank={} segment={} lease={}", peer.pid,
                  peer.uid, h.dp_rank(), h.tp_rank(), offer.segment_name, *lease_id);
   } else {
@@ -130,9 +112,29 @@ absl::Status DaemonState::RecordOutcome(const std::string& lease_id, const engra
   return replicas_.RecordOutcome(lease_id, outcome);
 }
 
-void DaemonState::Detach(const std::string& lease_id) { replicas_.Detach(lease_id); }
+absl::Status DaemonState::JoinGroup(const std::string& lease_id, const engram::v1::Hello& hello, const PeerInfo& peer,
+                                   const engram::v1::GroupJoin& join,
+                                   std::function<void(const engram::v1::ServerMessage&)> notify) {
+  return groups_.Join(lease_id, hello, peer, join, std::move(notify));
+}
 
-engram::v1::StatusReply DaemonState::Status() { return BuildStatus(segments_, replicas_, draining_); }
+void DaemonState::Detach(const std::string& lease_id) {
+  groups_.Leave(lease_id);
+  if (descriptors_ != nullptr) descriptors_->Revoke(lease_id);
+  replicas_.Detach(lease_id);
+}
+
+engram::v1::StatusReply DaemonState::Status() {
+  engram::v1::StatusReply reply = BuildStatus(segments_, replicas_, draining_);
+  for (auto& g : groups_.Groups()) *reply.add_groups() = std::move(g);
+  if (descriptors_ != nullptr) {
+    const DescriptorStats d = descriptors_->Stats();
+    reply.mutable_descriptors()->set_socket(d.socket);
+    reply.mutable_descriptors()->set_sent(d.sent);
+    reply.mutable_descriptors()->set_refused(d.refused);
+  }
+  return reply;
+}
 
 std::string DaemonState::MetricsText() {
   return daemon::MetricsText(Status(), replicas_.Counters());

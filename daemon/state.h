@@ -6,7 +6,9 @@
 // drops the leases on the unloaded segments; SIGHUP (Reload) re-applies the checkpoints, TP sizes and the ticket
 // capacity, all or nothing (SegmentRegistry::Reconfigure validates the whole new set first; a failure changes
 // nothing, not even the tickets, and says why). A failed Load is logged (`event=load_failed`) and kept for status.
-// Segment files get the --group's gid (mode 0640) so that members can map them.
+// Segment files are 0600, the daemon's own: a replica gets a segment as a read-only descriptor passed over the
+// socket (daemon/descriptor_channel.h; a grant carries the one-time token), or, where its uid may open the file,
+// by the grant's path.
 // Status and metrics are built by daemon/status_report.h.
 //
 // Lifecycle: Start() probes the shm directory, opens every configured checkpoint (a checkpoint that cannot be
@@ -30,6 +32,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "daemon/descriptor_channel.h"
+#include "daemon/group_registry.h"
 #include "daemon/options.h"
 #include "daemon/peer.h"
 #include "daemon/replica_registry.h"
@@ -61,6 +65,10 @@ class DaemonState {
   // FailedPrecondition when sent twice.
   absl::Status RecordOutcome(const std::string& lease_id, const engram::v1::Outcome& outcome);
   void Detach(const std::string& lease_id);
+  // A DP_SHARDED replica joins its node-local group (daemon/group_registry.h); Detach leaves it.
+  absl::Status JoinGroup(const std::string& lease_id, const engram::v1::Hello& hello, const PeerInfo& peer,
+                         const engram::v1::GroupJoin& join,
+                         std::function<void(const engram::v1::ServerMessage&)> notify);
 
   // Admin.
   engram::v1::StatusReply Status();
@@ -77,9 +85,14 @@ class DaemonState {
   void NoteReloadFailure(const std::string& config_file, const std::string& detail);
   Options options() const;
 
+  // Grants from now on carry a descriptor token for `channel` (main() binds it next to the gRPC socket); without
+  // one, replicas attach by path. Set before serving; the channel must outlive the state's sessions.
+  void SetDescriptorChannel(DescriptorChannel* channel) { descriptors_ = channel; }
+
   // The registries (tests and tools that look inside).
   SegmentRegistry& segments() { return segments_; }
   ReplicaRegistry& replicas() { return replicas_; }
+  GroupRegistry& groups() { return groups_; }
 
  private:
   static uint64_t NewInstanceId();
@@ -89,9 +102,11 @@ class DaemonState {
   Options opts_;
   std::atomic<bool> draining_{false};
   const uint64_t instance_id_;  // shared by both registries: segment headers and lease ids
+  DescriptorChannel* descriptors_ = nullptr;
   // Declared last: destroyed first (their threads stop and their waiters wake while the rest is alive).
   SegmentRegistry segments_;
   ReplicaRegistry replicas_;
+  GroupRegistry groups_;
 };
 
 }  // namespace engram::daemon

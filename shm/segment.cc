@@ -88,20 +88,14 @@ absl::StatusOr<std::unique_ptr<SegmentWriter>> SegmentWriter::Create(const std::
                                                                      int64_t tp_size, int64_t tp_rank,
                                                                      const std::string& descriptor,
                                                                      uint64_t data_bytes, uint64_t instance_id,
-                                                                     uint64_t epoch, Env* env, gid_t gid) {
+                                                                     uint64_t epoch, Env* env) {
   std::unique_ptr<SegmentWriter> w(new SegmentWriter());
   w->env_ = env;
   w->path_ = dir + "/" + SegmentName(fingerprint, tp_size, tp_rank);
   const uint64_t total = SegmentFileBytes(descriptor.size(), data_bytes);
-  int fd = RetryEintr([&] { return env->Open(w->path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0640); });
+  int fd = RetryEintr([&] { return env->Open(w->path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600); });
   if (fd < 0) return Errno(absl::StrCat("create ", w->path_), errno);
-  env->Fchmod(fd, 0640);  // whatever the umask
-  if (gid != kKeepGroup && ::fchown(fd, static_cast<uid_t>(-1), gid) != 0) {
-    const int e = errno;
-    env->Close(fd);
-    env->Unlink(w->path_.c_str());
-    return Errno(absl::StrCat("give ", w->path_, " to group ", gid), e);
-  }
+  env->Fchmod(fd, 0600);  // whatever the umask
   int err;
   do {
     err = env->PosixFallocate(fd, 0, static_cast<off_t>(total));
@@ -224,19 +218,27 @@ absl::Status SetSegmentState(const std::string& path, SegmentState state, Env* e
 }
 
 absl::StatusOr<std::unique_ptr<SegmentReader>> SegmentReader::Open(const std::string& path, Env* env) {
-  auto h = ReadSegmentHeader(path, env);
-  if (!h.ok()) return h.status();
   int fd = RetryEintr([&] { return env->Open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0); });
   if (fd < 0) return Errno(absl::StrCat("open ", path), errno);
+  return OpenDescriptor(fd, path, env);
+}
+
+absl::StatusOr<std::unique_ptr<SegmentReader>> SegmentReader::OpenDescriptor(int fd, const std::string& name,
+                                                                            Env* env) {
+  auto h = HeaderOfOpenFile(name, fd, nullptr, env);
+  if (!h.ok()) {
+    env->Close(fd);
+    return h.status();
+  }
   struct stat st {};
   if (env->Fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) != h->total_bytes) {
     env->Close(fd);
-    return absl::DataLossError(absl::StrCat(path, ": changed size while it was opened"));
+    return absl::DataLossError(absl::StrCat(name, ": changed size while it was opened"));
   }
   void* p = env->Mmap(nullptr, h->total_bytes, PROT_READ, MAP_SHARED, fd, 0);
   int err = errno;
   env->Close(fd);
-  if (p == MAP_FAILED) return Errno(absl::StrCat("map ", path), err);
+  if (p == MAP_FAILED) return Errno(absl::StrCat("map ", name), err);
   std::unique_ptr<SegmentReader> r(new SegmentReader());
   r->env_ = env;
   r->base_ = static_cast<const uint8_t*>(p);
@@ -245,7 +247,7 @@ absl::StatusOr<std::unique_ptr<SegmentReader>> SegmentReader::Open(const std::st
   r->ino_ = st.st_ino;
   const SegmentHeader& mh = r->header();
   if (XXH3_64bits(r->base_ + mh.desc_offset, mh.desc_bytes) != mh.desc_checksum) {
-    return absl::DataLossError(absl::StrCat(path, ": descriptor checksum mismatch"));
+    return absl::DataLossError(absl::StrCat(name, ": descriptor checksum mismatch"));
   }
   return r;
 }

@@ -8,7 +8,7 @@
 // States move CREATING -> LOADING -> READY (-> RETIRED); only the daemon writes, and a READY segment is never
 // written again. Anything not READY that a daemon finds at start is debris from a crash and is removed.
 //
-// Name: engram-<fingerprint, 16 hex>-tp<rank>of<size>. Files are created 0640 with O_EXCL; every open refuses
+// Name: engram-<fingerprint, 16 hex>-tp<rank>of<size>. Files are created 0600 with O_EXCL; every open refuses
 // symlinks (O_NOFOLLOW) and anything but a regular file. All OS calls go through an Env (shm/env.h).
 // SegmentWriter is single-owner (the publisher); SegmentReader maps read-only and is immutable after Open.
 #pragma once
@@ -63,16 +63,15 @@ bool ParseSegmentName(const std::string& name, uint64_t* fingerprint, int64_t* t
 uint64_t SegmentFileBytes(uint64_t desc_bytes, uint64_t data_bytes);
 
 // Creates, sizes (fallocate: ENOSPC surfaces here, not as SIGBUS later) and maps a new segment read-write.
-// `gid`: the group the file is given (fchown on the new descriptor, mode stays 0640) so that members of the
-// daemon's --group can map it; kKeepGroup leaves the creator's group. A failed fchown fails the create.
-inline constexpr gid_t kKeepGroup = static_cast<gid_t>(-1);
+// The file is 0600, the creator's: replicas receive a read-only descriptor from the daemon (or open it by path
+// where their uid may).
 class SegmentWriter {
  public:
   static absl::StatusOr<std::unique_ptr<SegmentWriter>> Create(const std::string& dir, uint64_t fingerprint,
                                                                int64_t tp_size, int64_t tp_rank,
                                                                const std::string& descriptor, uint64_t data_bytes,
                                                                uint64_t instance_id, uint64_t epoch,
-                                                               Env* env = Env::Default(), gid_t gid = kKeepGroup);
+                                                               Env* env = Env::Default());
   ~SegmentWriter();  // unmaps; a segment not Finish()ed is removed
   SegmentWriter(const SegmentWriter&) = delete;
   SegmentWriter& operator=(const SegmentWriter&) = delete;
@@ -98,6 +97,10 @@ class SegmentWriter {
 class SegmentReader {
  public:
   static absl::StatusOr<std::unique_ptr<SegmentReader>> Open(const std::string& path, Env* env = Env::Default());
+  // The same over a descriptor the caller already holds (one engramd passed: SCM_RIGHTS); takes ownership of `fd`
+  // (closed once mapped, or on failure). `name` is for messages.
+  static absl::StatusOr<std::unique_ptr<SegmentReader>> OpenDescriptor(int fd, const std::string& name,
+                                                                       Env* env = Env::Default());
   ~SegmentReader();
   SegmentReader(const SegmentReader&) = delete;
   SegmentReader& operator=(const SegmentReader&) = delete;

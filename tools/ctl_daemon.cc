@@ -125,6 +125,43 @@ json ReasonsJson(const google::protobuf::RepeatedPtrField<engram::v1::Reason>& r
   return out;
 }
 
+// DP-sharded groups (embedding_across_dp): members with their dp ranks, slot, bytes per step, broken + who left.
+json GroupsJson(const engram::v1::StatusReply& s) {
+  json groups = json::array();
+  for (const auto& g : s.groups()) {
+    json members = json::array();
+    for (const auto& m : g.members()) {
+      members.push_back({{"pid", m.pid()}, {"dp_rank", m.dp_rank()}, {"edp_rank", m.edp_rank()},
+                         {"max_tokens", m.max_tokens()}, {"bytes_per_step", m.bytes_per_step()}});
+    }
+    json one = {{"group", g.group()},         {"checkpoint", g.checkpoint()}, {"tp_rank", g.tp_rank()},
+                {"tp_size", g.tp_size()},     {"size", g.size()},             {"state", g.state()},
+                {"transport", g.transport()}, {"slot", g.slot()},             {"bytes_per_step", g.bytes_per_step()},
+                {"members", members},         {"generation", g.generation()}};
+    if (g.state() == "BROKEN") {
+      one["detail"] = g.detail();
+      one["left"] = {{"pid", g.left_pid()}, {"dp_rank", g.left_dp_rank()}};
+    }
+    groups.push_back(one);
+  }
+  return groups;
+}
+
+void PrintGroups(const engram::v1::StatusReply& s) {
+  if (s.groups_size() == 0) return;
+  std::cout << absl::StrFormat("\n%-44s %-6s %-9s %-9s %-7s %-12s %s\n", "dp group", "tp", "state", "transport",
+                               "slot", "bytes/step", "members (dp rank:pid)");
+  for (const auto& g : s.groups()) {
+    std::vector<std::string> members;
+    for (const auto& m : g.members()) members.push_back(absl::StrFormat("%d:%d", m.dp_rank(), m.pid()));
+    std::cout << absl::StrFormat("%-44s %-6s %-9s %-9s %-7d %-12s %s (%d of %d)\n", g.group(),
+                                 absl::StrFormat("%d/%d", g.tp_rank(), g.tp_size()), g.state(), g.transport(),
+                                 g.slot(), absl::StrFormat("%.2f MiB", g.bytes_per_step() / 1048576.0),
+                                 absl::StrJoin(members, " "), g.members_size(), g.size());
+    if (g.state() == "BROKEN") std::cout << "           ! " << g.detail() << "\n";
+  }
+}
+
 }  // namespace
 
 int CmdStatus(int argc, char** argv) {
@@ -167,11 +204,16 @@ int CmdStatus(int argc, char** argv) {
                              {"backend", r.backend()},
                              {"reasons", ReasonsJson(r.reasons(), false)},
                              {"hints", ReasonsJson(r.reasons(), true)},
+                             {"attach", r.attach()},
                              {"attached_seconds", r.attached_seconds()},
                              {"register_seconds", r.register_seconds()}});
   }
   j["recent_fallbacks"] = s.recent_fallbacks();
   j["draining"] = s.draining();
+  j["groups"] = GroupsJson(s);
+  j["descriptors"] = {{"socket", s.descriptors().socket()},
+                      {"sent", s.descriptors().sent()},
+                      {"refused", s.descriptors().refused()}};
   if (a.Has("--json")) {
     std::cout << j.dump() << "\n";
     return 0;
@@ -191,20 +233,28 @@ int CmdStatus(int argc, char** argv) {
                                  g.origin().empty() ? "-" : g.origin(), g.load_seconds(), g.checksum_state(),
                                  g.error().empty() ? "" : "  ! " + g.error());
   }
-  std::cout << absl::StrFormat("\n%-8s %-6s %-6s %-6s %-15s %-12s %-10s %s\n", "pid", "uid", "dp", "tp", "mode",
-                               "attached", "register", "reasons");
+  std::cout << absl::StrFormat("\n%-8s %-6s %-6s %-6s %-15s %-11s %-12s %-10s %s\n", "pid", "uid", "dp", "tp", "mode",
+                               "via", "attached", "register", "reasons");
   for (const auto& r : s.replicas()) {
     std::vector<std::string> reasons;
     for (const auto& x : r.reasons()) reasons.push_back(engram::v1::FallbackReason_Name(x.code()));
-    std::cout << absl::StrFormat("%-8d %-6d %-6d %-6d %-15s %-12s %-10s %s\n", r.pid(), r.uid(), r.dp_rank(),
-                                 r.tp_rank(), r.mode(), absl::StrFormat("%.0fs", r.attached_seconds()),
+    std::cout << absl::StrFormat("%-8d %-6d %-6d %-6d %-15s %-11s %-12s %-10s %s\n", r.pid(), r.uid(), r.dp_rank(),
+                                 r.tp_rank(), r.mode(), r.attach().empty() ? "-" : r.attach(),
+                                 absl::StrFormat("%.0fs", r.attached_seconds()),
                                  r.register_seconds() < 0 ? "-" : absl::StrFormat("%.2fs", r.register_seconds()),
                                  reasons.empty() ? "-" : absl::StrJoin(reasons, ","));
     for (const auto& x : r.reasons()) std::cout << "           " << engram::v1::FallbackReason_Name(x.code()) << ": " << x.hint() << "\n";
   }
+  PrintGroups(s);
   if (s.recent_fallbacks_size() > 0) {
     std::cout << "\nrecent fallbacks:\n";
     for (const auto& f : s.recent_fallbacks()) std::cout << "  " << f << "\n";
+  }
+  if (!s.descriptors().socket().empty()) {
+    std::cout << absl::StrFormat("\ndescriptors: %s, %d passed, %d refused\n", s.descriptors().socket(),
+                                 s.descriptors().sent(), s.descriptors().refused());
+  } else {
+    std::cout << "\ndescriptors: not passed by this engramd (replicas attach by path)\n";
   }
   if (s.draining()) std::cout << "\nengramd is draining\n";
   return 0;
@@ -324,7 +374,7 @@ int CmdAttach(int argc, char** argv) {
                         {"--socket", "--checkpoint", "--tp-size", "--tp-rank", "--dp-size", "--dp-rank",
                          "--local-dp-size", "--cpu-offload", "--dp-shared-memory", "--shm-dir", "--hold", "--verify",
                          "--timeout"},
-                        {"--elastic-ep", "--embedding-across-dp", "--ticket"});
+                        {"--elastic-ep", "--embedding-across-dp", "--ticket", "--no-descriptor"});
       !st.ok()) {
     return Usage(std::string(st.message()));
   }
@@ -356,11 +406,6 @@ int CmdAttach(int argc, char** argv) {
   h.cpu_offload = choice(a.Get("--cpu-offload", "auto"));
   h.dp_shared_memory = choice(a.Get("--dp-shared-memory", "auto"));
   h.embedding_across_dp = a.Has("--embedding-across-dp");
-  struct stat st {};
-  const std::string shm_dir = a.Get("--shm-dir", "/dev/shm");
-  h.shm_visible = ::stat(shm_dir.c_str(), &st) == 0;
-  h.shm_dev = st.st_dev;
-  h.shm_ino = st.st_ino;
 
   const std::string socket = a.Get("--socket", kDefaultSocket);
   auto session = client::Session::Open(socket, std::chrono::seconds(geti("--timeout", 60)), h);
@@ -405,8 +450,20 @@ int CmdAttach(int argc, char** argv) {
     out["segment"] = g.segment_path;
     out["lease"] = g.lease_id;
     out["reasons"] = json::array();
-    // Map it read-only and compare random rows with the checkpoint's.
-    reader = SegmentReader::Open(g.segment_path);
+    // Map it read-only (the descriptor engramd passes; the path, or --shm-dir's file of that name, where it cannot)
+    // and compare random rows with the checkpoint's.
+    if (auto fd = (*session)->FetchSegmentDescriptor(std::chrono::seconds(5)); fd.ok() && !a.Has("--no-descriptor")) {
+      reader = SegmentReader::OpenDescriptor(*fd, g.segment_path);
+      out["attach"] = "descriptor";
+    } else {
+      if (fd.ok()) ::close(*fd);
+      const std::string shm_dir = a.Get("--shm-dir", "");
+      const std::string path =
+          shm_dir.empty() ? g.segment_path : shm_dir + g.segment_path.substr(g.segment_path.rfind('/'));
+      reader = SegmentReader::Open(path);
+      out["attach"] = "path";
+      if (!fd.ok()) out["descriptor_error"] = std::string(fd.status().message());
+    }
     if (!reader.ok() || (*reader)->state() != SegmentState::kReady) {
       out["error"] = reader.ok() ? "segment not READY" : std::string(reader.status().message());
     }

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include <optional>
 
+#include "client/dp_sharded.h"
 #include "daemon/fallback.h"
 #include "model/checkpoint.h"
 #include "model/file_util.h"
@@ -50,12 +51,35 @@ absl::StatusOr<EngramConfig> ConfigFrom(const Args& a, bool validate_tensors) {
   return LoadEngramConfig(a.Get("--config"));
 }
 
+// embedding_across_dp: every rank's shard (tp_rank * edp + edp_rank) and what one step moves for it with `tokens`
+// tokens on every rank (client/dp_sharded.h).
+absl::StatusOr<json> DpShardedPlanJson(const Layout& layout, int64_t tp, int64_t dp, int64_t local, int64_t tokens) {
+  json ranks = json::array();
+  int64_t edp = 0;
+  for (int64_t t = 0; t < tp; ++t) {
+    for (int64_t d = 0; d < dp; ++d) {
+      auto p = client::PlanDpSharded(layout, tp, t, dp, d, local);
+      if (!p.ok()) return p.status();
+      edp = p->edp;
+      const auto b = client::DpShardedStepBytes(layout, *p, std::vector<int64_t>(static_cast<size_t>(p->edp), tokens),
+                                                p->edp_rank);
+      ranks.push_back({{"tp_rank", t}, {"dp_rank", d}, {"edp_rank", p->edp_rank}, {"group", p->group_index},
+                       {"shard", p->shard_index}, {"columns", {p->owned.col_begin, p->owned.col_end}},
+                       {"shard_bytes", p->table_bytes},
+                       {"step_bytes", {{"ids_sent", b.ids_sent}, {"ids_received", b.ids_received},
+                                       {"records_sent", b.records_sent}, {"records_received", b.records_received},
+                                       {"total", b.total()}}}});
+    }
+  }
+  return json{{"edp", edp}, {"shards", tp * edp}, {"tokens_per_rank", tokens}, {"ranks", ranks}};
+}
+
 }  // namespace
 
 int CmdPlan(int argc, char** argv) {
   Args a;
   if (auto st = a.Parse(argc, argv, 2, {"--checkpoint", "--config", "--tp", "--shm-dir", "--dp", "--local-dp",
-                                        "--cpu-offload"},
+                                        "--cpu-offload", "--tokens"},
                         {"--json", "--elastic-ep", "--embedding-across-dp"});
       !st.ok()) {
     return Usage(std::string(st.message()));
@@ -133,11 +157,6 @@ int CmdPlan(int argc, char** argv) {
     if (cap.ok()) {
       node.shm_free_bytes = cap->free_bytes;
       node.shm_too_small = cap->free_bytes < needed;
-      node.shm_dev = cap->device;
-      node.shm_ino = cap->inode;
-      h.set_shm_visible(true);
-      h.set_shm_dev(cap->device);
-      h.set_shm_ino(cap->inode);
     }
     verdict = daemon::Decide(h, node);
     json reasons = json::array(), hints = json::array();
@@ -147,6 +166,15 @@ int CmdPlan(int argc, char** argv) {
     }
     out["dp_shared_memory"] = {{"works", verdict->share}, {"mode", engram::v1::Mode_Name(verdict->mode)},
                                {"reasons", reasons}, {"hints", hints}};
+  }
+  if (a.Has("--embedding-across-dp")) {
+    auto dp = a.GetInt("--dp", 1);
+    auto local = a.GetInt("--local-dp", dp.value_or(1));
+    auto tokens = a.GetInt("--tokens", 4096);
+    if (!dp.ok() || !local.ok() || !tokens.ok() || *tokens < 0) return Usage("--dp, --local-dp, --tokens want integers");
+    auto plan = DpShardedPlanJson(*layout, *tp, *dp, *local, *tokens);
+    if (!plan.ok()) return Fail(plan.status());
+    out["embedding_across_dp"] = *plan;
   }
   if (a.Has("--json")) {
     std::cout << out.dump() << "\n";
@@ -175,6 +203,24 @@ int CmdPlan(int argc, char** argv) {
                                                            : "DOES NOT FIT: replicas would fall back (SHM_TOO_SMALL)");
   } else {
     std::cout << "\nshm " << shm_dir << ": " << cap.status().message() << " (replicas would fall back: SHM_MISSING)\n";
+  }
+  if (out.contains("embedding_across_dp")) {
+    const json& p = out["embedding_across_dp"];
+    std::cout << absl::StrFormat("\nembedding_across_dp: %d shards (TP %d x DP group of %d), %d tokens per rank per step\n",
+                                 p["shards"].get<int64_t>(), *tp, p["edp"].get<int64_t>(),
+                                 p["tokens_per_rank"].get<int64_t>());
+    std::cout << absl::StrFormat("%-8s %-8s %-6s %-10s %-12s %-14s %s\n", "tp_rank", "dp_rank", "shard", "columns",
+                                 "shard bytes", "step bytes", "(ids out/in, records out/in)");
+    for (const auto& r : p["ranks"]) {
+      const json& b = r["step_bytes"];
+      std::cout << absl::StrFormat(
+          "%-8d %-8d %-6d %-10s %-12s %-14s %s\n", r["tp_rank"].get<int64_t>(), r["dp_rank"].get<int64_t>(),
+          r["shard"].get<int64_t>(),
+          absl::StrCat(r["columns"][0].get<int64_t>(), "-", r["columns"][1].get<int64_t>()),
+          GiB(r["shard_bytes"].get<uint64_t>()), absl::StrFormat("%.2f MiB", b["total"].get<double>() / 1048576.0),
+          absl::StrFormat("%d / %d, %d / %d", b["ids_sent"].get<int64_t>(), b["ids_received"].get<int64_t>(),
+                          b["records_sent"].get<int64_t>(), b["records_received"].get<int64_t>()));
+    }
   }
   if (verdict) {
     if (verdict->share) {

@@ -23,7 +23,7 @@ int Help(int code) {
          "  drain [--socket PATH]\n"
          "  attach --checkpoint DIR [--tp-size N --tp-rank R --dp-size N --dp-rank R --local-dp-size N]\n"
          "         [--cpu-offload auto|true|false] [--dp-shared-memory auto|true|false] [--embedding-across-dp]\n"
-         "         [--elastic-ep] [--shm-dir DIR] [--ticket] [--verify N] [--hold S]\n"
+         "         [--elastic-ep] [--no-descriptor] [--shm-dir DIR] [--ticket] [--verify N] [--hold S]\n"
          "         [--socket PATH]\n";
   return code;
 }

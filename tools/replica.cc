@@ -5,14 +5,17 @@
 // backend, reasons and throughput. The last line of output is one JSON object; exit 0 only when every checked row
 // matched (and, with --write-probe, a write into the table faulted in a child process).
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <iostream>
 #include <random>
 #include <thread>
 
+#include "client/dp_sharded.h"
 #include "client/engram_client.h"
 #include "client/lookup_engine.h"
 
@@ -40,6 +43,106 @@ std::vector<uint16_t> RowFromCheckpoint(engram::oracle::RowOracle* oracle, int64
   return engram::oracle::DequantBf16Row(*rec, D);
 }
 
+// DP_SHARDED (--embedding-across-dp and no sharing): every batch is one group step through the table's engine
+// (Prefetch: all-gather of ids, lookup of the owned columns, all-to-all of records); the rows it returns are
+// checked against the checkpoint through the oracle: the group's columns carry the checkpoint's row, the others
+// (other TP positions') are zero. Every member must run the same number of batches; --tokens may differ (0 too).
+int RunDpSharded(const engram::client::Table& t, engram::oracle::RowOracle* oracle, int64_t T, int64_t batches,
+                 int64_t verify, const engram::client::AttachRequest& req) {
+  const int64_t D = t.head_dim(), L = static_cast<int64_t>(t.layers().size()), C = t.n_cols();
+  auto fail = [](const std::string& what, const absl::Status& st) {
+    std::cout << json{{"error", what + ": " + std::string(st.message())}, {"code", absl::StatusCodeToString(st.code())}}
+                     .dump()
+              << std::endl;
+    return 1;
+  };
+  auto plan = engram::client::PlanDpSharded(t.layout(), req.tp_size, req.tp_rank, req.dp_size, req.dp_rank,
+                                            req.local_dp_size);
+  if (!plan.ok()) return fail("plan", plan.status());
+  const int32_t max_tokens = static_cast<int32_t>(std::max<int64_t>(T, 1));
+  auto host = engram::client::LookupEngine::CreateOnHost(t, max_tokens);
+  if (!host.ok()) return fail("host engine", host.status());
+  auto engine = engram::client::LookupEngine::Create(t, max_tokens, nullptr);
+  if (!engine.ok()) return fail("DP engine", engine.status());
+  std::cout << json{{"dp_group_formed", true}, {"edp", plan->edp}, {"edp_rank", plan->edp_rank}}.dump() << std::endl;
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<int32_t> tokens(static_cast<size_t>(T)), qsl = {0, static_cast<int32_t>(T)}, ids(static_cast<size_t>(T * L * C));
+  std::vector<int64_t> pos(static_cast<size_t>(T));
+  int64_t verified = 0, mismatches = 0;
+  double busy = 0;
+  // CUDA backend: the ids go to the GPU, the exchange runs there (NCCL / NVLink), the rows come back to be checked.
+  const bool cuda = t.backend() == engram::client::Backend::kCuda;
+  int32_t* dev_ids = nullptr;
+  std::vector<uint16_t> dev_rows;
+#ifdef ENGRAM_HAVE_CUDA
+  if (cuda) {
+    cudaMalloc(reinterpret_cast<void**>(&dev_ids), std::max<size_t>(ids.size(), 1) * 4);
+    dev_rows.resize(static_cast<size_t>(T * C * D));
+  }
+#endif
+  for (int64_t b = 0; b < batches; ++b) {
+    for (int64_t i = 0; i < T; ++i) {
+      tokens[static_cast<size_t>(i)] = static_cast<int32_t>(rng() % static_cast<uint64_t>(t.token_map().raw_size()));
+      pos[static_cast<size_t>(i)] = i;
+    }
+    if (auto st = (*host)->Hash(tokens.data(), pos.data(), qsl.data(), nullptr, nullptr, static_cast<int32_t>(T), 1,
+                                ids.data());
+        !st.ok()) {
+      return fail("hash", st);
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+#ifdef ENGRAM_HAVE_CUDA
+    if (cuda) cudaMemcpy(dev_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice);
+#endif
+    if (auto st = (*engine)->Prefetch(cuda ? dev_ids : ids.data(), static_cast<int32_t>(T)); !st.ok()) {
+      return fail("step", st);
+    }
+#ifdef ENGRAM_HAVE_CUDA
+    if (cuda) cudaStreamSynchronize(nullptr);
+#endif
+    busy += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    // Every row when the budget allows, else a random sample of `verify` per batch and layer.
+    const int64_t n = T * C;
+    for (int64_t l = 0; l < L && n > 0; ++l) {
+      if (auto st = (*engine)->Wait(static_cast<int>(l)); !st.ok()) return fail("wait", st);
+      const uint16_t* rows = (*engine)->staging(static_cast<int>(l));
+#ifdef ENGRAM_HAVE_CUDA
+      if (cuda) {
+        if (cudaMemcpy(dev_rows.data(), rows, dev_rows.size() * 2, cudaMemcpyDeviceToHost) != cudaSuccess) {
+          return fail("copy back", absl::InternalError("cudaMemcpy of the staging rows failed"));
+        }
+        if (auto st = (*engine)->Wait(static_cast<int>(l)); !st.ok()) return fail("wait", st);
+        rows = dev_rows.data();
+      }
+#endif
+      const int64_t checks = verify >= n ? n : verify;
+      for (int64_t k = 0; k < checks; ++k) {
+        const int64_t idx = verify >= n ? k : static_cast<int64_t>(rng() % static_cast<uint64_t>(n));
+        const int64_t tok = idx / C, c = idx % C;
+        const int32_t id = ids[static_cast<size_t>((tok * L + l) * C + c)];
+        const bool in_group = c >= plan->group_col_begin && c < plan->group_col_end;
+        const std::vector<uint16_t> want = in_group ? RowFromCheckpoint(oracle, t.layers()[static_cast<size_t>(l)].layer_id, id, D)
+                                                    : std::vector<uint16_t>(static_cast<size_t>(D), 0);
+        ++verified;
+        mismatches += !std::equal(want.begin(), want.end(), rows + idx * D);
+      }
+    }
+  }
+  json out = {{"mode", engram::client::ModeName(t.mode())},
+              {"backend", engram::client::BackendName(t.backend())},
+              {"reasons", json::array()},
+              {"edp", plan->edp},
+              {"edp_rank", plan->edp_rank},
+              {"columns", {t.col_begin(), t.col_end()}},
+              {"steps", batches},
+              {"verified", verified},
+              {"mismatches", mismatches},
+              {"tokens_per_s", busy > 0 ? static_cast<double>(T * batches) / busy : 0.0}};
+  for (const auto& r : t.reasons()) out["reasons"].push_back(engram::client::ReasonName(r.code));
+  std::cout << out.dump() << std::endl;
+  return mismatches == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -47,19 +150,25 @@ int main(int argc, char** argv) {
   auto st = a.Parse(argc, argv, 1,
                     {"--socket", "--checkpoint", "--tp-size", "--tp-rank", "--dp-size", "--dp-rank", "--local-dp-size",
                      "--dp-shared-memory", "--cpu-offload", "--batches", "--tokens", "--hold", "--shm-dir", "--timeout-ms",
-                     "--verify"},
-                    {"--embedding-across-dp", "--elastic-ep", "--write-probe"});
+                     "--verify", "--device"},
+                    {"--embedding-across-dp", "--elastic-ep", "--write-probe", "--no-descriptor"});
   if (!st.ok() || !a.Has("--checkpoint")) {
     std::cerr << "engram-replica: " << (st.ok() ? "--checkpoint DIR is required" : std::string(st.message())) << "\n"
               << "usage: engram-replica --socket PATH --checkpoint DIR --tp-size N --tp-rank R --dp-size N --dp-rank R\n"
                  "       [--dp-shared-memory auto|true|false] [--cpu-offload true|false] [--embedding-across-dp]\n"
-                 "       [--elastic-ep] [--batches N] [--tokens N] [--hold SECONDS] [--shm-dir DIR] [--write-probe]\n";
+                 "       [--elastic-ep] [--batches N] [--tokens N] [--hold SECONDS] [--write-probe]\n"
+                 "       [--no-descriptor] [--shm-dir DIR (path fallback: the daemon's shm dir as seen here)]\n"
+                 "       [--device N (CUDA device, e.g. one per DP rank)]\n";
     return 2;
   }
   auto geti = [&](const char* n, int64_t d) { return a.GetInt(n, d).value_or(d); };
+#ifdef ENGRAM_HAVE_CUDA
+  if (a.Has("--device")) cudaSetDevice(static_cast<int>(geti("--device", 0)));  // e.g. one GPU per DP rank
+#endif
   engram::client::ClientOptions opts;
   opts.socket = a.Get("--socket", opts.socket);
   opts.timeout = std::chrono::milliseconds(geti("--timeout-ms", 10000));
+  opts.descriptor_passing = !a.Has("--no-descriptor");
   engram::client::AttachRequest req;
   req.checkpoint = a.Get("--checkpoint");
   req.tp_size = static_cast<int>(geti("--tp-size", 1));
@@ -69,7 +178,7 @@ int main(int argc, char** argv) {
   req.local_dp_size = static_cast<int>(geti("--local-dp-size", 0));
   req.elastic_ep = a.Has("--elastic-ep");
   req.embedding_across_dp = a.Has("--embedding-across-dp");
-  req.shm_dir = a.Get("--shm-dir", "/dev/shm");
+  req.shm_dir = a.Get("--shm-dir", "");
   if (a.Has("--cpu-offload")) req.cpu_offload = a.Get("--cpu-offload") != "false";
   const std::string dsm = a.Get("--dp-shared-memory", "auto");
   req.dp_shared_memory = dsm == "true"    ? engram::client::Choice::kTrue
@@ -85,6 +194,9 @@ int main(int argc, char** argv) {
   auto oracle = engram::oracle::RowOracle::Open(req.checkpoint, &oracle_error);
   if (!oracle) std::cerr << "engram-replica: " << oracle_error << "\n";
   const auto& t = **table;
+  if (t.mode() == engram::client::Mode::kDpSharded) {
+    return RunDpSharded(t, oracle.get(), geti("--tokens", 256), geti("--batches", 4), geti("--verify", 64), req);
+  }
   const int64_t D = t.head_dim(), L = static_cast<int64_t>(t.layers().size()), C = t.n_cols();
   const int64_t T = geti("--tokens", 256), batches = geti("--batches", 4), verify = geti("--verify", 64);
   std::mt19937_64 rng(std::random_device{}());
@@ -181,6 +293,7 @@ int main(int argc, char** argv) {
   }
   json out = {{"mode", engram::client::ModeName(t.mode())},
               {"backend", engram::client::BackendName(t.backend())},
+              {"attach", engram::client::AttachMethodName(t.attach_method())},
               {"reasons", json::array()},
               {"verified", verified},
               {"mismatches", mismatches},
@@ -205,10 +318,19 @@ int main(int argc, char** argv) {
     const bool faulted = WIFSIGNALED(status) && (WTERMSIG(status) == SIGSEGV || WTERMSIG(status) == SIGBUS);
     out["write_faulted"] = faulted;
     ok = ok && faulted;
+    if (t.mode() == engram::client::Mode::kShared) {
+      // Nor make its mapping writable: the file was opened read-only (by engramd, or by path), so the kernel refuses.
+      const uintptr_t page = reinterpret_cast<uintptr_t>(t.records(0)) & ~uintptr_t{4095};
+      void* p = reinterpret_cast<void*>(page);
+      const bool refused = ::mprotect(p, 4096, PROT_READ | PROT_WRITE) != 0 && errno == EACCES;
+      if (!refused) ::mprotect(p, 4096, PROT_READ);
+      out["mprotect_refused"] = refused;
+      ok = ok && refused;
+    }
   }
   const int64_t hold = geti("--hold", 0);
   if (hold > 0) {
-    std::cout << json{{"attached", true}, {"mode", out["mode"]}}.dump() << std::endl;
+    std::cout << json{{"attached", true}, {"mode", out["mode"]}, {"attach", out["attach"]}}.dump() << std::endl;
     std::this_thread::sleep_for(std::chrono::seconds(hold));
   }
   std::cout << out.dump() << std::endl;

@@ -114,9 +114,9 @@ TEST_F(ClientTest, EveryFallbackServesCorrectRowsAndSaysWhy) {
       {"--dp-size 4 --local-dp-size 2", "NOT_COLOCATED", "PRIVATE_PINNED"},
       {"--dp-size 4 --elastic-ep", "ELASTIC_EP", "PRIVATE_PINNED"},
       {"--dp-size 4 --cpu-offload false", "CPU_OFFLOAD_DISABLED", "DEVICE"},
-      {"--dp-size 4 --shm-dir /tmp", "SHM_NOT_VISIBLE", "PRIVATE_PINNED"},
+      {"--dp-size 4 --no-descriptor --shm-dir /tmp", "SHM_NOT_VISIBLE", "PRIVATE_PINNED"},  // neither way reaches it
       {"--dp-size 4 --tp-size 3", "SEGMENT_NOT_READY", "PRIVATE_PINNED"},
-      {"--dp-size 4 --embedding-across-dp --dp-size 1", "DP_SHARDED_NOT_BUILT", "PRIVATE_PINNED"},
+      {"--dp-size 4 --embedding-across-dp --dp-size 1", "DP_SIZE_ONE", "PRIVATE_PINNED"},  // a group of one
       {"--dp-size 4 --dp-shared-memory false", "DP_SHARED_MEMORY_DISABLED", "PRIVATE_PINNED"},
   };
   for (const auto& c : cases) {

@@ -130,7 +130,7 @@ TEST(DaemonHardeningTest, PlantedSegmentIsNotAdopted) {
     struct stat st {};
     ASSERT_EQ(::stat(path.c_str(), &st), 0);
     EXPECT_EQ(st.st_uid, ::geteuid());
-    EXPECT_EQ(st.st_mode & 0777, 0640u);
+    EXPECT_EQ(st.st_mode & 0777, 0600u);
     const json a = AttachOnce(d, ckpt, shm);
     EXPECT_EQ(a["decision"], "shared") << a.dump();
     EXPECT_EQ(a["mismatches"], 0) << a.dump();
@@ -472,8 +472,6 @@ TEST(DaemonHardeningTest, LongClientStringsCannotBreakStatus) {
   Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm});
   ASSERT_TRUE(d.WaitReady()) << d.Log();
   auto stub = engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
-  struct stat sst {};
-  ::stat(shm.c_str(), &sst);
   auto hello_with = [&](size_t checkpoint_bytes) {
     engram::v1::ClientMessage m;
     auto* h = m.mutable_hello();
@@ -481,9 +479,6 @@ TEST(DaemonHardeningTest, LongClientStringsCannotBreakStatus) {
     h->set_checkpoint(std::string(checkpoint_bytes, 'c'));
     h->set_tp_size(1);
     h->set_dp_size(2);
-    h->set_shm_visible(true);
-    h->set_shm_dev(sst.st_dev);
-    h->set_shm_ino(sst.st_ino);
     return m;
   };
   // Five sessions with a 1 MB checkpoint string: refused.
@@ -529,10 +524,10 @@ TEST(DaemonHardeningTest, LongClientStringsCannotBreakStatus) {
   EXPECT_TRUE(d.proc().Running());
 }
 
-// --- item 12: --group members can map the segments ---------------------------------------------------------------
+// --- item 12: --group members can map the segments (through the descriptor the daemon passes) --------------------
 
 TEST(DaemonHardeningTest, GroupMemberMapsTheSegments) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the daemon gives files to a group and setpriv changes uid";
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: setpriv changes uid";
   if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
   if (RunCmd("getent group nogroup").exit_code != 0) GTEST_SKIP() << "no group 'nogroup' (gid 65534)";
   TempDir dir;
@@ -545,12 +540,19 @@ TEST(DaemonHardeningTest, GroupMemberMapsTheSegments) {
   ASSERT_EQ(s["segments"].size(), 1u);
   struct stat st {};
   ASSERT_EQ(::stat((shm + "/" + s["segments"][0]["name"].get<std::string>()).c_str(), &st), 0);
-  EXPECT_EQ(st.st_gid, 65534u);
-  EXPECT_EQ(st.st_mode & 0777, 0640u);
+  // The file is the daemon's alone: members never open it by path, the daemon passes them a read-only descriptor.
+  EXPECT_EQ(st.st_uid, ::geteuid());
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
   // A member by supplementary group only, as the daemon's check allows.
   const json a = AttachOnce(d, ckpt, shm, "", "setpriv --reuid=65533 --regid=65533 --groups=65534 ");
   EXPECT_EQ(a["decision"], "shared") << a.dump();
+  EXPECT_EQ(a["attach"], "descriptor") << a.dump();
   EXPECT_EQ(a["mismatches"], 0) << a.dump();
+  // Without the descriptor the same member cannot read the file.
+  const json p = AttachOnce(d, ckpt, shm, "--no-descriptor", "setpriv --reuid=65533 --regid=65533 --groups=65534 ");
+  EXPECT_EQ(p["attach"], "path") << p.dump();
+  EXPECT_NE(p.value("error", "").find("Permission denied"), std::string::npos) << p.dump();
+  EXPECT_NE(p["mismatches"], 0) << p.dump();
 }
 
 // --- item 13: failed loads are visible; refused uids get nothing from any service --------------------------------

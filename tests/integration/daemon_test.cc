@@ -94,7 +94,7 @@ TEST(DaemonTest, PublishesSharesAndHoldsLeases) {
     EXPECT_EQ(seg["origin"], "published");
     struct stat st {};
     ASSERT_EQ(::stat((shm + "/" + seg["name"].get<std::string>()).c_str(), &st), 0);
-    EXPECT_EQ(st.st_mode & 0777, 0640u);
+    EXPECT_EQ(st.st_mode & 0777, 0600u);  // the daemon's alone: replicas get a read-only descriptor
     EXPECT_EQ(static_cast<uint64_t>(st.st_size), seg["bytes"].get<uint64_t>());
   }
   // 8 replicas (DP 4 x TP 2) attach at once; each checks 200 random rows per layer against the checkpoint.
@@ -239,7 +239,6 @@ TEST(DaemonTest, FallbackReasonsFromTheTopologyAndConfig) {
       {"--elastic-ep", ckpt, shm, "ELASTIC_EP", "PRIVATE_PINNED"},
       {"--cpu-offload false", ckpt, shm, "CPU_OFFLOAD_DISABLED", "DEVICE"},
       {"--embedding-across-dp --dp-size 1", ckpt, shm, "DP_SIZE_ONE", "PRIVATE_PINNED"},  // DP-sharded: not built
-      {"", ckpt, "/tmp", "SHM_NOT_VISIBLE", "PRIVATE_PINNED"},
       {"", other, shm, "FINGERPRINT_MISMATCH", "PRIVATE_PINNED"},
       {"--tp-size 2 --tp-rank 1", ckpt, shm, "SEGMENT_NOT_READY", "PRIVATE_PINNED"},
   };
@@ -253,17 +252,18 @@ TEST(DaemonTest, FallbackReasonsFromTheTopologyAndConfig) {
     EXPECT_EQ(j["mode"], c.mode) << c.args;
   }
   json s = d.Status();
-  EXPECT_GE(s["recent_fallbacks"].size(), 8u);
+  EXPECT_GE(s["recent_fallbacks"].size(), 7u);
+  // SHM_NOT_VISIBLE is the client's finding (no descriptor and no path): tests/integration/descriptor_test.cc.
   // A registration that fails (REGISTER_FAILED) is tested in-process with the OS seam failing mlock:
   // tests/integration/client_faults_test.cc, FailedPinIsRegisterFailedWithAPrivateTableAndStatusSaysSo.
   EXPECT_TRUE(d.proc().Running());
 }
 
 // Containers, without Docker: a replica in its own mount namespace with a private shm mount (a container without
-// --ipc=host) falls back with SHM_NOT_VISIBLE; one in its own namespace that still sees the daemon's shm shares.
+// --ipc=host) still shares, through the descriptor the daemon passes; by path alone it cannot reach the file.
 // The "host" shm is this test's own directory (the daemon never scans the real /dev/shm); the private view is a
 // tmpfs mounted over it inside the replica's mount namespace only.
-TEST(DaemonTest, PrivateShmNamespaceFallsBackSharedOneShares) {
+TEST(DaemonTest, PrivateShmNamespaceSharesThroughTheDescriptor) {
   if (RunCmd("unshare -m --propagation private true").exit_code != 0) {
     GTEST_SKIP() << "cannot create mount namespaces (needs root or user namespaces)";
   }
@@ -279,8 +279,14 @@ TEST(DaemonTest, PrivateShmNamespaceFallsBackSharedOneShares) {
                      attach + "'");
   EXPECT_EQ(priv.exit_code, 0) << priv.err;
   json j = FirstJson(priv.out);
-  EXPECT_EQ(j["decision"], "fallback") << priv.out;
-  EXPECT_EQ(Reasons(j), std::set<std::string>{"SHM_NOT_VISIBLE"});
+  EXPECT_EQ(j["decision"], "shared") << priv.out;
+  EXPECT_EQ(j["attach"], "descriptor") << priv.out;
+  EXPECT_EQ(j["mismatches"], 0) << priv.out;
+  auto by_path = RunCmd("unshare -m --propagation private sh -c 'mount -t tmpfs -o size=8m tmpfs " + shm + " && " +
+                        attach + " --no-descriptor'");
+  j = FirstJson(by_path.out);
+  EXPECT_EQ(j["attach"], "path") << by_path.out;
+  EXPECT_NE(j.value("error", ""), "") << "the private mount hides the file: " << by_path.out;
   auto shared = RunCmd("unshare -m --propagation private sh -c '" + attach + "'");
   EXPECT_EQ(shared.exit_code, 0) << shared.err;
   EXPECT_EQ(FirstJson(shared.out)["decision"], "shared") << shared.out;

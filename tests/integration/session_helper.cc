@@ -24,7 +24,6 @@ int main(int argc, char** argv) {
     std::cerr << ck.status() << "\n";
     return 1;
   }
-  struct stat st {};
   engram::v1::ClientMessage hello;
   auto* h = hello.mutable_hello();
   h->set_fingerprint((*ck)->Fingerprint());
@@ -33,9 +32,6 @@ int main(int argc, char** argv) {
   h->set_dp_size(2);
   h->set_local_dp_size(2);
   h->set_pid(::getpid());
-  h->set_shm_visible(::stat(argv[3], &st) == 0);
-  h->set_shm_dev(st.st_dev);
-  h->set_shm_ino(st.st_ino);
   auto stub = engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   auto s = stub->Session(&ctx);

@@ -1,5 +1,5 @@
 // Decide (daemon/fallback.h), in-process: a clean hello shares; every fallback reason, alone, with the mode it
-// leads to and a hint; embedding_across_dp never decides a mode no replica can run (DP_SHARDED_NOT_BUILT).
+// leads to and a hint; embedding_across_dp falls back to DP_SHARDED where a node-local DP group exists.
 #include <functional>
 #include <set>
 #include <string>
@@ -13,9 +13,7 @@ namespace {
 using engram::v1::FallbackReason;
 using engram::v1::Mode;
 
-constexpr uint64_t kDev = 42, kIno = 4242;
-
-// A hello and a node that share: DP 4 on one node, offload on, the daemon's shm seen, the checkpoint served.
+// A hello and a node that share: DP 4 on one node, offload on, the checkpoint served.
 engram::v1::Hello CleanHello() {
   engram::v1::Hello h;
   h.set_fingerprint(0x1234);
@@ -24,9 +22,6 @@ engram::v1::Hello CleanHello() {
   h.set_dp_size(4);
   h.set_dp_rank(1);
   h.set_local_dp_size(4);
-  h.set_shm_visible(true);
-  h.set_shm_dev(kDev);
-  h.set_shm_ino(kIno);
   return h;
 }
 
@@ -34,8 +29,6 @@ NodeView CleanNode() {
   NodeView n;
   n.checkpoint_served = true;
   n.shm_path = "/dev/shm";
-  n.shm_dev = kDev;
-  n.shm_ino = kIno;
   n.shm_free_bytes = uint64_t{64} << 30;
   n.tables_bytes = uint64_t{8} << 30;
   return n;
@@ -86,12 +79,6 @@ TEST(DecideTest, EveryReasonAloneWithItsMode) {
        engram::v1::PRIVATE_PINNED, "--shm-dir"},
       {"shm too small", [](auto&, auto& n) { n.shm_too_small = true; n.shm_free_bytes = 1 << 20; },
        engram::v1::SHM_TOO_SMALL, engram::v1::PRIVATE_PINNED, "--shm-size"},
-      {"shm invisible", [](auto& h, auto&) { h.set_shm_visible(false); }, engram::v1::SHM_NOT_VISIBLE,
-       engram::v1::PRIVATE_PINNED, "--ipc=host"},
-      {"other shm inode", [](auto& h, auto&) { h.set_shm_ino(kIno + 1); }, engram::v1::SHM_NOT_VISIBLE,
-       engram::v1::PRIVATE_PINNED, "--ipc=host"},
-      {"other shm device", [](auto& h, auto&) { h.set_shm_dev(kDev + 1); }, engram::v1::SHM_NOT_VISIBLE,
-       engram::v1::PRIVATE_PINNED, "--ipc=host"},
       {"segment failed", [](auto&, auto& n) { n.segment_failed = true; n.segment_error = "disk on fire"; },
        engram::v1::SEGMENT_NOT_READY, engram::v1::PRIVATE_PINNED, "disk on fire"},
   };
@@ -108,16 +95,22 @@ TEST(DecideTest, EveryReasonAloneWithItsMode) {
   }
 }
 
-TEST(DecideTest, ShmTooSmallNamesNoSegmentFailureAndMissingShmHidesVisibility) {
+TEST(DecideTest, ShmTooSmallNamesNoSegmentFailure) {
   auto h = CleanHello();
   NodeView n = CleanNode();
   n.shm_too_small = true;
   n.segment_failed = true;  // the failure is the capacity: one reason, not two
   EXPECT_EQ(Codes(Decide(h, n)), std::set<FallbackReason>{engram::v1::SHM_TOO_SMALL});
-  n = CleanNode();
+}
+
+// Visibility of the shm directory is the client's to find out (descriptor, then path): the daemon never decides
+// SHM_NOT_VISIBLE, whatever shm directory a replica would see.
+TEST(DecideTest, TheDaemonNeverDecidesShmNotVisible) {
+  Decision d = Decide(CleanHello(), CleanNode());
+  EXPECT_TRUE(d.share);
+  NodeView n = CleanNode();
   n.shm_exists = false;
-  h.set_shm_visible(false);
-  EXPECT_EQ(Codes(Decide(h, n)), std::set<FallbackReason>{engram::v1::SHM_MISSING});
+  EXPECT_EQ(Codes(Decide(CleanHello(), n)), std::set<FallbackReason>{engram::v1::SHM_MISSING});
 }
 
 TEST(DecideTest, EveryReasonThatAppliesIsNamed) {
@@ -135,21 +128,38 @@ TEST(DecideTest, EveryReasonThatAppliesIsNamed) {
   EXPECT_EQ(d.mode, engram::v1::DEVICE);
 }
 
-TEST(DecideTest, EmbeddingAcrossDpFallsBackToAPrivateTableWithDpShardedNotBuilt) {
+TEST(DecideTest, EmbeddingAcrossDpFallsBackToDpShardedWhereItCan) {
+  // Sharing refused (tables on the GPU): a DP group of 4 replicas on the node runs DP_SHARDED.
   auto h = CleanHello();
   h.mutable_config()->set_embedding_across_dp(true);
-  h.set_shm_visible(false);
+  h.mutable_config()->set_cpu_offload(engram::v1::DISABLED);
   Decision d = Decide(h, CleanNode());
   EXPECT_FALSE(d.share);
-  EXPECT_EQ(d.mode, engram::v1::PRIVATE_PINNED) << "never DP_SHARDED: the collective is not built";
-  EXPECT_EQ(Codes(d), (std::set<FallbackReason>{engram::v1::SHM_NOT_VISIBLE, engram::v1::DP_SHARDED_NOT_BUILT}));
-  EXPECT_EQ(d.reasons.back().code(), engram::v1::DP_SHARDED_NOT_BUILT);
-  EXPECT_NE(d.reasons.back().hint().find("collective"), std::string::npos);
-  // The same with the tables on the GPU: DEVICE.
-  h.mutable_config()->set_cpu_offload(engram::v1::DISABLED);
+  EXPECT_EQ(d.mode, engram::v1::DP_SHARDED);
+  EXPECT_EQ(Codes(d), (std::set<FallbackReason>{engram::v1::CPU_OFFLOAD_DISABLED}));
+  // Sharing disabled by the replica's own config: DP_SHARDED, and the reason says so.
+  h = CleanHello();
+  h.mutable_config()->set_embedding_across_dp(true);
+  h.mutable_config()->set_dp_shared_memory(engram::v1::DISABLED);
   d = Decide(h, CleanNode());
-  EXPECT_EQ(d.mode, engram::v1::DEVICE);
-  EXPECT_TRUE(Codes(d).count(engram::v1::DP_SHARDED_NOT_BUILT));
+  EXPECT_EQ(d.mode, engram::v1::DP_SHARDED);
+  EXPECT_EQ(Codes(d), (std::set<FallbackReason>{engram::v1::DP_SHARED_MEMORY_DISABLED}));
+  // Not with elastic EP (SPEC 6): a table of its own, never DP_SHARDED_NOT_BUILT any more.
+  h.set_elastic_ep(true);
+  d = Decide(h, CleanNode());
+  EXPECT_EQ(d.mode, engram::v1::PRIVATE_PINNED);
+  EXPECT_FALSE(Codes(d).count(engram::v1::DP_SHARDED_NOT_BUILT));
+  // A node-local group of one (dp 4, but gcd(4, 3 local) = 1): nothing to shard across.
+  h = CleanHello();
+  h.mutable_config()->set_embedding_across_dp(true);
+  h.set_local_dp_size(3);
+  d = Decide(h, CleanNode());
+  EXPECT_EQ(d.mode, engram::v1::PRIVATE_PINNED);
+  // Two groups of two on a node holding 2 of 4 replicas: DP_SHARDED (NOT_COLOCATED says why not shared).
+  h.set_local_dp_size(2);
+  d = Decide(h, CleanNode());
+  EXPECT_EQ(d.mode, engram::v1::DP_SHARDED);
+  EXPECT_TRUE(Codes(d).count(engram::v1::NOT_COLOCATED));
 }
 
 TEST(DecideTest, EmbeddingAcrossDpSharesWhenSharingWorks) {

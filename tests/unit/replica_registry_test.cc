@@ -287,6 +287,7 @@ engram::v1::Outcome MakeOutcome(engram::v1::Mode mode, const std::string& backen
   engram::v1::Outcome o;
   o.set_mode(mode);
   o.set_backend(backend);
+  if (mode == engram::v1::SHARED) o.set_attach(engram::v1::ATTACH_DESCRIPTOR);
   for (auto c : codes) *o.add_reasons() = MakeReason(c, "client hint");
   return o;
 }
@@ -300,6 +301,7 @@ TEST(ReplicaRegistryTest, OutcomeIsRecordedExactlyAndOnlyOnce) {
   auto s = BuildStatus(segments, reg, false);
   EXPECT_EQ(s.replicas(0).mode(), "SHARED");
   EXPECT_EQ(s.replicas(0).backend(), "cuda");
+  EXPECT_EQ(s.replicas(0).attach(), "descriptor");
   EXPECT_EQ(s.replicas(0).reasons_size(), 0);
   EXPECT_EQ(reg.leases_on(kSegment), 1);
   auto again = reg.RecordOutcome(a, MakeOutcome(engram::v1::SHARED, "cuda"));
@@ -362,6 +364,13 @@ TEST(ReplicaRegistryTest, MalformedOutcomesAreRefused) {
   bad.push_back(MakeOutcome(engram::v1::SHARED, "cpu", {engram::v1::REASON_UNSPECIFIED}));
   bad.push_back(MakeOutcome(engram::v1::PRIVATE_PINNED, "cpu",
                             std::vector<engram::v1::FallbackReason>(33, engram::v1::NO_CUDA_DEVICE)));
+  // The attach method: a SHARED outcome names one, no other mode has one, and it is a known value.
+  bad.push_back(MakeOutcome(engram::v1::SHARED, "cpu"));
+  bad.back().set_attach(engram::v1::ATTACH_NONE);
+  bad.push_back(MakeOutcome(engram::v1::PRIVATE_PINNED, "cpu"));
+  bad.back().set_attach(engram::v1::ATTACH_PATH);
+  bad.push_back(MakeOutcome(engram::v1::SHARED, "cpu"));
+  bad.back().set_attach(static_cast<engram::v1::AttachMethod>(7));
   ReplicaRegistry reg(7, 1);
   for (const auto& o : bad) {
     const std::string a = reg.Attach(MakeHello(0), {}, Shared(), kSegment, nullptr);

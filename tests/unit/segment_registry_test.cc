@@ -57,10 +57,6 @@ class SegmentRegistryTest : public ::testing::Test {
     auto c = Checkpoint::Open(ck1_);
     ASSERT_TRUE(c.ok()) << c.status();
     fp1_ = (*c)->Fingerprint();
-    struct stat st {};
-    ASSERT_EQ(::stat(shm_->path().c_str(), &st), 0);
-    dev_ = st.st_dev;
-    ino_ = st.st_ino;
   }
 
   engram::v1::Hello HelloFor(uint64_t fp, int tp_size, int tp_rank) const {
@@ -69,9 +65,6 @@ class SegmentRegistryTest : public ::testing::Test {
     h.set_tp_size(tp_size);
     h.set_tp_rank(tp_rank);
     h.set_dp_size(2);
-    h.set_shm_visible(true);
-    h.set_shm_dev(dev_);
-    h.set_shm_ino(ino_);
     return h;
   }
 
@@ -83,7 +76,7 @@ class SegmentRegistryTest : public ::testing::Test {
   static TempDir* dir_;
   std::unique_ptr<TempDir> shm_;
   std::string ck1_, ck2_;
-  uint64_t fp1_ = 0, dev_ = 0, ino_ = 0;
+  uint64_t fp1_ = 0;
 };
 
 TempDir* SegmentRegistryTest::dir_ = nullptr;
@@ -114,7 +107,6 @@ TEST_F(SegmentRegistryTest, PublishesEveryShardAndOffersIt) {
   EXPECT_TRUE(offer->ready);
   EXPECT_TRUE(offer->node.checkpoint_served);
   EXPECT_FALSE(offer->node.segment_failed);
-  EXPECT_EQ(offer->node.shm_dev, dev_);
   EXPECT_EQ(offer->segment_path, shm_->path() + "/" + SegmentName(fp1_, 2, 1));
   EXPECT_EQ(offer->segment_key(), ck1_ + "/" + SegmentName(fp1_, 2, 1));
   ASSERT_NE(offer->descriptor, nullptr);
@@ -144,7 +136,7 @@ class NoSpaceEnv : public PosixEnv {
 
 TEST_F(SegmentRegistryTest, NoSpaceDuringAPublishIsShmTooSmall) {
   NoSpaceEnv env;
-  SegmentRegistry reg(shm_->path(), 2, 5, -1, &env);
+  SegmentRegistry reg(shm_->path(), 2, 5, &env);
   ASSERT_TRUE(reg.Start({ck1_}, {1}).ok());
   const auto segs = Settled(reg);
   ASSERT_EQ(segs.size(), 1u);

@@ -1,0 +1,129 @@
+#include "client/fd_channel.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace engram::client {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Waits for `events` on `fd` until `deadline`; false on timeout or error.
+bool WaitFor(int fd, short events, Clock::time_point deadline) {
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p{fd, events, 0};
+    const int n = ::poll(&p, 1, static_cast<int>(left));
+    if (n > 0) return true;
+    if (n < 0 && errno != EINTR) return false;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ChannelPath(const std::string& grpc_socket, const std::string& fd_socket) {
+  if (fd_socket.empty() || fd_socket.find('/') != std::string::npos || fd_socket == "." || fd_socket == "..") {
+    return absl::InvalidArgumentError(absl::StrCat("the daemon named no usable descriptor socket ('", fd_socket, "')"));
+  }
+  const auto slash = grpc_socket.rfind('/');
+  return slash == std::string::npos ? fd_socket : grpc_socket.substr(0, slash + 1) + fd_socket;
+}
+
+absl::StatusOr<int> FetchSegmentDescriptor(const std::string& channel_path, const std::string& lease_id,
+                                           const std::string& token, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  sockaddr_un addr{};
+  if (channel_path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("descriptor socket path too long: ", channel_path));
+  }
+  int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (s < 0) return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{s};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, channel_path.c_str(), sizeof(addr.sun_path) - 1);
+  if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 && errno != EINPROGRESS &&
+      errno != EAGAIN) {
+    return absl::UnavailableError(absl::StrCat("connect ", channel_path, ": ", std::strerror(errno)));
+  }
+  const std::string request = absl::StrCat("ENGRAM-FD/1 ", lease_id, " ", token, "\n");
+  size_t sent = 0;
+  while (sent < request.size()) {
+    if (!WaitFor(s, POLLOUT, deadline)) return absl::DeadlineExceededError("the descriptor channel did not accept");
+    const ssize_t n = ::send(s, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
+    if (n > 0) {
+      sent += static_cast<size_t>(n);
+    } else if (errno != EAGAIN && errno != EINTR) {
+      return absl::UnavailableError(absl::StrCat("send to ", channel_path, ": ", std::strerror(errno)));
+    }
+  }
+  // One reply: a line, and with "OK" exactly one descriptor (in the first bytes' control message).
+  std::string line;
+  std::vector<int> fds;
+  while (line.find('\n') == std::string::npos && line.size() < 1024) {
+    if (!WaitFor(s, POLLIN, deadline)) break;
+    char buf[512];
+    iovec iov{buf, sizeof(buf)};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    const ssize_t n = ::recvmsg(s, &msg, MSG_CMSG_CLOEXEC);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    if (n <= 0) break;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        fds.push_back(fd);
+      }
+    }
+    line.append(buf, static_cast<size_t>(n));
+  }
+  auto close_all = [&] {
+    for (int fd : fds) ::close(fd);
+  };
+  const auto nl = line.find('\n');
+  if (nl == std::string::npos) {
+    close_all();
+    return Clock::now() >= deadline ? absl::DeadlineExceededError("the descriptor channel did not answer in time")
+                                    : absl::DataLossError("the descriptor channel closed without a reply");
+  }
+  line.resize(nl);
+  if (line.rfind("ERR ", 0) == 0) {
+    close_all();
+    return absl::PermissionDeniedError(absl::StrCat("engramd refused the descriptor: ", line.substr(4)));
+  }
+  if (line != "OK" || fds.size() != 1) {
+    close_all();
+    return absl::DataLossError(absl::StrCat("malformed descriptor reply ('", line.substr(0, 64), "', ", fds.size(),
+                                            " descriptors)"));
+  }
+  const int fd = fds[0];
+  struct stat st {};
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || flags < 0 || (flags & O_ACCMODE) != O_RDONLY) {
+    ::close(fd);
+    return absl::DataLossError("the daemon passed a descriptor that is not a read-only regular file");
+  }
+  return fd;
+}
+
+}  // namespace engram::client

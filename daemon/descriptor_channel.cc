@@ -1,0 +1,280 @@
+#include "daemon/descriptor_channel.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "spdlog/spdlog.h"
+
+namespace engram::daemon {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr auto kDeadline = std::chrono::seconds(2);
+constexpr char kProtocol[] = "ENGRAM-FD/1";
+
+std::string RandomToken() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : bytes) {
+    out.push_back(kHex[b >> 4]);
+    out.push_back(kHex[b & 15]);
+  }
+  return out;
+}
+
+// Compares in time independent of where the strings differ.
+bool SameSecret(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+// Sends `line`, with `fd` attached when >= 0. Never raises SIGPIPE.
+bool SendReply(int sock, const std::string& line, int fd) {
+  iovec iov{const_cast<char*>(line.data()), line.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  if (fd >= 0) {
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  }
+  ssize_t n;
+  do {
+    n = ::sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+  } while (n < 0 && errno == EINTR);
+  return n == static_cast<ssize_t>(line.size());
+}
+
+}  // namespace
+
+DescriptorChannel::DescriptorChannel(std::function<bool(const PeerInfo&)> allowed) : allowed_(std::move(allowed)) {}
+
+DescriptorChannel::~DescriptorChannel() { Stop(); }
+
+std::string DescriptorChannel::PathFor(const std::string& grpc_socket) { return grpc_socket + ".fds"; }
+
+absl::Status DescriptorChannel::Bind(const std::string& grpc_socket, int gid) {
+  const std::string path = PathFor(grpc_socket);
+  if (path.size() >= sizeof(sockaddr_un::sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("descriptor socket path too long: ", path));
+  }
+  // The gRPC listener already made sure no other engramd serves this directory; what is left here is stale.
+  ::unlink(path.c_str());
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return absl::PermissionDeniedError(absl::StrCat("bind ", path, ": ", std::strerror(err)));
+  }
+  ::chmod(path.c_str(), 0660);
+  if (gid >= 0 && ::chown(path.c_str(), static_cast<uid_t>(-1), static_cast<gid_t>(gid)) != 0) {
+    spdlog::warn("event=chown_failed path={} errno={}", path, errno);
+  }
+  if (::listen(fd, 128) != 0) {
+    const int err = errno;
+    ::close(fd);
+    ::unlink(path.c_str());
+    return absl::InternalError(absl::StrCat("listen ", path, ": ", std::strerror(err)));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  path_ = path;
+  fd_ = fd;
+  return absl::OkStatus();
+}
+
+void DescriptorChannel::Start() {
+  if (fd_ < 0 || thread_.joinable()) return;
+  thread_ = std::thread([this] { Serve(); });
+}
+
+void DescriptorChannel::Stop() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+    ::unlink(path_.c_str());
+  }
+}
+
+std::string DescriptorChannel::Issue(const std::string& lease, const PeerInfo& peer, const std::string& segment_path,
+                                     uint64_t segment_bytes) {
+  Pending p{lease, RandomToken(), segment_path, segment_bytes, peer};
+  std::string token = p.token;
+  std::lock_guard<std::mutex> lock(mu_);
+  by_lease_[lease] = std::move(p);
+  return token;
+}
+
+void DescriptorChannel::Revoke(const std::string& lease) {
+  std::lock_guard<std::mutex> lock(mu_);
+  by_lease_.erase(lease);
+}
+
+std::string DescriptorChannel::socket_name() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (path_.empty()) return "";
+  const auto slash = path_.rfind('/');
+  return slash == std::string::npos ? path_ : path_.substr(slash + 1);
+}
+
+DescriptorStats DescriptorChannel::Stats() const {
+  DescriptorStats s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s.socket = path_;
+  }
+  s.sent = sent_;
+  s.refused = refused_;
+  return s;
+}
+
+absl::StatusOr<int> DescriptorChannel::Redeem(const std::string& request_line, const PeerInfo& peer) {
+  auto refuse = [this](absl::Status st) {
+    ++refused_;
+    return st;
+  };
+  if (!allowed_(peer)) {
+    return refuse(absl::PermissionDeniedError(
+        absl::StrCat("uid ", peer.uid, " may not use engramd: add it to the daemon's group (--group)")));
+  }
+  std::vector<std::string> parts = absl::StrSplit(request_line, ' ');
+  if (parts.size() != 3 || parts[0] != kProtocol || parts[1].empty() || parts[2].empty()) {
+    return refuse(absl::InvalidArgumentError(absl::StrCat("malformed request: expected \"", kProtocol,
+                                                          " <lease> <token>\"")));
+  }
+  Pending p;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = by_lease_.find(parts[1]);
+    if (it == by_lease_.end()) {
+      return refuse(absl::NotFoundError("no live lease with a descriptor to fetch under that id"));
+    }
+    // A wrong token or another process does not use the token up: the lease's own process can still fetch it.
+    if (!SameSecret(it->second.token, parts[2])) return refuse(absl::PermissionDeniedError("wrong token"));
+    if (it->second.peer.pid != peer.pid || it->second.peer.uid != peer.uid) {
+      return refuse(absl::PermissionDeniedError(absl::StrCat("the lease belongs to pid ", it->second.peer.pid,
+                                                             ", not to pid ", peer.pid)));
+    }
+    p = std::move(it->second);
+    by_lease_.erase(it);
+  }
+  int fd = ::open(p.path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return refuse(absl::NotFoundError(absl::StrCat("open ", p.path, ": ", std::strerror(errno))));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid() ||
+      static_cast<uint64_t>(st.st_size) != p.bytes) {
+    ::close(fd);
+    return refuse(absl::FailedPreconditionError(absl::StrCat(p.path, " is no longer the granted segment")));
+  }
+  return fd;
+}
+
+void DescriptorChannel::Serve() {
+  struct Conn {
+    int fd;
+    PeerInfo peer;
+    std::string buf;
+    Clock::time_point deadline;
+  };
+  std::vector<Conn> conns;
+  auto finish = [&](Conn& c, const std::string& reply, int fd) {
+    SendReply(c.fd, reply, fd);
+    // Unread input at close would reset the connection before the peer reads the reply: drain what is queued.
+    char sink[1024];
+    for (int i = 0; i < 64 && ::recv(c.fd, sink, sizeof(sink), MSG_DONTWAIT) > 0; ++i) {
+    }
+    ::close(c.fd);
+    c.fd = -1;
+  };
+  while (!stop_) {
+    std::vector<pollfd> fds;
+    fds.push_back({fd_, POLLIN, 0});
+    for (const Conn& c : conns) fds.push_back({c.fd, POLLIN, 0});
+    const int n = ::poll(fds.data(), fds.size(), 200);
+    if (n < 0 && errno != EINTR) break;
+    const auto now = Clock::now();
+    for (size_t i = 0; i < conns.size(); ++i) {
+      Conn& c = conns[i];
+      const short ev = fds[i + 1].revents;
+      if (ev != 0) {
+        char chunk[kMaxDescriptorRequestBytes];
+        const ssize_t got = ::recv(c.fd, chunk, sizeof(chunk), MSG_DONTWAIT);
+        if (got > 0) c.buf.append(chunk, static_cast<size_t>(got));
+        const auto nl = c.buf.find('\n');
+        if (nl != std::string::npos) {
+          auto fd = Redeem(c.buf.substr(0, nl), c.peer);
+          if (fd.ok()) {
+            ++sent_;
+            finish(c, "OK\n", *fd);
+            ::close(*fd);
+          } else {
+            spdlog::warn("event=descriptor_refused pid={} uid={} detail=\"{}\"", c.peer.pid, c.peer.uid,
+                         std::string(fd.status().message()));
+            finish(c, absl::StrCat("ERR ", fd.status().message(), "\n"), -1);
+          }
+          continue;
+        }
+        if (c.buf.size() > kMaxDescriptorRequestBytes || got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) {
+          ++refused_;
+          finish(c, "ERR malformed request\n", -1);
+          continue;
+        }
+      }
+      if (now > c.deadline) {
+        ++refused_;
+        finish(c, "ERR timed out\n", -1);
+      }
+    }
+    std::erase_if(conns, [](const Conn& c) { return c.fd < 0; });
+    if (fds[0].revents & POLLIN) {
+      while (true) {
+        int s = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (s < 0) break;  // EAGAIN, or out of descriptors: the next poll tries again
+        ucred cred{};
+        socklen_t len = sizeof(cred);
+        if (::getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
+            conns.size() >= static_cast<size_t>(kMaxPendingDescriptorRequests)) {
+          ++refused_;
+          ::close(s);
+          continue;
+        }
+        conns.push_back({s, PeerInfo{cred.pid, cred.uid, cred.gid}, "", Clock::now() + kDeadline});
+      }
+    }
+  }
+  for (Conn& c : conns) ::close(c.fd);
+}
+
+}  // namespace engram::daemon
