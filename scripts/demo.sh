@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's first command: build, generate a small real checkpoint, start engramd on it, run 4 replicas (DP 4,
-# TP 1) that share one table, show `engramctl status`, then one more replica in a private mount namespace with its
-# own /dev/shm (what a container without --ipc=host gets) that falls back with SHM_NOT_VISIBLE. Cleans up.
+# TP 1) that share one table, show `engramctl status`, then one more replica in private mount and IPC namespaces
+# with its own /dev/shm and the daemon's shm directory hidden (what a container without --ipc=host gets) that still
+# shares, through the read-only descriptor engramd passes over its socket. Cleans up.
 # The replicas are engram-replica processes (libengram_client; the CPU backend where there is no GPU): each hashes
 # and looks up random token batches, gates them, and checks rows against the checkpoint files.
 set -euo pipefail
@@ -51,18 +52,21 @@ done
 grep -E "publish_done|ready" "$work/engramd.log" | sed 's/^/  /'
 echo
 echo "== 4 replicas (DP 4, TP 1) attach and share"
-for r in 0 1 2 3; do replica "$work/replica$r.log" --shm-dir "$shm" --dp-size 4 --dp-rank $r; done
+for r in 0 1 2 3; do replica "$work/replica$r.log" --dp-size 4 --dp-rank $r; done
 echo
-echo "== one more replica in a private mount namespace with its own /dev/shm (no --ipc=host)"
-if unshare -m --propagation private true 2> /dev/null; then
-  unshare -m --propagation private sh -c "mount -t tmpfs -o size=64m tmpfs /dev/shm && exec '$bin/engram-replica' \
-    --socket '$sock' --checkpoint '$work/ckpt' --shm-dir '$shm' --dp-size 4 --dp-rank 3 --tokens 512 \
+echo "== one more replica in its own mount and IPC namespaces, /dev/shm and $shm hidden (no --ipc=host)"
+if unshare -m -i --propagation private true 2> /dev/null; then
+  hide=""  # the daemon's directory is gone with /dev/shm when it lives there; else hide it too
+  case "$shm" in /dev/shm/*) ;; *) hide="mount -t tmpfs -o size=1m tmpfs '$shm' &&" ;; esac
+  unshare -m -i --propagation private sh -c "mount -t tmpfs -o size=64m tmpfs /dev/shm && $hide \
+    exec '$bin/engram-replica' \
+    --socket '$sock' --checkpoint '$work/ckpt' --dp-size 4 --dp-rank 3 --tokens 512 \
     --batches 4 --verify 256 --hold 5" > "$work/private.log" 2>&1 &
   pids+=($!)
   wait_for "$work/private.log" '"attached"' || true
-  grep -o "event=fallback.*" "$work/private.log" | sed 's/^/  /' | cut -c1-160
+  grep -o "event=attached.*" "$work/private.log" | sed 's/^/  /' | cut -c1-160
 else
-  echo "  (skipped: creating a mount namespace needs root)"
+  echo "  (skipped: creating mount and IPC namespaces needs root)"
 fi
 for r in 0 1 2 3; do wait_for "$work/replica$r.log" '"attached"' || true; done
 echo

@@ -368,6 +368,29 @@ int CmdDrain(int argc, char** argv) {
   return 0;
 }
 
+int CmdReady(int argc, char** argv) {
+  Args a;
+  if (auto st = a.Parse(argc, argv, 2, {"--socket"}, {}); !st.ok()) return Usage(std::string(st.message()));
+  const std::string socket = a.Get("--socket", kDefaultSocket);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  engram::v1::StatusReply s;
+  grpc::Status st = Connect(socket)->Status(&ctx, engram::v1::StatusRequest(), &s);
+  if (!st.ok()) return RpcFailure(st, socket);
+  std::vector<std::string> waiting;
+  for (const auto& g : s.segments()) {
+    if (g.state() != "READY") waiting.push_back(g.name() + " " + g.state());
+  }
+  if (s.draining()) waiting.push_back("engramd is draining");
+  if (s.segments().empty()) waiting.push_back("no segments configured yet");
+  if (!waiting.empty()) {
+    std::cout << "not ready: " << absl::StrJoin(waiting, ", ") << "\n";
+    return 1;
+  }
+  std::cout << "ready: " << s.segments_size() << " segments READY\n";
+  return 0;
+}
+
 int CmdAttach(int argc, char** argv) {
   Args a;
   if (auto st = a.Parse(argc, argv, 2,

@@ -15,6 +15,9 @@ int CmdWatch(int argc, char** argv);
 int CmdLoad(int argc, char** argv);
 int CmdUnload(int argc, char** argv);
 int CmdDrain(int argc, char** argv);
+// Readiness (a Kubernetes readinessProbe, a script): exit 0 when engramd answers, is not draining and every segment
+// it serves is READY; 1 (with what is not) otherwise; 3 when no daemon answers, 4 when it refuses this uid.
+int CmdReady(int argc, char** argv);
 int CmdAttach(int argc, char** argv);
 
 }  // namespace engram::tools

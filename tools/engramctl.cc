@@ -21,6 +21,7 @@ int Help(int code) {
          "  load --checkpoint DIR [--tp 1,2] [--timeout S] [--socket PATH]\n"
          "  unload --checkpoint DIR [--socket PATH]\n"
          "  drain [--socket PATH]\n"
+         "  ready [--socket PATH]              (exit 0 when every segment is READY: a readiness probe)\n"
          "  attach --checkpoint DIR [--tp-size N --tp-rank R --dp-size N --dp-rank R --local-dp-size N]\n"
          "         [--cpu-offload auto|true|false] [--dp-shared-memory auto|true|false] [--embedding-across-dp]\n"
          "         [--elastic-ep] [--no-descriptor] [--shm-dir DIR] [--ticket] [--verify N] [--hold S]\n"
@@ -51,6 +52,7 @@ int main(int argc, char** argv) {
   if (cmd == "load") return engram::tools::CmdLoad(argc, argv);
   if (cmd == "unload") return engram::tools::CmdUnload(argc, argv);
   if (cmd == "drain") return engram::tools::CmdDrain(argc, argv);
+  if (cmd == "ready") return engram::tools::CmdReady(argc, argv);
   if (cmd == "attach") return engram::tools::CmdAttach(argc, argv);
   std::cerr << "engramctl: unknown command '" << cmd << "'\n";
   return Help(2);
