@@ -61,9 +61,13 @@ def main():
     ap.add_argument("--kv-dim", type=int, default=512)
     ap.add_argument("--ffn-width", type=int, default=None, help="active FFN columns (default 4 * hidden_size)")
     ap.add_argument("--layers", type=int, default=None, help="backbone layers (default config num_hidden_layers)")
+    ap.add_argument("--config", default=None, help="config.json for the backbone's shape (default: the checkpoint's)")
     a = ap.parse_args()
     ck = Checkpoint(a.checkpoint)
     cfg = ck.config
+    if a.config:
+        with open(a.config) as f:
+            cfg = json.load(f)
     H, HC = cfg["hidden_size"], cfg["hc_mult"]
     n_layers = a.layers or cfg.get("num_hidden_layers", 40)
     ffn = a.ffn_width or 4 * H

@@ -30,7 +30,10 @@ case "${1:-kernels}" in
   # bench/decode_step.py, run with the GPU machine's own python3, torch, CuPy, NumPy (run.sh python).
   python) bins=("$build/client/libengram_c.so" "$build/daemon/engramd" "$build/tools/engramctl"
                 "$build/tools/engram-mkckpt") ;;
-  *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon|client|tests|python]" >&2; exit 2 ;;
+  # DP_SHARDED on two GPUs (issue 12): its GPU test (engramd + two replicas), bench_dp (run.sh dp).
+  dp) bins=("$build/tests/gpu_dp_test" "$build/bench/bench_dp" "$build/daemon/engramd" "$build/tools/engramctl"
+            "$build/tools/engram-replica" "$build/tools/engram-mkckpt") ;;
+  *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon|client|tests|python|dp]" >&2; exit 2 ;;
 esac
 for b in "${bins[@]}"; do
   cp "$b" "$out/bin/"
@@ -122,6 +125,23 @@ if [ "$what" = client ]; then
   umount "$hp" && rmdir "$hp"
   rm -rf "$shm" "$w"
 fi
+if [ "$what" = dp ]; then
+  # DP_SHARDED on two GPUs: NVLink multicast stays off (NCCL_NVLS_ENABLE=0) in every process. libnccl.so.2 is the
+  # machine's own (dlopen), never bundled.
+  export NCCL_NVLS_ENABLE=0
+  ldconfig -p | grep -m1 libnccl.so.2 | tee "$out/nccl.txt"
+  "$here/bin/gpu_dp_test" 2>&1 | tee "$out/gpu_dp_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure|^(all-to-all|nvlink-peer|pinned)' ; r=${PIPESTATUS[0]}
+  echo "gpu_dp_test: exit $r"; [ "$r" = 0 ] || rc=1
+  "$here/bin/bench_dp" ${ENGRAM_DP_BENCH_ARGS:-} 2>&1 | tee "$out/bench_dp.log" || rc=1
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+  if [ -n "$cs" ]; then
+    # The lookup and unpack kernels of both paths (small shards and batches: memcheck is slow).
+    "$cs" --tool memcheck --error-exitcode 9 --kernel-regex kns=Lookup "$here/bin/bench_dp" --tokens 3,127 \
+      --iters 2 --rows 4096 --uva-rows 4096 > "$out/sanitize-dp-memcheck.log" 2>&1
+    r=$?; echo "compute-sanitizer memcheck (bench_dp): exit $r ($(grep -E 'ERROR SUMMARY' "$out/sanitize-dp-memcheck.log" | tail -1))"
+    [ $r = 0 ] || rc=1
+  fi
+fi
 if [ "$what" = daemon ]; then
   "$here/bin/bench_daemon" --gib "${ENGRAM_PUBLISH_GIB:-16}" --engramd "$here/bin/engramd" 2>&1 | tee "$out/bench_daemon.log" || rc=1
 fi
@@ -140,7 +160,7 @@ if [ "$what" = python ]; then
   py=$(command -v python3)
   "$py" -c 'import torch, numpy; print("python", __import__("sys").version.split()[0], "torch", torch.__version__, "numpy", numpy.__version__)' | tee "$out/python-env.txt"
   "$py" -c 'import pytest' 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$here/py/pytest-fallback
-  "$py" -m pytest -q -rs -p no:cacheprovider "$here/py/tests/python" -k "not test_install" 2>&1 | tee "$out/pytest.log" | tail -25
+  [ -n "${ENGRAM_PY_NO_TESTS:-}" ] || "$py" -m pytest -q -rs -p no:cacheprovider "$here/py/tests/python" -k "not test_install" 2>&1 | tee "$out/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   w=$(mktemp -d /tmp/engram-py.XXXXXX)
   shm=$(mktemp -d /dev/shm/engram-py.XXXXXX)
@@ -149,7 +169,8 @@ if [ "$what" = python ]; then
   "$here/bin/engramd" --checkpoint "$w/ck" --tp 1 --shm-dir "$shm" --socket "$w/sock" --log-level warn 2>> "$out/decode_step.log" &
   d=$!
   for _ in $(seq 900); do "$here/bin/engramctl" status --socket "$w/sock" --json 2>/dev/null | grep -q '"state":"READY"' && break; sleep 0.2; done
-  "$py" "$here/py/bench/decode_step.py" --checkpoint "$w/ck" --socket "$w/sock" --shm-dir "$shm" 2>&1 | tee -a "$out/decode_step.log" || rc=1
+  "$py" "$here/py/bench/decode_step.py" --checkpoint "$w/ck" --socket "$w/sock" --shm-dir "$shm" \
+    --config "$here/data/configs/v41-flash.json" 2>&1 | tee -a "$out/decode_step.log" || rc=1
   kill $d; wait $d
   rm -rf "$shm" "$w"
 fi
