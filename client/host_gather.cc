@@ -1,0 +1,220 @@
+#include "client/host_gather.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "kernels/device_layout.h"
+#include "kernels/engram_kernels.h"
+
+namespace engram::client {
+
+using kernels::CudaStatus;
+
+absl::StatusOr<std::unique_ptr<HostGather>> HostGather::Create(std::vector<HostLayer> layers,
+                                                               std::vector<uint16_t*> out, int32_t max_tokens,
+                                                               int32_t n_cols, int32_t head_dim,
+                                                               HostGatherOptions options) {
+  if (layers.empty() || layers.size() != out.size() || max_tokens < 1 || n_cols < 1 || head_dim < 32 ||
+      head_dim % 32 != 0) {
+    return absl::InvalidArgumentError(
+        "host gather needs one output per layer, max_tokens >= 1, n_cols >= 1, head_dim a multiple of 32");
+  }
+  for (size_t l = 0; l < layers.size(); ++l) {
+    if (out[l] == nullptr || (layers[l].records == nullptr && layers[l].row_end > layers[l].row_begin)) {
+      return absl::InvalidArgumentError(absl::StrCat("host gather: layer ", l, " has no records or no output"));
+    }
+  }
+  const int64_t max_items = static_cast<int64_t>(max_tokens) * n_cols;
+  if (max_items >= (int64_t{1} << 30)) return absl::InvalidArgumentError("host gather: more than 2^30 items");
+  std::unique_ptr<HostGather> g(new HostGather());
+  g->layers_ = std::move(layers);
+  g->out_ = std::move(out);
+  g->max_tokens_ = max_tokens;
+  g->n_cols_ = n_cols;
+  g->head_dim_ = head_dim;
+  g->rb_ = head_dim + head_dim / 32;
+  g->opt_ = options;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = options.threads > 0 ? options.threads : DefaultGatherThreads(cores);
+  RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&g->device_), "current device"));
+  int lo = 0, hi = 0;
+  cudaDeviceGetStreamPriorityRange(&lo, &hi);
+  RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&g->copy_, cudaStreamNonBlocking), "copy stream"));
+  RETURN_IF_ERROR(
+      CudaStatus(cudaStreamCreateWithPriority(&g->unpack_, cudaStreamNonBlocking, hi), "unpack stream"));
+  RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&g->main_ready_, cudaEventDisableTiming), "event"));
+  const size_t L = g->layers_.size();
+  g->plans_.resize(L);
+  g->stats_.resize(L);
+  for (size_t l = 0; l < L; ++l) {
+    cudaEvent_t c = nullptr, d = nullptr;
+    RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&c, cudaEventDisableTiming), "event"));
+    g->copied_.push_back(c);
+    RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&d, cudaEventDefault), "event"));
+    g->done_.push_back(d);
+    void* p = nullptr;
+    RETURN_IF_ERROR(CudaStatus(cudaHostAlloc(&p, static_cast<size_t>(max_items * g->rb_), cudaHostAllocDefault),
+                                  "pinned row staging"));
+    g->pinned_rows_.push_back(static_cast<uint8_t*>(p));
+    RETURN_IF_ERROR(
+        CudaStatus(cudaHostAlloc(&p, static_cast<size_t>(max_items) * 4, cudaHostAllocDefault), "pinned index"));
+    g->pinned_index_.push_back(static_cast<int32_t*>(p));
+    RETURN_IF_ERROR(CudaStatus(cudaMalloc(&p, static_cast<size_t>(max_items * g->rb_)), "device rows"));
+    g->dev_rows_.push_back(static_cast<uint8_t*>(p));
+    RETURN_IF_ERROR(CudaStatus(cudaMalloc(&p, static_cast<size_t>(max_items) * 4), "device index"));
+    g->dev_index_.push_back(static_cast<int32_t*>(p));
+    g->plans_[l].rows.resize(static_cast<size_t>(max_items));
+  }
+  g->pool_ = std::make_unique<GatherPool>(threads, options.cpus);
+  g->dedup_ = std::make_unique<RowDeduper>(max_items);
+  g->dispatcher_ = std::thread([p = g.get()] { p->Dispatch(); });
+  return g;
+}
+
+HostGather::~HostGather() {
+  if (dispatcher_.joinable()) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    dispatcher_.join();
+  }
+  if (copy_ != nullptr) cudaStreamSynchronize(copy_);
+  if (unpack_ != nullptr) cudaStreamSynchronize(unpack_);
+  for (auto* p : pinned_rows_) cudaFreeHost(p);
+  for (auto* p : pinned_index_) cudaFreeHost(p);
+  for (auto* p : dev_rows_) cudaFree(p);
+  for (auto* p : dev_index_) cudaFree(p);
+  for (auto e : copied_) cudaEventDestroy(e);
+  for (auto e : done_) cudaEventDestroy(e);
+  if (main_ready_ != nullptr) cudaEventDestroy(main_ready_);
+  if (copy_ != nullptr) cudaStreamDestroy(copy_);
+  if (unpack_ != nullptr) cudaStreamDestroy(unpack_);
+}
+
+absl::Status HostGather::Prefetch(const int32_t* host_ids, int32_t num_tokens, int64_t ids_stride,
+                                  cudaStream_t main_stream) {
+  const int32_t L = n_layers();
+  if (num_tokens < 0 || num_tokens > max_tokens_) {
+    return absl::InvalidArgumentError(absl::StrCat(num_tokens, " tokens, the staging buffers hold ", max_tokens_));
+  }
+  if (host_ids == nullptr && num_tokens > 0) return absl::InvalidArgumentError("null hash ids");
+  if (ids_stride < static_cast<int64_t>(L) * n_cols_) {
+    return absl::InvalidArgumentError(absl::StrCat("ids stride ", ids_stride, " < n_layers * n_cols"));
+  }
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  RETURN_IF_ERROR(CudaStatus(cudaStreamIsCapturing(main_stream, &capture), "capture status"));
+  if (capture != cudaStreamCaptureStatusNone) {
+    return absl::FailedPreconditionError(
+        "the host-gather path runs outside CUDA graph capture (host work): use the UVA path for captured steps");
+  }
+  // The previous batch must be fully enqueued before its buffers are planned over again.
+  (void)Sync();
+  RETURN_IF_ERROR(CudaStatus(cudaEventRecord(main_ready_, main_stream), "record main-stream event"));
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    ids_ = host_ids;
+    tokens_ = num_tokens;
+    stride_ = ids_stride;
+    ++batch_;
+    issued_ = 0;
+    error_ = absl::OkStatus();
+    pending_ = true;
+    any_batch_ = true;
+  }
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+absl::Status HostGather::Wait(int32_t layer, cudaStream_t main_stream) {
+  if (layer < 0 || layer >= n_layers()) return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
+  {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return !any_batch_ || issued_ > layer || !error_.ok(); });
+    if (!error_.ok()) return error_;
+  }
+  return CudaStatus(cudaStreamWaitEvent(main_stream, done_[static_cast<size_t>(layer)], 0), "wait layer event");
+}
+
+absl::Status HostGather::Sync() {
+  std::unique_lock<std::mutex> l(mu_);
+  cv_.wait(l, [&] { return !any_batch_ || issued_ >= n_layers() || !error_.ok(); });
+  return error_;
+}
+
+void HostGather::Dispatch() {
+  cudaSetDevice(device_);
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      cv_.wait(l, [&] { return stop_ || pending_; });
+      if (stop_) return;
+      pending_ = false;
+    }
+    // The unpack writes the caller's staging buffers: after whatever the main stream had queued at Prefetch.
+    absl::Status st = CudaStatus(cudaStreamWaitEvent(unpack_, main_ready_, 0), "unpack stream wait");
+    for (int32_t l = 0; l < n_layers() && st.ok(); ++l) {
+      st = RunLayer(l);
+      std::lock_guard<std::mutex> g(mu_);
+      if (st.ok()) ++issued_;
+      else error_ = st;
+      cv_.notify_all();
+    }
+  }
+}
+
+absl::Status HostGather::RunLayer(int32_t l) {
+  const size_t li = static_cast<size_t>(l);
+  const HostLayer& layer = layers_[li];
+  const int64_t items = static_cast<int64_t>(tokens_) * n_cols_;
+  // The pinned staging of this layer is free once the previous batch's copies out of it are done; the device rows
+  // once the previous batch's unpack has read them.
+  RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(copied_[li]), "previous copies"));
+  RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(copy_, done_[li], 0), "previous unpack"));
+  GatherPlan& plan = plans_[li];
+  RETURN_IF_ERROR(dedup_->Plan(ids_ + static_cast<int64_t>(l) * n_cols_, tokens_, n_cols_, stride_,
+                                  layer.row_begin, layer.row_end, opt_.dedup, *pool_, pinned_index_[li], &plan));
+  stats_[li] = {items, plan.n_rows};
+  if (items > 0) {
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dev_index_[li], pinned_index_[li], static_cast<size_t>(items) * 4,
+                                                  cudaMemcpyHostToDevice, copy_),
+                                  "index copy"));
+  }
+  const int64_t chunk = PlanChunkRows(plan.n_rows, pool_->threads(), opt_.min_chunk_rows, opt_.max_chunk_rows);
+  const int64_t n_chunks = chunk > 0 ? (plan.n_rows + chunk - 1) / chunk : 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int> failed{0};
+  const int device = device_;
+  pool_->Run([&](int) {
+    cudaSetDevice(device);
+    for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
+      const int64_t begin = c * chunk, end = std::min(plan.n_rows, begin + chunk);
+      GatherRecords(layer.records, rb_, plan.rows.data(), begin, end, pinned_rows_[li]);
+      if (cudaMemcpyAsync(dev_rows_[li] + begin * rb_, pinned_rows_[li] + begin * rb_,
+                          static_cast<size_t>((end - begin) * rb_), cudaMemcpyHostToDevice, copy_) != cudaSuccess) {
+        failed.store(1);
+      }
+    }
+  });
+  if (failed.load() != 0) return absl::InternalError("host gather: a chunk copy failed to enqueue");
+  RETURN_IF_ERROR(CudaStatus(cudaEventRecord(copied_[li], copy_), "record copy event"));
+  RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(unpack_, copied_[li], 0), "unpack waits for copies"));
+  // The unpack: the lookup kernel over the dense gathered rows, item i reading row index[i] (-1: zeros).
+  kernels::LookupArgs a;
+  a.records = dev_rows_[li];
+  a.row_begin = 0;
+  a.row_end = plan.n_rows;
+  a.head_dim = head_dim_;
+  a.ids = dev_index_[li];
+  a.num_tokens = tokens_;
+  a.num_cols = n_cols_;
+  a.ids_stride = n_cols_;
+  a.out = out_[li];
+  a.max_blocks = opt_.unpack_blocks;
+  RETURN_IF_ERROR(CudaStatus(kernels::LaunchLookup(a, unpack_), "unpack kernel"));
+  return CudaStatus(cudaEventRecord(done_[li], unpack_), "record layer event");
+}
+
+}  // namespace engram::client

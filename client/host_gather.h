@@ -1,0 +1,112 @@
+// HostGather: the host-gather lookup path. CPU threads gather a batch's rows from the shared host mapping (each
+// distinct row once, client/host_gather_plan.h) into pinned staging, chunk by chunk; each chunk is copied to the
+// GPU as soon as it is full (the copy engine drains chunk k while the threads gather chunk k+1), and a GPU unpack
+// (the lookup kernel over the dense gathered rows, so the same fp8 -> bf16 arithmetic as every other path)
+// writes bf16 rows into the caller's staging buffers. Completion of layer l is an event; Wait(l) orders a stream
+// after it, exactly like kernels::Prefetcher, so the engine code does not change.
+//
+// Why: a random gather through UVA from a large host table is bound by the GPU's address translation (8-33 GB/s,
+// bench/RESULTS.md); CPU threads reach several times that, and the bytes then cross PCIe as large DMA copies.
+//
+// Host work by nature: Prefetch runs the gather on a background thread and never enqueues anything that a CUDA
+// graph could capture. It must not be called while `main_stream` is being captured (FailedPrecondition); captured
+// decode steps keep the UVA kernels. Wait(l) blocks the calling thread until layer l's copies and unpack are
+// enqueued (not until they complete), then makes `main_stream` wait for them on the GPU.
+//
+// Ownership: owns its threads, streams, events, pinned staging (per layer) and device scratch; the host records
+// and the bf16 output buffers are the caller's and must outlive it. The host ids passed to Prefetch must stay
+// valid until Wait of the last layer (or Sync) has returned. One thread drives a HostGather.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/host_gather_plan.h"
+
+namespace engram::client {
+
+struct HostGatherOptions {
+  int threads = 0;            // gather threads; 0 = DefaultGatherThreads(the machine's cores)
+  std::vector<int> cpus;      // CPU affinity of the gather threads (worker i on cpus[i % n]); empty = unpinned
+  bool dedup = true;          // fetch each distinct row of a batch once
+  int32_t unpack_blocks = 0;  // grid of the GPU unpack; 0 = the whole GPU (it reads HBM only, briefly)
+  int64_t min_chunk_rows = 1024, max_chunk_rows = 8192;
+};
+
+struct HostLayer {
+  const uint8_t* records = nullptr;  // host-readable records, row_begin's first (the shared mapping)
+  int64_t row_begin = 0, row_end = 0;
+};
+
+class HostGather {
+ public:
+  // out[l]: device bf16 [max_tokens, n_cols, head_dim] per layer (the engine's staging buffers).
+  static absl::StatusOr<std::unique_ptr<HostGather>> Create(std::vector<HostLayer> layers, std::vector<uint16_t*> out,
+                                                            int32_t max_tokens, int32_t n_cols, int32_t head_dim,
+                                                            HostGatherOptions options = {});
+  ~HostGather();
+  HostGather(const HostGather&) = delete;
+  HostGather& operator=(const HostGather&) = delete;
+
+  // Host ids: layer l's columns at host_ids + l * n_cols, ids[t * ids_stride + c]. Returns once the batch is handed
+  // to the background thread; `main_stream`'s work queued so far is ordered before the unpack writes out[l].
+  absl::Status Prefetch(const int32_t* host_ids, int32_t num_tokens, int64_t ids_stride, cudaStream_t main_stream);
+  absl::Status Wait(int32_t layer, cudaStream_t main_stream);
+  // Blocks until every layer of the last batch is enqueued; returns the batch's error, if any.
+  absl::Status Sync();
+
+  int threads() const { return pool_->threads(); }
+  int32_t n_layers() const { return static_cast<int32_t>(layers_.size()); }
+  cudaEvent_t layer_event(int32_t layer) const { return done_[static_cast<size_t>(layer)]; }
+  // Of the last batch, per layer: items served and rows moved over PCIe (after de-duplication).
+  struct LayerStats {
+    int64_t items = 0, rows_moved = 0;
+  };
+  LayerStats stats(int32_t layer) const { return stats_[static_cast<size_t>(layer)]; }
+
+ private:
+  HostGather() = default;
+  void Dispatch();
+  absl::Status RunLayer(int32_t l);
+
+  std::vector<HostLayer> layers_;
+  std::vector<uint16_t*> out_;
+  int32_t max_tokens_ = 0, n_cols_ = 0, head_dim_ = 0;
+  int64_t rb_ = 0;
+  HostGatherOptions opt_;
+  int device_ = 0;
+  std::unique_ptr<GatherPool> pool_;
+  std::unique_ptr<RowDeduper> dedup_;
+  cudaStream_t copy_ = nullptr, unpack_ = nullptr;
+  cudaEvent_t main_ready_ = nullptr;
+  std::vector<cudaEvent_t> copied_, done_;
+  std::vector<uint8_t*> pinned_rows_;   // [max_items, rb] per layer
+  std::vector<int32_t*> pinned_index_;  // [max_items] per layer
+  std::vector<uint8_t*> dev_rows_;
+  std::vector<int32_t*> dev_index_;
+  std::vector<GatherPlan> plans_;
+  std::vector<LayerStats> stats_;
+
+  // The batch handed to the dispatcher thread.
+  std::thread dispatcher_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false, pending_ = false, any_batch_ = false;
+  uint64_t batch_ = 0;       // batches handed over
+  int32_t issued_ = 0;       // layers of batch_ enqueued so far
+  absl::Status error_;       // of batch_
+  const int32_t* ids_ = nullptr;
+  int32_t tokens_ = 0;
+  int64_t stride_ = 0;
+};
+
+}  // namespace engram::client

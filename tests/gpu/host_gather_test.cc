@@ -1,0 +1,148 @@
+// The host-gather lookup path (client/host_gather.h) on a GPU: rows written into the staging buffers equal the CPU
+// reference (model/reference.h LookupBf16Cpu) bit for bit, for several layers with a strided id array, ids outside a
+// layer's rows (zeros), repeated rows (fetched once with de-duplication), with and without de-duplication, 1 and
+// several threads, batches of 0, 1 and many tokens back to back (buffer reuse); Wait orders the main stream; a
+// Prefetch during CUDA graph capture is refused; bad inputs are errors. Exits 77 (ctest skip) without a GPU.
+// ENGRAM_GPU_QUICK=1 shrinks the batches (compute-sanitizer).
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "client/host_gather.h"
+#include "gtest/gtest.h"
+#include "model/reference.h"
+#include "tests/gpu/gpu_util.h"
+
+namespace engram {
+namespace {
+
+using client::HostGather;
+using client::HostGatherOptions;
+using client::HostLayer;
+using testing::DeviceBuffer;
+
+bool Quick() { return std::getenv("ENGRAM_GPU_QUICK") != nullptr; }
+
+struct Fixture {
+  static constexpr int64_t kD = 256, kRb = 264, kRows = 60000, kBegin = 5000;
+  static constexpr int32_t kL = 2, kC = 24;
+  std::vector<std::vector<uint8_t>> host;  // per layer: records of rows [kBegin, kBegin + kRows)
+  std::vector<HostLayer> layers;
+  explicit Fixture(std::mt19937_64& rng) : host(kL) {
+    for (int l = 0; l < kL; ++l) {
+      host[l].resize(static_cast<size_t>(kRows * kRb));
+      for (auto& b : host[l]) b = static_cast<uint8_t>(rng());
+      layers.push_back({host[l].data(), kBegin, kBegin + kRows});
+    }
+  }
+  // ids [T, L, C]: a third repeat an earlier id, a few fall outside [kBegin, kBegin + kRows).
+  std::vector<int32_t> Ids(std::mt19937_64& rng, int32_t T) const {
+    std::vector<int32_t> ids(static_cast<size_t>(T) * kL * kC);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const uint64_t r = rng() % 100;
+      if (i > 0 && r < 33) ids[i] = ids[rng() % i];
+      else if (r < 36) ids[i] = static_cast<int32_t>(rng() % (kBegin + kRows + 3000));  // some out of range
+      else ids[i] = static_cast<int32_t>(kBegin + rng() % kRows);
+    }
+    return ids;
+  }
+  std::vector<uint16_t> Expected(const std::vector<int32_t>& ids, int32_t T, int l) const {
+    std::vector<int32_t> flat;
+    for (int32_t t = 0; t < T; ++t) {
+      for (int c = 0; c < kC; ++c) flat.push_back(ids[static_cast<size_t>((t * kL + l) * kC + c)]);
+    }
+    std::vector<uint16_t> out(flat.size() * kD);
+    const RecordTable rt{host[static_cast<size_t>(l)].data(), kBegin, kBegin + kRows, kD};
+    EXPECT_TRUE(LookupBf16Cpu(rt, flat, out).ok());
+    return out;
+  }
+};
+
+TEST(GpuHostGatherTest, RowsEqualTheCpuReferenceBitForBit) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  const Fixture f(rng);
+  const int32_t max_tokens = Quick() ? 300 : 4096;
+  std::vector<DeviceBuffer<uint16_t>> out;
+  std::vector<uint16_t*> out_ptrs;
+  for (int l = 0; l < Fixture::kL; ++l) {
+    out.emplace_back(static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD);
+    out_ptrs.push_back(out.back().get());
+  }
+  cudaStream_t main_stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&main_stream, cudaStreamNonBlocking));
+  for (int threads : {1, 4}) {
+    for (bool dedup : {true, false}) {
+      HostGatherOptions opt;
+      opt.threads = threads;
+      opt.dedup = dedup;
+      opt.min_chunk_rows = 256;  // several chunks even in small batches
+      auto g = HostGather::Create(f.layers, out_ptrs, max_tokens, Fixture::kC, static_cast<int32_t>(Fixture::kD), opt);
+      ASSERT_TRUE(g.ok()) << g.status();
+      EXPECT_EQ((*g)->threads(), threads);
+      for (int32_t T : {max_tokens, 1, 0, 77, max_tokens}) {
+        SCOPED_TRACE(::testing::Message() << "threads " << threads << " dedup " << dedup << " T " << T);
+        const std::vector<int32_t> ids = f.Ids(rng, T);
+        // Poison the outputs on the main stream first: the unpack must be ordered after it.
+        for (auto* p : out_ptrs) {
+          CUDA_OK(cudaMemsetAsync(p, 0xAB, static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD * 2,
+                                  main_stream));
+        }
+        ASSERT_TRUE((*g)->Prefetch(ids.data(), T, Fixture::kL * Fixture::kC, main_stream).ok());
+        for (int l = Fixture::kL - 1; l >= 0; --l) {
+          ASSERT_TRUE((*g)->Wait(l, main_stream).ok());
+          std::vector<uint16_t> got(static_cast<size_t>(T) * Fixture::kC * Fixture::kD);
+          CUDA_OK(cudaMemcpyAsync(got.data(), out_ptrs[static_cast<size_t>(l)], got.size() * 2,
+                                  cudaMemcpyDeviceToHost, main_stream));
+          CUDA_OK(cudaStreamSynchronize(main_stream));
+          const std::vector<uint16_t> want = f.Expected(ids, T, l);
+          ASSERT_EQ(got.size(), want.size());
+          size_t bad = 0;
+          for (size_t i = 0; i < got.size(); ++i) bad += got[i] != want[i];
+          ASSERT_EQ(bad, 0u) << "layer " << l << ": " << bad << " bf16 values differ";
+          const auto st = (*g)->stats(l);
+          EXPECT_EQ(st.items, static_cast<int64_t>(T) * Fixture::kC);
+          if (dedup && T >= 77) {
+            EXPECT_LT(st.rows_moved, st.items * 3 / 4) << "repeats were not merged";
+          }
+          if (!dedup) {
+            EXPECT_EQ(st.rows_moved, st.items);
+          }
+        }
+      }
+    }
+  }
+  CUDA_OK(cudaStreamDestroy(main_stream));
+}
+
+TEST(GpuHostGatherTest, RefusesCaptureAndBadInputs) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(5);
+  const Fixture f(rng);
+  DeviceBuffer<uint16_t> o0(64 * Fixture::kC * Fixture::kD), o1(64 * Fixture::kC * Fixture::kD);
+  auto g = HostGather::Create(f.layers, {o0.get(), o1.get()}, 64, Fixture::kC, static_cast<int32_t>(Fixture::kD));
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_GE((*g)->threads(), 1);
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const std::vector<int32_t> ids = f.Ids(rng, 64);
+  EXPECT_EQ((*g)->Prefetch(ids.data(), 65, 48, s).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*g)->Prefetch(nullptr, 4, 48, s).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*g)->Prefetch(ids.data(), 4, 47, s).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*g)->Wait(2, s).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*g)->Wait(0, s).ok());  // before any batch: nothing to wait for
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  const auto captured = (*g)->Prefetch(ids.data(), 4, 48, s);
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  EXPECT_EQ(captured.code(), absl::StatusCode::kFailedPrecondition) << captured;
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  EXPECT_EQ(HostGather::Create(f.layers, {o0.get()}, 64, Fixture::kC, 256).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(HostGather::Create(f.layers, {o0.get(), o1.get()}, 64, Fixture::kC, 100).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
+}  // namespace
+}  // namespace engram

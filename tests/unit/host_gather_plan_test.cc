@@ -1,0 +1,154 @@
+// The CPU side of the host-gather path (client/host_gather_plan.h): de-duplication of a batch's rows (every item
+// maps to a gathered row holding its id, each distinct owned row gathered exactly once, non-owned items -1), the
+// identity plan without de-duplication, chunk planning, range splitting, the pool, and the record gather.
+// Oracles: std::set / direct indexing, never the code under test.
+#include <cstring>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "client/host_gather_plan.h"
+#include "gtest/gtest.h"
+
+namespace engram::client {
+namespace {
+
+// Checks the plan against the ids: index[i] is -1 exactly for ids outside [begin, end); otherwise rows[index[i]] is
+// the item's row; with dedup, rows[0, n) are distinct and exactly the owned ids.
+void CheckPlan(const std::vector<int32_t>& ids, int32_t T, int32_t C, int64_t stride, int64_t begin, int64_t end,
+               bool dedup, const std::vector<int32_t>& index, const GatherPlan& plan) {
+  std::set<int64_t> owned;
+  for (int32_t t = 0; t < T; ++t) {
+    for (int32_t c = 0; c < C; ++c) {
+      const int64_t i = static_cast<int64_t>(t) * C + c;
+      const int64_t id = ids[static_cast<size_t>(t * stride + c)];
+      if (id < begin || id >= end) {
+        ASSERT_EQ(index[static_cast<size_t>(i)], -1) << "item " << i;
+        continue;
+      }
+      owned.insert(id - begin);
+      const int32_t k = index[static_cast<size_t>(i)];
+      ASSERT_GE(k, 0);
+      ASSERT_LT(k, plan.n_rows);
+      ASSERT_EQ(plan.rows[static_cast<size_t>(k)], static_cast<uint32_t>(id - begin)) << "item " << i;
+    }
+  }
+  if (dedup) {
+    std::set<int64_t> gathered(plan.rows.begin(), plan.rows.begin() + plan.n_rows);
+    EXPECT_EQ(static_cast<int64_t>(gathered.size()), plan.n_rows) << "a row is gathered twice";
+    EXPECT_EQ(gathered, owned);
+  } else {
+    EXPECT_EQ(plan.n_rows, static_cast<int64_t>(T) * C);
+  }
+}
+
+TEST(HostGatherPlanTest, DedupMapsEveryItemToItsRowAndFetchesEachRowOnce) {
+  std::mt19937_64 rng(11);
+  for (int threads : {1, 3, 8}) {
+    GatherPool pool(threads);
+    const int32_t T = 1000, C = 6;
+    const int64_t stride = 2 * C;  // layer 1 of a two-layer hash output
+    RowDeduper d(static_cast<int64_t>(T) * C);
+    std::vector<int32_t> ids(static_cast<size_t>(T * stride));
+    // Half the items repeat an earlier one; some ids fall outside the layer's rows [100, 5100).
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (i > 0 && rng() % 2 == 0) ids[i] = ids[rng() % i];
+      else ids[i] = static_cast<int32_t>(rng() % 5300);
+    }
+    std::vector<int32_t> index(static_cast<size_t>(T) * C);
+    GatherPlan plan;
+    for (bool dedup : {true, false}) {
+      ASSERT_TRUE(d.Plan(ids.data(), T, C, stride, 100, 5100, dedup, pool, index.data(), &plan).ok());
+      CheckPlan(ids, T, C, stride, 100, 5100, dedup, index, plan);
+      if (dedup) {
+        EXPECT_LT(plan.n_rows, static_cast<int64_t>(T) * C * 3 / 4);  // repeats were merged
+      }
+    }
+    // The table is left empty: planning again gives the same answer.
+    ASSERT_TRUE(d.Plan(ids.data(), T, C, stride, 100, 5100, true, pool, index.data(), &plan).ok());
+    CheckPlan(ids, T, C, stride, 100, 5100, true, index, plan);
+  }
+}
+
+TEST(HostGatherPlanTest, AllRepeatsAndNoneOwnedAndEmpty) {
+  GatherPool pool(4);
+  RowDeduper d(4096);
+  std::vector<int32_t> ids(4096, 77), index(4096);
+  GatherPlan plan;
+  ASSERT_TRUE(d.Plan(ids.data(), 4096, 1, 1, 0, 100, true, pool, index.data(), &plan).ok());
+  EXPECT_EQ(plan.n_rows, 1);
+  EXPECT_EQ(plan.rows[0], 77u);
+  for (int32_t k : index) ASSERT_EQ(k, 0);
+  ASSERT_TRUE(d.Plan(ids.data(), 4096, 1, 1, 0, 50, true, pool, index.data(), &plan).ok());
+  EXPECT_EQ(plan.n_rows, 0);
+  for (int32_t k : index) ASSERT_EQ(k, -1);
+  ASSERT_TRUE(d.Plan(nullptr, 0, 24, 24, 0, 50, true, pool, nullptr, &plan).ok());
+  EXPECT_EQ(plan.n_rows, 0);
+}
+
+TEST(HostGatherPlanTest, BadInputsAreErrors) {
+  GatherPool pool(2);
+  RowDeduper d(100);
+  std::vector<int32_t> ids(200), index(200);
+  GatherPlan plan;
+  EXPECT_EQ(d.Plan(ids.data(), 101, 1, 1, 0, 10, true, pool, index.data(), &plan).code(),
+            absl::StatusCode::kInvalidArgument);  // more items than sized for
+  EXPECT_EQ(d.Plan(ids.data(), 10, 4, 3, 0, 10, true, pool, index.data(), &plan).code(),
+            absl::StatusCode::kInvalidArgument);  // stride < cols
+  EXPECT_EQ(d.Plan(ids.data(), 10, 1, 1, 10, 0, true, pool, index.data(), &plan).code(),
+            absl::StatusCode::kInvalidArgument);  // empty reversed range
+  EXPECT_EQ(d.Plan(nullptr, 10, 1, 1, 0, 10, true, pool, index.data(), &plan).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(HostGatherPlanTest, ChunksAndRanges) {
+  EXPECT_EQ(PlanChunkRows(0, 8), 0);
+  EXPECT_EQ(PlanChunkRows(10, 8), 1024);            // never below the minimum
+  EXPECT_EQ(PlanChunkRows(1 << 20, 8), 8192);       // never above the maximum
+  EXPECT_EQ(PlanChunkRows(196608, 16), 3072);       // four chunks per thread
+  EXPECT_EQ(PlanChunkRows(100, 4, 1, 1000), 7);
+  for (int64_t n : {0, 1, 7, 100, 12345}) {
+    for (int parts : {1, 3, 16}) {
+      int64_t next = 0;
+      for (int p = 0; p < parts; ++p) {
+        const Range r = SplitRange(n, parts, p);
+        EXPECT_EQ(r.begin, next);
+        EXPECT_LE(r.end - r.begin, n / parts + 1);
+        EXPECT_GE(r.end - r.begin, n / parts);
+        next = r.end;
+      }
+      EXPECT_EQ(next, n);
+    }
+  }
+  EXPECT_EQ(DefaultGatherThreads(1), 1);
+  EXPECT_EQ(DefaultGatherThreads(16), 8);
+  EXPECT_EQ(DefaultGatherThreads(128), 16);
+}
+
+TEST(HostGatherPlanTest, PoolRunsEveryWorkerEveryTimeAndPins) {
+  GatherPool pool(5, {0});
+  std::vector<int> hits(5, 0);
+  for (int round = 0; round < 100; ++round) pool.Run([&](int w) { ++hits[static_cast<size_t>(w)]; });
+  for (int h : hits) EXPECT_EQ(h, 100);
+}
+
+TEST(HostGatherPlanTest, GatherCopiesRecordsAndSkipsNoRow) {
+  const int64_t rb = 264, rows = 50;
+  std::vector<uint8_t> table(static_cast<size_t>(rows * rb));
+  for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<uint8_t>(i * 7 + 3);
+  std::vector<uint32_t> order = {49, 0, GatherPlan::kNoRow, 17, 17, 3};
+  for (int k = 0; k < 40; ++k) order.push_back(static_cast<uint32_t>((k * 13) % rows));
+  std::vector<uint8_t> dst(order.size() * rb, 0xEE);
+  GatherRecords(table.data(), rb, order.data(), 1, static_cast<int64_t>(order.size()), dst.data());
+  for (size_t k = 0; k < order.size(); ++k) {
+    const uint8_t* got = dst.data() + k * rb;
+    if (k == 0 || order[k] == GatherPlan::kNoRow) {
+      for (int64_t b = 0; b < rb; ++b) ASSERT_EQ(got[b], 0xEE) << "slot " << k << " was written";
+      continue;
+    }
+    ASSERT_EQ(std::memcmp(got, table.data() + order[k] * rb, rb), 0) << "slot " << k;
+  }
+}
+
+}  // namespace
+}  // namespace engram::client
