@@ -11,6 +11,9 @@
 #include "client/dp_group.h"
 #include "client/dp_host_transport.h"
 #include "client/dp_sharded.h"
+#ifdef ENGRAM_HAVE_CUDA
+#include "client/dp_device_engine.h"
+#endif
 #include "client/tables.h"
 #include "model/reference.h"
 #include "spdlog/spdlog.h"
@@ -202,16 +205,11 @@ class DpHostEngine final : public LookupEngine {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpEngine(const Table& table, int32_t max_tokens, void* stream) {
-  (void)stream;
+absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpEngine(const Table& table, int32_t max_tokens, void* stream,
+                                                             const DpEngineOptions& options) {
   const auto* impl = dynamic_cast<const TableImpl*>(&table);
   if (impl == nullptr || impl->session_ == nullptr) {
     return absl::FailedPreconditionError("a DP_SHARDED table without its engramd session (the group's broker)");
-  }
-  if (table.backend() != Backend::kCpu) {
-    return absl::UnimplementedError(
-        "DP_SHARDED on the CUDA backend needs the NCCL transport, which this build does not have yet; run with "
-        "dp_shared_memory (SHARED) or without embedding_across_dp");
   }
   Session& session = *impl->session_;
   const Declaration& d = session.declaration();
@@ -220,6 +218,16 @@ absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpEngine(const Table& table,
   if (plan.owned.col_begin != table.col_begin() || plan.owned.col_end != table.col_end()) {
     return absl::InternalError("the DP_SHARDED table does not hold this rank's shard");
   }
+  if (table.backend() == Backend::kCuda) {
+#ifdef ENGRAM_HAVE_CUDA
+    return CreateDpDeviceEngine(table, max_tokens, static_cast<cudaStream_t>(stream), session, plan,
+                                options.nccl_comm);
+#else
+    return absl::InternalError("a CUDA table in a build without CUDA");
+#endif
+  }
+  (void)stream;
+  (void)options;
   const int32_t me = static_cast<int32_t>(plan.edp_rank);
   std::unique_ptr<DpHostRegion> region;
   GroupJoinRequest join;

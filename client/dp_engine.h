@@ -12,7 +12,7 @@
 // Buffers are fixed at creation (sized from the group slot). Any failure of a step (a member left, the lease
 // ended, the step timeout, a bad argument on one member) aborts the step on every member and poisons the engine:
 // every later call returns the same error. Transport: the host region (client/dp_host_transport.h) on the CPU
-// backend. One thread drives an engine; the Table must outlive it.
+// backend; NCCL (and NVLink peer reads for small slots) on the CUDA backend (client/dp_device_engine.h). One thread drives an engine; the Table must outlive it.
 #pragma once
 
 #include <memory>
@@ -23,6 +23,13 @@
 
 namespace engram::client {
 
-absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpEngine(const Table& table, int32_t max_tokens, void* stream);
+struct DpEngineOptions {
+  // CUDA backend: the engine's own NCCL communicator of this group (ncclComm_t, ranks = edp ranks; not owned). Null:
+  // one is formed from the ncclUniqueId that rank 0 sends through engramd.
+  void* nccl_comm = nullptr;
+};
+
+absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpEngine(const Table& table, int32_t max_tokens, void* stream,
+                                                             const DpEngineOptions& options = {});
 
 }  // namespace engram::client

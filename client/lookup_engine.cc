@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/dp_engine.h"
 #include "model/reference.h"
 #include "base/status_macros.h"
 
@@ -112,6 +113,7 @@ class CpuEngine final : public LookupEngine {
 absl::StatusOr<std::unique_ptr<LookupEngine>> LookupEngine::Create(const Table& table, int32_t max_tokens,
                                                                    void* stream) {
   if (max_tokens < 1) return absl::InvalidArgumentError("max_tokens must be >= 1");
+  if (table.mode() == Mode::kDpSharded) return CreateDpEngine(table, max_tokens, stream);  // joins the DP group
   if (table.backend() == Backend::kCuda) {
 #ifdef ENGRAM_HAVE_CUDA
     ASSIGN_OR_RETURN(auto e, DeviceEngine::Create(table, max_tokens, static_cast<cudaStream_t>(stream)));

@@ -62,6 +62,7 @@ grpc::Status EngramService::Session(
   engram::v1::ClientMessage msg;
   bool ticket_held = false;
   bool outcome_sent = false;
+  engram::v1::Mode outcome_mode = engram::v1::MODE_UNSPECIFIED;
   while (stream->Read(&msg)) {
     switch (msg.msg_case()) {
       case engram::v1::ClientMessage::kTicketRequest: {
@@ -118,8 +119,23 @@ grpc::Status EngramService::Session(
           break;
         }
         outcome_sent = true;
+        outcome_mode = msg.outcome().mode();
         continue;
       }
+      case engram::v1::ClientMessage::kGroupJoin:
+        // DP_SHARDED replicas only, once they settled in that mode (daemon/group_registry.h checks the rest).
+        if (!outcome_sent || outcome_mode != engram::v1::DP_SHARDED) {
+          result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                "group join before an outcome of mode DP_SHARDED");
+          break;
+        }
+        if (auto st = state_->JoinGroup(lease, first.hello(), peer, msg.group_join(), write); !st.ok()) {
+          spdlog::warn("event=group_join_refused pid={} uid={} detail=\"{}\"", peer.pid, peer.uid,
+                       std::string(st.message()));
+          result = ToGrpc(st);
+          break;
+        }
+        continue;
       case engram::v1::ClientMessage::kHello:
         result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "hello sent twice in one session");
         break;

@@ -178,7 +178,7 @@ TEST_F(ClientFaultsTest, StatusShowsTheModeTheReplicaRuns) {
     std::string mode;
     std::set<std::string> must;
   } cases[] = {
-      {1, true, client::Choice::kAuto, "PRIVATE_PINNED", {"DP_SIZE_ONE", "DP_SHARDED_NOT_BUILT"}},
+      {1, true, client::Choice::kAuto, "PRIVATE_PINNED", {"DP_SIZE_ONE"}},  // a DP group of one: own table
       {1, false, client::Choice::kAuto, "PRIVATE_PINNED", {"DP_SIZE_ONE"}},
   };
   for (const auto& k : cases) {

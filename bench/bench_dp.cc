@@ -1,0 +1,283 @@
+// bench_dp: the DP-sharded exchange on two GPUs of one host (issue 12), per tokens-per-rank, each path next to its
+// ceilings measured in the same run:
+//   all-to-all   the collective path (all-gather of ids, lookup of own columns, all-to-all of records, unpack)
+//   peer         the NVLink peer-read path (each GPU reads the other's shard directly)
+//   a2a ceiling  NCCL grouped send/recv of exactly the records the collective path moves (no lookup, no unpack)
+//   peer gather  the lookup kernel reading the same rows from the peer GPU's shard (no placement)
+//   UVA shared   the dp_shared_memory topology: the lookup of the same tokens (every column) from one pinned host
+//                table through UVA, sorted gather for large batches as the engine does
+// One process, one thread per GPU (NCCL communicator from one ncclUniqueId; peer pointers through peer access).
+// Synthetic shards: 24 columns x 2 layers, `rows` rows per column (default 2^20: 3.3 GB per layer and GPU), random
+// ids. Times are per step (both layers), mean of --iters after warm-up. Usage:
+//   bench_dp [--tokens 1,4,64,512,4096,8192] [--iters 50] [--rows 1048576] [--uva-rows 1048576]
+#include <cuda_runtime_api.h>
+
+#include <barrier>
+#include <cstdio>
+#include <cstring>
+#include <future>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/dp_nccl_transport.h"
+#include "kernels/engram_kernels.h"
+
+namespace {
+
+using engram::client::DpExchangeShape;
+using engram::client::DpNcclExchange;
+using engram::client::NcclApi;
+using engram::client::ShardLayer;
+
+constexpr int kL = 2, kC = 24, kD = 256, kRb = 264, kMembers = 2;
+
+#define CK(x)                                                                               \
+  do {                                                                                      \
+    cudaError_t e_ = (x);                                                                   \
+    if (e_ != cudaSuccess) {                                                                \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+struct Result {
+  double a2a = 0, peer = 0, a2a_ceiling = 0, peer_gather = 0, uva = 0;
+  double record_bytes = 0;
+};
+
+std::vector<int> ParseList(const std::string& s) {
+  std::vector<int> v;
+  size_t p = 0;
+  while (p < s.size()) {
+    size_t q = s.find(',', p);
+    v.push_back(std::stoi(s.substr(p, q == std::string::npos ? std::string::npos : q - p)));
+    if (q == std::string::npos) break;
+    p = q + 1;
+  }
+  return v;
+}
+
+// Mean milliseconds per call of `f` on `stream`.
+template <typename F>
+double TimeMs(cudaStream_t stream, int iters, F f) {
+  for (int i = 0; i < 3; ++i) f();
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  CK(cudaStreamSynchronize(stream));
+  CK(cudaEventRecord(a, stream));
+  for (int i = 0; i < iters; ++i) f();
+  CK(cudaEventRecord(b, stream));
+  CK(cudaEventSynchronize(b));
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, a, b));
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms / iters;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int> tokens = {1, 4, 64, 512, 4096, 8192};
+  int iters = 50;
+  int64_t rows = int64_t{1} << 20, uva_rows = int64_t{1} << 20;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--tokens") tokens = ParseList(v);
+    else if (k == "--iters") iters = std::stoi(v);
+    else if (k == "--rows") rows = std::stoll(v);
+    else if (k == "--uva-rows") uva_rows = std::stoll(v);
+  }
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) {
+    std::printf("bench_dp needs two GPUs (found %d)\n", n);
+    return 77;
+  }
+  auto api = NcclApi::Get();
+  if (!api.ok()) {
+    std::printf("%s\n", std::string(api.status().message()).c_str());
+    return 1;
+  }
+  const NcclApi* nccl = *api;
+  std::printf("bench_dp: NCCL %d, %d GPUs, %lld rows per column (shard %.2f GB per layer and GPU), %d iterations\n",
+              nccl->version, n, static_cast<long long>(rows), 12.0 * rows * kRb / 1e9, iters);
+  ncclUniqueId id;
+  nccl->GetUniqueId(&id);
+  // Shards: member g owns columns [12g, 12g + 12); column c's rows are [c * rows, (c + 1) * rows) of each layer.
+  std::vector<std::vector<ShardLayer>> shards(kMembers);
+  std::vector<std::vector<Result>> results(kMembers, std::vector<Result>(tokens.size()));
+  std::barrier sync(kMembers);
+  auto run = [&](int g) {
+    CK(cudaSetDevice(g));
+    CK(cudaDeviceEnablePeerAccess(1 - g, 0));
+    cudaStream_t stream;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const int64_t shard_rows = 12 * rows;
+    std::vector<uint8_t> pattern(static_cast<size_t>(std::min<int64_t>(shard_rows, 1 << 16)) * kRb);
+    std::mt19937_64 rng(g + 1);
+    for (size_t i = 0; i < pattern.size(); ++i) {
+      // e4m3 values, ue8m0 scales near 127 (finite rows).
+      pattern[i] = (i % kRb) < kD ? static_cast<uint8_t>(rng() & 0x77) : static_cast<uint8_t>(120 + rng() % 8);
+    }
+    for (int l = 0; l < kL; ++l) {
+      uint8_t* p = nullptr;
+      CK(cudaMalloc(&p, static_cast<size_t>(shard_rows) * kRb));
+      for (int64_t off = 0; off < shard_rows * kRb; off += static_cast<int64_t>(pattern.size())) {
+        CK(cudaMemcpy(p + off, pattern.data(), std::min<size_t>(pattern.size(), shard_rows * kRb - off),
+                      cudaMemcpyHostToDevice));
+      }
+      shards[static_cast<size_t>(g)].push_back({p, 12 * g * rows, 12 * (g + 1) * rows});
+    }
+    // The dp_shared_memory table for the UVA comparison: every column, pinned host memory (GPU 0 only).
+    uint8_t* uva = nullptr;
+    if (g == 0) {
+      CK(cudaHostAlloc(&uva, static_cast<size_t>(kC) * uva_rows * kRb * kL, cudaHostAllocMapped));
+      for (int64_t off = 0; off < kC * uva_rows * kRb * kL; off += static_cast<int64_t>(pattern.size())) {
+        std::memcpy(uva + off, pattern.data(), std::min<size_t>(pattern.size(), kC * uva_rows * kRb * kL - off));
+      }
+    }
+    auto comm = DpNcclExchange::InitComm(id, kMembers, g, nullptr, std::chrono::seconds(120));
+    if (!comm.ok()) {
+      std::fprintf(stderr, "comm: %s\n", std::string(comm.status().message()).c_str());
+      std::exit(1);
+    }
+    sync.arrive_and_wait();  // both shards exist: peers can be addressed
+    const int maxT = *std::max_element(tokens.begin(), tokens.end());
+    int32_t *ids = nullptr, *uva_ids = nullptr;
+    uint16_t* out[kL];
+    CK(cudaMalloc(&ids, static_cast<size_t>(maxT) * kL * kC * 4));
+    CK(cudaMalloc(&uva_ids, static_cast<size_t>(maxT) * kL * kC * 4));
+    for (auto& o : out) CK(cudaMalloc(&o, static_cast<size_t>(maxT) * kC * kD * 2));
+    void* sort_scratch = nullptr;
+    const size_t sort_bytes = engram::kernels::LookupSortScratchBytes(static_cast<int64_t>(maxT) * kC);
+    CK(cudaMalloc(&sort_scratch, sort_bytes));
+    {
+      std::vector<int32_t> h(static_cast<size_t>(maxT) * kL * kC), hu(h.size());
+      for (int64_t t = 0; t < maxT; ++t) {
+        for (int l = 0; l < kL; ++l) {
+          for (int c = 0; c < kC; ++c) {
+            const int64_t r = static_cast<int64_t>(rng() % static_cast<uint64_t>(rows));
+            h[static_cast<size_t>((t * kL + l) * kC + c)] = static_cast<int32_t>(c * rows + r);
+            hu[static_cast<size_t>((t * kL + l) * kC + c)] = static_cast<int32_t>(c * uva_rows + r % uva_rows);
+          }
+        }
+      }
+      CK(cudaMemcpy(ids, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(uva_ids, hu.data(), hu.size() * 4, cudaMemcpyHostToDevice));
+    }
+    for (size_t ti = 0; ti < tokens.size(); ++ti) {
+      const int T = tokens[ti];
+      DpExchangeShape shape;
+      shape.members = kMembers;
+      shape.me = g;
+      shape.slot = T;
+      shape.layers = kL;
+      shape.cols = kC;
+      shape.head_dim = kD;
+      shape.col_begin = {0, 12};
+      shape.col_end = {12, 24};
+      shape.group_col_begin = 0;
+      shape.group_col_end = 24;
+      auto x = DpNcclExchange::Create(shape, *comm, false, stream, shards[static_cast<size_t>(g)], nullptr,
+                                      std::chrono::seconds(60));
+      if (!x.ok()) {
+        std::fprintf(stderr, "exchange: %s\n", std::string(x.status().message()).c_str());
+        std::exit(1);
+      }
+      (*x)->SetPeerShards(shards);
+      void* outs[kL] = {out[0], out[1]};
+      Result& res = results[static_cast<size_t>(g)][ti];
+      res.record_bytes = static_cast<double>(kL) * T * 12 * kRb;  // what this rank sends (and receives)
+      auto step = [&](bool peer) {
+        auto st = (*x)->Step(ids, kL * kC, kC, T, 0, kL, outs, false, peer);
+        if (!st.ok()) {
+          std::fprintf(stderr, "step: %s\n", std::string(st.message()).c_str());
+          std::exit(1);
+        }
+      };
+      sync.arrive_and_wait();
+      res.a2a = TimeMs(stream, iters, [&] { step(false); });
+      sync.arrive_and_wait();
+      res.peer = TimeMs(stream, iters, [&] { step(true); });
+      sync.arrive_and_wait();
+      // The all-to-all alone, of the same bytes (scratch buffers of that size).
+      uint8_t *sb = nullptr, *rbuf = nullptr;
+      const size_t chunk = static_cast<size_t>(res.record_bytes);
+      CK(cudaMalloc(&sb, chunk));
+      CK(cudaMalloc(&rbuf, chunk));
+      res.a2a_ceiling = TimeMs(stream, iters, [&] {
+        nccl->GroupStart();
+        nccl->Send(sb, chunk, ncclUint8, 1 - g, *comm, stream);
+        nccl->Recv(rbuf, chunk, ncclUint8, 1 - g, *comm, stream);
+        nccl->GroupEnd();
+      });
+      cudaFree(sb);
+      cudaFree(rbuf);
+      sync.arrive_and_wait();
+      // The peer gather alone: the peer's 12 columns of both layers for my T tokens, straight from its HBM.
+      res.peer_gather = TimeMs(stream, iters, [&] {
+        for (int l = 0; l < kL; ++l) {
+          engram::kernels::LookupArgs a;
+          const ShardLayer& src = shards[static_cast<size_t>(1 - g)][static_cast<size_t>(l)];
+          a.records = src.records;
+          a.row_begin = src.row_begin;
+          a.row_end = src.row_end;
+          a.head_dim = kD;
+          a.ids = ids + l * kC + 12 * (1 - g);
+          a.num_tokens = T;
+          a.num_cols = 12;
+          a.ids_stride = kL * kC;
+          a.out = out[l];
+          engram::kernels::LaunchLookup(a, stream);
+        }
+      });
+      if (g == 0) {
+        res.uva = TimeMs(stream, iters, [&] {
+          for (int l = 0; l < kL; ++l) {
+            engram::kernels::LookupArgs a;
+            a.records = uva + static_cast<size_t>(l) * kC * uva_rows * kRb;
+            a.row_begin = 0;
+            a.row_end = kC * uva_rows;
+            a.head_dim = kD;
+            a.ids = uva_ids + l * kC;
+            a.num_tokens = T;
+            a.num_cols = kC;
+            a.ids_stride = kL * kC;
+            a.out = out[l];
+            a.sort_scratch = sort_scratch;
+            a.sort_scratch_bytes = sort_bytes;
+            engram::kernels::LaunchLookup(a, stream);
+          }
+        });
+      }
+      CK(cudaStreamSynchronize(stream));
+      sync.arrive_and_wait();
+    }
+  };
+  std::thread t1(run, 1);
+  run(0);
+  t1.join();
+  std::printf("\n%-8s %-12s %-12s %-14s %-10s %-12s %-14s %-12s %s\n", "tokens", "a2a path us", "peer path us",
+              "a2a ceiling us", "a2a GB/s", "path/ceil", "peer gather us", "UVA shared us", "fastest");
+  for (size_t ti = 0; ti < tokens.size(); ++ti) {
+    // The slower rank's time is the step's.
+    Result r;
+    for (const auto& m : results) {
+      r.a2a = std::max(r.a2a, m[ti].a2a);
+      r.peer = std::max(r.peer, m[ti].peer);
+      r.a2a_ceiling = std::max(r.a2a_ceiling, m[ti].a2a_ceiling);
+      r.peer_gather = std::max(r.peer_gather, m[ti].peer_gather);
+      r.uva = std::max(r.uva, m[ti].uva);
+      r.record_bytes = m[ti].record_bytes;
+    }
+    const double best_dp = std::min(r.a2a, r.peer);
+    std::printf("%-8d %-12.1f %-12.1f %-14.1f %-10.1f %-12.2f %-14.1f %-12.1f %s\n", tokens[ti], r.a2a * 1e3,
+                r.peer * 1e3, r.a2a_ceiling * 1e3, r.record_bytes / (r.a2a_ceiling * 1e-3) / 1e9,
+                r.a2a_ceiling / r.a2a, r.peer_gather * 1e3, r.uva * 1e3,
+                r.uva < best_dp ? "UVA shared" : (r.peer < r.a2a ? "DP peer" : "DP all-to-all"));
+  }
+  return 0;
+}

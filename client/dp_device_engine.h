@@ -1,0 +1,30 @@
+// The DP-sharded LookupEngine on the CUDA backend (client/dp_engine.h describes the calls): the exchange runs over
+// NCCL (client/dp_nccl_transport.h) on the engine's stream, into fixed device staging buffers; Hash and Gate are the
+// DeviceEngine's. The communicator is the engine's own (DpEngineOptions::nccl_comm, not owned) or one formed from
+// the ncclUniqueId that the group's rank 0 sent through engramd. Small group slots (<= ENGRAM_DP_PEER_MAX_SLOT,
+// default kDefaultPeerMaxSlot) read the other members' shards over NVLink instead when every member's shard is in
+// GPU memory (cpu_offload false); the choice depends on group-wide facts only, so every member takes the same path.
+// A watchdog thread aborts the communicator when the group breaks (engramd: a member left; or this lease ended)
+// or a step does not finish within ENGRAM_DP_STEP_TIMEOUT_MS, so no member hangs in a collective; every later call
+// then returns the reason. CUDA builds only. One thread drives the engine; the Table must outlive it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "client/dp_group.h"
+#include "client/dp_sharded.h"
+#include "client/engram_client.h"
+#include "client/lookup_engine.h"
+
+namespace engram::client {
+
+inline constexpr int32_t kDefaultPeerMaxSlot = 64;
+
+absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpDeviceEngine(const Table& table, int32_t max_tokens,
+                                                                   cudaStream_t stream, Session& session,
+                                                                   const DpShardedPlan& plan, void* nccl_comm);
+
+}  // namespace engram::client

@@ -1,0 +1,365 @@
+#include "client/dp_nccl_transport.h"
+
+#include <dlfcn.h>
+
+#include <cstring>
+#include <numeric>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/engram_kernels.h"
+
+namespace engram::client {
+namespace {
+
+constexpr int kMaxPeerLayers = 16;
+
+// What a member exports for peer reads: its shard allocation and where each layer lies in it.
+struct PeerExport {
+  cudaIpcMemHandle_t handle;
+  int64_t offset[kMaxPeerLayers];
+  int64_t row_begin[kMaxPeerLayers];
+  int64_t row_end[kMaxPeerLayers];
+};
+
+template <typename F>
+bool Load(void* lib, const char* name, F* fn) {
+  *fn = reinterpret_cast<F>(::dlsym(lib, name));
+  return *fn != nullptr;
+}
+
+}  // namespace
+
+absl::StatusOr<const NcclApi*> NcclApi::Get() {
+  static const absl::StatusOr<const NcclApi*> api = []() -> absl::StatusOr<const NcclApi*> {
+    void* lib = ::dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) lib = ::dlopen("libnccl.so", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      return absl::UnavailableError(absl::StrCat("DP_SHARDED on the GPU needs NCCL: ", ::dlerror(),
+                                                 " (install libnccl2; it is loaded at run time)"));
+    }
+    auto* a = new NcclApi();
+    ncclResult_t (*get_version)(int*) = nullptr;
+    const bool ok = Load(lib, "ncclGetUniqueId", &a->GetUniqueId) &&
+                    Load(lib, "ncclCommInitRankConfig", &a->CommInitRankConfig) &&
+                    Load(lib, "ncclCommGetAsyncError", &a->CommGetAsyncError) &&
+                    Load(lib, "ncclCommAbort", &a->CommAbort) && Load(lib, "ncclCommDestroy", &a->CommDestroy) &&
+                    Load(lib, "ncclCommFinalize", &a->CommFinalize) && Load(lib, "ncclAllGather", &a->AllGather) &&
+                    Load(lib, "ncclSend", &a->Send) && Load(lib, "ncclRecv", &a->Recv) &&
+                    Load(lib, "ncclGroupStart", &a->GroupStart) && Load(lib, "ncclGroupEnd", &a->GroupEnd) &&
+                    Load(lib, "ncclGetErrorString", &a->GetErrorString) && Load(lib, "ncclGetVersion", &get_version);
+    if (!ok) return absl::UnavailableError("libnccl.so.2 lacks an entry point this build needs (NCCL >= 2.14)");
+    get_version(&a->version);
+    return a;
+  }();
+  return api;
+}
+
+absl::StatusOr<ncclComm_t> DpNcclExchange::InitComm(const ncclUniqueId& id, int32_t members, int32_t me,
+                                                    const BrokenFn& broken, std::chrono::milliseconds timeout) {
+  auto api = NcclApi::Get();
+  if (!api.ok()) return api.status();
+  const NcclApi* n = *api;
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;  // every call returns; we poll with a deadline and can abort
+  ncclComm_t comm = nullptr;
+  const ncclResult_t r = n->CommInitRankConfig(&comm, members, id, me, &cfg);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    if (comm != nullptr) n->CommAbort(comm);
+    return absl::InternalError(absl::StrCat("NCCL communicator: ", n->GetErrorString(r)));
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    ncclResult_t st = ncclSuccess;
+    n->CommGetAsyncError(comm, &st);
+    if (st == ncclSuccess) return comm;
+    if (st != ncclInProgress) {
+      n->CommAbort(comm);
+      return absl::InternalError(absl::StrCat("NCCL communicator: ", n->GetErrorString(st)));
+    }
+    std::optional<std::string> why = broken ? broken() : std::nullopt;
+    if (!why && std::chrono::steady_clock::now() > deadline) why = "the NCCL communicator did not form in time";
+    if (why) {
+      n->CommAbort(comm);
+      return absl::AbortedError(*why);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+absl::Status DpNcclExchange::Cuda(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("DP exchange: ", what, ": ", cudaGetErrorString(e)));
+}
+
+absl::Status DpNcclExchange::Wait(ncclResult_t r, const char* what) {
+  if (r != ncclSuccess && r != ncclInProgress) {
+    return absl::InternalError(absl::StrCat("DP exchange: ", what, ": ", nccl_->GetErrorString(r)));
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  while (true) {
+    ncclResult_t st = ncclSuccess;
+    nccl_->CommGetAsyncError(comm_, &st);
+    if (st == ncclSuccess) return absl::OkStatus();
+    if (st != ncclInProgress) {
+      return absl::InternalError(absl::StrCat("DP exchange: ", what, ": ", nccl_->GetErrorString(st)));
+    }
+    if (aborted_) return absl::AbortedError("the DP exchange was aborted");
+    if (std::chrono::steady_clock::now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("DP exchange: ", what, " did not complete in time"));
+    }
+    std::this_thread::yield();
+  }
+}
+
+absl::StatusOr<std::unique_ptr<DpNcclExchange>> DpNcclExchange::Create(const DpExchangeShape& shape, ncclComm_t comm,
+                                                                       bool own_comm, cudaStream_t stream,
+                                                                       std::vector<ShardLayer> shard, BrokenFn broken,
+                                                                       std::chrono::milliseconds timeout) {
+  auto api = NcclApi::Get();
+  if (!api.ok()) return api.status();
+  if (shape.members < 1 || shape.me < 0 || shape.me >= shape.members || shape.slot < 1 || shape.layers < 1 ||
+      static_cast<int32_t>(shape.col_begin.size()) != shape.members ||
+      static_cast<int32_t>(shard.size()) != shape.layers) {
+    return absl::InvalidArgumentError("DP exchange: inconsistent shape");
+  }
+  std::unique_ptr<DpNcclExchange> x(new DpNcclExchange());
+  x->nccl_ = *api;
+  x->shape_ = shape;
+  x->comm_ = comm;
+  x->own_comm_ = own_comm;
+  x->stream_ = stream;
+  x->shard_ = std::move(shard);
+  x->broken_ = std::move(broken);
+  x->timeout_ = timeout;
+  const size_t n = static_cast<size_t>(shape.members), S = static_cast<size_t>(shape.slot),
+               L = static_cast<size_t>(shape.layers), C = static_cast<size_t>(shape.cols),
+               rb = static_cast<size_t>(shape.record_bytes()), D = static_cast<size_t>(shape.head_dim);
+  for (int32_t m = 0; m < shape.members; ++m) {
+    x->part_ = std::max(x->part_, shape.col_end[static_cast<size_t>(m)] - shape.col_begin[static_cast<size_t>(m)]);
+  }
+  const size_t own = static_cast<size_t>(shape.col_end[static_cast<size_t>(shape.me)] -
+                                         shape.col_begin[static_cast<size_t>(shape.me)]);
+  size_t recv_total = 0;
+  for (int32_t m = 0; m < shape.members; ++m) {
+    x->recv_off_.push_back(recv_total);
+    recv_total += L * S * static_cast<size_t>(shape.col_end[static_cast<size_t>(m)] - shape.col_begin[static_cast<size_t>(m)]) * rb;
+  }
+  auto alloc = [&](void** p, size_t bytes) -> absl::Status {
+    x->device_bytes_ += bytes;
+    return x->Cuda(cudaMalloc(p, std::max<size_t>(bytes, 256)), "cudaMalloc of the exchange buffers");
+  };
+  const size_t P = static_cast<size_t>(x->part_);
+  if (auto st = alloc(reinterpret_cast<void**>(&x->send_ids_), S * L * C * 4); !st.ok()) return st;
+  if (auto st = alloc(reinterpret_cast<void**>(&x->all_ids_), n * S * L * C * 4); !st.ok()) return st;
+  if (auto st = alloc(reinterpret_cast<void**>(&x->send_recs_), n * L * S * own * rb); !st.ok()) return st;
+  if (auto st = alloc(reinterpret_cast<void**>(&x->recv_recs_), recv_total); !st.ok()) return st;
+  if (auto st = alloc(reinterpret_cast<void**>(&x->tmp_rows_), S * P * std::max(D * 2, rb)); !st.ok()) return st;
+  if (auto st = alloc(reinterpret_cast<void**>(&x->iota_), S * P * 4); !st.ok()) return st;
+  std::vector<int32_t> iota(S * P);
+  std::iota(iota.begin(), iota.end(), 0);
+  if (auto st = x->Cuda(cudaMemcpy(x->iota_, iota.data(), iota.size() * 4, cudaMemcpyHostToDevice), "iota"); !st.ok()) {
+    return st;
+  }
+  return x;
+}
+
+DpNcclExchange::~DpNcclExchange() {
+  for (void* p : ipc_opened_) cudaIpcCloseMemHandle(p);
+  for (void* p : {static_cast<void*>(send_ids_), static_cast<void*>(all_ids_), static_cast<void*>(send_recs_),
+                  static_cast<void*>(recv_recs_), static_cast<void*>(tmp_rows_), static_cast<void*>(iota_)}) {
+    if (p != nullptr) cudaFree(p);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (own_comm_ && comm_ != nullptr && !aborted_) {
+    // A finished group: release the communicator without waiting on peers that may be gone (abort is local).
+    nccl_->CommAbort(comm_);
+  }
+}
+
+void DpNcclExchange::Abort(const std::string& why) {
+  if (aborted_.exchange(true)) return;
+  std::lock_guard<std::mutex> lock(mu_);  // the engine thread leaves its NCCL polling once aborted_ is set
+  abort_reason_ = why;
+  if (comm_ != nullptr) nccl_->CommAbort(comm_);
+}
+
+std::optional<std::string> DpNcclExchange::aborted() const {
+  if (!aborted_) return std::nullopt;
+  std::lock_guard<std::mutex> lock(mu_);
+  return abort_reason_;
+}
+
+absl::Status DpNcclExchange::ExchangePeerShards(const void* alloc_base) {
+  if (shape_.layers > kMaxPeerLayers) return absl::UnimplementedError("peer reads: too many layers");
+  PeerExport mine{};
+  if (auto st = Cuda(cudaIpcGetMemHandle(&mine.handle, const_cast<void*>(alloc_base)), "cudaIpcGetMemHandle");
+      !st.ok()) {
+    return st;
+  }
+  for (int32_t l = 0; l < shape_.layers; ++l) {
+    mine.offset[l] = shard_[static_cast<size_t>(l)].records - static_cast<const uint8_t*>(alloc_base);
+    mine.row_begin[l] = shard_[static_cast<size_t>(l)].row_begin;
+    mine.row_end[l] = shard_[static_cast<size_t>(l)].row_end;
+  }
+  const size_t n = static_cast<size_t>(shape_.members);
+  void* d = nullptr;
+  if (auto st = Cuda(cudaMalloc(&d, sizeof(PeerExport) * (n + 1)), "cudaMalloc"); !st.ok()) return st;
+  std::vector<PeerExport> all(n);
+  absl::Status result = Cuda(cudaMemcpy(d, &mine, sizeof(mine), cudaMemcpyHostToDevice), "copy");
+  if (result.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    result = Wait(nccl_->AllGather(d, static_cast<uint8_t*>(d) + sizeof(PeerExport), sizeof(PeerExport), ncclUint8,
+                                   comm_, stream_),
+                  "all-gather of the peer handles");
+  }
+  if (result.ok()) result = Cuda(cudaStreamSynchronize(stream_), "peer handles");
+  if (result.ok()) {
+    result = Cuda(cudaMemcpy(all.data(), static_cast<uint8_t*>(d) + sizeof(PeerExport), sizeof(PeerExport) * n,
+                             cudaMemcpyDeviceToHost),
+                  "copy back");
+  }
+  cudaFree(d);
+  if (!result.ok()) return result;
+  std::vector<std::vector<ShardLayer>> peers(n);
+  for (size_t s = 0; s < n; ++s) {
+    const uint8_t* base = static_cast<const uint8_t*>(alloc_base);
+    if (static_cast<int32_t>(s) != shape_.me) {
+      void* p = nullptr;
+      if (auto st = Cuda(cudaIpcOpenMemHandle(&p, all[s].handle, cudaIpcMemLazyEnablePeerAccess),
+                         "cudaIpcOpenMemHandle of a peer's shard (the GPUs must see each other)");
+          !st.ok()) {
+        return st;
+      }
+      ipc_opened_.push_back(p);
+      base = static_cast<const uint8_t*>(p);
+    }
+    for (int32_t l = 0; l < shape_.layers; ++l) {
+      peers[s].push_back({base + all[s].offset[l], all[s].row_begin[l], all[s].row_end[l]});
+    }
+  }
+  peers_ = std::move(peers);
+  return absl::OkStatus();
+}
+
+absl::Status DpNcclExchange::Step(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T,
+                                  int32_t l0, int32_t nl, void* const* outs, bool packed, bool peer) {
+  if (auto why = aborted()) return absl::AbortedError(*why);
+  if (T < 0 || T > shape_.slot || l0 < 0 || nl < 1 || l0 + nl > shape_.layers) {
+    return absl::InvalidArgumentError("DP exchange: step outside the exchange's shape");
+  }
+  const int64_t S = shape_.slot, C = shape_.cols, rb = shape_.record_bytes(), D = shape_.head_dim;
+  const int32_t me = shape_.me, n = shape_.members;
+  const size_t row_bytes = static_cast<size_t>(packed ? rb : D * 2);
+  auto lookup = [&](const ShardLayer& src, const int32_t* ids_at, int64_t stride, int32_t tokens, int32_t cols,
+                    void* out, bool pk) {
+    kernels::LookupArgs a;
+    a.records = src.records;
+    a.row_begin = src.row_begin;
+    a.row_end = src.row_end;
+    a.head_dim = static_cast<int32_t>(D);
+    a.ids = ids_at;
+    a.num_tokens = tokens;
+    a.num_cols = cols;
+    a.ids_stride = stride;
+    a.out = out;
+    a.packed = pk;
+    return Cuda(kernels::LaunchLookup(a, stream_), "lookup kernel");
+  };
+  // Rows [T, os] of member s's columns (contiguous, row_bytes each) into the caller's [T, C] rows at its columns.
+  auto place = [&](void* out, int32_t s, const void* rows) {
+    const int64_t cb = shape_.col_begin[static_cast<size_t>(s)];
+    const int64_t os = shape_.col_end[static_cast<size_t>(s)] - cb;
+    return Cuda(cudaMemcpy2DAsync(static_cast<uint8_t*>(out) + cb * row_bytes, C * row_bytes, rows, os * row_bytes,
+                                  os * row_bytes, T, cudaMemcpyDeviceToDevice, stream_),
+                "unpack copy");
+  };
+  if (peer) {
+    if (peers_.empty()) return absl::FailedPreconditionError("DP exchange: peer reads without peer shards");
+    if (T == 0) return absl::OkStatus();
+    for (int32_t li = 0; li < nl; ++li) {
+      for (int32_t s = 0; s < n; ++s) {
+        const int32_t cb = shape_.col_begin[static_cast<size_t>(s)], os = shape_.col_end[static_cast<size_t>(s)] - cb;
+        if (auto st = lookup(peers_[static_cast<size_t>(s)][static_cast<size_t>(l0 + li)],
+                             ids + li * layer_stride + cb, token_stride, T, os, tmp_rows_, packed);
+            !st.ok()) {
+          return st;
+        }
+        if (auto st = place(outs[l0 + li], s, tmp_rows_); !st.ok()) return st;
+      }
+    }
+    return absl::OkStatus();
+  }
+  // 1. My ids, padded with -1 (DEAD: zero rows) to the slot.
+  if (T > 0) {
+    for (int32_t li = 0; li < nl; ++li) {
+      if (auto st = Cuda(cudaMemcpy2DAsync(send_ids_ + li * C, nl * C * 4, ids + li * layer_stride, token_stride * 4,
+                                           C * 4, T, cudaMemcpyDeviceToDevice, stream_),
+                         "ids copy");
+          !st.ok()) {
+        return st;
+      }
+    }
+  }
+  if (T < S) {
+    if (auto st = Cuda(cudaMemsetAsync(send_ids_ + T * nl * C, 0xFF, (S - T) * nl * C * 4, stream_), "ids pad");
+        !st.ok()) {
+      return st;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (aborted_) return absl::AbortedError("the DP exchange was aborted");
+  // 2. All-gather of every member's ids.
+  if (auto st = Wait(nccl_->AllGather(send_ids_, all_ids_, static_cast<size_t>(S * nl * C), ncclInt32, comm_, stream_),
+                     "all-gather of hash ids");
+      !st.ok()) {
+    return st;
+  }
+  // 3. My columns for every member's tokens, packed, one block per destination.
+  const int32_t cbm = shape_.col_begin[static_cast<size_t>(me)], own = shape_.col_end[static_cast<size_t>(me)] - cbm;
+  const int64_t chunk_me = nl * S * own * rb;
+  for (int32_t d = 0; d < n; ++d) {
+    for (int32_t li = 0; li < nl; ++li) {
+      if (auto st = lookup(shard_[static_cast<size_t>(l0 + li)], all_ids_ + (d * S * nl + li) * C + cbm, nl * C,
+                           static_cast<int32_t>(S), own, send_recs_ + d * chunk_me + li * S * own * rb, true);
+          !st.ok()) {
+        return st;
+      }
+    }
+  }
+  // 4. One all-to-all of the records (grouped send/recv; my own block is a device copy).
+  nccl_->GroupStart();
+  for (int32_t p = 0; p < n; ++p) {
+    if (p == me) continue;
+    const int64_t chunk_p = nl * S * (shape_.col_end[static_cast<size_t>(p)] - shape_.col_begin[static_cast<size_t>(p)]) * rb;
+    nccl_->Send(send_recs_ + p * chunk_me, static_cast<size_t>(chunk_me), ncclUint8, p, comm_, stream_);
+    nccl_->Recv(recv_recs_ + recv_off_[static_cast<size_t>(p)], static_cast<size_t>(chunk_p), ncclUint8, p, comm_,
+                stream_);
+  }
+  if (auto st = Wait(nccl_->GroupEnd(), "all-to-all of records"); !st.ok()) return st;
+  if (auto st = Cuda(cudaMemcpyAsync(recv_recs_ + recv_off_[static_cast<size_t>(me)], send_recs_ + me * chunk_me,
+                                     static_cast<size_t>(chunk_me), cudaMemcpyDeviceToDevice, stream_),
+                     "own records");
+      !st.ok()) {
+    return st;
+  }
+  if (T == 0) return absl::OkStatus();
+  // 5. Unpack my tokens' rows of every member's columns, in column order.
+  for (int32_t li = 0; li < nl; ++li) {
+    for (int32_t s = 0; s < n; ++s) {
+      const int32_t os = shape_.col_end[static_cast<size_t>(s)] - shape_.col_begin[static_cast<size_t>(s)];
+      const uint8_t* recs = recv_recs_ + recv_off_[static_cast<size_t>(s)] + li * S * os * rb;
+      const void* rows = recs;
+      if (!packed) {
+        // The received records as a table of their own (row i = record i), dequantised by the lookup kernel.
+        if (auto st = lookup({recs, 0, S * os}, iota_, os, T, os, tmp_rows_, false); !st.ok()) return st;
+        rows = tmp_rows_;
+      }
+      if (auto st = place(outs[l0 + li], s, rows); !st.ok()) return st;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace engram::client

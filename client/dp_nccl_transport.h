@@ -1,0 +1,127 @@
+// DpNcclExchange: the production transport of the DP-sharded exchange (client/dp_sharded.h) on the GPU, over NCCL
+// (loaded at run time with dlopen("libnccl.so.2"): the library is linked dynamically, never bundled, and a process
+// that never runs DP_SHARDED never needs it). Two paths, the same rows bit for bit:
+//   collective  all-gather of the members' hash ids (padded with -1 to the group slot: static shapes), lookup of
+//               this rank's columns for every gathered token into packed 264-byte records (the lookup kernel,
+//               packed), one grouped send/recv all-to-all of the records, unpack to bf16 (the lookup kernel over the
+//               received records) into the caller's [T, cols, head_dim] buffers in column order;
+//   peer reads  (small slots, every member's shard in GPU memory) each rank reads the other members' shards
+//               directly over NVLink (CUDA IPC mappings exchanged once through the communicator): no collective.
+// The path is chosen from the group slot, so every member takes the same one. Everything is enqueued on the given
+// stream into fixed buffers sized at creation (CUDA-graph friendly); nothing synchronises the host.
+// The communicator is non-blocking (ncclConfig_t.blocking = 0): every call is polled with a deadline and an
+// abort check, and Abort() (any thread) calls ncclCommAbort, which ends kernels stuck waiting for a member that
+// died. Either the engine's own communicator (not owned) or one formed here from an ncclUniqueId.
+// Thread-compatible, except Abort() and aborted(), which are thread-safe.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace engram::client {
+
+// The NCCL entry points this file uses, from libnccl.so.2 (dlopen once per process).
+struct NcclApi {
+  ncclResult_t (*GetUniqueId)(ncclUniqueId*);
+  ncclResult_t (*CommInitRankConfig)(ncclComm_t*, int, ncclUniqueId, int, ncclConfig_t*);
+  ncclResult_t (*CommGetAsyncError)(ncclComm_t, ncclResult_t*);
+  ncclResult_t (*CommAbort)(ncclComm_t);
+  ncclResult_t (*CommDestroy)(ncclComm_t);
+  ncclResult_t (*CommFinalize)(ncclComm_t);
+  ncclResult_t (*AllGather)(const void*, void*, size_t, ncclDataType_t, ncclComm_t, cudaStream_t);
+  ncclResult_t (*Send)(const void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
+  ncclResult_t (*Recv)(void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
+  ncclResult_t (*GroupStart)();
+  ncclResult_t (*GroupEnd)();
+  const char* (*GetErrorString)(ncclResult_t);
+  int version = 0;
+  // Unavailable (naming dlerror) when libnccl.so.2 cannot be loaded.
+  static absl::StatusOr<const NcclApi*> Get();
+};
+
+// One layer of a shard on the device (or UVA-visible host memory): records of rows [row_begin, row_end).
+struct ShardLayer {
+  const uint8_t* records = nullptr;
+  int64_t row_begin = 0, row_end = 0;
+};
+
+struct DpExchangeShape {
+  int32_t members = 0, me = 0, slot = 0, layers = 0, cols = 0, head_dim = 0;
+  std::vector<int32_t> col_begin, col_end;  // per member (edp rank)
+  int32_t group_col_begin = 0, group_col_end = 0;
+  int32_t record_bytes() const { return head_dim + head_dim / 32; }
+};
+
+class DpNcclExchange {
+ public:
+  using BrokenFn = std::function<std::optional<std::string>()>;
+  // A communicator formed from `id` (rank shape.me of shape.members), polled until ready or `timeout`/`broken`.
+  static absl::StatusOr<ncclComm_t> InitComm(const ncclUniqueId& id, int32_t members, int32_t me,
+                                             const BrokenFn& broken, std::chrono::milliseconds timeout);
+  // `shard`: this rank's records per layer; `own_comm`: destroy (or abort) the communicator with the exchange.
+  static absl::StatusOr<std::unique_ptr<DpNcclExchange>> Create(const DpExchangeShape& shape, ncclComm_t comm,
+                                                                bool own_comm, cudaStream_t stream,
+                                                                std::vector<ShardLayer> shard, BrokenFn broken,
+                                                                std::chrono::milliseconds timeout);
+  ~DpNcclExchange();
+
+  // Peer reads: `peers[s][l]` are member s's shard layers as this GPU can address them (its own for s == me).
+  void SetPeerShards(std::vector<std::vector<ShardLayer>> peers) { peers_ = std::move(peers); }
+  // The collective form of SetPeerShards between processes: every member exports its shard's allocation (CUDA
+  // IPC; `alloc_base` is the cudaMalloc base holding every layer) and maps the others'. A collective.
+  absl::Status ExchangePeerShards(const void* alloc_base);
+  bool has_peers() const { return !peers_.empty(); }
+
+  // One step over layers [l0, l0 + nl): ids(t, li, c) = ids[t * token_stride + li * layer_stride + c] (device),
+  // outs[l0 + li] receives bf16 [T, cols, head_dim] or, packed, [T, cols, record_bytes]; columns outside the group
+  // are left as they are (the caller zeroes them once). `peer`: the peer-read path (needs peer shards).
+  absl::Status Step(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T, int32_t l0,
+                    int32_t nl, void* const* outs, bool packed, bool peer);
+
+  // Aborts the communicator (thread-safe): kernels waiting for a dead member end; every later Step fails.
+  void Abort(const std::string& why);
+  std::optional<std::string> aborted() const;
+  size_t device_bytes() const { return device_bytes_; }
+  ncclComm_t comm() const { return comm_; }
+
+ private:
+  DpNcclExchange() = default;
+  absl::Status Wait(ncclResult_t r, const char* what);
+  absl::Status Cuda(cudaError_t e, const char* what);
+
+  const NcclApi* nccl_ = nullptr;
+  DpExchangeShape shape_;
+  ncclComm_t comm_ = nullptr;
+  bool own_comm_ = false;
+  cudaStream_t stream_ = nullptr;
+  std::vector<ShardLayer> shard_;
+  std::vector<std::vector<ShardLayer>> peers_;
+  std::vector<void*> ipc_opened_;
+  BrokenFn broken_;
+  std::chrono::milliseconds timeout_{60000};
+  int32_t part_ = 0;
+  int32_t* send_ids_ = nullptr;   // [slot, layers, cols]
+  int32_t* all_ids_ = nullptr;    // [members, slot, layers, cols]
+  uint8_t* send_recs_ = nullptr;  // [members][layers][slot][own cols][rb]
+  uint8_t* recv_recs_ = nullptr;  // [members][layers][slot][their cols][rb]
+  std::vector<size_t> recv_off_;
+  uint16_t* tmp_rows_ = nullptr;  // [slot, part, head_dim] bf16
+  int32_t* iota_ = nullptr;       // [slot * part]
+  size_t device_bytes_ = 0;
+  mutable std::mutex mu_;        // held around NCCL calls and by Abort: never abort a communicator in use
+  std::atomic<bool> aborted_{false};
+  std::string abort_reason_;     // guarded by mu_
+};
+
+}  // namespace engram::client
