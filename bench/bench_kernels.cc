@@ -5,6 +5,9 @@
 //   gate       T = 4096, 8192, D = 5120, hc_mult = 4
 //   hash       T = 8192, V4.1-Flash layout (2 layers)
 //   prefetch   8192-token lookup on the side stream during a busy main stream
+//   paths      every lookup path (UVA, UVA row-order, host gather with and without de-duplication) at 24K / 196K /
+//              1M rows, random and with 45% repeated rows (rows moved vs rows served), host-gather threads; the
+//              crossover the engine's automatic choice uses (written to $ENGRAM_LOOKUP_PATH_TABLE when set)
 // Usage: bench_kernels FLASH_CONFIG_JSON [TABLE_GIB]   (prints a table; times are medians of CUDA-event timings)
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
@@ -22,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "client/host_gather.h"
 #include "kernels/device_layout.h"
 #include "kernels/engram_kernels.h"
 #include "kernels/prefetch.h"
@@ -230,6 +234,110 @@ int main(int argc, char** argv) {
                 tokens, footprint_rows * rb / 1048576.0, ms * 1e3, graph_ms * 1e3, bar);
   }
   }
+  // --- Every lookup path, bf16 out, against the same run's H2D ceiling (issue 14) --------------------------------
+  {
+    const size_t scratch_bytes = engram::kernels::LookupSortScratchBytes(max_items);
+    void* scratch = nullptr;
+    CHECK(cudaMalloc(&scratch, scratch_bytes));
+    // Repeats: each item copies an earlier item of its batch with probability 0.45 (the share of repeated lookups
+    // measured on real text); otherwise a uniformly random row.
+    auto fill_ids = [&](int64_t items, double repeat) {
+      std::uniform_real_distribution<double> u(0, 1);
+      for (int64_t i = 0; i < items; ++i) {
+        ids[static_cast<size_t>(i)] = i > 0 && u(rng) < repeat ? ids[static_cast<size_t>(rng() % i)]
+                                                               : static_cast<int32_t>(rng() % static_cast<uint64_t>(rows));
+      }
+      CHECK(cudaMemcpy(d_ids, ids.data(), items * 4, cudaMemcpyHostToDevice));
+    };
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    std::printf("\n%-58s %-11s %-10s %-10s %s\n", "lookup path (16 GiB shm, bf16 out)", "time", "served", "moved",
+                "served vs H2D");
+    struct Best {
+      int64_t items;
+      double uva, host;
+    };
+    std::vector<Best> best;
+    std::unique_ptr<engram::client::HostGather> hg[2];  // [dedup]
+    for (int dd = 0; dd < 2; ++dd) {
+      engram::client::HostGatherOptions o;
+      o.dedup = dd == 1;
+      auto g = engram::client::HostGather::Create({{seg, 0, rows}}, {d_out}, static_cast<int32_t>(max_items / C), C,
+                                                  static_cast<int32_t>(D), o);
+      if (!g.ok()) {
+        std::printf("host gather: %s\n", std::string(g.status().message()).c_str());
+        return 1;
+      }
+      hg[dd] = std::move(*g);
+    }
+    std::printf("host gather: %d threads (default share of %d cores)\n", hg[0]->threads(), cores);
+    for (double repeat : {0.0, 0.45}) {
+      for (int64_t n_rows : {int64_t{24576}, int64_t{196608}, int64_t{1} << 20}) {
+        const int64_t items = n_rows / C * C;
+        const int32_t tokens = static_cast<int32_t>(items / C);
+        fill_ids(items, repeat);
+        auto line = [&](const char* what, double ms, int64_t moved) {
+          const double served = items * rb / ms / 1e6;
+          std::printf("%-7lld rows, %2.0f%% repeats, %-32s %8.3f ms %7.2f GB/s %7.2f GB/s  %.3f\n",
+                      static_cast<long long>(items), repeat * 100, what, ms, served, moved * rb / ms / 1e6,
+                      served / h2d);
+        };
+        const double uva = MedianMs([&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0); }, s, 10, 2);
+        line("UVA kernel", uva, items);
+        const double sorted = MedianMs(
+            [&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0, scratch, scratch_bytes); }, s, 10, 2);
+        line("UVA row-order gather", sorted, items);
+        double host_best = 1e30;
+        for (int dd = 0; dd < 2; ++dd) {
+          auto& g = *hg[dd];
+          const double ms = MedianMs([&] {
+            if (!g.Prefetch(ids.data(), tokens, C, s).ok() || !g.Wait(0, s).ok()) std::exit(1);
+          }, s, 10, 2);
+          line(dd ? "host gather, de-duplicated" : "host gather, every row", ms, g.stats(0).rows_moved);
+          host_best = std::min(host_best, ms);
+        }
+        if (repeat == 0.0) best.push_back({items, std::min(uva, sorted), host_best});
+      }
+    }
+    // Threads: how the host gather scales (1M rows, random, de-duplicated).
+    {
+      const int64_t items = (int64_t{1} << 20) / C * C;
+      fill_ids(items, 0.0);
+      for (int th : {4, 8, 16, 24}) {
+        if (th > cores) continue;
+        engram::client::HostGatherOptions o;
+        o.threads = th;
+        auto g = engram::client::HostGather::Create({{seg, 0, rows}}, {d_out}, static_cast<int32_t>(max_items / C),
+                                                    C, static_cast<int32_t>(D), o);
+        if (!g.ok()) return 1;
+        const double ms = MedianMs([&] {
+          if (!(*g)->Prefetch(ids.data(), static_cast<int32_t>(items / C), C, s).ok() || !(*g)->Wait(0, s).ok()) {
+            std::exit(1);
+          }
+        }, s, 10, 2);
+        std::printf("host gather %2d threads, %lld rows                          %8.3f ms %7.2f GB/s  %.3f of H2D\n", th,
+                    static_cast<long long>(items), ms, items * rb / ms / 1e6, items * rb / ms / 1e6 / h2d);
+      }
+    }
+    // The crossover for the automatic choice: the smallest size measured from which the host path wins.
+    int64_t crossover = -1;
+    for (auto it = best.rbegin(); it != best.rend(); ++it) {
+      if (it->host < it->uva) crossover = it->items;
+      else break;
+    }
+    std::printf("automatic choice: host gather from %lld items per layer (UVA below)%s\n",
+                static_cast<long long>(crossover < 0 ? -1 : crossover), crossover < 0 ? ": never" : "");
+    for (const auto& b : best) {
+      std::printf("  %7lld items: UVA best %.3f ms, host gather %.3f ms -> %s\n", static_cast<long long>(b.items),
+                  b.uva, b.host, b.host < b.uva ? "host" : "uva");
+    }
+    if (const char* table = std::getenv("ENGRAM_LOOKUP_PATH_TABLE"); table != nullptr && crossover > 0) {
+      if (FILE* f = std::fopen(table, "w")) {
+        std::fprintf(f, "host_gather_min_items %lld\n", static_cast<long long>(crossover));
+        std::fclose(f);
+      }
+    }
+    CHECK(cudaFree(scratch));
+  }
   // Side-stream prefetch of 8192 tokens (2 layers) during a busy main stream (gate kernels, HBM-bound).
   const int T = 8192, HC = 4, HD = 5120;
   uint16_t *hidden = nullptr, *kv = nullptr, *qk = nullptr, *gout = nullptr;
@@ -337,6 +445,36 @@ int main(int argc, char** argv) {
     std::printf("  main stream (60 gates T=8192) alone %.3f ms, with the prefetch %.3f ms: slowed %.1f%% (bar 5%%); "
                 "lookup done before the main stream in %d/10 runs\n", alone, with[with.size() / 2],
                 (with[with.size() / 2] / alone - 1) * 100, finished_first);
+    }
+    // The host-gather path beside the same busy main stream: CPU threads and copy engines, the unpack on the GPU.
+    {
+      uint16_t *o0 = nullptr, *o1 = nullptr;
+      CHECK(cudaMalloc(reinterpret_cast<void**>(&o0), size_t{T} * 24 * D * 2));
+      CHECK(cudaMalloc(reinterpret_cast<void**>(&o1), size_t{T} * 24 * D * 2));
+      auto g = engram::client::HostGather::Create({{seg, 0, rows / 2}, {seg + (rows / 2) * rb, 0, rows / 2}},
+                                                  {o0, o1}, T, 24, static_cast<int32_t>(D));
+      if (!g.ok()) return 1;
+      std::vector<int32_t> hid(size_t{T} * 48);
+      for (auto& v : hid) v = static_cast<int32_t>(rng() % static_cast<uint64_t>(rows / 2));
+      auto busy = [&] {
+        for (int i = 0; i < 60; ++i) gate(T, s);
+      };
+      const double alone = MedianMs(busy, s, 10, 2);
+      const double side_alone = MedianMs([&] {
+        if (!(*g)->Prefetch(hid.data(), T, 48, s).ok() || !(*g)->Wait(1, s).ok()) std::exit(1);
+      }, s, 10, 2);
+      const double with = MedianMs([&] {
+        if (!(*g)->Prefetch(hid.data(), T, 48, s).ok()) std::exit(1);
+        busy();
+        if (!(*g)->Wait(1, s).ok()) std::exit(1);
+      }, s, 10, 2);
+      std::printf("\nprefetch, host gather (%d threads): 8192 tokens x 2 layers alone %.3f ms\n", (*g)->threads(),
+                  side_alone);
+      std::printf("  main stream (60 gates T=8192) alone %.3f ms, with the host-gather prefetch %.3f ms: slowed %.1f%%\n",
+                  alone, with, (with / alone - 1) * 100);
+      g->reset();
+      CHECK(cudaFree(o0));
+      CHECK(cudaFree(o1));
     }
   }
   CHECK(cudaHostUnregister(seg));

@@ -1,9 +1,47 @@
 #include "client/device_engine.h"
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "spdlog/spdlog.h"
 
 namespace engram::client {
+namespace {
+
+// kAuto's crossover (items per layer) measured by bench_kernels on the H200 (bench/RESULTS.md, 2026-11-30).
+constexpr int64_t kDefaultHostGatherMinItems = 24576;
+
+// The crossover: ENGRAM_HOST_GATHER_MIN_ITEMS, else the table bench_kernels writes (ENGRAM_LOOKUP_PATH_TABLE:
+// "host_gather_min_items N"), else the measured default.
+int64_t HostGatherMinItems() {
+  if (const char* v = std::getenv("ENGRAM_HOST_GATHER_MIN_ITEMS"); v != nullptr && std::atoll(v) > 0) {
+    return std::atoll(v);
+  }
+  if (const char* path = std::getenv("ENGRAM_LOOKUP_PATH_TABLE"); path != nullptr) {
+    if (FILE* f = std::fopen(path, "r")) {
+      long long n = 0;
+      const int got = std::fscanf(f, "host_gather_min_items %lld", &n);
+      std::fclose(f);
+      if (got == 1 && n > 0) return n;
+    }
+  }
+  return kDefaultHostGatherMinItems;
+}
+
+LookupPath PathFromEnv() {
+  const char* v = std::getenv("ENGRAM_LOOKUP_PATH");
+  if (v == nullptr) return LookupPath::kAuto;
+  if (std::strcmp(v, "uva") == 0) return LookupPath::kUva;
+  if (std::strcmp(v, "host") == 0 || std::strcmp(v, "host_gather") == 0) return LookupPath::kHostGather;
+  return LookupPath::kAuto;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& table, int32_t max_tokens,
                                                                    cudaStream_t stream) {
@@ -24,11 +62,30 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
                                       static_cast<int32_t>(table.head_dim())));
   e->sort_bytes_ = kernels::LookupSortScratchBytes(static_cast<int64_t>(max_tokens) * table.n_cols());
   RETURN_IF_ERROR(kernels::CudaStatus(cudaMalloc(&e->sort_scratch_, e->sort_bytes_), "sort scratch"));
+  e->path_ = PathFromEnv();
+  e->host_min_items_ = HostGatherMinItems();
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  e->host_options_.threads = DefaultGatherThreads(cores);
+  const bool host_records = table.layers().empty() || table.records(0) != nullptr;
+  spdlog::info("engram: event=lookup_engine backend=cuda lookup_path={} host_gather_min_items={} "
+               "host_gather_threads={} host_records={} (uva under CUDA graph capture and below the crossover)",
+               LookupPathName(e->path_), e->host_min_items_, e->host_options_.threads, host_records);
   return e;
 }
 
+absl::Status DeviceEngine::SetLookupPath(LookupPath path) {
+  if (path == LookupPath::kHostGather && !table_->layers().empty() && table_->records(0) == nullptr) {
+    return absl::FailedPreconditionError("the host-gather path needs host records (a DEVICE table has none)");
+  }
+  path_ = path;
+  spdlog::info("engram: event=lookup_path lookup_path={}", LookupPathName(path));
+  return absl::OkStatus();
+}
+
 DeviceEngine::~DeviceEngine() {
+  host_.reset();
   if (sort_scratch_ != nullptr) cudaFree(sort_scratch_);
+  if (d_ids_ != nullptr) cudaFree(d_ids_);
 }
 
 absl::Status DeviceEngine::Hash(const int32_t* tokens, const int64_t* positions, const int32_t* qsl,
@@ -71,9 +128,79 @@ absl::Status DeviceEngine::Gate(const GateInputs& g) {
 }
 
 absl::Status DeviceEngine::Prefetch(const int32_t* hash_ids, int32_t num_tokens) {
-  return prefetcher_.Prefetch(hash_ids, num_tokens, stream_);
+  if (num_tokens < 0 || num_tokens > max_tokens_) {
+    return absl::InvalidArgumentError(absl::StrCat(num_tokens, " tokens; the engine was sized for ", max_tokens_));
+  }
+  if (hash_ids == nullptr && num_tokens > 0) return absl::InvalidArgumentError("prefetch: null hash ids");
+  const int32_t L = static_cast<int32_t>(table_->layers().size());
+  const int64_t C = table_->n_cols(), n_ids = static_cast<int64_t>(num_tokens) * L * C;
+  cudaPointerAttributes attr{};
+  if (hash_ids != nullptr) {
+    RETURN_IF_ERROR(kernels::CudaStatus(cudaPointerGetAttributes(&attr, hash_ids), "hash id pointer"));
+  }
+  const bool ids_on_device =
+      hash_ids == nullptr || attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  RETURN_IF_ERROR(kernels::CudaStatus(cudaStreamIsCapturing(stream_, &capture), "capture status"));
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  const bool host_records = L > 0 && table_->records(0) != nullptr;
+  LookupPath path = path_;
+  if (path == LookupPath::kAuto) {
+    path = !capturing && !ids_on_device && host_records && num_tokens * C >= host_min_items_ ? LookupPath::kHostGather
+                                                                                              : LookupPath::kUva;
+  }
+  if (path == LookupPath::kHostGather && capturing) {
+    return absl::FailedPreconditionError(
+        "the host-gather path runs outside CUDA graph capture: use LookupPath::kUva (or kAuto) for captured steps");
+  }
+  // Switching paths: the new one's writes into the staging buffers come after the old one's.
+  if (path != last_path_ && last_path_ != LookupPath::kAuto) {
+    for (int32_t l = 0; l < L; ++l) RETURN_IF_ERROR(Wait(l));
+  }
+  if (path == LookupPath::kHostGather) {
+    if (!host_records) return absl::FailedPreconditionError("the host-gather path needs host records");
+    if (host_ == nullptr) {
+      std::vector<HostLayer> layers;
+      std::vector<uint16_t*> out;
+      for (int32_t l = 0; l < L; ++l) {
+        const auto& li = table_->layers()[static_cast<size_t>(l)];
+        layers.push_back({table_->records(l), li.row_begin, li.row_end});
+        out.push_back(prefetcher_.staging(l));
+      }
+      ASSIGN_OR_RETURN(host_, HostGather::Create(std::move(layers), std::move(out), max_tokens_,
+                                                 static_cast<int32_t>(C), static_cast<int32_t>(table_->head_dim()),
+                                                 host_options_));
+    }
+    const int32_t* ids = hash_ids;
+    if (ids_on_device && n_ids > 0) {  // forced host path with device ids: bring them over (synchronises)
+      h_ids_.resize(static_cast<size_t>(n_ids));
+      RETURN_IF_ERROR(kernels::CudaStatus(
+          cudaMemcpyAsync(h_ids_.data(), hash_ids, static_cast<size_t>(n_ids) * 4, cudaMemcpyDeviceToHost, stream_),
+          "hash ids to host"));
+      RETURN_IF_ERROR(kernels::CudaStatus(cudaStreamSynchronize(stream_), "hash ids to host"));
+      ids = h_ids_.data();
+    }
+    last_path_ = path;
+    return host_->Prefetch(ids, num_tokens, L * C, stream_);
+  }
+  const int32_t* ids = hash_ids;
+  if (!ids_on_device && n_ids > 0) {  // host ids on the UVA path: copy them to the device first
+    if (d_ids_ == nullptr) {
+      RETURN_IF_ERROR(kernels::CudaStatus(
+          cudaMalloc(reinterpret_cast<void**>(&d_ids_), static_cast<size_t>(max_tokens_) * L * C * 4), "device hash ids"));
+    }
+    RETURN_IF_ERROR(kernels::CudaStatus(
+        cudaMemcpyAsync(d_ids_, hash_ids, static_cast<size_t>(n_ids) * 4, cudaMemcpyHostToDevice, stream_),
+        "hash ids to device"));
+    ids = d_ids_;
+  }
+  last_path_ = path;
+  return prefetcher_.Prefetch(ids, num_tokens, stream_);
 }
 
-absl::Status DeviceEngine::Wait(int l) { return prefetcher_.Wait(l, stream_); }
+absl::Status DeviceEngine::Wait(int l) {
+  if (last_path_ == LookupPath::kHostGather) return host_->Wait(l, stream_);
+  return prefetcher_.Wait(l, stream_);
+}
 
 }  // namespace engram::client

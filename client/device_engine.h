@@ -3,6 +3,8 @@
 // Inputs are device pointers with explicit shapes; every misuse (null, too many tokens, layer out of range, a
 // CPU-backend table) is a Status, never a crash. Owns the device copy of the layout and token map. One thread
 // drives one engine; the Table must outlive it.
+// Prefetch takes the UVA path (kernels::Prefetcher) or the host-gather path (client/host_gather.h, created on first
+// use over the table's host records, writing the same staging buffers); see LookupPath in lookup_engine.h.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -10,6 +12,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "client/host_gather.h"
 #include "client/engram_client.h"
 #include "client/lookup_engine.h"
 #include "kernels/device_layout.h"
@@ -37,7 +40,11 @@ class DeviceEngine final : public LookupEngine {
   absl::Status Prefetch(const int32_t* hash_ids, int32_t num_tokens) override;
   absl::Status Wait(int l) override;
   uint16_t* staging(int l) const override { return prefetcher_.staging(l); }
+  absl::Status SetLookupPath(LookupPath path) override;
+  LookupPath last_lookup_path() const override { return last_path_; }
   cudaStream_t stream() const { return stream_; }
+  // kAuto's crossover: the host-gather path from this many items (tokens x columns) per layer.
+  int64_t host_gather_min_items() const { return host_min_items_; }
 
  private:
   DeviceEngine() = default;
@@ -48,6 +55,13 @@ class DeviceEngine final : public LookupEngine {
   kernels::Prefetcher prefetcher_;
   void* sort_scratch_ = nullptr;
   size_t sort_bytes_ = 0;
+  // Lookup path choice (issue 14).
+  LookupPath path_ = LookupPath::kAuto, last_path_ = LookupPath::kAuto;
+  int64_t host_min_items_ = 0;
+  HostGatherOptions host_options_;
+  std::unique_ptr<HostGather> host_;  // created on the first host-gather Prefetch
+  int32_t* d_ids_ = nullptr;          // host ids copied for the UVA path
+  std::vector<int32_t> h_ids_;        // device ids copied for the host path
 };
 
 }  // namespace engram::client

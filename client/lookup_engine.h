@@ -5,6 +5,9 @@
 // CPU backend (no usable GPU): the CPU reference, pointers are host pointers, Prefetch computes every layer into
 // the staging buffers at once and Wait returns at once. Staging buffers sit at fixed addresses, sized from
 // max_tokens (CUDA-graph friendly). Every misuse (null, too many tokens, layer out of range) is a Status.
+// Lookup paths (CUDA backend, issue 14): the UVA kernel (graph-capturable; row-order gather from 8192 items) or
+// the host-gather path (client/host_gather.h: CPU threads, pinned staging, chunked copies, GPU unpack), which is
+// host work and so runs only outside CUDA graph capture. LookupPath::kAuto picks per batch; SetLookupPath forces.
 // One thread drives one engine; the Table must outlive it.
 #pragma once
 
@@ -15,6 +18,15 @@
 #include "client/engram_client.h"
 
 namespace engram::client {
+
+// kAuto: the host-gather path for a Prefetch of at least the engine's crossover (items per layer, measured by
+// bench_kernels; ENGRAM_HOST_GATHER_MIN_ITEMS or the file named by ENGRAM_LOOKUP_PATH_TABLE override it) when the
+// stream is not capturing and the ids are host memory, else the UVA kernel. kUva / kHostGather force a path
+// (ENGRAM_LOOKUP_PATH=uva|host|auto sets the engine's initial choice). kHostGather under graph capture is an error.
+enum class LookupPath { kAuto, kUva, kHostGather };
+inline const char* LookupPathName(LookupPath p) {
+  return p == LookupPath::kUva ? "uva" : p == LookupPath::kHostGather ? "host_gather" : "auto";
+}
 
 struct GateInputs {
   const uint16_t* hidden = nullptr;    // bf16 [T, hc, D]
@@ -47,8 +59,18 @@ class LookupEngine {
                               bool packed) = 0;
   virtual absl::Status Gate(const GateInputs& g) = 0;
   // Every layer's rows for hash ids [T, n_layers, n_cols] into staging(l) (bf16 [max_tokens, n_cols, head_dim]).
+  // CUDA backend: hash_ids may be device or host memory; the host-gather path reads host ids (device ids cost a
+  // copy and a stream synchronisation; host ids must stay valid until Wait of the last layer has returned), the UVA
+  // path device ids (host ids are copied).
   virtual absl::Status Prefetch(const int32_t* hash_ids, int32_t num_tokens) = 0;
   virtual absl::Status Wait(int l) = 0;
+  // The path of later Prefetch calls (kAuto by default). The CPU backend has one path and accepts only kAuto.
+  virtual absl::Status SetLookupPath(LookupPath path) {
+    return path == LookupPath::kAuto ? absl::OkStatus()
+                                     : absl::UnimplementedError("this engine has a single lookup path");
+  }
+  // The path the last Prefetch took (kAuto before the first, and on the CPU backend).
+  virtual LookupPath last_lookup_path() const { return LookupPath::kAuto; }
   virtual uint16_t* staging(int l) const = 0;
 };
 

@@ -6,7 +6,10 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${ENGRAM_BUILD_DIR:-$root/build}
-if [ "${1:-}" = python ]; then  # only what the Python set needs (a full CUDA build is long on 2 cores)
+if [ "${1:-}" = hostgather ]; then  # only its targets, in an already configured build directory
+  cmake --build "$build" --target gpu_host_gather_test gpu_kernels_test gpu_prefetch_test uva_lookup_helper \
+    bench_kernels > /dev/null
+elif [ "${1:-}" = python ]; then  # only what the Python set needs (a full CUDA build is long on 2 cores)
   [ -f "$build/build.ninja" ] || cmake -S "$root" -B "$build" -G Ninja -DENGRAM_CUDA=ON -DENGRAM_CUDA_ARCHS=90 \
     -DENGRAM_WERROR="${ENGRAM_WERROR:-OFF}" > /dev/null
   cmake --build "$build" --target engram_c engramd engramctl engram-mkckpt > /dev/null
@@ -33,7 +36,10 @@ case "${1:-kernels}" in
   # DP_SHARDED on two GPUs (issue 12): its GPU test (engramd + two replicas), bench_dp (run.sh dp).
   dp) bins=("$build/tests/gpu_dp_test" "$build/bench/bench_dp" "$build/daemon/engramd" "$build/tools/engramctl"
             "$build/tools/engram-replica" "$build/tools/engram-mkckpt") ;;
-  *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon|client|tests|python|dp]" >&2; exit 2 ;;
+  # The host-gather lookup path (issue 14): its GPU test, the kernel tests, bench_kernels (run.sh hostgather).
+  hostgather) bins=("$build/tests/gpu_host_gather_test" "$build/tests/gpu_kernels_test" "$build/tests/gpu_prefetch_test"
+                    "$build/tests/uva_lookup_helper" "$build/bench/bench_kernels") ;;
+  *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon|client|tests|python|dp|hostgather]" >&2; exit 2 ;;
 esac
 for b in "${bins[@]}"; do
   cp "$b" "$out/bin/"
@@ -141,6 +147,23 @@ if [ "$what" = dp ]; then
     r=$?; echo "compute-sanitizer memcheck (bench_dp): exit $r ($(grep -E 'ERROR SUMMARY' "$out/sanitize-dp-memcheck.log" | tail -1))"
     [ $r = 0 ] || rc=1
   fi
+fi
+if [ "$what" = hostgather ]; then
+  # The host-gather path: GPU tests, compute-sanitizer on its test (small batches), then bench_kernels (every path,
+  # the crossover table written to $out/lookup_paths.txt).
+  export NCCL_NVLS_ENABLE=0
+  for t in gpu_host_gather_test gpu_kernels_test gpu_prefetch_test; do
+    "$here/bin/$t" 2>&1 | tee "$out/$t.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure|no GPU' ; r=${PIPESTATUS[0]}
+    echo "$t: exit $r"; [ "$r" = 0 ] || rc=1
+  done
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+  for tool in memcheck racecheck; do
+    ENGRAM_GPU_QUICK=1 "$cs" --tool $tool --error-exitcode 9 "$here/bin/gpu_host_gather_test" > "$out/sanitize-hg-$tool.log" 2>&1
+    r=$?; echo "compute-sanitizer $tool (host gather): exit $r ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize-hg-$tool.log" | tail -1))"
+    [ $r = 0 ] || rc=1
+  done
+  ENGRAM_LOOKUP_PATH_TABLE=$out/lookup_paths.txt "$here/bin/bench_kernels" "$here/data/configs/v41-flash.json" \
+    "${ENGRAM_TABLE_GIB:-16}" 2>&1 | tee "$out/bench_kernels.log" || rc=1
 fi
 if [ "$what" = daemon ]; then
   "$here/bin/bench_daemon" --gib "${ENGRAM_PUBLISH_GIB:-16}" --engramd "$here/bin/engramd" 2>&1 | tee "$out/bench_daemon.log" || rc=1

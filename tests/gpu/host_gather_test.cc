@@ -2,16 +2,24 @@
 // reference (model/reference.h LookupBf16Cpu) bit for bit, for several layers with a strided id array, ids outside a
 // layer's rows (zeros), repeated rows (fetched once with de-duplication), with and without de-duplication, 1 and
 // several threads, batches of 0, 1 and many tokens back to back (buffer reuse); Wait orders the main stream; a
-// Prefetch during CUDA graph capture is refused; bad inputs are errors. Exits 77 (ctest skip) without a GPU.
+// Prefetch during CUDA graph capture is refused; bad inputs are errors. Through DeviceEngine (a private table of a
+// synthetic checkpoint): every path (automatic, forced UVA, forced host gather with host or device ids) fills the
+// staging buffers with the CPU reference's rows, and the path taken is the one asked for. Exits 77 (ctest skip) without a GPU.
 // ENGRAM_GPU_QUICK=1 shrinks the batches (compute-sanitizer).
 #include <cstdlib>
+#include <memory>
 #include <random>
 #include <vector>
 
+#include "client/device_engine.h"
+#include "client/engram_client.h"
 #include "client/host_gather.h"
+#include "client/lookup_engine.h"
 #include "gtest/gtest.h"
 #include "model/reference.h"
 #include "tests/gpu/gpu_util.h"
+#include "tests/test_util.h"
+#include "tools/synthetic.h"
 
 namespace engram {
 namespace {
@@ -63,11 +71,11 @@ TEST(GpuHostGatherTest, RowsEqualTheCpuReferenceBitForBit) {
   std::mt19937_64 rng(std::random_device{}());
   const Fixture f(rng);
   const int32_t max_tokens = Quick() ? 300 : 4096;
-  std::vector<DeviceBuffer<uint16_t>> out;
+  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> out;
   std::vector<uint16_t*> out_ptrs;
   for (int l = 0; l < Fixture::kL; ++l) {
-    out.emplace_back(static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD);
-    out_ptrs.push_back(out.back().get());
+    out.push_back(std::make_unique<DeviceBuffer<uint16_t>>(static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD));
+    out_ptrs.push_back(out.back()->get());
   }
   cudaStream_t main_stream;
   CUDA_OK(cudaStreamCreateWithFlags(&main_stream, cudaStreamNonBlocking));
@@ -142,6 +150,98 @@ TEST(GpuHostGatherTest, RefusesCaptureAndBadInputs) {
   EXPECT_EQ(HostGather::Create(f.layers, {o0.get(), o1.get()}, 64, Fixture::kC, 100).status().code(),
             absl::StatusCode::kInvalidArgument);
   CUDA_OK(cudaStreamDestroy(s));
+}
+
+TEST(GpuHostGatherTest, EngineTakesTheChosenPathAndEveryPathServesTheReferenceRows) {
+  REQUIRE_GPU();
+  testing::TempDir dir;
+  tools::SyntheticSpec spec;
+  spec.out_dir = dir / "ck";
+  spec.table_mib = 64;
+  ASSERT_TRUE(tools::WriteSyntheticCheckpoint(spec).ok());
+  client::ClientOptions opts;
+  opts.socket = dir / "no-daemon.sock";
+  opts.timeout = std::chrono::milliseconds(200);
+  auto c = client::Client::Connect(opts);
+  ASSERT_TRUE(c.ok());
+  client::AttachRequest req;
+  req.checkpoint = spec.out_dir;
+  req.dp_size = 2;
+  req.tp_size = 2;
+  req.tp_rank = 1;  // rows of a TP shard: row ranges that do not start at 0
+  auto table = (*c)->Attach(req);
+  ASSERT_TRUE(table.ok()) << table.status();
+  const auto& t = **table;
+  ASSERT_EQ(t.backend(), client::Backend::kCuda);
+  const int L = static_cast<int>(t.layers().size()), C = static_cast<int>(t.n_cols());
+  const int64_t D = t.head_dim();
+  const int T = Quick() ? 64 : 2000;
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<int32_t> ids(static_cast<size_t>(T) * L * C);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const auto& li = t.layers()[(i / static_cast<size_t>(C)) % static_cast<size_t>(L)];
+    ids[i] = i > 0 && rng() % 3 == 0 ? ids[i - static_cast<size_t>(L * C)]  // repeats (earlier token, same layer)
+                                     : static_cast<int32_t>(li.row_begin - 5 + static_cast<int64_t>(rng() % static_cast<uint64_t>(li.row_end - li.row_begin + 10)));
+    if (i < static_cast<size_t>(L * C)) ids[i] = static_cast<int32_t>(li.row_begin);
+  }
+  ::setenv("ENGRAM_HOST_GATHER_MIN_ITEMS", "100", 1);  // the automatic choice takes the host path for this batch
+  auto engine = client::LookupEngine::Create(t, T, nullptr);
+  ::unsetenv("ENGRAM_HOST_GATHER_MIN_ITEMS");
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  DeviceBuffer<int32_t> did(ids);
+  auto check = [&](const char* what) {
+    for (int l = 0; l < L; ++l) {
+      ASSERT_TRUE((*engine)->Wait(l).ok());
+      CUDA_OK(cudaDeviceSynchronize());
+      std::vector<int32_t> layer_ids;
+      for (int tok = 0; tok < T; ++tok) {
+        for (int col = 0; col < C; ++col) layer_ids.push_back(ids[static_cast<size_t>((tok * L + l) * C + col)]);
+      }
+      std::vector<uint16_t> want(layer_ids.size() * static_cast<size_t>(D)), got(want.size());
+      const auto& li = t.layers()[static_cast<size_t>(l)];
+      ASSERT_TRUE(LookupBf16Cpu({t.records(l), li.row_begin, li.row_end, D}, layer_ids, want).ok());
+      CUDA_OK(cudaMemcpy(got.data(), (*engine)->staging(l), got.size() * 2, cudaMemcpyDeviceToHost));
+      ASSERT_EQ(got, want) << what << ", layer " << l;
+      CUDA_OK(cudaMemset((*engine)->staging(l), 0xCD, got.size() * 2));  // the next path must rewrite it all
+    }
+  };
+  ASSERT_TRUE((*engine)->Prefetch(ids.data(), T).ok());  // host ids, auto: host gather
+  EXPECT_EQ((*engine)->last_lookup_path(), client::LookupPath::kHostGather);
+  check("auto, host ids");
+  ASSERT_TRUE((*engine)->Prefetch(did.get(), T).ok());  // device ids, auto: UVA
+  EXPECT_EQ((*engine)->last_lookup_path(), client::LookupPath::kUva);
+  check("auto, device ids");
+  ASSERT_TRUE((*engine)->SetLookupPath(client::LookupPath::kUva).ok());
+  ASSERT_TRUE((*engine)->Prefetch(ids.data(), T).ok());
+  EXPECT_EQ((*engine)->last_lookup_path(), client::LookupPath::kUva);
+  check("forced UVA, host ids");
+  ASSERT_TRUE((*engine)->SetLookupPath(client::LookupPath::kHostGather).ok());
+  ASSERT_TRUE((*engine)->Prefetch(did.get(), T).ok());
+  EXPECT_EQ((*engine)->last_lookup_path(), client::LookupPath::kHostGather);
+  check("forced host gather, device ids");
+  // Forced host gather under graph capture is refused; the automatic choice captures the UVA kernel.
+  auto* dev = dynamic_cast<client::DeviceEngine*>(engine->get());
+  ASSERT_NE(dev, nullptr);
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto captured = client::LookupEngine::Create(t, T, s);
+  ASSERT_TRUE(captured.ok());
+  ASSERT_TRUE((*captured)->SetLookupPath(client::LookupPath::kHostGather).ok());
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  const auto refused = (*captured)->Prefetch(did.get(), T);
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  captured->reset();
+  CUDA_OK(cudaStreamDestroy(s));
+  // A DEVICE table has no host records: the host path is refused.
+  req.cpu_offload = false;
+  auto device = (*c)->Attach(req);
+  ASSERT_TRUE(device.ok()) << device.status();
+  auto dengine = client::LookupEngine::Create(**device, 16, nullptr);
+  ASSERT_TRUE(dengine.ok());
+  EXPECT_EQ((*dengine)->SetLookupPath(client::LookupPath::kHostGather).code(), absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace
