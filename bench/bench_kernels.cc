@@ -318,24 +318,16 @@ int main(int argc, char** argv) {
                     static_cast<long long>(items), ms, items * rb / ms / 1e6, items * rb / ms / 1e6 / h2d);
       }
     }
-    // The crossover for the automatic choice: the smallest size measured from which the host path wins.
-    int64_t crossover = -1;
-    for (auto it = best.rbegin(); it != best.rend(); ++it) {
-      if (it->host < it->uva) crossover = it->items;
-      else break;
-    }
-    std::printf("automatic choice: host gather from %lld items per layer (UVA below)%s\n",
-                static_cast<long long>(crossover < 0 ? -1 : crossover), crossover < 0 ? ": never" : "");
+    // The automatic choice's table: per size, did the host-gather path beat the best UVA kernel?
+    std::printf("automatic choice table (ENGRAM_LOOKUP_PATH_TABLE format):\n");
+    FILE* out_table = nullptr;
+    if (const char* table = std::getenv("ENGRAM_LOOKUP_PATH_TABLE"); table != nullptr) out_table = std::fopen(table, "w");
     for (const auto& b : best) {
-      std::printf("  %7lld items: UVA best %.3f ms, host gather %.3f ms -> %s\n", static_cast<long long>(b.items),
-                  b.uva, b.host, b.host < b.uva ? "host" : "uva");
+      std::printf("  %lld %s   (UVA best %.3f ms, host gather %.3f ms)\n", static_cast<long long>(b.items),
+                  b.host < b.uva ? "host" : "uva", b.uva, b.host);
+      if (out_table != nullptr) std::fprintf(out_table, "%lld %s\n", static_cast<long long>(b.items), b.host < b.uva ? "host" : "uva");
     }
-    if (const char* table = std::getenv("ENGRAM_LOOKUP_PATH_TABLE"); table != nullptr && crossover > 0) {
-      if (FILE* f = std::fopen(table, "w")) {
-        std::fprintf(f, "host_gather_min_items %lld\n", static_cast<long long>(crossover));
-        std::fclose(f);
-      }
-    }
+    if (out_table != nullptr) std::fclose(out_table);
     CHECK(cudaFree(scratch));
   }
   // Side-stream prefetch of 8192 tokens (2 layers) during a busy main stream (gate kernels, HBM-bound).

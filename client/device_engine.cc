@@ -1,6 +1,9 @@
 #include "client/device_engine.h"
 
 #include <algorithm>
+#include <cmath>
+#include <iterator>
+#include <string>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -13,24 +16,30 @@
 namespace engram::client {
 namespace {
 
-// kAuto's crossover (items per layer) measured by bench_kernels on the H200 (bench/RESULTS.md, 2026-11-30).
-constexpr int64_t kDefaultHostGatherMinItems = 24576;
+// kAuto's choice, measured by bench_kernels on the H200 (bench/RESULTS.md, 2026-11-30): per batch size (items per
+// layer, random rows of a 16 GiB table), whether the host-gather path beat the best UVA kernel. A batch takes the
+// choice of the nearest measured size (on a log scale).
+constexpr PathPoint kDefaultPathTable[] = {{24576, false}, {196608, true}, {1048560, false}};
 
-// The crossover: ENGRAM_HOST_GATHER_MIN_ITEMS, else the table bench_kernels writes (ENGRAM_LOOKUP_PATH_TABLE:
-// "host_gather_min_items N"), else the measured default.
-int64_t HostGatherMinItems() {
+// ENGRAM_HOST_GATHER_MIN_ITEMS=N: host gather from N items (a plain threshold, a single point marked `threshold`);
+// else the table bench_kernels writes (ENGRAM_LOOKUP_PATH_TABLE: lines "ITEMS host|uva"); else the measured default.
+std::vector<PathPoint> PathTable() {
   if (const char* v = std::getenv("ENGRAM_HOST_GATHER_MIN_ITEMS"); v != nullptr && std::atoll(v) > 0) {
-    return std::atoll(v);
+    return {{std::atoll(v), true, true}};
   }
   if (const char* path = std::getenv("ENGRAM_LOOKUP_PATH_TABLE"); path != nullptr) {
+    std::vector<PathPoint> table;
     if (FILE* f = std::fopen(path, "r")) {
       long long n = 0;
-      const int got = std::fscanf(f, "host_gather_min_items %lld", &n);
+      char what[16] = {};
+      while (std::fscanf(f, "%lld %15s", &n, what) == 2) {
+        if (n > 0) table.push_back({n, std::strcmp(what, "host") == 0});
+      }
       std::fclose(f);
-      if (got == 1 && n > 0) return n;
     }
+    if (!table.empty()) return table;
   }
-  return kDefaultHostGatherMinItems;
+  return std::vector<PathPoint>(std::begin(kDefaultPathTable), std::end(kDefaultPathTable));
 }
 
 LookupPath PathFromEnv() {
@@ -63,14 +72,30 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
   e->sort_bytes_ = kernels::LookupSortScratchBytes(static_cast<int64_t>(max_tokens) * table.n_cols());
   RETURN_IF_ERROR(kernels::CudaStatus(cudaMalloc(&e->sort_scratch_, e->sort_bytes_), "sort scratch"));
   e->path_ = PathFromEnv();
-  e->host_min_items_ = HostGatherMinItems();
+  e->path_table_ = PathTable();
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   e->host_options_.threads = DefaultGatherThreads(cores);
   const bool host_records = table.layers().empty() || table.records(0) != nullptr;
-  spdlog::info("engram: event=lookup_engine backend=cuda lookup_path={} host_gather_min_items={} "
-               "host_gather_threads={} host_records={} (uva under CUDA graph capture and below the crossover)",
-               LookupPathName(e->path_), e->host_min_items_, e->host_options_.threads, host_records);
+  std::string table_text;
+  for (const auto& p : e->path_table_) table_text += absl::StrCat(table_text.empty() ? "" : ",", p.items, ":", p.threshold ? "host_from" : p.host ? "host" : "uva");
+  spdlog::info("engram: event=lookup_engine backend=cuda lookup_path={} path_table={} host_gather_threads={} "
+               "host_records={} (uva under CUDA graph capture and for device ids)",
+               LookupPathName(e->path_), table_text, e->host_options_.threads, host_records);
   return e;
+}
+
+bool DeviceEngine::HostWins(int64_t items) const {
+  if (path_table_.size() == 1 && path_table_[0].threshold) return items >= path_table_[0].items;
+  const PathPoint* best = nullptr;
+  double best_d = 0;
+  for (const auto& p : path_table_) {
+    const double d = std::fabs(std::log(static_cast<double>(items)) - std::log(static_cast<double>(p.items)));
+    if (best == nullptr || d < best_d) {
+      best = &p;
+      best_d = d;
+    }
+  }
+  return best != nullptr && best->host;
 }
 
 absl::Status DeviceEngine::SetLookupPath(LookupPath path) {
@@ -146,8 +171,9 @@ absl::Status DeviceEngine::Prefetch(const int32_t* hash_ids, int32_t num_tokens)
   const bool host_records = L > 0 && table_->records(0) != nullptr;
   LookupPath path = path_;
   if (path == LookupPath::kAuto) {
-    path = !capturing && !ids_on_device && host_records && num_tokens * C >= host_min_items_ ? LookupPath::kHostGather
-                                                                                              : LookupPath::kUva;
+    path = !capturing && !ids_on_device && host_records && num_tokens > 0 && HostWins(num_tokens * C)
+               ? LookupPath::kHostGather
+               : LookupPath::kUva;
   }
   if (path == LookupPath::kHostGather && capturing) {
     return absl::FailedPreconditionError(

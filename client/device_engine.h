@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "client/host_gather.h"
@@ -20,6 +21,13 @@
 #include "kernels/prefetch.h"
 
 namespace engram::client {
+
+// One measured point of the automatic path choice: at `items` per layer, did the host-gather path win?
+struct PathPoint {
+  int64_t items = 0;
+  bool host = false;
+  bool threshold = false;  // the only point: host gather from `items` on
+};
 
 class DeviceEngine final : public LookupEngine {
  public:
@@ -43,8 +51,8 @@ class DeviceEngine final : public LookupEngine {
   absl::Status SetLookupPath(LookupPath path) override;
   LookupPath last_lookup_path() const override { return last_path_; }
   cudaStream_t stream() const { return stream_; }
-  // kAuto's crossover: the host-gather path from this many items (tokens x columns) per layer.
-  int64_t host_gather_min_items() const { return host_min_items_; }
+  // kAuto's choice for a batch of `items` (tokens x columns) per layer: the nearest measured size's winner.
+  bool HostWins(int64_t items) const;
 
  private:
   DeviceEngine() = default;
@@ -57,7 +65,7 @@ class DeviceEngine final : public LookupEngine {
   size_t sort_bytes_ = 0;
   // Lookup path choice (issue 14).
   LookupPath path_ = LookupPath::kAuto, last_path_ = LookupPath::kAuto;
-  int64_t host_min_items_ = 0;
+  std::vector<PathPoint> path_table_;
   HostGatherOptions host_options_;
   std::unique_ptr<HostGather> host_;  // created on the first host-gather Prefetch
   int32_t* d_ids_ = nullptr;          // host ids copied for the UVA path

@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -50,31 +51,44 @@ GatherPool::~GatherPool() {
   for (auto& t : workers_) t.join();
 }
 
+// Workers and the caller spin briefly before sleeping: a batch runs several short parallel passes back to back, and
+// a futex wake-up of every worker per pass costs more than the pass.
+constexpr auto kSpin = std::chrono::microseconds(200);
+
 void GatherPool::Run(const std::function<void(int)>& fn) {
-  std::unique_lock<std::mutex> l(mu_);
-  job_ = &fn;
-  running_ = static_cast<int>(workers_.size());
-  ++generation_;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    job_ = &fn;
+    running_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_release);
+  }
   start_cv_.notify_all();
-  done_cv_.wait(l, [&] { return running_ == 0; });
+  const auto until = std::chrono::steady_clock::now() + kSpin;
+  while (running_.load(std::memory_order_acquire) != 0 && std::chrono::steady_clock::now() < until) {
+  }
+  std::unique_lock<std::mutex> l(mu_);
+  done_cv_.wait(l, [&] { return running_.load(std::memory_order_acquire) == 0; });
   job_ = nullptr;
 }
 
 void GatherPool::Loop(int worker) {
   uint64_t seen = 0;
   for (;;) {
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) {
+    }
     const std::function<void(int)>* job = nullptr;
     {
       std::unique_lock<std::mutex> l(mu_);
-      start_cv_.wait(l, [&] { return stop_ || generation_ != seen; });
+      start_cv_.wait(l, [&] { return stop_ || generation_.load(std::memory_order_relaxed) != seen; });
       if (stop_) return;
-      seen = generation_;
+      seen = generation_.load(std::memory_order_relaxed);
       job = job_;
     }
     (*job)(worker);
-    {
+    if (running_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       std::lock_guard<std::mutex> l(mu_);
-      if (--running_ == 0) done_cv_.notify_one();
+      done_cv_.notify_one();
     }
   }
 }
@@ -135,40 +149,62 @@ absl::Status RowDeduper::Plan(const int32_t* ids, int32_t num_tokens, int32_t nu
     plan->n_rows = items;
     return absl::OkStatus();
   }
-  const uint64_t mask = static_cast<uint64_t>(capacity_) - 1;
+  // The table in use: a power of two >= 2 * items (small batches scan a small table).
+  int64_t cap = 16;
+  while (cap < 2 * items) cap <<= 1;
+  const uint64_t mask = static_cast<uint64_t>(cap) - 1;
+  const uint64_t range = static_cast<uint64_t>(std::max<int64_t>(row_end - row_begin, 1));
   std::atomic<uint32_t>* keys = keys_.get();
   // 1. Every owned item claims or finds its row's slot (open addressing, linear probing, lock-free); index[i] holds
-  //    the slot for now.
-  pool.Run([&](int w) {
-    const Range r = SplitRange(items, P, w);
-    for (int64_t i = r.begin; i < r.end; ++i) {
-      const int64_t id = IdAt(ids, i, num_cols, ids_stride);
-      if (id < row_begin || id >= row_end) {
-        index[i] = -1;
-        continue;
+  //    the slot for now. Ordered placement (slot proportional to the row) makes the slot order the row order, so
+  //    the gather walks the table in address order (page-walk locality, as the GPU's row-order gather); should the
+  //    ids crowd into a narrow band of rows (long probe runs), the batch is placed again by a hash.
+  std::atomic<bool> crowded{false};
+  auto claim = [&](bool ordered) {
+    pool.Run([&](int w) {
+      const Range r = SplitRange(items, P, w);
+      for (int64_t i = r.begin; i < r.end && !crowded.load(std::memory_order_relaxed); ++i) {
+        const int64_t id = IdAt(ids, i, num_cols, ids_stride);
+        if (id < row_begin || id >= row_end) {
+          index[i] = -1;
+          continue;
+        }
+        const uint32_t key = static_cast<uint32_t>(id - row_begin) + 1;
+        uint64_t s = ordered ? (static_cast<uint64_t>(key - 1) * static_cast<uint64_t>(cap)) / range : Mix(key) & mask;
+        for (int probes = 0;; ++probes) {
+          uint32_t k = keys[s].load(std::memory_order_relaxed);
+          if (k == 0 && keys[s].compare_exchange_strong(k, key, std::memory_order_relaxed)) break;
+          if (k == key) break;
+          if (ordered && probes > 256) {
+            crowded.store(true, std::memory_order_relaxed);
+            break;
+          }
+          s = (s + 1) & mask;
+        }
+        index[i] = static_cast<int32_t>(s);
       }
-      const uint32_t key = static_cast<uint32_t>(id - row_begin) + 1;
-      uint64_t s = Mix(key) & mask;
-      for (;;) {
-        uint32_t k = keys[s].load(std::memory_order_relaxed);
-        if (k == 0 && keys[s].compare_exchange_strong(k, key, std::memory_order_relaxed)) break;
-        if (k == key) break;
-        s = (s + 1) & mask;
-      }
-      index[i] = static_cast<int32_t>(s);
-    }
-  });
+    });
+  };
+  claim(true);
+  if (crowded.load()) {
+    pool.Run([&](int w) {
+      const Range r = SplitRange(cap, P, w);
+      for (int64_t s = r.begin; s < r.end; ++s) keys[s].store(0, std::memory_order_relaxed);
+    });
+    crowded.store(false);
+    claim(false);
+  }
   // 2. Occupied slots per part of the table, then each part numbers its rows and empties its slots.
   counts_.assign(static_cast<size_t>(P) + 1, 0);
   pool.Run([&](int w) {
-    const Range r = SplitRange(capacity_, P, w);
+    const Range r = SplitRange(cap, P, w);
     int64_t n = 0;
     for (int64_t s = r.begin; s < r.end; ++s) n += keys[s].load(std::memory_order_relaxed) != 0;
     counts_[static_cast<size_t>(w) + 1] = n;
   });
   for (int w = 0; w < P; ++w) counts_[static_cast<size_t>(w) + 1] += counts_[static_cast<size_t>(w)];
   pool.Run([&](int w) {
-    const Range r = SplitRange(capacity_, P, w);
+    const Range r = SplitRange(cap, P, w);
     int64_t next = counts_[static_cast<size_t>(w)];
     for (int64_t s = r.begin; s < r.end; ++s) {
       const uint32_t k = keys[s].load(std::memory_order_relaxed);

@@ -54,12 +54,13 @@ class GatherPool {
   std::mutex mu_;
   std::condition_variable start_cv_, done_cv_;
   const std::function<void(int)>* job_ = nullptr;
-  uint64_t generation_ = 0;
-  int running_ = 0;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> running_{0};
   bool stop_ = false;
 };
 
-// A batch of one layer's ids, de-duplicated: `rows` holds each distinct owned row (relative to row_begin) once, and
+// A batch of one layer's ids, de-duplicated: `rows` holds each distinct owned row (relative to row_begin) once, in
+// ascending row order as far as the placement allows (address order for the gather), and
 // index[i] is item i's position in `rows` (or -1 when the id lies outside [row_begin, row_end)). Without
 // de-duplication rows[k] is item k's row and index[i] = i for owned items (a non-owned item's rows[i] is kNoRow).
 struct GatherPlan {

@@ -19,9 +19,9 @@
 
 namespace engram::client {
 
-// kAuto: the host-gather path for a Prefetch of at least the engine's crossover (items per layer, measured by
-// bench_kernels; ENGRAM_HOST_GATHER_MIN_ITEMS or the file named by ENGRAM_LOOKUP_PATH_TABLE override it) when the
-// stream is not capturing and the ids are host memory, else the UVA kernel. kUva / kHostGather force a path
+// kAuto: the host-gather path when the stream is not capturing, the ids are host memory and the engine's table of
+// measured winners (per batch size in items per layer, from bench_kernels; the file named by
+// ENGRAM_LOOKUP_PATH_TABLE or a plain threshold ENGRAM_HOST_GATHER_MIN_ITEMS replace it) says host; else UVA. kUva / kHostGather force a path
 // (ENGRAM_LOOKUP_PATH=uva|host|auto sets the engine's initial choice). kHostGather under graph capture is an error.
 enum class LookupPath { kAuto, kUva, kHostGather };
 inline const char* LookupPathName(LookupPath p) {
