@@ -75,12 +75,16 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
   e->path_table_ = PathTable();
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   e->host_options_.threads = DefaultGatherThreads(cores);
+  // Measured on the H200 (bench/RESULTS.md, 2026-11-30): moving every row beats de-duplicating the batch first,
+  // even at 45% repeats; ENGRAM_HOST_GATHER_DEDUP=1 turns de-duplication on.
+  const char* dedup = std::getenv("ENGRAM_HOST_GATHER_DEDUP");
+  e->host_options_.dedup = dedup != nullptr && std::strcmp(dedup, "1") == 0;
   const bool host_records = table.layers().empty() || table.records(0) != nullptr;
   std::string table_text;
   for (const auto& p : e->path_table_) table_text += absl::StrCat(table_text.empty() ? "" : ",", p.items, ":", p.threshold ? "host_from" : p.host ? "host" : "uva");
   spdlog::info("engram: event=lookup_engine backend=cuda lookup_path={} path_table={} host_gather_threads={} "
-               "host_records={} (uva under CUDA graph capture and for device ids)",
-               LookupPathName(e->path_), table_text, e->host_options_.threads, host_records);
+               "host_gather_dedup={} host_records={} (uva under CUDA graph capture and for device ids)",
+               LookupPathName(e->path_), table_text, e->host_options_.threads, e->host_options_.dedup, host_records);
   return e;
 }
 
