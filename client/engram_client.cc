@@ -111,6 +111,7 @@ std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& o
     reasons->push_back({ReasonCode::kFingerprintMismatch, std::string(table.status().message())});
     return nullptr;
   }
+  session.NoteMappedFile((*table)->segment_->device(), (*table)->segment_->inode());
   if (auto st = session.AcquireTicket(); !st.ok()) {
     reasons->push_back({ReasonCode::kDaemonUnavailable, absl::StrCat("no registration ticket: ", st.message())});
     return nullptr;

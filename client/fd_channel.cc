@@ -109,7 +109,11 @@ absl::StatusOr<int> FetchSegmentDescriptor(const std::string& channel_path, cons
   line.resize(nl);
   if (line.rfind("ERR ", 0) == 0) {
     close_all();
-    return absl::PermissionDeniedError(absl::StrCat("engramd refused the descriptor: ", line.substr(4)));
+    const std::string why = line.substr(4);
+    if (why.rfind("too many requests", 0) == 0) {  // busy: worth another try
+      return absl::ResourceExhaustedError(absl::StrCat("engramd's descriptor channel is busy: ", why));
+    }
+    return absl::PermissionDeniedError(absl::StrCat("engramd refused the descriptor: ", why));
   }
   if (line != "OK" || fds.size() != 1) {
     close_all();

@@ -5,8 +5,8 @@
 //
 //   ASSIGN_OR_RETURN(int fd, FetchSegmentDescriptor(ChannelPath(socket, grant.fd_socket), lease, token, 2s));
 //
-// Errors: Unavailable when the channel cannot be reached (no such socket, an older daemon), PermissionDenied /
-// NotFound / InvalidArgument / FailedPrecondition as the daemon refused ("ERR ..."), DeadlineExceeded, and
+// Errors: Unavailable when the channel cannot be reached (no such socket, an older daemon), ResourceExhausted when
+// it is busy (worth retrying), PermissionDenied as the daemon refused ("ERR ..."), DeadlineExceeded, and
 // DataLoss when the reply is malformed or carries no descriptor, or one that is not a read-only regular file.
 // Any extra descriptors a reply carries are closed. Stateless; thread-safe.
 #pragma once

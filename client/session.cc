@@ -278,13 +278,29 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(const std::string& socket
   return s;
 }
 
+void Session::NoteMappedFile(uint64_t dev, uint64_t ino) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->segment_dev = dev;
+  impl_->segment_ino = ino;
+}
+
 absl::StatusOr<int> Session::FetchSegmentDescriptor(std::chrono::milliseconds timeout) const {
   const Grant& g = answer_.grant;
   if (!answer_.granted || g.fd_socket.empty() || g.fd_token.empty()) {
     return absl::UnavailableError("the grant offers no descriptor (an engramd without descriptor passing)");
   }
   ASSIGN_OR_RETURN(std::string path, ChannelPath(impl_->socket, g.fd_socket));
-  return client::FetchSegmentDescriptor(path, g.lease_id, g.fd_token, timeout);
+  // A busy channel (this uid's share of its slots taken) is tried again within the timeout; anything else is final.
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto backoff = std::chrono::milliseconds(20);
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    auto fd = client::FetchSegmentDescriptor(path, g.lease_id, g.fd_token, std::max(left, std::chrono::milliseconds(1)));
+    const bool transient = fd.status().code() == absl::StatusCode::kResourceExhausted;
+    if (fd.ok() || !transient || std::chrono::steady_clock::now() + backoff >= deadline) return fd;
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
+  }
 }
 
 absl::Status Session::AcquireTicket() {

@@ -101,6 +101,9 @@ class Session {
   // The granted segment's read-only descriptor, passed by engramd over its descriptor socket next to the gRPC
   // socket (client/fd_channel.h); the caller owns it. Unavailable when the grant offers none.
   absl::StatusOr<int> FetchSegmentDescriptor(std::chrono::milliseconds timeout) const;
+  // The identity (st_dev, st_ino) of the file this replica mapped: after a daemon restart, the session compares the
+  // new grant's file with it to know whether the replica still shares (Keep).
+  void NoteMappedFile(uint64_t dev, uint64_t ino);
   // Blocks until the node's registration ticket is this replica's (one registration at a time per node).
   absl::Status AcquireTicket();
   absl::Status ReportRegistration(const RegistrationReport& report);

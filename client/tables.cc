@@ -59,7 +59,7 @@ absl::StatusOr<std::unique_ptr<TableImpl>> OpenSharedTable(const Grant& g, int f
   }
   const SegmentReader& r = **seg;
   if (g.segment_ino != 0 && (r.device() != g.segment_dev || r.inode() != g.segment_ino)) {
-    return absl::FailedPreconditionError(absl::StrCat(name, " is not the file engramd granted (device/inode ",
+    return absl::NotFoundError(absl::StrCat(name, " is not the file engramd granted (device/inode ",
                                                       r.device(), "/", r.inode(), ", granted ", g.segment_dev, "/",
                                                       g.segment_ino, "): another directory under the same path?"));
   }

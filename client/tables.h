@@ -75,9 +75,9 @@ class TableImpl final : public Table {
 
 // Maps the granted segment and checks it against the grant and the replica's fingerprint: from `fd` when >= 0 (the
 // descriptor engramd passed, taken over: closed once mapped or on failure; the table's attach method is then
-// kDescriptor), else from `path` (kPath). NotFound / PermissionDenied when the path cannot be opened (the caller's
-// SHM_NOT_VISIBLE), FailedPrecondition when the file is not the granted one or disagrees with the grant
-// (FINGERPRINT_MISMATCH).
+// kDescriptor), else from `path` (kPath). NotFound / PermissionDenied when the path cannot be opened or holds
+// another file than the granted one (the caller's SHM_NOT_VISIBLE), FailedPrecondition when the granted file
+// disagrees with the grant or this replica's checkpoint (FINGERPRINT_MISMATCH).
 absl::StatusOr<std::unique_ptr<TableImpl>> OpenSharedTable(const Grant& grant, int fd, const std::string& path,
                                                            uint64_t fingerprint, const Layout& layout,
                                                            const ShardRange& shard, Env* env);

@@ -11,6 +11,8 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <map>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -183,7 +185,13 @@ absl::StatusOr<int> DescriptorChannel::Redeem(const std::string& request_line, c
     }
     // A wrong token or another process does not use the token up: the lease's own process can still fetch it.
     if (!SameSecret(it->second.token, parts[2])) return refuse(absl::PermissionDeniedError("wrong token"));
-    if (it->second.peer.pid != peer.pid || it->second.peer.uid != peer.uid) {
+    // The session's uid, and its process where the daemon can tell processes apart (a peer in another PID
+    // namespace, a pod or container, shows pid 0 on every connection: then the token alone says who it is).
+    if (it->second.peer.uid != peer.uid) {
+      return refuse(absl::PermissionDeniedError(absl::StrCat("the lease belongs to uid ", it->second.peer.uid,
+                                                             ", not to uid ", peer.uid)));
+    }
+    if (it->second.peer.pid != 0 && it->second.peer.pid != peer.pid) {
       return refuse(absl::PermissionDeniedError(absl::StrCat("the lease belongs to pid ", it->second.peer.pid,
                                                              ", not to pid ", peer.pid)));
     }
@@ -209,20 +217,29 @@ void DescriptorChannel::Serve() {
     Clock::time_point deadline;
   };
   std::vector<Conn> conns;
-  auto finish = [&](Conn& c, const std::string& reply, int fd) {
-    SendReply(c.fd, reply, fd);
+  std::map<uint32_t, int> per_uid;  // open connections of each uid
+  Clock::time_point accept_paused_until{};
+  bool backoff_logged = false;
+  auto finish = [&](Conn& c, const std::string& reply, int fd) -> bool {
+    const bool sent = SendReply(c.fd, reply, fd);
     // Unread input at close would reset the connection before the peer reads the reply: drain what is queued.
     char sink[1024];
     for (int i = 0; i < 64 && ::recv(c.fd, sink, sizeof(sink), MSG_DONTWAIT) > 0; ++i) {
     }
     ::close(c.fd);
     c.fd = -1;
+    if (--per_uid[c.peer.uid] <= 0) per_uid.erase(c.peer.uid);
+    return sent;
   };
   while (!stop_) {
+    // Full (kMaxPendingDescriptorRequests open) or out of descriptors: leave new connections in the backlog.
+    const auto now0 = Clock::now();
+    const bool accepting = conns.size() < static_cast<size_t>(kMaxPendingDescriptorRequests) &&
+                           now0 >= accept_paused_until;
     std::vector<pollfd> fds;
-    fds.push_back({fd_, POLLIN, 0});
+    fds.push_back({fd_, static_cast<short>(accepting ? POLLIN : 0), 0});
     for (const Conn& c : conns) fds.push_back({c.fd, POLLIN, 0});
-    const int n = ::poll(fds.data(), fds.size(), 200);
+    const int n = ::poll(fds.data(), fds.size(), accepting ? 200 : 50);
     if (n < 0 && errno != EINTR) break;
     const auto now = Clock::now();
     for (size_t i = 0; i < conns.size(); ++i) {
@@ -236,8 +253,14 @@ void DescriptorChannel::Serve() {
         if (nl != std::string::npos) {
           auto fd = Redeem(c.buf.substr(0, nl), c.peer);
           if (fd.ok()) {
-            ++sent_;
-            finish(c, "OK\n", *fd);
+            const PeerInfo peer = c.peer;
+            if (finish(c, "OK\n", *fd)) {
+              ++sent_;
+            } else {
+              ++refused_;
+              spdlog::warn("event=descriptor_lost pid={} uid={}: the peer went away before the reply", peer.pid,
+                           peer.uid);
+            }
             ::close(*fd);
           } else {
             spdlog::warn("event=descriptor_refused pid={} uid={} detail=\"{}\"", c.peer.pid, c.peer.uid,
@@ -258,20 +281,40 @@ void DescriptorChannel::Serve() {
       }
     }
     std::erase_if(conns, [](const Conn& c) { return c.fd < 0; });
-    if (fds[0].revents & POLLIN) {
-      while (true) {
-        int s = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-        if (s < 0) break;  // EAGAIN, or out of descriptors: the next poll tries again
-        ucred cred{};
-        socklen_t len = sizeof(cred);
-        if (::getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
-            conns.size() >= static_cast<size_t>(kMaxPendingDescriptorRequests)) {
-          ++refused_;
-          ::close(s);
-          continue;
+    if (!(fds[0].revents & POLLIN)) continue;
+    while (conns.size() < static_cast<size_t>(kMaxPendingDescriptorRequests)) {
+      int s = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (s < 0) {
+        const int err = errno;
+        if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+          // The connection stays in the backlog, so poll would wake at once: pause accepting instead of spinning.
+          accept_paused_until = Clock::now() + std::chrono::milliseconds(100);
+          if (!backoff_logged) spdlog::warn("event=descriptor_accept_backoff errno={}", err);
+          backoff_logged = true;
         }
-        conns.push_back({s, PeerInfo{cred.pid, cred.uid, cred.gid}, "", Clock::now() + kDeadline});
+        break;
       }
+      backoff_logged = false;
+      std::optional<PeerInfo> peer = ReadPeer(s);
+      // A peer the daemon refuses is answered at once and holds no slot; one uid holds at most a quarter of them.
+      const auto held = peer ? per_uid.find(peer->uid) : per_uid.end();
+      const int open_of_uid = held == per_uid.end() ? 0 : held->second;
+      const char* refusal = !peer               ? "ERR no peer credentials\n"
+                            : !allowed_(*peer)  ? "ERR this uid may not use engramd\n"
+                            : open_of_uid >= kMaxPendingDescriptorRequests / 4 ? "ERR too many requests from this uid\n"
+                                                : nullptr;
+      if (refusal != nullptr) {
+        ++refused_;
+        SendReply(s, refusal, -1);
+        ::close(s);
+        if (peer) {
+          spdlog::warn("event=descriptor_refused pid={} uid={} detail=\"{}\"", peer->pid, peer->uid,
+                       std::string(refusal + 4, std::strlen(refusal) - 5));
+        }
+        continue;
+      }
+      ++per_uid[peer->uid];
+      conns.push_back({s, *peer, "", Clock::now() + kDeadline});
     }
   }
   for (Conn& c : conns) ::close(c.fd);

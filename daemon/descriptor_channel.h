@@ -9,11 +9,16 @@
 // the daemon's): the replica can map it PROT_READ only, and reopening it through /proc/self/fd needs the file's
 // permissions, which a replica of another uid does not have.
 //
-// Who gets a descriptor: a peer the gRPC listener would let in (`allowed`, the same function), holding the token
-// of a live lease, from the same pid and uid as the session; each token works once and dies with its lease
-// (Revoke). Everything else is refused and counted; nothing a peer sends can block the channel: requests are
-// bounded (256 bytes), each connection has a 2 s deadline, at most kMaxPending connections are served at once
-// (more are closed at once), and the daemon keeps no descriptor after a reply (the count returns to where it was).
+// Who gets a descriptor: a peer the gRPC listener would let in (`allowed`, the same function, checked when the
+// connection is accepted: a refused uid is answered at once and holds nothing), holding the token of a live lease,
+// of the session's uid, and from the session's process where the daemon can tell processes apart (a peer in another
+// PID namespace shows pid 0 on every connection; there the 128-bit token, sent only on that session's stream, is the
+// proof). Each token works once and dies with its lease (Revoke). Everything else is refused and counted. Bounds:
+// requests are 256 bytes at most, a connection has 2 s to send one, at most kMaxPendingDescriptorRequests are open at
+// once (one uid holds a quarter of them at most; beyond, new connections wait in the listen backlog until a slot
+// frees, they are not dropped), running out of descriptors pauses accepting instead of spinning, and the daemon
+// keeps no descriptor after a reply (the count returns to where it was). Root, and the daemon's own uid, can reopen a
+// passed descriptor writable through /proc/<pid>/fd (they may open the file anyway): run engines as another uid.
 //
 // Thread-safety: Issue/Revoke/Stats may be called from any thread; one internal thread serves the socket (poll).
 #pragma once
@@ -37,7 +42,7 @@ inline constexpr int kMaxPendingDescriptorRequests = 64;
 
 struct DescriptorStats {
   std::string socket;  // the channel's path ("" when not bound)
-  uint64_t sent = 0, refused = 0;
+  uint64_t sent = 0, refused = 0;  // sent: the reply with the descriptor reached the peer's socket
 };
 
 class DescriptorChannel {

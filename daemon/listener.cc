@@ -32,20 +32,6 @@ bool SomeoneListens(const std::string& path) {
   return ok;
 }
 
-// Supplementary groups of a live process, from /proc/<pid>/status.
-std::vector<uint32_t> GroupsOf(int32_t pid) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  std::vector<uint32_t> out;
-  while (std::getline(in, line)) {
-    if (line.rfind("Groups:", 0) != 0) continue;
-    std::istringstream ss(line.substr(7));
-    uint32_t g;
-    while (ss >> g) out.push_back(g);
-  }
-  return out;
-}
-
 }  // namespace
 
 absl::Status UdsListener::Bind(const std::string& path, const std::string& group) {
@@ -110,13 +96,12 @@ void UdsListener::Start(std::function<void(int, bool)> on_connection) {
         spdlog::info("event=accept_resumed");
         backoff_ms = 0;
       }
-      ucred cred{};
-      socklen_t len = sizeof(cred);
-      if (::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+      const std::optional<PeerInfo> read = ReadPeer(c);
+      if (!read) {
         ::close(c);
         continue;
       }
-      const PeerInfo peer{cred.pid, cred.uid, cred.gid};
+      const PeerInfo peer = *read;
       {
         std::lock_guard<std::mutex> lock(mu_);
         peers_[c] = peer;
@@ -155,7 +140,7 @@ bool UdsListener::Allowed(const PeerInfo& p) const {
   if (p.uid == 0 || p.uid == ::geteuid()) return true;
   if (group_gid_ < 0) return false;
   if (p.gid == static_cast<uint32_t>(group_gid_)) return true;
-  for (uint32_t g : GroupsOf(p.pid)) {
+  for (uint32_t g : p.groups) {
     if (g == static_cast<uint32_t>(group_gid_)) return true;
   }
   return false;

@@ -99,12 +99,14 @@ int main(int argc, char** argv) {
   DescriptorChannel descriptors([&listener](const PeerInfo& p) { return listener.Allowed(p); });
   {
     const struct group* g = opts->group.empty() ? nullptr : ::getgrnam(opts->group.c_str());
-    if (auto st = descriptors.Bind(opts->socket, g != nullptr ? static_cast<int>(g->gr_gid) : -1); st.ok()) {
-      state.SetDescriptorChannel(&descriptors);
-      descriptors.Start();
-    } else {
-      spdlog::warn("event=descriptor_passing_off detail=\"{}\": replicas attach by path", std::string(st.message()));
+    // Without it replicas in containers could only fall back: a startup error, not a silent degradation.
+    if (auto st = descriptors.Bind(opts->socket, g != nullptr ? static_cast<int>(g->gr_gid) : -1); !st.ok()) {
+      std::fprintf(stderr, "engramd: the descriptor socket next to %s: %s\n", opts->socket.c_str(),
+                   std::string(st.message()).c_str());
+      return 1;
     }
+    state.SetDescriptorChannel(&descriptors);
+    descriptors.Start();
   }
   listener.Start([&](int fd, bool allowed) {
     grpc::AddInsecureChannelFromFd(allowed ? server.get() : refuser.get(), fd);

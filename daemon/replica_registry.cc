@@ -58,12 +58,12 @@ absl::Status ValidateOutcome(const engram::v1::Outcome& o, engram::v1::Outcome* 
           absl::StrCat("outcome: reason code ", static_cast<int>(r.code()), " is not a known fallback reason"));
     }
   }
+  // A SHARED outcome without one comes from a client older than descriptor passing: accepted, shown as unknown.
   if (!engram::v1::AttachMethod_IsValid(o.attach()) ||
-      (o.mode() == engram::v1::SHARED) != (o.attach() != engram::v1::ATTACH_NONE)) {
+      (o.mode() != engram::v1::SHARED && o.attach() != engram::v1::ATTACH_NONE)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "outcome: attach method ", static_cast<int>(o.attach()),
-        o.mode() == engram::v1::SHARED ? ": a SHARED outcome says how it attached (descriptor or path)"
-                                       : ": only a SHARED outcome has an attach method"));
+        engram::v1::AttachMethod_IsValid(o.attach()) ? ": only a SHARED outcome has an attach method" : " is not known"));
   }
   if (o.backend() != "cuda" && o.backend() != "cpu") {
     return absl::InvalidArgumentError(
@@ -179,7 +179,10 @@ void ReplicaRegistry::ReportRegistration(const std::string& lease_id, const engr
 
 absl::Status ReplicaRegistry::RecordOutcome(const std::string& lease_id, const engram::v1::Outcome& outcome) {
   engram::v1::Outcome clean;
-  if (auto st = ValidateOutcome(outcome, &clean); !st.ok()) return st;
+  if (auto st = ValidateOutcome(outcome, &clean); !st.ok()) {
+    spdlog::warn("event=outcome_refused lease={} detail=\"{}\"", lease_id, std::string(st.message()));
+    return st;
+  }
   std::lock_guard<std::mutex> lock(mu_);
   auto it = replicas_.find(lease_id);
   if (it == replicas_.end()) return absl::NotFoundError(absl::StrCat("no session with lease ", lease_id));

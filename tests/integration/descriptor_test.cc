@@ -2,10 +2,13 @@
 // mount and IPC namespaces, replicas of another uid, a uid that may not connect, and a thousand attaches with kills.
 // Needs root for namespaces and uids (the tests say so and skip otherwise); everything else runs anywhere.
 #include <dirent.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -54,7 +57,7 @@ std::string Replica(const Daemon& d, const std::string& ckpt, const std::string&
 // The command line run inside fresh mount and IPC namespaces where /dev/shm and the daemon's shm directory are
 // private, empty tmpfs mounts: nothing the daemon put there is visible by path.
 std::string Isolated(const std::string& shm, const std::string& cmd) {
-  return "unshare -m -i sh -c 'mount --make-rprivate / && mount -t tmpfs -o size=4m tmpfs /dev/shm && "
+  return "exec unshare -m -i sh -c 'mount --make-rprivate / && mount -t tmpfs -o size=4m tmpfs /dev/shm && "
          "mount -t tmpfs -o size=4m tmpfs " + shm + " && ls -A " + shm + " | wc -l >&2 && exec " + cmd + "'";
 }
 
@@ -199,6 +202,55 @@ TEST(DescriptorTest, AUidThatMayNotConnectOrAnotherProcessGetsNoDescriptor) {
   EXPECT_EQ(s["descriptors"]["sent"].get<int>(), 0) << s.dump();
   holder.Signal(SIGKILL);
   holder.Wait();
+}
+
+// A daemon in its own PID namespace (a pod without hostPID, a container) sees pid 0 for every replica and cannot
+// read their /proc entries: group membership still comes through (SO_PEERGROUPS at accept), so a non-root member
+// of --group shares through the descriptor.
+TEST(DescriptorTest, ADaemonInItsOwnPidNamespaceAdmitsGroupMembers) {
+  if (!Root() || RunCmd("unshare -p -f --kill-child --mount-proc true").exit_code != 0) {
+    GTEST_SKIP() << "needs root and unshare(CLONE_NEWPID)";
+  }
+  if (RunCmd("getent group nogroup").exit_code != 0) GTEST_SKIP() << "no group 'nogroup'";
+  TempDir dir;
+  ::chmod(dir.path().c_str(), 0755);
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 4);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--group", "nogroup"}, "engramd",
+           {"/usr/bin/unshare", "-p", "-f", "--kill-child", "--mount-proc"});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  // A member by supplementary group only: its own primary group is not the daemon's.
+  const json j = LastJson(RunCmd("setpriv --reuid=65533 --regid=65533 --groups=65534 " + Replica(d, ckpt)).out);
+  EXPECT_EQ(j["mode"], "SHARED") << j.dump() << d.Log();
+  EXPECT_EQ(j["attach"], "descriptor") << j.dump();
+  EXPECT_EQ(j["mismatches"], 0) << j.dump();
+  EXPECT_EQ(d.Log().find("event=refused"), std::string::npos) << d.Log();
+}
+
+// Idle connections cannot shut the channel for others: a flood holds at most its uid's share of the slots, the
+// rest wait in the backlog, and a replica that can only attach by descriptor still gets one.
+TEST(DescriptorTest, AFloodOfIdleConnectionsDoesNotStarveAReplica) {
+  if (!Root() || !CanUnshare()) GTEST_SKIP() << "needs root and unshare(CLONE_NEWNS|CLONE_NEWIPC)";
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 4);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  std::vector<int> flood;
+  for (int i = 0; i < 200; ++i) {
+    int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    const std::string path = d.socket() + ".fds";
+    std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+    (void)::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    flood.push_back(s);
+  }
+  const json j = LastJson(RunCmd(Isolated(shm, Replica(d, ckpt))).out);
+  EXPECT_EQ(j["mode"], "SHARED") << j.dump();
+  EXPECT_EQ(j["attach"], "descriptor") << j.dump();
+  for (int s : flood) ::close(s);
+  EXPECT_TRUE(d.proc().Running());
 }
 
 TEST(DescriptorTest, AThousandAttachesAndKillsLeaveTheDaemonsDescriptorCountWhereItWas) {

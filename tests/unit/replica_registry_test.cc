@@ -364,9 +364,7 @@ TEST(ReplicaRegistryTest, MalformedOutcomesAreRefused) {
   bad.push_back(MakeOutcome(engram::v1::SHARED, "cpu", {engram::v1::REASON_UNSPECIFIED}));
   bad.push_back(MakeOutcome(engram::v1::PRIVATE_PINNED, "cpu",
                             std::vector<engram::v1::FallbackReason>(33, engram::v1::NO_CUDA_DEVICE)));
-  // The attach method: a SHARED outcome names one, no other mode has one, and it is a known value.
-  bad.push_back(MakeOutcome(engram::v1::SHARED, "cpu"));
-  bad.back().set_attach(engram::v1::ATTACH_NONE);
+  // The attach method: no mode but SHARED has one, and it is a known value.
   bad.push_back(MakeOutcome(engram::v1::PRIVATE_PINNED, "cpu"));
   bad.back().set_attach(engram::v1::ATTACH_PATH);
   bad.push_back(MakeOutcome(engram::v1::SHARED, "cpu"));
@@ -381,6 +379,9 @@ TEST(ReplicaRegistryTest, MalformedOutcomesAreRefused) {
     reg.Detach(a);
   }
   engram::v1::Outcome clean;
+  engram::v1::Outcome older = MakeOutcome(engram::v1::SHARED, "cuda");
+  older.set_attach(engram::v1::ATTACH_NONE);
+  EXPECT_TRUE(ValidateOutcome(older, &clean).ok()) << "a client older than descriptor passing names no method";
   EXPECT_TRUE(ValidateOutcome(MakeOutcome(engram::v1::DP_SHARDED, "cpu",
                                           std::vector<engram::v1::FallbackReason>(32, engram::v1::NO_CUDA_DEVICE)),
                               &clean)
