@@ -52,7 +52,7 @@ typedef struct {
   int cpu_offload;       /* -1 unset (VLLM_PLE_CPU_OFFLOAD, then true), 0 false, 1 true */
   int dp_shared_memory;  /* -1 auto, 0 false, 1 true */
   int embedding_across_dp;
-  const char* shm_dir;   /* NULL: /dev/shm */
+  const char* shm_dir;   /* path fallback only (no descriptor passed): the daemon's shm dir as seen here; NULL: the grant's */
   int use_gpu;           /* 1 (default): the CUDA backend where a GPU is usable; 0: the CPU backend regardless */
 } engram_attach_request;
 

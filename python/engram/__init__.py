@@ -51,7 +51,8 @@ def attach(checkpoint, *, tp_size=1, tp_rank=0, dp_size=1, dp_rank=0, local_dp_s
            shm_dir=None, timeout_ms=10000, backend="auto"):
     """Attaches this replica (one TP rank of one DP rank) to its TP shard's table: shared from engramd when the
     daemon allows it, otherwise a private table with the reasons. dp_shared_memory=True turns a fallback into an
-    EngramError that names the reasons. shm_dir: the replica's view of the daemon's shm directory (/dev/shm).
+    EngramError that names the reasons. shm_dir: only for the path fallback (engramd passed no descriptor): the
+    daemon's shm directory as this process sees it; None: the directory the grant names.
     backend: "auto" (CUDA where a GPU is usable) or "cpu" (the CPU backend, NumPy arrays, even beside a GPU)."""
     if backend not in ("auto", "cpu"):
         raise ValueError(f"backend: 'auto' or 'cpu', got {backend!r}")

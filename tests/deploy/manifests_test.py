@@ -95,7 +95,8 @@ check("--socket" in eargs and eargs[eargs.index("--socket") + 1] == "/run/engram
 check("--shm-dir" not in eargs, "engine: is not told any shm directory")
 sc = espec.get("securityContext", {})
 check(sc.get("runAsNonRoot") is True and sc.get("runAsUser", 0) != 0, "engine: runs as a non-root uid")
-check(4242 in sc.get("supplementalGroups", []), "engine: a member of the engram group (gid 4242)")
+check(4242 in sc.get("supplementalGroups", []) or sc.get("runAsGroup") == 4242,
+      "engine: a member of the engram group (gid 4242)")
 
 with open(os.path.join(root, "docker", "Dockerfile.engramd")) as f:
     check("--gid 4242 engram" in f.read(), "engramd's image creates group engram with gid 4242")
@@ -103,9 +104,16 @@ with open(os.path.join(root, "docker", "compose.yaml")) as f:
     compose = yaml.safe_load(f)
 for name, svc in compose["services"].items():
     check("ipc" not in svc, f"compose {name}: no ipc setting (descriptors need no shared IPC namespace)")
-check(any(v.startswith("/run/engramd:/run/engramd") for v in compose["services"]["replica"]["volumes"]),
-      "compose replica: mounts the socket directory")
-check(not any("shm" in v for v in compose["services"]["replica"]["volumes"]), "compose replica: no shm mount")
+replicas = {n: s for n, s in compose["services"].items() if n.startswith("replica")}
+check(len(replicas) == 4, f"compose: four replicas, found {sorted(replicas)}")
+ranks = set()
+for name, svc in replicas.items():
+    check(any(v.startswith("/run/engramd:/run/engramd") for v in svc["volumes"]), f"compose {name}: the socket dir")
+    check(not any("shm" in v for v in svc["volumes"]), f"compose {name}: no shm mount")
+    check(str(svc.get("user", "0")).split(":")[0] not in ("0", "root"), f"compose {name}: not root")
+    cmd = svc["command"]
+    ranks.add(cmd[cmd.index("--dp-rank") + 1] if "--dp-rank" in cmd else "0")
+check(ranks == {"0", "1", "2", "3"}, f"compose: one replica per DP rank, ranks {sorted(ranks)}")
 
 kubectl = shutil.which("kubectl")
 if kubectl:
