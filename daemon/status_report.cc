@@ -60,6 +60,7 @@ engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const Repli
     rep->set_register_seconds(r.register_seconds);
     rep->set_lease_id(r.lease_id);
     rep->set_attach(std::string(AttachName(r.attach)));
+    rep->set_own_pid(r.hello.pid());
     listed_bytes += rep->ByteSizeLong();
   }
   for (const auto& f : replicas.RecentFallbacks()) s.add_recent_fallbacks(f);

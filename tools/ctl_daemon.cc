@@ -205,6 +205,7 @@ int CmdStatus(int argc, char** argv) {
                              {"reasons", ReasonsJson(r.reasons(), false)},
                              {"hints", ReasonsJson(r.reasons(), true)},
                              {"attach", r.attach()},
+                             {"own_pid", r.own_pid()},
                              {"attached_seconds", r.attached_seconds()},
                              {"register_seconds", r.register_seconds()}});
   }
@@ -238,7 +239,9 @@ int CmdStatus(int argc, char** argv) {
   for (const auto& r : s.replicas()) {
     std::vector<std::string> reasons;
     for (const auto& x : r.reasons()) reasons.push_back(engram::v1::FallbackReason_Name(x.code()));
-    std::cout << absl::StrFormat("%-8d %-6d %-6d %-6d %-15s %-11s %-12s %-10s %s\n", r.pid(), r.uid(), r.dp_rank(),
+    // A replica in another PID namespace shows pid 0 to the daemon: its own pid, marked, is more use.
+    const std::string pid = r.pid() != 0 ? std::to_string(r.pid()) : absl::StrCat("~", r.own_pid());
+    std::cout << absl::StrFormat("%-8s %-6d %-6d %-6d %-15s %-11s %-12s %-10s %s\n", pid, r.uid(), r.dp_rank(),
                                  r.tp_rank(), r.mode(), r.attach().empty() ? "-" : r.attach(),
                                  absl::StrFormat("%.0fs", r.attached_seconds()),
                                  r.register_seconds() < 0 ? "-" : absl::StrFormat("%.2fs", r.register_seconds()),
