@@ -104,19 +104,30 @@ inline uint64_t Mix(uint64_t x) {  // murmur3's finaliser: spreads consecutive r
   return x;
 }
 
-inline int64_t IdAt(const int32_t* ids, int64_t item, int32_t cols, int64_t stride) {
-  if (stride == cols) return ids[item];
-  return ids[(item / cols) * stride + item % cols];
+// Calls fn(i, id) for items i in [begin, end) in order, id = ids[t * stride + c] for i = t * cols + c (one division
+// per range, not per item).
+template <typename Fn>
+inline void ForEachId(const int32_t* ids, int64_t begin, int64_t end, int32_t cols, int64_t stride, Fn&& fn) {
+  if (begin >= end) return;
+  if (stride == cols) {
+    for (int64_t i = begin; i < end; ++i) fn(i, static_cast<int64_t>(ids[i]));
+    return;
+  }
+  int64_t t = begin / cols, c = begin % cols;
+  const int32_t* row = ids + t * stride;
+  for (int64_t i = begin; i < end; ++i) {
+    fn(i, static_cast<int64_t>(row[c]));
+    if (++c == cols) {
+      c = 0;
+      row += stride;
+    }
+  }
 }
 
 }  // namespace
 
 RowDeduper::RowDeduper(int64_t max_items) : max_items_(std::max<int64_t>(max_items, 1)) {
-  capacity_ = 16;
-  while (capacity_ < 2 * max_items_) capacity_ <<= 1;
-  keys_.reset(new std::atomic<uint32_t>[static_cast<size_t>(capacity_)]);
-  for (int64_t s = 0; s < capacity_; ++s) keys_[static_cast<size_t>(s)].store(0, std::memory_order_relaxed);
-  compact_.resize(static_cast<size_t>(capacity_));
+  bucketed_.resize(static_cast<size_t>(max_items_));
 }
 
 absl::Status RowDeduper::Plan(const int32_t* ids, int32_t num_tokens, int32_t num_cols, int64_t ids_stride,
@@ -139,89 +150,116 @@ absl::Status RowDeduper::Plan(const int32_t* ids, int32_t num_tokens, int32_t nu
   if (!dedup) {
     pool.Run([&](int w) {
       const Range r = SplitRange(items, P, w);
-      for (int64_t i = r.begin; i < r.end; ++i) {
-        const int64_t id = IdAt(ids, i, num_cols, ids_stride);
+      ForEachId(ids, r.begin, r.end, num_cols, ids_stride, [&](int64_t i, int64_t id) {
         const bool owned = id >= row_begin && id < row_end;
         rows[i] = owned ? static_cast<uint32_t>(id - row_begin) : GatherPlan::kNoRow;
         index[i] = owned ? static_cast<int32_t>(i) : -1;
-      }
+      });
     });
     plan->n_rows = items;
     return absl::OkStatus();
   }
-  // The table in use: a power of two >= 2 * items (small batches scan a small table).
-  int64_t cap = 16;
-  while (cap < 2 * items) cap <<= 1;
-  const uint64_t mask = static_cast<uint64_t>(cap) - 1;
+  // Part p owns rows [p * range / P, (p + 1) * range / P) (relative to row_begin), computed by a multiply and a shift
+  // (part_scale = P * 2^32 / range): ascending parts, ascending rows.
   const uint64_t range = static_cast<uint64_t>(std::max<int64_t>(row_end - row_begin, 1));
-  std::atomic<uint32_t>* keys = keys_.get();
-  // 1. Every owned item claims or finds its row's slot (open addressing, linear probing, lock-free); index[i] holds
-  //    the slot for now. Ordered placement (slot proportional to the row) makes the slot order the row order, so
-  //    the gather walks the table in address order (page-walk locality, as the GPU's row-order gather); should the
-  //    ids crowd into a narrow band of rows (long probe runs), the batch is placed again by a hash.
-  std::atomic<bool> crowded{false};
-  auto claim = [&](bool ordered) {
-    pool.Run([&](int w) {
-      const Range r = SplitRange(items, P, w);
-      for (int64_t i = r.begin; i < r.end && !crowded.load(std::memory_order_relaxed); ++i) {
-        const int64_t id = IdAt(ids, i, num_cols, ids_stride);
-        if (id < row_begin || id >= row_end) {
-          index[i] = -1;
-          continue;
-        }
-        const uint32_t key = static_cast<uint32_t>(id - row_begin) + 1;
-        uint64_t s = ordered ? (static_cast<uint64_t>(key - 1) * static_cast<uint64_t>(cap)) / range : Mix(key) & mask;
-        for (int probes = 0;; ++probes) {
-          uint32_t k = keys[s].load(std::memory_order_relaxed);
-          if (k == 0 && keys[s].compare_exchange_strong(k, key, std::memory_order_relaxed)) break;
-          if (k == key) break;
+  const uint64_t part_scale = (static_cast<uint64_t>(P) << 32) / range;
+  auto part_of = [&](uint64_t rel) { return static_cast<size_t>(std::min<uint64_t>((rel * part_scale) >> 32, P - 1)); };
+  counts_.resize(static_cast<size_t>(P));
+  tables_.resize(static_cast<size_t>(P));
+  part_begin_.assign(static_cast<size_t>(P) + 1, 0);
+  part_rows_.assign(static_cast<size_t>(P) + 1, 0);
+  // 1. Items per (worker, part); non-owned items get -1 now, owned ones 0.
+  pool.Run([&](int w) {
+    auto& cnt = counts_[static_cast<size_t>(w)];
+    cnt.assign(static_cast<size_t>(P), 0);
+    const Range r = SplitRange(items, P, w);
+    ForEachId(ids, r.begin, r.end, num_cols, ids_stride, [&](int64_t i, int64_t id) {
+      const bool owned = id >= row_begin && id < row_end;
+      index[i] = owned ? 0 : -1;
+      if (owned) ++cnt[part_of(static_cast<uint64_t>(id - row_begin))];
+    });
+  });
+  // Scatter offsets: parts in order, within a part the workers in order.
+  int64_t at = 0;
+  for (int p = 0; p < P; ++p) {
+    part_begin_[static_cast<size_t>(p)] = at;
+    for (int w = 0; w < P; ++w) {
+      const int64_t n = counts_[static_cast<size_t>(w)][static_cast<size_t>(p)];
+      counts_[static_cast<size_t>(w)][static_cast<size_t>(p)] = at;
+      at += n;
+    }
+  }
+  part_begin_[static_cast<size_t>(P)] = at;
+  // 2. Scatter the owned items into their parts as (item, row) pairs: the part's pass reads nothing else.
+  uint64_t* bucketed = bucketed_.data();
+  pool.Run([&](int w) {
+    auto& off = counts_[static_cast<size_t>(w)];
+    const Range r = SplitRange(items, P, w);
+    ForEachId(ids, r.begin, r.end, num_cols, ids_stride, [&](int64_t i, int64_t id) {
+      if (id < row_begin || id >= row_end) return;
+      const uint64_t rel = static_cast<uint64_t>(id - row_begin);
+      bucketed[off[part_of(rel)]++] = (rel << 32) | static_cast<uint64_t>(i);
+    });
+  });
+  // 3. Each worker de-duplicates its part in its own table (slot proportional to the row: the slot order is the
+  //    row order; a part whose rows crowd into long probe runs is placed again by a hash). index[i] = local slot.
+  pool.Run([&](int p) {
+    const int64_t begin = part_begin_[static_cast<size_t>(p)], end = part_begin_[static_cast<size_t>(p) + 1];
+    // The part's first row (approximately: rows outside the span are clamped to the table's ends).
+    const uint64_t lo = static_cast<uint64_t>(p) * range / static_cast<uint64_t>(P);
+    const uint64_t width = std::max<uint64_t>(range / static_cast<uint64_t>(P), 1);
+    int64_t cap = 16;
+    while (cap < 2 * (end - begin)) cap <<= 1;
+    const uint64_t slot_scale = (static_cast<uint64_t>(cap) << 32) / width;  // slot = (rel - lo) * cap / width
+    auto& table = tables_[static_cast<size_t>(p)];
+    // A tail past the last home slot: probe runs at the top of the part continue there instead of wrapping to the
+    // front (which would put those rows first).
+    const uint64_t size = static_cast<uint64_t>(cap) + 256;
+    table.assign(static_cast<size_t>(size), 0);
+    const uint64_t mask = static_cast<uint64_t>(cap) - 1;
+    for (bool ordered : {true, false}) {
+      bool crowded = false;
+      for (int64_t k = begin; k < end && !crowded; ++k) {
+        const uint64_t pair = bucketed[k];
+        const uint32_t i = static_cast<uint32_t>(pair), rel = static_cast<uint32_t>(pair >> 32), key = rel + 1;
+        // Ordered: proportional to the row within the part, clamped to the table (part edges are approximate).
+        uint64_t s = ordered ? std::min<uint64_t>((static_cast<uint64_t>(rel > lo ? rel - lo : 0) * slot_scale) >> 32, mask)
+                             : Mix(key) & mask;
+        for (int probes = 0; table[s] != 0 && table[s] != key; ++probes) {
           if (ordered && probes > 256) {
-            crowded.store(true, std::memory_order_relaxed);
+            crowded = true;
             break;
           }
-          s = (s + 1) & mask;
+          s = s + 1 == size ? 0 : s + 1;
         }
+        table[s] = key;
         index[i] = static_cast<int32_t>(s);
       }
-    });
-  };
-  claim(true);
-  if (crowded.load()) {
-    pool.Run([&](int w) {
-      const Range r = SplitRange(cap, P, w);
-      for (int64_t s = r.begin; s < r.end; ++s) keys[s].store(0, std::memory_order_relaxed);
-    });
-    crowded.store(false);
-    claim(false);
-  }
-  // 2. Occupied slots per part of the table, then each part numbers its rows and empties its slots.
-  counts_.assign(static_cast<size_t>(P) + 1, 0);
-  pool.Run([&](int w) {
-    const Range r = SplitRange(cap, P, w);
+      if (!crowded) break;
+      std::fill(table.begin(), table.end(), 0u);
+    }
     int64_t n = 0;
-    for (int64_t s = r.begin; s < r.end; ++s) n += keys[s].load(std::memory_order_relaxed) != 0;
-    counts_[static_cast<size_t>(w) + 1] = n;
+    for (const uint32_t k : table) n += k != 0;
+    part_rows_[static_cast<size_t>(p) + 1] = n;
   });
-  for (int w = 0; w < P; ++w) counts_[static_cast<size_t>(w) + 1] += counts_[static_cast<size_t>(w)];
-  pool.Run([&](int w) {
-    const Range r = SplitRange(cap, P, w);
-    int64_t next = counts_[static_cast<size_t>(w)];
-    for (int64_t s = r.begin; s < r.end; ++s) {
-      const uint32_t k = keys[s].load(std::memory_order_relaxed);
+  for (int p = 0; p < P; ++p) part_rows_[static_cast<size_t>(p) + 1] += part_rows_[static_cast<size_t>(p)];
+  // 4. Each part numbers its rows after the parts before it (the table's slots become those numbers) and rewrites
+  //    its items' indices.
+  pool.Run([&](int p) {
+    auto& table = tables_[static_cast<size_t>(p)];
+    uint32_t next = static_cast<uint32_t>(part_rows_[static_cast<size_t>(p)]);
+    for (auto& k : table) {
       if (k == 0) continue;
-      compact_[static_cast<size_t>(s)] = static_cast<uint32_t>(next);
-      rows[next++] = k - 1;
-      keys[s].store(0, std::memory_order_relaxed);
+      rows[next] = k - 1;
+      k = next++;  // the slot now holds the row's position in `rows`
+    }
+    const int64_t begin = part_begin_[static_cast<size_t>(p)], end = part_begin_[static_cast<size_t>(p) + 1];
+    for (int64_t k = begin; k < end; ++k) {
+      const uint32_t i = static_cast<uint32_t>(bucketed[k]);
+      index[i] = static_cast<int32_t>(table[static_cast<size_t>(index[i])]);
     }
   });
-  // 3. Slots become positions in `rows`.
-  pool.Run([&](int w) {
-    const Range r = SplitRange(items, P, w);
-    for (int64_t i = r.begin; i < r.end; ++i) {
-      if (index[i] >= 0) index[i] = static_cast<int32_t>(compact_[static_cast<size_t>(index[i])]);
-    }
-  });
-  plan->n_rows = counts_[static_cast<size_t>(P)];
+  plan->n_rows = part_rows_[static_cast<size_t>(P)];
   return absl::OkStatus();
 }
 

@@ -78,11 +78,15 @@ class RowDeduper {
                     int64_t row_end, bool dedup, GatherPool& pool, int32_t* index, GatherPlan* plan);
 
  private:
+  // How: the row range is cut into one part per worker; items are bucketed by part (count, prefix, scatter), then
+  // each worker de-duplicates its own part in a private open-addressing table (no shared atomics, a table sized to
+  // the part, slots ordered by row), numbers its rows after the parts before it and rewrites its items' indices.
   int64_t max_items_;
-  int64_t capacity_;                    // power of two >= 2 * max_items
-  std::unique_ptr<std::atomic<uint32_t>[]> keys_;  // row + 1; 0 = empty
-  std::vector<uint32_t> compact_;       // slot -> position in plan->rows
-  std::vector<int64_t> counts_;
+  std::vector<uint64_t> bucketed_;               // (row << 32 | item) grouped by part
+  std::vector<std::vector<int64_t>> counts_;     // [worker][part] items, then scatter offsets
+  std::vector<int64_t> part_begin_;              // [part + 1] start of each part in bucketed_
+  std::vector<int64_t> part_rows_;               // [part + 1] distinct rows before each part
+  std::vector<std::vector<uint32_t>> tables_;    // [part] row + 1 per slot; 0 = empty
 };
 
 // Copies record rows[k] (of `record_bytes` bytes, from `records`) to dst + k * record_bytes for k in [begin, end);
