@@ -6,19 +6,22 @@
 //   peer gather  the lookup kernel reading the same rows from the peer GPU's shard (no placement)
 //   UVA shared   the dp_shared_memory topology: the lookup of the same tokens (every column) from one pinned host
 //                table through UVA, sorted gather for large batches as the engine does
-// One process, one thread per GPU (NCCL communicator from one ncclUniqueId; peer pointers through peer access).
+// One process per GPU, as replicas run (forked before any CUDA call; rank 0's ncclUniqueId goes to rank 1 through a
+// pipe; peer shards are mapped through CUDA IPC as the engine maps them); each child reports its times through a
+// pipe and the parent prints the slower rank's.
 // Synthetic shards: 24 columns x 2 layers, `rows` rows per column (default 2^20: 3.3 GB per layer and GPU), random
 // ids. Times are per step (both layers), mean of --iters after warm-up. Usage:
 //   bench_dp [--tokens 1,4,64,512,4096,8192] [--iters 50] [--rows 1048576] [--uva-rows 1048576]
 #include <cuda_runtime_api.h>
 
-#include <barrier>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <future>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "client/dp_nccl_transport.h"
@@ -61,8 +64,12 @@ std::vector<int> ParseList(const std::string& s) {
 
 // Mean milliseconds per call of `f` on `stream`.
 template <typename F>
-double TimeMs(cudaStream_t stream, int iters, F f) {
+double TimeMs(cudaStream_t stream, int iters, F f, const char* what) {
   for (int i = 0; i < 3; ++i) f();
+  if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
@@ -91,30 +98,40 @@ int main(int argc, char** argv) {
     else if (k == "--rows") rows = std::stoll(v);
     else if (k == "--uva-rows") uva_rows = std::stoll(v);
   }
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) {
-    std::printf("bench_dp needs two GPUs (found %d)\n", n);
-    return 77;
-  }
-  auto api = NcclApi::Get();
-  if (!api.ok()) {
-    std::printf("%s\n", std::string(api.status().message()).c_str());
-    return 1;
-  }
-  const NcclApi* nccl = *api;
-  std::printf("bench_dp: NCCL %d, %d GPUs, %lld rows per column (shard %.2f GB per layer and GPU), %d iterations\n",
-              nccl->version, n, static_cast<long long>(rows), 12.0 * rows * kRb / 1e9, iters);
-  ncclUniqueId id;
-  nccl->GetUniqueId(&id);
-  // Shards: member g owns columns [12g, 12g + 12); column c's rows are [c * rows, (c + 1) * rows) of each layer.
-  std::vector<std::vector<ShardLayer>> shards(kMembers);
-  std::vector<std::vector<Result>> results(kMembers, std::vector<Result>(tokens.size()));
-  std::barrier sync(kMembers);
-  auto run = [&](int g) {
+  // Fork first: CUDA must not be initialised in the parent.
+  int id_pipe[2], res_pipe[2][2];
+  if (::pipe(id_pipe) != 0 || ::pipe(res_pipe[0]) != 0 || ::pipe(res_pipe[1]) != 0) return 1;
+  pid_t kids[kMembers];
+  for (int g = 0; g < kMembers; ++g) {
+    kids[g] = ::fork();
+    if (kids[g] != 0) continue;
+    // Child g: GPU g.
+    auto api = NcclApi::Get();
+    if (!api.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(api.status().message()).c_str());
+      ::_exit(1);
+    }
+    const NcclApi* nccl = *api;
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n < kMembers) {
+      std::fprintf(stderr, "bench_dp needs two GPUs (found %d)\n", n);
+      ::_exit(77);
+    }
     CK(cudaSetDevice(g));
-    CK(cudaDeviceEnablePeerAccess(1 - g, 0));
+    ncclUniqueId id;
+    if (g == 0) {
+      nccl->GetUniqueId(&id);
+      for (int k = 1; k < kMembers; ++k) {
+        if (::write(id_pipe[1], &id, sizeof(id)) != static_cast<ssize_t>(sizeof(id))) ::_exit(1);
+      }
+      std::fprintf(stderr, "bench_dp: NCCL %d, %d GPUs, %lld rows per column (shard %.2f GB per layer and GPU), %d "
+                   "iterations\n", nccl->version, n, static_cast<long long>(rows), 12.0 * rows * kRb / 1e9, iters);
+    } else if (::read(id_pipe[0], &id, sizeof(id)) != static_cast<ssize_t>(sizeof(id))) {
+      ::_exit(1);
+    }
     cudaStream_t stream;
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    // This GPU's shard: both layers in one allocation (exported to the peer through CUDA IPC).
     const int64_t shard_rows = 12 * rows;
     std::vector<uint8_t> pattern(static_cast<size_t>(std::min<int64_t>(shard_rows, 1 << 16)) * kRb);
     std::mt19937_64 rng(g + 1);
@@ -122,29 +139,29 @@ int main(int argc, char** argv) {
       // e4m3 values, ue8m0 scales near 127 (finite rows).
       pattern[i] = (i % kRb) < kD ? static_cast<uint8_t>(rng() & 0x77) : static_cast<uint8_t>(120 + rng() % 8);
     }
-    for (int l = 0; l < kL; ++l) {
-      uint8_t* p = nullptr;
-      CK(cudaMalloc(&p, static_cast<size_t>(shard_rows) * kRb));
-      for (int64_t off = 0; off < shard_rows * kRb; off += static_cast<int64_t>(pattern.size())) {
-        CK(cudaMemcpy(p + off, pattern.data(), std::min<size_t>(pattern.size(), shard_rows * kRb - off),
-                      cudaMemcpyHostToDevice));
-      }
-      shards[static_cast<size_t>(g)].push_back({p, 12 * g * rows, 12 * (g + 1) * rows});
+    uint8_t* base = nullptr;
+    const size_t layer_bytes = static_cast<size_t>(shard_rows) * kRb;
+    CK(cudaMalloc(&base, layer_bytes * kL));
+    for (size_t off = 0; off < layer_bytes * kL; off += pattern.size()) {
+      CK(cudaMemcpy(base + off, pattern.data(), std::min(pattern.size(), layer_bytes * kL - off),
+                    cudaMemcpyHostToDevice));
     }
-    // The dp_shared_memory table for the UVA comparison: every column, pinned host memory (GPU 0 only).
+    std::vector<ShardLayer> shard;
+    for (int l = 0; l < kL; ++l) shard.push_back({base + l * layer_bytes, 12 * g * rows, 12 * (g + 1) * rows});
+    // The dp_shared_memory table for the UVA comparison: every column, pinned host memory (rank 0 only).
     uint8_t* uva = nullptr;
+    const size_t uva_bytes = static_cast<size_t>(kC) * uva_rows * kRb * kL;
     if (g == 0) {
-      CK(cudaHostAlloc(&uva, static_cast<size_t>(kC) * uva_rows * kRb * kL, cudaHostAllocMapped));
-      for (int64_t off = 0; off < kC * uva_rows * kRb * kL; off += static_cast<int64_t>(pattern.size())) {
-        std::memcpy(uva + off, pattern.data(), std::min<size_t>(pattern.size(), kC * uva_rows * kRb * kL - off));
+      CK(cudaHostAlloc(&uva, uva_bytes, cudaHostAllocMapped));
+      for (size_t off = 0; off < uva_bytes; off += pattern.size()) {
+        std::memcpy(uva + off, pattern.data(), std::min(pattern.size(), uva_bytes - off));
       }
     }
     auto comm = DpNcclExchange::InitComm(id, kMembers, g, nullptr, std::chrono::seconds(120));
     if (!comm.ok()) {
       std::fprintf(stderr, "comm: %s\n", std::string(comm.status().message()).c_str());
-      std::exit(1);
+      ::_exit(1);
     }
-    sync.arrive_and_wait();  // both shards exist: peers can be addressed
     const int maxT = *std::max_element(tokens.begin(), tokens.end());
     int32_t *ids = nullptr, *uva_ids = nullptr;
     uint16_t* out[kL];
@@ -168,6 +185,8 @@ int main(int argc, char** argv) {
       CK(cudaMemcpy(ids, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(uva_ids, hu.data(), hu.size() * 4, cudaMemcpyHostToDevice));
     }
+    std::vector<Result> results(tokens.size());
+    std::vector<ShardLayer> peer_shard;
     for (size_t ti = 0; ti < tokens.size(); ++ti) {
       const int T = tokens[ti];
       DpExchangeShape shape;
@@ -181,29 +200,28 @@ int main(int argc, char** argv) {
       shape.col_end = {12, 24};
       shape.group_col_begin = 0;
       shape.group_col_end = 24;
-      auto x = DpNcclExchange::Create(shape, *comm, false, stream, shards[static_cast<size_t>(g)], nullptr,
-                                      std::chrono::seconds(60));
+      auto x = DpNcclExchange::Create(shape, *comm, false, stream, shard, nullptr, std::chrono::seconds(60));
       if (!x.ok()) {
         std::fprintf(stderr, "exchange: %s\n", std::string(x.status().message()).c_str());
-        std::exit(1);
+        ::_exit(1);
       }
-      (*x)->SetPeerShards(shards);
+      if (auto st = (*x)->ExchangePeerShards(base); !st.ok()) {
+        std::fprintf(stderr, "peer shards: %s\n", std::string(st.message()).c_str());
+        ::_exit(1);
+      }
       void* outs[kL] = {out[0], out[1]};
-      Result& res = results[static_cast<size_t>(g)][ti];
+      Result& res = results[ti];
       res.record_bytes = static_cast<double>(kL) * T * 12 * kRb;  // what this rank sends (and receives)
       auto step = [&](bool peer) {
         auto st = (*x)->Step(ids, kL * kC, kC, T, 0, kL, outs, false, peer);
         if (!st.ok()) {
           std::fprintf(stderr, "step: %s\n", std::string(st.message()).c_str());
-          std::exit(1);
+          ::_exit(1);
         }
       };
-      sync.arrive_and_wait();
-      res.a2a = TimeMs(stream, iters, [&] { step(false); });
-      sync.arrive_and_wait();
-      res.peer = TimeMs(stream, iters, [&] { step(true); });
-      sync.arrive_and_wait();
-      // The all-to-all alone, of the same bytes (scratch buffers of that size).
+      res.a2a = TimeMs(stream, iters, [&] { step(false); }, "all-to-all path");
+      res.peer = TimeMs(stream, iters, [&] { step(true); }, "peer path");
+      // The all-to-all alone, of the same bytes.
       uint8_t *sb = nullptr, *rbuf = nullptr;
       const size_t chunk = static_cast<size_t>(res.record_bytes);
       CK(cudaMalloc(&sb, chunk));
@@ -212,16 +230,17 @@ int main(int argc, char** argv) {
         nccl->GroupStart();
         nccl->Send(sb, chunk, ncclUint8, 1 - g, *comm, stream);
         nccl->Recv(rbuf, chunk, ncclUint8, 1 - g, *comm, stream);
-        nccl->GroupEnd();
-      });
+        ncclResult_t st = nccl->GroupEnd();
+        while (st == ncclInProgress) nccl->CommGetAsyncError(*comm, &st);
+      }, "all-to-all ceiling");
       cudaFree(sb);
       cudaFree(rbuf);
-      sync.arrive_and_wait();
-      // The peer gather alone: the peer's 12 columns of both layers for my T tokens, straight from its HBM.
+      // The peer gather alone: the peer's 12 columns of both layers for my T tokens, straight from its HBM (the
+      // mapping the exchange opened).
       res.peer_gather = TimeMs(stream, iters, [&] {
         for (int l = 0; l < kL; ++l) {
           engram::kernels::LookupArgs a;
-          const ShardLayer& src = shards[static_cast<size_t>(1 - g)][static_cast<size_t>(l)];
+          const ShardLayer& src = (*x)->peer_shard(1 - g, l);
           a.records = src.records;
           a.row_begin = src.row_begin;
           a.row_end = src.row_end;
@@ -233,7 +252,7 @@ int main(int argc, char** argv) {
           a.out = out[l];
           engram::kernels::LaunchLookup(a, stream);
         }
-      });
+      }, "peer gather");
       if (g == 0) {
         res.uva = TimeMs(stream, iters, [&] {
           for (int l = 0; l < kL; ++l) {
@@ -251,15 +270,33 @@ int main(int argc, char** argv) {
             a.sort_scratch_bytes = sort_bytes;
             engram::kernels::LaunchLookup(a, stream);
           }
-        });
+        }, "UVA lookup");
       }
       CK(cudaStreamSynchronize(stream));
-      sync.arrive_and_wait();
     }
-  };
-  std::thread t1(run, 1);
-  run(0);
-  t1.join();
+    const size_t bytes = results.size() * sizeof(Result);
+    if (::write(res_pipe[g][1], results.data(), bytes) != static_cast<ssize_t>(bytes)) ::_exit(1);
+    ::_exit(0);
+  }
+  std::vector<std::vector<Result>> results(kMembers, std::vector<Result>(tokens.size()));
+  int rc = 0;
+  for (int g = 0; g < kMembers; ++g) {
+    const size_t bytes = tokens.size() * sizeof(Result);
+    size_t got = 0;
+    while (got < bytes) {
+      const ssize_t r = ::read(res_pipe[g][0], reinterpret_cast<char*>(results[static_cast<size_t>(g)].data()) + got,
+                               bytes - got);
+      if (r <= 0) break;
+      got += static_cast<size_t>(r);
+    }
+    int st = 0;
+    ::waitpid(kids[g], &st, 0);
+    if (got != bytes || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+      std::printf("rank %d failed (exit %d)\n", g, WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st));
+      rc = 1;
+    }
+  }
+  if (rc != 0) return rc;
   std::printf("\n%-8s %-12s %-12s %-14s %-10s %-12s %-14s %-12s %s\n", "tokens", "a2a path us", "peer path us",
               "a2a ceiling us", "a2a GB/s", "path/ceil", "peer gather us", "UVA shared us", "fastest");
   for (size_t ti = 0; ti < tokens.size(); ++ti) {

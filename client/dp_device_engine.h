@@ -21,7 +21,7 @@
 
 namespace engram::client {
 
-inline constexpr int32_t kDefaultPeerMaxSlot = 64;
+inline constexpr int32_t kDefaultPeerMaxSlot = 8192;  // bench_dp, 2 x H200 (RESULTS.md): peer reads win up to 8192
 
 absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpDeviceEngine(const Table& table, int32_t max_tokens,
                                                                    cudaStream_t stream, Session& session,

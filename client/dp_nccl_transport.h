@@ -82,6 +82,9 @@ class DpNcclExchange {
   // IPC; `alloc_base` is the cudaMalloc base holding every layer) and maps the others'. A collective.
   absl::Status ExchangePeerShards(const void* alloc_base);
   bool has_peers() const { return !peers_.empty(); }
+  const ShardLayer& peer_shard(int32_t member, int32_t layer) const {
+    return peers_[static_cast<size_t>(member)][static_cast<size_t>(layer)];
+  }
 
   // One step over layers [l0, l0 + nl): ids(t, li, c) = ids[t * token_stride + li * layer_stride + c] (device),
   // outs[l0 + li] receives bf16 [T, cols, head_dim] or, packed, [T, cols, record_bytes]; columns outside the group
