@@ -6,7 +6,9 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${ENGRAM_BUILD_DIR:-$root/build}
-if [ "${1:-}" = hostgather ]; then  # only its targets, in an already configured build directory
+if [ "${1:-}" = dp ]; then  # only its targets, in an already configured build directory
+  cmake --build "$build" --target gpu_dp_test bench_dp engramd engramctl engram-replica engram-mkckpt > /dev/null
+elif [ "${1:-}" = hostgather ]; then  # only its targets, in an already configured build directory
   cmake --build "$build" --target gpu_host_gather_test gpu_kernels_test gpu_prefetch_test uva_lookup_helper \
     bench_kernels > /dev/null
 elif [ "${1:-}" = python ]; then  # only what the Python set needs (a full CUDA build is long on 2 cores)
@@ -142,7 +144,7 @@ if [ "$what" = dp ]; then
   cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
   if [ -n "$cs" ]; then
     # The lookup and unpack kernels of both paths (small shards and batches: memcheck is slow).
-    "$cs" --tool memcheck --error-exitcode 9 --kernel-regex kns=Lookup "$here/bin/bench_dp" --tokens 3,127 \
+    "$cs" --tool memcheck --error-exitcode 9 --report-api-errors no --kernel-name kns=Lookup "$here/bin/bench_dp" --tokens 3,127 \
       --iters 2 --rows 4096 --uva-rows 4096 > "$out/sanitize-dp-memcheck.log" 2>&1
     r=$?; echo "compute-sanitizer memcheck (bench_dp): exit $r ($(grep -E 'ERROR SUMMARY' "$out/sanitize-dp-memcheck.log" | tail -1))"
     [ $r = 0 ] || rc=1
