@@ -75,6 +75,13 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
   e->path_table_ = PathTable();
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   e->host_options_.threads = DefaultGatherThreads(cores);
+  // The gather threads and their CPUs: ENGRAM_HOST_GATHER_THREADS=N, ENGRAM_HOST_GATHER_CPUS=LIST (e.g. "8-15").
+  if (const char* v = std::getenv("ENGRAM_HOST_GATHER_THREADS"); v != nullptr && std::atoi(v) > 0) {
+    e->host_options_.threads = std::atoi(v);
+  }
+  if (const char* v = std::getenv("ENGRAM_HOST_GATHER_CPUS"); v != nullptr && *v != '\0') {
+    ASSIGN_OR_RETURN(e->host_options_.cpus, ParseCpuList(v));
+  }
   // Measured on the H200 (bench/RESULTS.md, 2026-11-30): moving every row beats de-duplicating the batch first,
   // even at 45% repeats; ENGRAM_HOST_GATHER_DEDUP=1 turns de-duplication on.
   const char* dedup = std::getenv("ENGRAM_HOST_GATHER_DEDUP");
@@ -86,6 +93,14 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
                "host_gather_dedup={} host_records={} (uva under CUDA graph capture and for device ids)",
                LookupPathName(e->path_), table_text, e->host_options_.threads, e->host_options_.dedup, host_records);
   return e;
+}
+
+void DeviceEngine::NotePath(LookupPath path, int64_t items) {
+  last_path_ = path;
+  const unsigned bit = path == LookupPath::kHostGather ? 2u : 1u;
+  if ((paths_logged_ & bit) != 0) return;
+  paths_logged_ |= bit;  // the first batch of each path is logged, not every batch
+  spdlog::info("engram: event=lookup_path_used lookup_path={} items_per_layer={}", LookupPathName(path), items);
 }
 
 bool DeviceEngine::HostWins(int64_t items) const {
@@ -210,7 +225,7 @@ absl::Status DeviceEngine::Prefetch(const int32_t* hash_ids, int32_t num_tokens)
       RETURN_IF_ERROR(kernels::CudaStatus(cudaStreamSynchronize(stream_), "hash ids to host"));
       ids = h_ids_.data();
     }
-    last_path_ = path;
+    NotePath(path, num_tokens * C);
     return host_->Prefetch(ids, num_tokens, L * C, stream_);
   }
   const int32_t* ids = hash_ids;
@@ -224,7 +239,7 @@ absl::Status DeviceEngine::Prefetch(const int32_t* hash_ids, int32_t num_tokens)
         "hash ids to device"));
     ids = d_ids_;
   }
-  last_path_ = path;
+  NotePath(path, num_tokens * C);
   return prefetcher_.Prefetch(ids, num_tokens, stream_);
 }
 

@@ -56,6 +56,7 @@ class DeviceEngine final : public LookupEngine {
 
  private:
   DeviceEngine() = default;
+  void NotePath(LookupPath path, int64_t items);  // last_path_, and a log line the first time a path is taken
   const Table* table_ = nullptr;
   cudaStream_t stream_ = nullptr;
   int32_t max_tokens_ = 0;
@@ -66,6 +67,7 @@ class DeviceEngine final : public LookupEngine {
   // Lookup path choice (issue 14).
   LookupPath path_ = LookupPath::kAuto, last_path_ = LookupPath::kAuto;
   std::vector<PathPoint> path_table_;
+  unsigned paths_logged_ = 0;
   HostGatherOptions host_options_;
   std::unique_ptr<HostGather> host_;  // created on the first host-gather Prefetch
   int32_t* d_ids_ = nullptr;          // host ids copied for the UVA path

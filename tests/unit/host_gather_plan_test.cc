@@ -152,6 +152,14 @@ TEST(HostGatherPlanTest, ChunksAndRanges) {
   EXPECT_EQ(DefaultGatherThreads(128), 16);
 }
 
+TEST(HostGatherPlanTest, CpuLists) {
+  EXPECT_EQ(*ParseCpuList("3"), std::vector<int>({3}));
+  EXPECT_EQ(*ParseCpuList("0-3,8,10-11"), std::vector<int>({0, 1, 2, 3, 8, 10, 11}));
+  for (const char* bad : {"", "a", "3-1", "1,,2", "-2", "1-", "99999999", "2048"}) {
+    EXPECT_EQ(ParseCpuList(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
 TEST(HostGatherPlanTest, PoolRunsEveryWorkerEveryTimeAndPins) {
   GatherPool pool(5, {0});
   std::vector<int> hits(5, 0);
