@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/dp_kernels.h"
 #include "kernels/engram_kernels.h"
 
 namespace engram::client {
@@ -278,6 +279,30 @@ absl::Status DpNcclExchange::Step(const int32_t* ids, int64_t token_stride, int6
   if (peer) {
     if (peers_.empty()) return absl::FailedPreconditionError("DP exchange: peer reads without peer shards");
     if (T == 0) return absl::OkStatus();
+    if (!packed && n <= kernels::kMaxGatherMembers && nl <= kernels::kMaxGatherLayers) {
+      // One launch: every member's shard read in place, bf16 rows straight into the caller's staging columns.
+      kernels::PeerGatherArgs g;
+      g.members = n;
+      g.layers = nl;
+      for (int32_t s = 0; s < n; ++s) {
+        for (int32_t li = 0; li < nl; ++li) {
+          const ShardLayer& src = peers_[static_cast<size_t>(s)][static_cast<size_t>(l0 + li)];
+          g.records[s][li] = src.records;
+          g.row_begin[s][li] = src.row_begin;
+          g.row_end[s][li] = src.row_end;
+        }
+        g.col_begin[s] = shape_.col_begin[static_cast<size_t>(s)];
+      }
+      g.col_begin[n] = shape_.col_end[static_cast<size_t>(n - 1)];
+      g.ids = ids;
+      g.token_stride = token_stride;
+      g.layer_stride = layer_stride;
+      g.num_tokens = T;
+      g.cols = static_cast<int32_t>(C);
+      g.head_dim = static_cast<int32_t>(D);
+      for (int32_t li = 0; li < nl; ++li) g.out[li] = static_cast<uint16_t*>(outs[l0 + li]);
+      return Cuda(kernels::LaunchPeerGather(g, stream_), "peer gather kernel");
+    }
     for (int32_t li = 0; li < nl; ++li) {
       for (int32_t s = 0; s < n; ++s) {
         const int32_t cb = shape_.col_begin[static_cast<size_t>(s)], os = shape_.col_end[static_cast<size_t>(s)] - cb;

@@ -5,8 +5,10 @@
 //               this rank's columns for every gathered token into packed 264-byte records (the lookup kernel,
 //               packed), one grouped send/recv all-to-all of the records, unpack to bf16 (the lookup kernel over the
 //               received records) into the caller's [T, cols, head_dim] buffers in column order;
-//   peer reads  (small slots, every member's shard in GPU memory) each rank reads the other members' shards
-//               directly over NVLink (CUDA IPC mappings exchanged once through the communicator): no collective.
+//   peer reads  (slots up to a threshold, every member's shard in GPU memory) each rank reads the other members'
+//               shards directly over NVLink (CUDA IPC mappings exchanged once through the communicator): no
+//               collective; one launch of the peer gather (kernels/dp_kernels.h) writes bf16 rows straight into the
+//               caller's columns (packed output: a lookup per member and a strided copy).
 // The path is chosen from the group slot, so every member takes the same one. Everything is enqueued on the given
 // stream into fixed buffers sized at creation (CUDA-graph friendly); nothing synchronises the host.
 // The communicator is non-blocking (ncclConfig_t.blocking = 0): every call is polled with a deadline and an

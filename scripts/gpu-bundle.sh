@@ -143,11 +143,13 @@ if [ "$what" = dp ]; then
   "$here/bin/bench_dp" ${ENGRAM_DP_BENCH_ARGS:-} 2>&1 | tee "$out/bench_dp.log" || rc=1
   cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
   if [ -n "$cs" ]; then
-    # The lookup and unpack kernels of both paths (small shards and batches: memcheck is slow).
-    "$cs" --tool memcheck --error-exitcode 9 --report-api-errors no --kernel-name kns=Lookup "$here/bin/bench_dp" --tokens 3,127 \
-      --iters 2 --rows 4096 --uva-rows 4096 > "$out/sanitize-dp-memcheck.log" 2>&1
-    r=$?; echo "compute-sanitizer memcheck (bench_dp): exit $r ($(grep -E 'ERROR SUMMARY' "$out/sanitize-dp-memcheck.log" | tail -1))"
-    [ $r = 0 ] || rc=1
+    # The lookup/unpack kernels and the peer gather of both paths (small shards and batches: memcheck is slow).
+    for k in Lookup PeerGather; do
+      "$cs" --tool memcheck --error-exitcode 9 --report-api-errors no --kernel-name kns=$k "$here/bin/bench_dp" \
+        --tokens 3,127 --iters 2 --rows 4096 --uva-rows 4096 > "$out/sanitize-dp-memcheck-$k.log" 2>&1
+      r=$?; echo "compute-sanitizer memcheck $k (bench_dp): exit $r ($(grep -E 'ERROR SUMMARY' "$out/sanitize-dp-memcheck-$k.log" | tail -1))"
+      [ $r = 0 ] || rc=1
+    done
   fi
 fi
 if [ "$what" = hostgather ]; then
