@@ -66,6 +66,8 @@ absl::StatusOr<int> FetchSegmentDescriptor(const std::string& channel_path, cons
     const ssize_t n = ::send(s, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
     if (n > 0) {
       sent += static_cast<size_t>(n);
+    } else if (errno == EPIPE || errno == ECONNRESET) {
+      break;  // the daemon answered and closed before reading (a refusal at accept): its reply is waiting
     } else if (errno != EAGAIN && errno != EINTR) {
       return absl::UnavailableError(absl::StrCat("send to ", channel_path, ": ", std::strerror(errno)));
     }
