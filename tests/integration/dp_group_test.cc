@@ -174,6 +174,34 @@ TEST_F(DpGroupTest, AKilledMemberBreaksTheGroupAndTheOthersFailFast) {
   EXPECT_TRUE(daemon_->proc().Running());
 }
 
+TEST(DpPlanTest, EngramctlPlanShowsEachRanksShardAndStepBytes) {
+  // V4.1-Flash, TP 2 x DP 4: 8 shards of 3 columns, 1/8 of the table each; per-step bytes from client/dp_sharded.h's
+  // formula, checked here against the arithmetic of SPEC 5 (ids: T*L*C*4 each way; records: 264 bytes per row).
+  auto r = testing::RunCmd(BinPath("engramctl") + " plan --config " + testing::DataPath("configs/v41-flash.json") +
+                           " --tp 2 --dp 4 --embedding-across-dp --tokens 100 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  json j = json::parse(r.out);
+  const json& p = j["embedding_across_dp"];
+  EXPECT_EQ(p["edp"], 4);
+  EXPECT_EQ(p["shards"], 8);
+  ASSERT_EQ(p["ranks"].size(), 8u);
+  int64_t total = 0;
+  for (const auto& rank : p["ranks"]) {
+    EXPECT_EQ(rank["columns"][1].get<int64_t>() - rank["columns"][0].get<int64_t>(), 3);
+    total += rank["shard_bytes"].get<int64_t>();
+    const json& b = rank["step_bytes"];
+    EXPECT_EQ(b["ids_sent"], 100 * 2 * 24 * 4);
+    EXPECT_EQ(b["ids_received"], 300 * 2 * 24 * 4);
+    EXPECT_EQ(b["records_sent"], 300 * 2 * 3 * 264);
+    EXPECT_EQ(b["records_received"], 100 * 2 * 9 * 264);
+  }
+  EXPECT_EQ(total, j["table_bytes"].get<int64_t>()) << "the shards are one copy of the table";
+  // The text form names the topology.
+  auto text = testing::RunCmd(BinPath("engramctl") + " plan --config " + testing::DataPath("configs/v41-flash.json") +
+                              " --tp 2 --dp 4 --embedding-across-dp");
+  EXPECT_NE(text.out.find("embedding_across_dp: 8 shards"), std::string::npos) << text.out;
+}
+
 // Raw sessions sending malformed group joins: each is refused with a precise status, the daemon keeps serving.
 class RawSession {
  public:
