@@ -46,6 +46,7 @@ using nlohmann::json;
 using testing::BinPath;
 using testing::Daemon;
 using testing::MakeCheckpoint;
+using testing::MakeShm;
 using testing::Process;
 using testing::RunCmd;
 using testing::TempDir;
@@ -53,12 +54,6 @@ using testing::WaitFor;
 using namespace std::chrono_literals;
 
 std::string g_self;  // this binary, for the --health-probe mode
-
-std::string MakeShm(const TempDir& dir) {
-  const std::string shm = dir / "shm";
-  ::mkdir(shm.c_str(), 0755);
-  return shm;
-}
 
 // `engramctl attach` once: its first JSON line (decision, verified rows, mismatches).
 json AttachOnce(const Daemon& d, const std::string& ckpt, const std::string& shm, const std::string& extra = "",

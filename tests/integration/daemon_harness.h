@@ -67,6 +67,13 @@ class Daemon {
   Process proc_;
 };
 
+// The daemon's shm directory for a test: dir/shm (never the real /dev/shm, which a production engramd may own).
+inline std::string MakeShm(const TempDir& dir) {
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  return shm;
+}
+
 // A synthetic checkpoint of about `mib` MiB of tables in dir/name (engram-mkckpt).
 inline std::string MakeCheckpoint(const TempDir& dir, double mib, const std::string& name = "ck", int seed = 1) {
   auto r = RunCmd(BinPath("engram-mkckpt") + " --out " + (dir / name) + " --table-mib " + std::to_string(mib) +

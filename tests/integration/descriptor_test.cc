@@ -27,6 +27,7 @@ using nlohmann::json;
 using testing::BinPath;
 using testing::Daemon;
 using testing::MakeCheckpoint;
+using testing::MakeShm;
 using testing::Process;
 using testing::RunCmd;
 using testing::TempDir;
@@ -39,12 +40,6 @@ bool Root() { return ::geteuid() == 0; }
 bool CanUnshare() {
   static const bool ok = RunCmd("unshare -m -i true").exit_code == 0;
   return ok;
-}
-
-std::string MakeShm(const TempDir& dir) {
-  const std::string shm = dir / "shm";
-  ::mkdir(shm.c_str(), 0755);
-  return shm;
 }
 
 json LastJson(const std::string& out) { return testing::JsonLine(out, true); }
