@@ -60,7 +60,9 @@ class DpHostEngine final : public LookupEngine {
 
   absl::Status Lookup(int l, const int32_t* ids, int32_t T, int64_t stride, void* out, bool packed) override {
     const int L = static_cast<int>(t_.layers().size());
-    if (l < 0 || l >= L) return Fail(absl::InvalidArgumentError(absl::StrCat("layer index ", l, " outside [0, ", L, ")")));
+    if (l < 0 || l >= L) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat("layer index ", l, " outside [0, ", L, ")")));
+    }
     if ((T > 0 && ids == nullptr) || out == nullptr || stride < t_.n_cols()) {
       return Fail(absl::InvalidArgumentError("lookup: null or bad stride"));
     }

@@ -12,7 +12,8 @@
 // Buffers are fixed at creation (sized from the group slot). Any failure of a step (a member left, the lease
 // ended, the step timeout, a bad argument on one member) aborts the step on every member and poisons the engine:
 // every later call returns the same error. Transport: the host region (client/dp_host_transport.h) on the CPU
-// backend; NCCL (and NVLink peer reads for small slots) on the CUDA backend (client/dp_device_engine.h). One thread drives an engine; the Table must outlive it.
+// backend; NCCL (and NVLink peer reads) on the CUDA backend (client/dp_device_engine.h). One thread drives an
+// engine; the Table must outlive it.
 #pragma once
 
 #include <memory>

@@ -145,7 +145,9 @@ absl::StatusOr<std::unique_ptr<DpNcclExchange>> DpNcclExchange::Create(const DpE
   size_t recv_total = 0;
   for (int32_t m = 0; m < shape.members; ++m) {
     x->recv_off_.push_back(recv_total);
-    recv_total += L * S * static_cast<size_t>(shape.col_end[static_cast<size_t>(m)] - shape.col_begin[static_cast<size_t>(m)]) * rb;
+    const size_t cols_m = static_cast<size_t>(shape.col_end[static_cast<size_t>(m)] -
+                                              shape.col_begin[static_cast<size_t>(m)]);
+    recv_total += L * S * cols_m * rb;
   }
   auto alloc = [&](void** p, size_t bytes) -> absl::Status {
     x->device_bytes_ += bytes;
@@ -158,6 +160,22 @@ absl::StatusOr<std::unique_ptr<DpNcclExchange>> DpNcclExchange::Create(const DpE
   if (auto st = alloc(reinterpret_cast<void**>(&x->recv_recs_), recv_total); !st.ok()) return st;
   if (auto st = alloc(reinterpret_cast<void**>(&x->tmp_rows_), S * P * std::max(D * 2, rb)); !st.ok()) return st;
   if (auto st = alloc(reinterpret_cast<void**>(&x->iota_), S * P * 4); !st.ok()) return st;
+  // The unpack's row of (token t, column c): t * os + (c - cb) of the owning member's received block.
+  std::vector<int32_t> unpack(S * C, 0);
+  for (size_t t = 0; t < S; ++t) {
+    for (int32_t m = 0; m < shape.members; ++m) {
+      const int32_t cb = shape.col_begin[static_cast<size_t>(m)], os = shape.col_end[static_cast<size_t>(m)] - cb;
+      for (int32_t c = cb; c < cb + os; ++c) {
+        unpack[t * C + static_cast<size_t>(c)] = static_cast<int32_t>(t) * os + (c - cb);
+      }
+    }
+  }
+  if (auto st = alloc(reinterpret_cast<void**>(&x->unpack_ids_), S * C * 4); !st.ok()) return st;
+  if (auto st = x->Cuda(cudaMemcpy(x->unpack_ids_, unpack.data(), unpack.size() * 4, cudaMemcpyHostToDevice),
+                        "unpack ids");
+      !st.ok()) {
+    return st;
+  }
   std::vector<int32_t> iota(S * P);
   std::iota(iota.begin(), iota.end(), 0);
   if (auto st = x->Cuda(cudaMemcpy(x->iota_, iota.data(), iota.size() * 4, cudaMemcpyHostToDevice), "iota"); !st.ok()) {
@@ -169,7 +187,8 @@ absl::StatusOr<std::unique_ptr<DpNcclExchange>> DpNcclExchange::Create(const DpE
 DpNcclExchange::~DpNcclExchange() {
   for (void* p : ipc_opened_) cudaIpcCloseMemHandle(p);
   for (void* p : {static_cast<void*>(send_ids_), static_cast<void*>(all_ids_), static_cast<void*>(send_recs_),
-                  static_cast<void*>(recv_recs_), static_cast<void*>(tmp_rows_), static_cast<void*>(iota_)}) {
+                  static_cast<void*>(recv_recs_), static_cast<void*>(tmp_rows_), static_cast<void*>(iota_),
+                  static_cast<void*>(unpack_ids_)}) {
     if (p != nullptr) cudaFree(p);
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -357,7 +376,8 @@ absl::Status DpNcclExchange::Step(const int32_t* ids, int64_t token_stride, int6
   nccl_->GroupStart();
   for (int32_t p = 0; p < n; ++p) {
     if (p == me) continue;
-    const int64_t chunk_p = nl * S * (shape_.col_end[static_cast<size_t>(p)] - shape_.col_begin[static_cast<size_t>(p)]) * rb;
+    const int64_t cols_p = shape_.col_end[static_cast<size_t>(p)] - shape_.col_begin[static_cast<size_t>(p)];
+    const int64_t chunk_p = nl * S * cols_p * rb;
     nccl_->Send(send_recs_ + p * chunk_me, static_cast<size_t>(chunk_me), ncclUint8, p, comm_, stream_);
     nccl_->Recv(recv_recs_ + recv_off_[static_cast<size_t>(p)], static_cast<size_t>(chunk_p), ncclUint8, p, comm_,
                 stream_);
@@ -371,6 +391,31 @@ absl::Status DpNcclExchange::Step(const int32_t* ids, int64_t token_stride, int6
   }
   if (T == 0) return absl::OkStatus();
   // 5. Unpack my tokens' rows of every member's columns, in column order.
+  if (!packed && n <= kernels::kMaxGatherMembers && nl <= kernels::kMaxGatherLayers) {
+    // One launch: the received blocks as each member's "shard" (row t * os + c' is token t's column cb + c'),
+    // dequantised straight into the caller's staging columns.
+    kernels::PeerGatherArgs g;
+    g.members = n;
+    g.layers = nl;
+    for (int32_t s = 0; s < n; ++s) {
+      const int32_t os = shape_.col_end[static_cast<size_t>(s)] - shape_.col_begin[static_cast<size_t>(s)];
+      for (int32_t li = 0; li < nl; ++li) {
+        g.records[s][li] = recv_recs_ + recv_off_[static_cast<size_t>(s)] + li * S * os * rb;
+        g.row_begin[s][li] = 0;
+        g.row_end[s][li] = S * os;
+      }
+      g.col_begin[s] = shape_.col_begin[static_cast<size_t>(s)];
+    }
+    g.col_begin[n] = shape_.col_end[static_cast<size_t>(n - 1)];
+    g.ids = unpack_ids_;
+    g.token_stride = C;
+    g.layer_stride = 0;
+    g.num_tokens = T;
+    g.cols = static_cast<int32_t>(C);
+    g.head_dim = static_cast<int32_t>(D);
+    for (int32_t li = 0; li < nl; ++li) g.out[li] = static_cast<uint16_t*>(outs[l0 + li]);
+    return Cuda(kernels::LaunchPeerGather(g, stream_), "unpack kernel");
+  }
   for (int32_t li = 0; li < nl; ++li) {
     for (int32_t s = 0; s < n; ++s) {
       const int32_t os = shape_.col_end[static_cast<size_t>(s)] - shape_.col_begin[static_cast<size_t>(s)];

@@ -3,8 +3,8 @@
 // that never runs DP_SHARDED never needs it). Two paths, the same rows bit for bit:
 //   collective  all-gather of the members' hash ids (padded with -1 to the group slot: static shapes), lookup of
 //               this rank's columns for every gathered token into packed 264-byte records (the lookup kernel,
-//               packed), one grouped send/recv all-to-all of the records, unpack to bf16 (the lookup kernel over the
-//               received records) into the caller's [T, cols, head_dim] buffers in column order;
+//               packed), one grouped send/recv all-to-all of the records, unpack to bf16 straight into the caller's
+//               [T, cols, head_dim] buffers in column order (one peer-gather launch over the received blocks);
 //   peer reads  (slots up to a threshold, every member's shard in GPU memory) each rank reads the other members'
 //               shards directly over NVLink (CUDA IPC mappings exchanged once through the communicator): no
 //               collective; one launch of the peer gather (kernels/dp_kernels.h) writes bf16 rows straight into the
@@ -123,6 +123,7 @@ class DpNcclExchange {
   std::vector<size_t> recv_off_;
   uint16_t* tmp_rows_ = nullptr;  // [slot, part, head_dim] bf16
   int32_t* iota_ = nullptr;       // [slot * part]
+  int32_t* unpack_ids_ = nullptr; // [slot, cols]: the received-block row of (token, column)
   size_t device_bytes_ = 0;
   mutable std::mutex mu_;        // held around NCCL calls and by Abort: never abort a communicator in use
   std::atomic<bool> aborted_{false};
