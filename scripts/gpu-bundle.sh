@@ -29,8 +29,11 @@ case "${1:-kernels}" in
   daemon) bins=("$build/bench/bench_daemon" "$build/daemon/engramd") ;;
   client) bins=("$build/tests/gpu_client_test" "$build/daemon/engramd" "$build/tools/engramctl"
                 "$build/tools/engram-replica" "$build/tools/engram-mkckpt") ;;
+  # Every GPU test (the gpu ctest label), with what they start: engramd, the replica, engramctl, engram-mkckpt.
   tests) bins=("$build/tests/gpu_kernels_test" "$build/tests/gpu_prefetch_test" "$build/tests/uva_lookup_helper"
-               "$build/tests/gpu_client_test" "$build/daemon/engramd") ;;
+               "$build/tests/gpu_client_test" "$build/tests/gpu_host_gather_test" "$build/tests/gpu_dp_test"
+               "$build/daemon/engramd" "$build/tools/engramctl" "$build/tools/engram-replica"
+               "$build/tools/engram-mkckpt") ;;
   # The Python package: libengram_c.so with engramd/engramctl/engram-mkckpt, the python/ tree, its tests and
   # bench/decode_step.py, run with the GPU machine's own python3, torch, CuPy, NumPy (run.sh python).
   python) bins=("$build/client/libengram_c.so" "$build/daemon/engramd" "$build/tools/engramctl"
@@ -87,7 +90,8 @@ rc=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # Exit 77 means the binary found no GPU (skipped): on the GPU machine that is a failure of the run too.
-  for t in gpu_kernels_test gpu_prefetch_test gpu_client_test; do
+  export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off in every process (gpu_dp_test uses NCCL)
+  for t in gpu_kernels_test gpu_prefetch_test gpu_client_test gpu_host_gather_test gpu_dp_test; do
     [ -x "$here/bin/$t" ] || continue
     "$here/bin/$t" 2>&1 | tee "$out/$t.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED|seed|no GPU|GPU probe' ; r=${PIPESTATUS[0]}
     echo "$t: exit $r"; [ "$r" = 0 ] || rc=1
