@@ -15,6 +15,7 @@ stride is checked here (TypeError/ValueError) before a pointer reaches C. A Tabl
 thread; the Table must outlive its Engines (an Engine holds a reference to it). torch custom ops: engram.torch.
 """
 import ctypes
+import weakref
 import json
 import os
 from collections import namedtuple
@@ -97,11 +98,14 @@ def _s(b):
 
 class Table:
     """An attached table: mode ("SHARED", "PRIVATE_PINNED", "DEVICE"), backend ("cuda"/"cpu"), reasons, layout.
-    close() (or the end of a `with` block, or garbage collection) releases it and its lease; its engines must be
-    gone by then."""
+    close() (or the end of a `with` block) ends its use: no new engines; the table and its lease are released at
+    once when no engine of it is alive, else when the last one goes (an engine, and every staging view of one,
+    keeps its table alive: nothing is freed under a live array)."""
 
     def __init__(self, handle):
         self._h = handle
+        self._closed = False
+        self._engines = weakref.WeakSet()
         L = _lib.lib
         h = handle
         self.mode = _s(L.engram_table_mode(h))
@@ -135,6 +139,11 @@ class Table:
         return Engine(self, max_tokens, stream)
 
     def close(self):
+        self._closed = True
+        if not any(e._h for e in list(self._engines)):
+            self._free()
+
+    def _free(self):
         if self._h:
             _lib.lib.engram_table_free(self._h)
             self._h = None
@@ -147,7 +156,7 @@ class Table:
 
     def __del__(self):
         try:
-            self.close()
+            self._free()
         except Exception:
             pass
 
@@ -181,7 +190,7 @@ class Engine:
     def __init__(self, table, max_tokens, stream=None):
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens: a positive int, got {max_tokens!r}")
-        if table._h is None:
+        if table._h is None or table._closed:
             raise ValueError("the table is closed")
         self.table = table
         self.layout = table.layout
@@ -196,8 +205,10 @@ class Engine:
         h = ctypes.c_void_p()
         _lib.call(_lib.lib.engram_engine_create, table._h, max_tokens, self._fixed_stream or 0, ctypes.byref(h))
         self._h = h
+        self._closed = False
+        self._views = weakref.WeakSet()  # staging views handed out (each keeps this engine alive)
+        table._engines.add(self)
         self._prefetched = None  # keeps the hash ids alive while the side stream reads them
-        self._staging = {}
 
     # -- streams and arrays ---------------------------------------------------------------------------------
     def stream(self):
@@ -257,7 +268,7 @@ class Engine:
         if out is None:
             out = self._empty(tv, (T, L, C), "int32")
         ov = self._v(out, "out", ("int32",), (T, L, C))
-        _lib.call(_lib.lib.engram_engine_hash, self._h, tv.ptr, pv.ptr, qv.ptr, lv.ptr if lv else None,
+        _lib.call(_lib.lib.engram_engine_hash, self._live(), tv.ptr, pv.ptr, qv.ptr, lv.ptr if lv else None,
                   dv.ptr if dv else None, T, R, ov.ptr, self.stream())
         return out
 
@@ -279,7 +290,7 @@ class Engine:
             ov = self._v(out, "out", ("uint8",), (T, C, RB))
         else:
             ov = self._v(out, "out", self._bf16(None), (T, C, D))
-        _lib.call(_lib.lib.engram_engine_lookup, self._h, int(layer), iv.ptr, T, row_stride, ov.ptr, int(bool(packed)),
+        _lib.call(_lib.lib.engram_engine_lookup, self._live(), int(layer), iv.ptr, T, row_stride, ov.ptr, int(bool(packed)),
                   self.stream())
         return out
 
@@ -290,23 +301,21 @@ class Engine:
         L, C = len(self.layout.layers), self.layout.n_cols
         hv = self._v(hash_ids, "hash_ids", ("int32",), (None, L, C))
         self._tokens(hv.shape[0], "hash_ids")
-        _lib.call(_lib.lib.engram_engine_prefetch, self._h, hv.ptr, hv.shape[0], self.stream())
+        _lib.call(_lib.lib.engram_engine_prefetch, self._live(), hv.ptr, hv.shape[0], self.stream())
         self._prefetched = hash_ids
         return None
 
     def wait(self, layer):
         """Orders the current stream after layer `layer`'s prefetched rows (never blocks the host)."""
         self._layer(layer)
-        _lib.call(_lib.lib.engram_engine_wait, self._h, int(layer), self.stream())
+        _lib.call(_lib.lib.engram_engine_wait, self._live(), int(layer), self.stream())
 
     def staging(self, layer):
         """The staging buffer of `layer`: bf16 [max_tokens, n_cols, head_dim] at a fixed address for the engine's
         life (a torch bfloat16 tensor on CUDA; NumPy uint16 bits on the CPU backend). A view: valid while the
         Engine lives."""
         self._layer(layer)
-        if layer in self._staging:
-            return self._staging[layer]
-        ptr = _lib.lib.engram_engine_staging(self._h, int(layer))
+        ptr = _lib.lib.engram_engine_staging(self._live(), int(layer))
         if not ptr:
             raise EngramError(13, f"no staging buffer for layer {layer}")
         shape = (self.max_tokens, self.layout.n_cols, self.layout.head_dim)
@@ -314,12 +323,13 @@ class Engine:
             t = torch_module()
             if t is None:
                 raise RuntimeError("staging() on the CUDA backend returns a torch tensor: torch is not importable")
-            arr = _DeviceBuffer(ptr, shape, "<i2", self._device[1])
+            arr = _DeviceBuffer(ptr, shape, "<i2", self._device[1], owner=self)
             s = t.as_tensor(arr, device=f"cuda:{self._device[1]}").view(t.bfloat16)
         else:
             import numpy as np
-            s = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint16)), shape=shape)
-        self._staging[layer] = s
+            arr = _HostView(ptr, shape, "<u2", owner=self)
+            s = np.asarray(arr)
+        self._views.add(arr)
         return s
 
     def gate(self, hidden, kv, q_weight, k_weight, dead=None, out=None, eps=None):
@@ -343,7 +353,7 @@ class Engine:
             raise ValueError("out: may not alias hidden or kv")
         a = _lib.GateArgs(hv.ptr, kvv.ptr, qv.ptr, kwv.ptr, dv.ptr if dv else None, ov.ptr, T, HC, D,
                           float(self.layout.rms_norm_eps if eps is None else eps))
-        _lib.call(_lib.lib.engram_engine_gate, self._h, ctypes.byref(a), self.stream())
+        _lib.call(_lib.lib.engram_engine_gate, self._live(), ctypes.byref(a), self.stream())
         return out
 
     def _layer(self, layer):
@@ -352,15 +362,29 @@ class Engine:
         if not 0 <= layer < len(self.layout.layers):
             raise ValueError(f"layer {layer} outside [0, {len(self.layout.layers)})")
 
+    def _live(self):
+        if self._closed or not self._h:
+            raise ValueError("the engine is closed")
+        return self._h
+
     def close(self):
+        """Ends its use (every call raises ValueError afterwards); the engine is freed at once when no staging view
+        of it is alive, else when the last one goes."""
+        self._closed = True
+        if not len(self._views):
+            self._free()
+
+    def _free(self):
         if getattr(self, "_h", None):
-            self._staging.clear()
             _lib.lib.engram_engine_free(self._h)
             self._h = None
+            table = self.table
+            if table._closed and not any(e._h for e in list(table._engines) if e is not self):
+                table._free()
 
     def __del__(self):
         try:
-            self.close()
+            self._free()
         except Exception:
             pass
 
@@ -374,9 +398,34 @@ def _ascontiguous(x):
     return cupy.ascontiguousarray(x)
 
 
-class _DeviceBuffer:
-    """A device allocation owned by the library, described through __cuda_array_interface__ (for torch.as_tensor)."""
+class _View:
+    """Keeps its `owner` (an Engine) alive while an array made from it lives; the last view of a closed engine
+    frees it."""
 
-    def __init__(self, ptr, shape, typestr, device):
+    def __del__(self):
+        o = getattr(self, "_owner", None)
+        if o is not None and o._closed and not any(v is not self for v in list(o._views)):
+            try:
+                o._free()
+            except Exception:
+                pass
+
+
+class _HostView(_View):
+    """Host memory owned by the library (a CPU engine's staging), described through __array_interface__ for
+    np.asarray; it keeps `owner` (the Engine) alive for as long as any array made from it lives."""
+
+    def __init__(self, ptr, shape, typestr, owner):
+        self._owner = owner
+        self.__array_interface__ = {"data": (int(ptr), False), "shape": tuple(shape), "typestr": typestr,
+                                    "version": 3}
+
+
+class _DeviceBuffer(_View):
+    """A device allocation owned by the library, described through __cuda_array_interface__ (for torch.as_tensor);
+    it keeps `owner` (the Engine, when given) alive for as long as a tensor made from it lives."""
+
+    def __init__(self, ptr, shape, typestr, device, owner=None):
+        self._owner = owner
         self.__cuda_array_interface__ = {"data": (int(ptr), False), "shape": tuple(shape), "typestr": typestr,
                                          "version": 2, "strides": None}

@@ -39,6 +39,8 @@ class View:
             expect.append(s)
             s *= d
         expect = tuple(reversed(expect))
+        if 0 in self.shape:  # an empty array holds no element to be out of place (NumPy may give it 0 strides)
+            return True
         return all(d == 1 or st == e for d, st, e in zip(self.shape, self.strides, expect))
 
 
