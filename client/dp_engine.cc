@@ -63,7 +63,7 @@ class DpHostEngine final : public LookupEngine {
     if (l < 0 || l >= L) {
       return Fail(absl::InvalidArgumentError(absl::StrCat("layer index ", l, " outside [0, ", L, ")")));
     }
-    if ((T > 0 && ids == nullptr) || out == nullptr || stride < t_.n_cols()) {
+    if (T > 0 && (ids == nullptr || out == nullptr || stride < t_.n_cols())) {  // T == 0: a step with nothing
       return Fail(absl::InvalidArgumentError("lookup: null or bad stride"));
     }
     std::vector<void*> outs(static_cast<size_t>(L), nullptr);

@@ -246,6 +246,15 @@ int engram_engine_create(const engram_table* t, int32_t max_tokens, uintptr_t st
   e->table = t;
   e->max_tokens = max_tokens;
   e->backend = engram::client::BackendName(t->table->backend());
+  if (t->table->backend() == engram::client::Backend::kCuda &&
+      t->table->mode() == engram::client::Mode::kDpSharded) {
+    // This CUDA path reads the table's own records; a DP_SHARDED table holds only this rank's shard and needs the
+    // group's exchange (LookupEngine::Create). Refused rather than returning zero rows for the others' columns.
+    return Fail(absl::FailedPreconditionError(
+                    "engram_engine_create: a DP_SHARDED table on the GPU needs the C++ LookupEngine (the group's "
+                    "exchange); the C/Python engine runs SHARED, PRIVATE_PINNED and DEVICE tables"),
+                err, err_len);
+  }
   if (t->table->backend() == engram::client::Backend::kCuda) {
 #ifdef ENGRAM_HAVE_CUDA
     (void)stream;  // every call names its stream
@@ -319,7 +328,8 @@ int engram_engine_lookup(engram_engine* e, int layer, const int32_t* ids, int32_
     st = absl::InvalidArgumentError(absl::StrCat("lookup: null buffer or ids stride ", ids_stride, " < ", C));
   }
   if (!st.ok()) return Fail(st, err, err_len);
-  if (num_tokens == 0) return 0;
+  // A DP_SHARDED rank with no tokens still takes part in the step (every lookup is a collective).
+  if (num_tokens == 0 && e->table->table->mode() != engram::client::Mode::kDpSharded) return 0;
 #ifdef ENGRAM_HAVE_CUDA
   if (e->cuda) {
     const auto& table = *e->table->table;

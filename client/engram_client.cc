@@ -189,12 +189,19 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
     const int threads = req.threads > 0 ? req.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     // DP_SHARDED: only this rank's shard of the group's columns (client/dp_sharded.h), in host memory or, with
     // cpu_offload false, on the GPU; the LookupEngine exchanges the rest every step (client/dp_engine.h).
-    const bool dp_sharded = mode == Mode::kDpSharded;
+    bool dp_sharded = mode == Mode::kDpSharded;
     ShardRange own = shard;
     if (dp_sharded) {
-      ASSIGN_OR_RETURN(DpShardedPlan plan, PlanDpSharded(layout, req.tp_size, req.tp_rank, req.dp_size, req.dp_rank,
-                                                         req.local_dp_size));
-      own = plan.owned;
+      auto plan = PlanDpSharded(layout, req.tp_size, req.tp_rank, req.dp_size, req.dp_rank, req.local_dp_size);
+      if (plan.ok()) {
+        own = plan->owned;
+      } else {  // e.g. more shards than the TP position has columns: a table of its own, and why
+        dp_sharded = false;
+        mode = cpu_offload ? Mode::kPrivatePinned : Mode::kDevice;
+        reasons.push_back({ReasonCode::kDpShardedNotBuilt,
+                           absl::StrCat("embedding_across_dp cannot split this table over the node-local DP group (",
+                                        plan.status().message(), "): this replica holds its own table")});
+      }
     }
     ASSIGN_OR_RETURN(table, BuildPrivateTable(*ckpt, layout, own, dp_sharded ? cpu_offload : mode != Mode::kDevice,
                                               cuda, threads, options_.register_chunk_bytes,

@@ -59,8 +59,8 @@ absl::Status GroupRegistry::Join(const std::string& lease_id, const engram::v1::
         kMaxRendezvousBytes));
   }
   const std::string key =
-      absl::StrFormat("%s%016x/tp%dof%d/dp%d/g%d", join.name().empty() ? "" : join.name() + "/", h.fingerprint(),
-                      h.tp_rank(), h.tp_size(), h.dp_size(), index);
+      absl::StrFormat("%s%016x/tp%dof%d/dp%d/e%d/g%d", join.name().empty() ? "" : join.name() + "/",
+                      h.fingerprint(), h.tp_rank(), h.tp_size(), h.dp_size(), edp, index);  // edp: one size a group
 
   std::lock_guard<std::mutex> lock(mu_);
   if (lease_group_.count(lease_id)) return absl::FailedPreconditionError("group join sent twice in one session");
@@ -90,6 +90,10 @@ absl::Status GroupRegistry::Join(const std::string& lease_id, const engram::v1::
     it = groups_.emplace(key, std::move(g)).first;
   }
   Group& g = it->second;
+  if (g.status.state() != "FORMING") {
+    return absl::FailedPreconditionError(absl::StrCat("group join: group ", key, " is ", g.status.state(),
+                                                      ": no member joins a group that already formed"));
+  }
   if (g.status.transport() != join.transport()) {
     return absl::FailedPreconditionError(absl::StrCat("group join: group ", key, " uses transport ",
                                                       g.status.transport(), ", this member asked for ",
