@@ -44,6 +44,12 @@ class DpHostEngine final : public LookupEngine {
     rows_.resize(static_cast<size_t>(max_tokens_) * part * D);
   }
 
+  // A member that goes away (its engine closed) tells the others at once: their next step fails naming it
+  // instead of waiting for the step timeout.
+  ~DpHostEngine() override {
+    if (failed_.ok()) region_->Abort(absl::StrCat("dp rank ", t_rank(), " closed its engine"));
+  }
+
   static int64_t PartOf(const DpShardedPlan& p) {
     int64_t part = 1;
     for (const auto& m : p.members) part = std::max(part, m.col_end - m.col_begin);
@@ -257,13 +263,19 @@ absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpEngine(const Table& table,
   shape.part = static_cast<int32_t>(DpHostEngine::PartOf(plan));
   auto broken = [grp = group.get()] { return grp->Broken(); };
   if (me == 0) {
-    RETURN_IF_ERROR(region->Init(shape, me));
+    if (auto st = region->Init(shape, me); !st.ok()) {
+      region->Abort(absl::StrCat("dp rank 0 could not set up the exchange region: ", st.message()));
+      return st;
+    }
   } else {
     ASSIGN_OR_RETURN(region, DpHostRegion::Open(g.rendezvous, shape, me, broken, DpStepTimeout()));
   }
   // Everyone mapped the region: its name can go.
   region->Publish(1);
-  RETURN_IF_ERROR(region->WaitAll(1, broken, DpStepTimeout()));
+  if (auto st = region->WaitAll(1, broken, DpStepTimeout()); !st.ok()) {
+    region->Abort(absl::StrCat("dp rank ", me, " gave up forming the group: ", st.message()));
+    return st;
+  }
   if (me == 0) region->Unlink();
   spdlog::info("engram: event=dp_group_formed group={} members={} edp_rank={} slot={} region_bytes={}", g.group,
                g.members.size(), me, g.slot, region->bytes());
