@@ -112,6 +112,10 @@ class DpDeviceEngine final : public LookupEngine {
     }
     ASSIGN_OR_RETURN(e->group_, DpGroup::Join(session, join, DpFormTimeout()));
     const GroupEvent& g = e->group_->formed();
+    if (static_cast<int64_t>(g.members.size()) != plan.edp) {  // never an NCCL communicator of the wrong size
+      return absl::InternalError(absl::StrCat("the daemon formed a group of ", g.members.size(),
+                                              " members, expected ", plan.edp));
+    }
     auto broken = [grp = e->group_.get()] { return grp->Broken(); };
     ncclComm_t comm = static_cast<ncclComm_t>(nccl_comm);
     if (comm == nullptr) {
