@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/cuda_check.h"
 #include "client/dp_nccl_transport.h"
 #include "kernels/engram_kernels.h"
 
@@ -35,15 +36,6 @@ using engram::client::NcclApi;
 using engram::client::ShardLayer;
 
 constexpr int kL = 2, kC = 24, kD = 256, kRb = 264, kMembers = 2;
-
-#define CK(x)                                                                               \
-  do {                                                                                      \
-    cudaError_t e_ = (x);                                                                   \
-    if (e_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
 
 struct Result {
   double a2a = 0, peer = 0, a2a_ceiling = 0, peer_gather = 0, uva = 0;
@@ -71,15 +63,15 @@ double TimeMs(cudaStream_t stream, int iters, F f, const char* what) {
     std::exit(1);
   }
   cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  CK(cudaStreamSynchronize(stream));
-  CK(cudaEventRecord(a, stream));
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  CUDA_CHECK(cudaEventRecord(a, stream));
   for (int i = 0; i < iters; ++i) f();
-  CK(cudaEventRecord(b, stream));
-  CK(cudaEventSynchronize(b));
+  CUDA_CHECK(cudaEventRecord(b, stream));
+  CUDA_CHECK(cudaEventSynchronize(b));
   float ms = 0;
-  CK(cudaEventElapsedTime(&ms, a, b));
+  CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
   cudaEventDestroy(a);
   cudaEventDestroy(b);
   return ms / iters;
@@ -117,7 +109,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "bench_dp needs two GPUs (found %d)\n", n);
       ::_exit(77);
     }
-    CK(cudaSetDevice(g));
+    CUDA_CHECK(cudaSetDevice(g));
     ncclUniqueId id;
     if (g == 0) {
       nccl->GetUniqueId(&id);
@@ -130,7 +122,7 @@ int main(int argc, char** argv) {
       ::_exit(1);
     }
     cudaStream_t stream;
-    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     // This GPU's shard: both layers in one allocation (exported to the peer through CUDA IPC).
     const int64_t shard_rows = 12 * rows;
     std::vector<uint8_t> pattern(static_cast<size_t>(std::min<int64_t>(shard_rows, 1 << 16)) * kRb);
@@ -141,9 +133,9 @@ int main(int argc, char** argv) {
     }
     uint8_t* base = nullptr;
     const size_t layer_bytes = static_cast<size_t>(shard_rows) * kRb;
-    CK(cudaMalloc(&base, layer_bytes * kL));
+    CUDA_CHECK(cudaMalloc(&base, layer_bytes * kL));
     for (size_t off = 0; off < layer_bytes * kL; off += pattern.size()) {
-      CK(cudaMemcpy(base + off, pattern.data(), std::min(pattern.size(), layer_bytes * kL - off),
+      CUDA_CHECK(cudaMemcpy(base + off, pattern.data(), std::min(pattern.size(), layer_bytes * kL - off),
                     cudaMemcpyHostToDevice));
     }
     std::vector<ShardLayer> shard;
@@ -152,7 +144,7 @@ int main(int argc, char** argv) {
     uint8_t* uva = nullptr;
     const size_t uva_bytes = static_cast<size_t>(kC) * uva_rows * kRb * kL;
     if (g == 0) {
-      CK(cudaHostAlloc(&uva, uva_bytes, cudaHostAllocMapped));
+      CUDA_CHECK(cudaHostAlloc(&uva, uva_bytes, cudaHostAllocMapped));
       for (size_t off = 0; off < uva_bytes; off += pattern.size()) {
         std::memcpy(uva + off, pattern.data(), std::min(pattern.size(), uva_bytes - off));
       }
@@ -165,12 +157,12 @@ int main(int argc, char** argv) {
     const int maxT = *std::max_element(tokens.begin(), tokens.end());
     int32_t *ids = nullptr, *uva_ids = nullptr;
     uint16_t* out[kL];
-    CK(cudaMalloc(&ids, static_cast<size_t>(maxT) * kL * kC * 4));
-    CK(cudaMalloc(&uva_ids, static_cast<size_t>(maxT) * kL * kC * 4));
-    for (auto& o : out) CK(cudaMalloc(&o, static_cast<size_t>(maxT) * kC * kD * 2));
+    CUDA_CHECK(cudaMalloc(&ids, static_cast<size_t>(maxT) * kL * kC * 4));
+    CUDA_CHECK(cudaMalloc(&uva_ids, static_cast<size_t>(maxT) * kL * kC * 4));
+    for (auto& o : out) CUDA_CHECK(cudaMalloc(&o, static_cast<size_t>(maxT) * kC * kD * 2));
     void* sort_scratch = nullptr;
     const size_t sort_bytes = engram::kernels::LookupSortScratchBytes(static_cast<int64_t>(maxT) * kC);
-    CK(cudaMalloc(&sort_scratch, sort_bytes));
+    CUDA_CHECK(cudaMalloc(&sort_scratch, sort_bytes));
     {
       std::vector<int32_t> h(static_cast<size_t>(maxT) * kL * kC), hu(h.size());
       for (int64_t t = 0; t < maxT; ++t) {
@@ -182,8 +174,8 @@ int main(int argc, char** argv) {
           }
         }
       }
-      CK(cudaMemcpy(ids, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(uva_ids, hu.data(), hu.size() * 4, cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(ids, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(uva_ids, hu.data(), hu.size() * 4, cudaMemcpyHostToDevice));
     }
     std::vector<Result> results(tokens.size());
     std::vector<ShardLayer> peer_shard;
@@ -224,8 +216,8 @@ int main(int argc, char** argv) {
       // The all-to-all alone, of the same bytes.
       uint8_t *sb = nullptr, *rbuf = nullptr;
       const size_t chunk = static_cast<size_t>(res.record_bytes);
-      CK(cudaMalloc(&sb, chunk));
-      CK(cudaMalloc(&rbuf, chunk));
+      CUDA_CHECK(cudaMalloc(&sb, chunk));
+      CUDA_CHECK(cudaMalloc(&rbuf, chunk));
       res.a2a_ceiling = TimeMs(stream, iters, [&] {
         nccl->GroupStart();
         nccl->Send(sb, chunk, ncclUint8, 1 - g, *comm, stream);
@@ -272,7 +264,7 @@ int main(int argc, char** argv) {
           }
         }, "UVA lookup");
       }
-      CK(cudaStreamSynchronize(stream));
+      CUDA_CHECK(cudaStreamSynchronize(stream));
     }
     const size_t bytes = results.size() * sizeof(Result);
     if (::write(res_pipe[g][1], results.data(), bytes) != static_cast<ssize_t>(bytes)) ::_exit(1);

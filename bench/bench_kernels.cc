@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/cuda_check.h"
 #include "client/host_gather.h"
 #include "kernels/device_layout.h"
 #include "kernels/engram_kernels.h"
@@ -34,30 +35,21 @@
 
 namespace {
 
-#define CHECK(x)                                                                                  \
-  do {                                                                                            \
-    cudaError_t e_ = (x);                                                                         \
-    if (e_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));    \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
-
 // Median milliseconds of `reps` timed calls of f on `stream` (after `warm` untimed ones).
 double MedianMs(const std::function<void()>& f, cudaStream_t stream, int reps = 20, int warm = 3) {
   cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
   for (int i = 0; i < warm; ++i) f();
-  CHECK(cudaStreamSynchronize(stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
   std::vector<float> ms;
   for (int i = 0; i < reps; ++i) {
-    CHECK(cudaEventRecord(a, stream));
+    CUDA_CHECK(cudaEventRecord(a, stream));
     f();
-    CHECK(cudaEventRecord(b, stream));
-    CHECK(cudaEventSynchronize(b));
+    CUDA_CHECK(cudaEventRecord(b, stream));
+    CUDA_CHECK(cudaEventSynchronize(b));
     float m = 0;
-    CHECK(cudaEventElapsedTime(&m, a, b));
+    CUDA_CHECK(cudaEventElapsedTime(&m, a, b));
     ms.push_back(m);
   }
   cudaEventDestroy(a);
@@ -94,24 +86,24 @@ int main(int argc, char** argv) {
   const double table_gib = argc > 2 ? std::atof(argv[2]) : 16.0;
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   cudaDeviceProp prop{};
-  CHECK(cudaGetDeviceProperties(&prop, 0));
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
   cudaStream_t s;
-  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 
   // --- Ceilings -------------------------------------------------------------------------------------------------
   const size_t kCeil = size_t{2} << 30;
   void *pinned = nullptr, *d0 = nullptr, *d1 = nullptr;
-  CHECK(cudaMallocHost(&pinned, kCeil));
+  CUDA_CHECK(cudaMallocHost(&pinned, kCeil));
   FillRandom(static_cast<uint8_t*>(pinned), kCeil, threads);
-  CHECK(cudaMalloc(&d0, kCeil));
-  CHECK(cudaMalloc(&d1, kCeil));
-  const double h2d_ms = MedianMs([&] { CHECK(cudaMemcpyAsync(d0, pinned, kCeil, cudaMemcpyHostToDevice, s)); }, s, 5);
-  const double d2d_ms = MedianMs([&] { CHECK(cudaMemcpyAsync(d1, d0, kCeil, cudaMemcpyDeviceToDevice, s)); }, s, 10);
+  CUDA_CHECK(cudaMalloc(&d0, kCeil));
+  CUDA_CHECK(cudaMalloc(&d1, kCeil));
+  const double h2d_ms = MedianMs([&] { CUDA_CHECK(cudaMemcpyAsync(d0, pinned, kCeil, cudaMemcpyHostToDevice, s)); }, s, 5);
+  const double d2d_ms = MedianMs([&] { CUDA_CHECK(cudaMemcpyAsync(d1, d0, kCeil, cudaMemcpyDeviceToDevice, s)); }, s, 10);
   const double h2d = kCeil / h2d_ms / 1e6, d2d = 2.0 * kCeil / d2d_ms / 1e6;
   std::printf("ceiling  H2D pinned memcpy %.1f GB/s   D2D copy %.0f GB/s (read + write)\n", h2d, d2d);
-  CHECK(cudaFreeHost(pinned));
+  CUDA_CHECK(cudaFreeHost(pinned));
 
   // --- UVA lookup from a shared segment ---------------------------------------------------------------------------
   const int64_t D = 256, rb = 264;
@@ -130,10 +122,10 @@ int main(int argc, char** argv) {
   FillRandom(seg, seg_bytes, threads);
   const double fill_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   t0 = std::chrono::steady_clock::now();
-  CHECK(cudaHostRegister(seg, seg_bytes, cudaHostRegisterMapped | cudaHostRegisterReadOnly));
+  CUDA_CHECK(cudaHostRegister(seg, seg_bytes, cudaHostRegisterMapped | cudaHostRegisterReadOnly));
   const double reg_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   void* dseg = nullptr;
-  CHECK(cudaHostGetDevicePointer(&dseg, seg, 0));
+  CUDA_CHECK(cudaHostGetDevicePointer(&dseg, seg, 0));
   std::printf("segment  %.1f GiB in /dev/shm: first-touch fill %.2f s (%.1f GiB/s, %d threads), "
               "cudaHostRegister %.2f s\n", seg_bytes / 1073741824.0, fill_s, seg_bytes / 1073741824.0 / fill_s,
               threads, reg_s);
@@ -144,8 +136,8 @@ int main(int argc, char** argv) {
   std::vector<int32_t> ids(static_cast<size_t>(max_items));
   int32_t* d_ids = nullptr;
   uint16_t* d_out = nullptr;
-  CHECK(cudaMalloc(reinterpret_cast<void**>(&d_ids), max_items * 4));
-  CHECK(cudaMalloc(reinterpret_cast<void**>(&d_out), max_items * D * 2));
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d_ids), max_items * 4));
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d_out), max_items * D * 2));
   auto lookup = [&](const uint8_t* table, int64_t table_rows, int64_t items, bool packed, int max_blocks,
                     void* scratch = nullptr, size_t scratch_bytes = 0) {
     engram::kernels::LookupArgs a;
@@ -162,11 +154,11 @@ int main(int argc, char** argv) {
     a.max_blocks = max_blocks;
     a.sort_scratch = scratch;
     a.sort_scratch_bytes = scratch_bytes;
-    CHECK(engram::kernels::LaunchLookup(a, s));
+    CUDA_CHECK(engram::kernels::LaunchLookup(a, s));
   };
   auto new_ids = [&](int64_t table_rows) {
     for (auto& id : ids) id = static_cast<int32_t>(rng() % static_cast<uint64_t>(table_rows));
-    CHECK(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
   };
   std::printf("\n%-44s %-12s %-12s %s\n", "lookup", "time", "GB/s rec.", "vs ceiling");
   for (int64_t n_rows : {int64_t{196608}, int64_t{1} << 20}) {
@@ -185,7 +177,7 @@ int main(int argc, char** argv) {
     const int64_t items = n_rows / C * C;
     for (auto& id : ids) id = static_cast<int32_t>(rng() % static_cast<uint64_t>(rows));
     std::sort(ids.begin(), ids.begin() + items);
-    CHECK(cudaMemcpy(d_ids, ids.data(), items * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(d_ids, ids.data(), items * 4, cudaMemcpyHostToDevice));
     const double ms = MedianMs([&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0); }, s, 10, 2);
     const double gbs = items * rb / ms / 1e6;
     std::printf("UVA %5.1f GiB shm, %7lld rows, bf16, ids sorted  %8.3f ms  %8.2f     %.3f of H2D\n",
@@ -195,7 +187,7 @@ int main(int argc, char** argv) {
   {
     const size_t scratch_bytes = engram::kernels::LookupSortScratchBytes(max_items);
     void* scratch = nullptr;
-    CHECK(cudaMalloc(&scratch, scratch_bytes));
+    CUDA_CHECK(cudaMalloc(&scratch, scratch_bytes));
     for (int64_t n_rows : {int64_t{196608}, int64_t{1} << 20}) {
       new_ids(rows);
       const int64_t items = n_rows / C * C;
@@ -205,7 +197,7 @@ int main(int argc, char** argv) {
       std::printf("UVA %5.1f GiB shm, %7lld rows, bf16, sort in kernel %8.3f ms %8.2f     %.3f of H2D (bar 8.0 GB/s: %.2fx)\n",
                   seg_bytes / 1073741824.0, static_cast<long long>(items), ms, gbs, gbs / h2d, gbs / 8.0);
     }
-    CHECK(cudaFree(scratch));
+    CUDA_CHECK(cudaFree(scratch));
   }
   // Grid size: does the UVA gather need the whole GPU?
   for (int blocks : {4, 16}) {
@@ -222,11 +214,11 @@ int main(int argc, char** argv) {
     // On the stream as a CUDA graph replays it: 20 dependent lookups per replay, time per lookup.
     cudaGraph_t graph;
     cudaGraphExec_t exec;
-    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     for (int i = 0; i < 20; ++i) lookup(static_cast<const uint8_t*>(dseg), rows, tokens * C, false, 0);
-    CHECK(cudaStreamEndCapture(s, &graph));
-    CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    const double graph_ms = MedianMs([&] { CHECK(cudaGraphLaunch(exec, s)); }, s, 50, 5) / 20;
+    CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const double graph_ms = MedianMs([&] { CUDA_CHECK(cudaGraphLaunch(exec, s)); }, s, 50, 5) / 20;
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     const double bar = tokens == 1 ? 5 : tokens == 2 ? 6 : tokens == 4 ? 8 : 20;
@@ -238,7 +230,7 @@ int main(int argc, char** argv) {
   {
     const size_t scratch_bytes = engram::kernels::LookupSortScratchBytes(max_items);
     void* scratch = nullptr;
-    CHECK(cudaMalloc(&scratch, scratch_bytes));
+    CUDA_CHECK(cudaMalloc(&scratch, scratch_bytes));
     // Repeats: each item copies an earlier item of its batch with probability 0.45 (the share of repeated lookups
     // measured on real text); otherwise a uniformly random row.
     auto fill_ids = [&](int64_t items, double repeat) {
@@ -247,7 +239,7 @@ int main(int argc, char** argv) {
         ids[static_cast<size_t>(i)] = i > 0 && u(rng) < repeat ? ids[static_cast<size_t>(rng() % i)]
                                                                : static_cast<int32_t>(rng() % static_cast<uint64_t>(rows));
       }
-      CHECK(cudaMemcpy(d_ids, ids.data(), items * 4, cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(d_ids, ids.data(), items * 4, cudaMemcpyHostToDevice));
     };
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     std::printf("\n%-58s %-11s %-10s %-10s %s\n", "lookup path (16 GiB shm, bf16 out)", "time", "served", "moved",
@@ -328,21 +320,21 @@ int main(int argc, char** argv) {
       if (out_table != nullptr) std::fprintf(out_table, "%lld %s\n", static_cast<long long>(b.items), b.host < b.uva ? "host" : "uva");
     }
     if (out_table != nullptr) std::fclose(out_table);
-    CHECK(cudaFree(scratch));
+    CUDA_CHECK(cudaFree(scratch));
   }
   // Side-stream prefetch of 8192 tokens (2 layers) during a busy main stream (gate kernels, HBM-bound).
   const int T = 8192, HC = 4, HD = 5120;
   uint16_t *hidden = nullptr, *kv = nullptr, *qk = nullptr, *gout = nullptr;
-  CHECK(cudaMalloc(reinterpret_cast<void**>(&hidden), size_t{T} * HC * HD * 2));
-  CHECK(cudaMalloc(reinterpret_cast<void**>(&kv), size_t{T} * (HC + 1) * HD * 2));
-  CHECK(cudaMalloc(reinterpret_cast<void**>(&qk), size_t{HC} * HD * 2));
-  CHECK(cudaMalloc(reinterpret_cast<void**>(&gout), size_t{T} * HC * HD * 2));
-  CHECK(cudaMemcpy(hidden, d0, size_t{T} * HC * HD * 2, cudaMemcpyDeviceToDevice));
-  CHECK(cudaMemcpy(kv, d0, size_t{T} * (HC + 1) * HD * 2, cudaMemcpyDeviceToDevice));
-  CHECK(cudaMemset(qk, 0x3F, size_t{HC} * HD * 2));
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&hidden), size_t{T} * HC * HD * 2));
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&kv), size_t{T} * (HC + 1) * HD * 2));
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&qk), size_t{HC} * HD * 2));
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&gout), size_t{T} * HC * HD * 2));
+  CUDA_CHECK(cudaMemcpy(hidden, d0, size_t{T} * HC * HD * 2, cudaMemcpyDeviceToDevice));
+  CUDA_CHECK(cudaMemcpy(kv, d0, size_t{T} * (HC + 1) * HD * 2, cudaMemcpyDeviceToDevice));
+  CUDA_CHECK(cudaMemset(qk, 0x3F, size_t{HC} * HD * 2));
   auto gate = [&](int t, cudaStream_t st) {
     engram::kernels::GateArgs g{hidden, kv, qk, qk, nullptr, gout, t, HC, HD, 1e-6f};
-    CHECK(engram::kernels::LaunchGate(g, st));
+    CUDA_CHECK(engram::kernels::LaunchGate(g, st));
   };
   std::printf("\n%-44s %-12s %-12s %s\n", "gate (D=5120, hc=4)", "time", "GB/s", "vs D2D");
   for (int t : {4096, 8192}) {
@@ -381,15 +373,15 @@ int main(int argc, char** argv) {
     }
     int32_t *dt, *dq, *dout;
     int64_t* dp;
-    CHECK(cudaMalloc(reinterpret_cast<void**>(&dt), T * 4));
-    CHECK(cudaMalloc(reinterpret_cast<void**>(&dq), 12));
-    CHECK(cudaMalloc(reinterpret_cast<void**>(&dp), T * 8));
-    CHECK(cudaMalloc(reinterpret_cast<void**>(&dout), size_t{T} * 48 * 4));
-    CHECK(cudaMemcpy(dt, tok.data(), T * 4, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(dq, qsl.data(), 12, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(dp, pos.data(), T * 8, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&dt), T * 4));
+    CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&dq), 12));
+    CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&dp), T * 8));
+    CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&dout), size_t{T} * 48 * 4));
+    CUDA_CHECK(cudaMemcpy(dt, tok.data(), T * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dq, qsl.data(), 12, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dp, pos.data(), T * 8, cudaMemcpyHostToDevice));
     engram::kernels::HashArgs h{dt, dp, dq, nullptr, nullptr, T, 2, dout, nullptr};
-    const double ms = MedianMs([&] { CHECK(engram::kernels::LaunchHash((*dl)->view(), h, s)); }, s, 100, 10);
+    const double ms = MedianMs([&] { CUDA_CHECK(engram::kernels::LaunchHash((*dl)->view(), h, s)); }, s, 100, 10);
     std::printf("hash T=8192, 2 layers x 24 columns               %8.2f us                (bar 15 us)\n", ms * 1e3);
 
     // Prefetch during a busy main stream: main = 10 gate kernels of T=8192.
@@ -404,32 +396,32 @@ int main(int argc, char** argv) {
     // hash ids for the prefetch: random in range
     std::vector<int32_t> pid(size_t{T} * 48);
     for (auto& v : pid) v = static_cast<int32_t>(rng() % static_cast<uint64_t>(rows / 2));
-    CHECK(cudaMemcpy(dout, pid.data(), pid.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dout, pid.data(), pid.size() * 4, cudaMemcpyHostToDevice));
     auto busy = [&] {  // longer than the lookup, as the earlier layers of a real model are
       for (int i = 0; i < 60; ++i) gate(T, s);
     };
     const double alone = MedianMs(busy, s, 10, 2);
     const double side_alone = MedianMs([&] { (void)p.Prefetch(dout, T, s); (void)p.Wait(1, s); }, s, 10, 2);
     cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
+    CUDA_CHECK(cudaEventCreate(&a));
+    CUDA_CHECK(cudaEventCreate(&b));
     std::vector<float> with;
     int finished_first = 0;
     for (int r = 0; r < 10; ++r) {
-      CHECK(cudaEventRecord(a, s));
+      CUDA_CHECK(cudaEventRecord(a, s));
       (void)p.Prefetch(dout, T, s);
       busy();
-      CHECK(cudaEventRecord(b, s));
-      CHECK(cudaEventSynchronize(b));
+      CUDA_CHECK(cudaEventRecord(b, s));
+      CUDA_CHECK(cudaEventSynchronize(b));
       // Both events are complete now; the lookup finished first when its event is not later than the main one.
       float order = -1;
-      if (cudaEventQuery(p.layer_event(1)) == cudaSuccess) CHECK(cudaEventElapsedTime(&order, p.layer_event(1), b));
+      if (cudaEventQuery(p.layer_event(1)) == cudaSuccess) CUDA_CHECK(cudaEventElapsedTime(&order, p.layer_event(1), b));
       finished_first += order >= 0;
       (void)p.Wait(1, s);
       float m = 0;
-      CHECK(cudaEventElapsedTime(&m, a, b));
+      CUDA_CHECK(cudaEventElapsedTime(&m, a, b));
       with.push_back(m);
-      CHECK(cudaStreamSynchronize(s));
+      CUDA_CHECK(cudaStreamSynchronize(s));
     }
     std::sort(with.begin(), with.end());
     std::printf("\nprefetch, background grid %s blocks: 8192 tokens x 2 layers (UVA) alone %.3f ms\n",
@@ -441,8 +433,8 @@ int main(int argc, char** argv) {
     // The host-gather path beside the same busy main stream: CPU threads and copy engines, the unpack on the GPU.
     {
       uint16_t *o0 = nullptr, *o1 = nullptr;
-      CHECK(cudaMalloc(reinterpret_cast<void**>(&o0), size_t{T} * 24 * D * 2));
-      CHECK(cudaMalloc(reinterpret_cast<void**>(&o1), size_t{T} * 24 * D * 2));
+      CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&o0), size_t{T} * 24 * D * 2));
+      CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&o1), size_t{T} * 24 * D * 2));
       auto g = engram::client::HostGather::Create({{seg, 0, rows / 2}, {seg + (rows / 2) * rb, 0, rows / 2}},
                                                   {o0, o1}, T, 24, static_cast<int32_t>(D));
       if (!g.ok()) return 1;
@@ -465,11 +457,11 @@ int main(int argc, char** argv) {
       std::printf("  main stream (60 gates T=8192) alone %.3f ms, with the host-gather prefetch %.3f ms: slowed %.1f%%\n",
                   alone, with, (with / alone - 1) * 100);
       g->reset();
-      CHECK(cudaFree(o0));
-      CHECK(cudaFree(o1));
+      CUDA_CHECK(cudaFree(o0));
+      CUDA_CHECK(cudaFree(o1));
     }
   }
-  CHECK(cudaHostUnregister(seg));
+  CUDA_CHECK(cudaHostUnregister(seg));
   ::munmap(seg, seg_bytes);
   ::unlink(path.c_str());
   return 0;

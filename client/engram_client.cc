@@ -70,14 +70,6 @@ Declaration Declare(const AttachRequest& req, uint64_t fingerprint, bool cpu_off
   return d;
 }
 
-// The path of the granted segment as this process sees it: the grant's, or the same file name in `shm_dir` when
-// the caller mounts the daemon's directory elsewhere.
-std::string SegmentPathFor(const std::string& granted, const std::string& shm_dir) {
-  if (shm_dir.empty()) return granted;
-  const auto slash = granted.rfind('/');
-  return absl::StrCat(shm_dir, "/", slash == std::string::npos ? granted : granted.substr(slash + 1));
-}
-
 // A shared table from the daemon's grant: map and check, take the node's ticket, pin, report. Null (with the reason
 // added) when this replica must fall back; the session stays usable for reporting that.
 std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& options, const std::string& shm_dir,
@@ -95,7 +87,7 @@ std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& o
     no_descriptor = std::string(fd.status().message());
   }
   if (!no_descriptor.empty()) {
-    const std::string path = SegmentPathFor(g.segment_path, shm_dir);
+    const std::string path = GrantedSegmentPath(g, shm_dir);
     table = OpenSharedTable(g, -1, path, fingerprint, layout, shard, env);
     if (!table.ok() && (table.status().code() == absl::StatusCode::kNotFound ||
                         table.status().code() == absl::StatusCode::kPermissionDenied)) {

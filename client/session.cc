@@ -278,6 +278,12 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(const std::string& socket
   return s;
 }
 
+std::string GrantedSegmentPath(const Grant& g, const std::string& shm_dir) {
+  if (shm_dir.empty()) return g.segment_path;
+  const auto slash = g.segment_path.rfind('/');
+  return absl::StrCat(shm_dir, "/", slash == std::string::npos ? g.segment_path : g.segment_path.substr(slash + 1));
+}
+
 void Session::NoteMappedFile(uint64_t dev, uint64_t ino) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->segment_dev = dev;

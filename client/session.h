@@ -55,6 +55,10 @@ struct Grant {
   uint64_t segment_dev = 0, segment_ino = 0;  // the file's identity as the daemon saw it (0: not given)
 };
 
+// The granted segment's path as this process sees it, for attach by path: the grant's, or the same file name in
+// `shm_dir` when this process mounts the daemon's directory elsewhere ("" = the grant's).
+std::string GrantedSegmentPath(const Grant& grant, const std::string& shm_dir);
+
 struct Answer {
   bool granted = false;
   Grant grant;                  // when granted

@@ -22,7 +22,8 @@ struct PeerInfo {
   std::vector<uint32_t> groups;  // supplementary groups
 };
 
-// The credentials of the peer of connected Unix socket `fd`; nullopt when the kernel gives none.
+// The credentials of the peer of connected Unix socket `fd` (SO_PEERCRED + SO_PEERGROUPS); nullopt when the kernel
+// does not give both: the connection is then refused.
 std::optional<PeerInfo> ReadPeer(int fd);
 
 }  // namespace engram::daemon

@@ -478,17 +478,15 @@ int CmdAttach(int argc, char** argv) {
     out["reasons"] = json::array();
     // Map it read-only (the descriptor engramd passes; the path, or --shm-dir's file of that name, where it cannot)
     // and compare random rows with the checkpoint's.
-    if (auto fd = (*session)->FetchSegmentDescriptor(std::chrono::seconds(5)); fd.ok() && !a.Has("--no-descriptor")) {
+    auto fd = a.Has("--no-descriptor") ? absl::StatusOr<int>(absl::UnavailableError("--no-descriptor"))
+                                       : (*session)->FetchSegmentDescriptor(std::chrono::seconds(5));
+    if (fd.ok()) {
       reader = SegmentReader::OpenDescriptor(*fd, g.segment_path);
       out["attach"] = "descriptor";
     } else {
-      if (fd.ok()) ::close(*fd);
-      const std::string shm_dir = a.Get("--shm-dir", "");
-      const std::string path =
-          shm_dir.empty() ? g.segment_path : shm_dir + g.segment_path.substr(g.segment_path.rfind('/'));
-      reader = SegmentReader::Open(path);
+      reader = SegmentReader::Open(client::GrantedSegmentPath(g, a.Get("--shm-dir", "")));
       out["attach"] = "path";
-      if (!fd.ok()) out["descriptor_error"] = std::string(fd.status().message());
+      out["descriptor_error"] = std::string(fd.status().message());
     }
     if (!reader.ok() || (*reader)->state() != SegmentState::kReady) {
       out["error"] = reader.ok() ? "segment not READY" : std::string(reader.status().message());
