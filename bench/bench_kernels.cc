@@ -139,13 +139,13 @@ int main(int argc, char** argv) {
   CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d_ids), max_items * 4));
   CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d_out), max_items * D * 2));
   auto lookup = [&](const uint8_t* table, int64_t table_rows, int64_t items, bool packed, int max_blocks,
-                    void* scratch = nullptr, size_t scratch_bytes = 0) {
+                    void* scratch = nullptr, size_t scratch_bytes = 0, const int32_t* ids_at = nullptr) {
     engram::kernels::LookupArgs a;
     a.records = table;
     a.row_begin = 0;
     a.row_end = table_rows;
     a.head_dim = static_cast<int32_t>(D);
-    a.ids = d_ids;
+    a.ids = ids_at != nullptr ? ids_at : d_ids;
     a.num_tokens = static_cast<int32_t>(items / C);
     a.num_cols = C;
     a.ids_stride = C;
@@ -183,20 +183,67 @@ int main(int argc, char** argv) {
     std::printf("UVA %5.1f GiB shm, %7lld rows, bf16, ids sorted  %8.3f ms  %8.2f     %.3f of H2D\n",
                 seg_bytes / 1073741824.0, static_cast<long long>(items), ms, gbs, gbs / h2d);
   }
-  // The kernel's own row-order gather (radix sort of (row, item) pairs in scratch), random ids.
+  // The kernel's own row-order gather (radix sort of (row, item) pairs in scratch), random ids: its stages (the sort
+  // alone, then sort + gather, the scatter and dequantisation being fused into the gather) and its variants (how
+  // the sorted positions are spread over the grid, rows in flight per warp).
+  const engram::kernels::LookupTuning default_tuning = engram::kernels::GetLookupTuning();
+  auto tune = [&](int64_t sort_min_items, int variant, bool sort_only) {
+    engram::kernels::LookupTuning t = default_tuning;
+    t.sort_min_items = sort_min_items;
+    t.sort_variant = variant;
+    t.sort_only = sort_only;
+    engram::kernels::SetLookupTuning(t);
+  };
   {
     const size_t scratch_bytes = engram::kernels::LookupSortScratchBytes(max_items);
     void* scratch = nullptr;
     CUDA_CHECK(cudaMalloc(&scratch, scratch_bytes));
-    for (int64_t n_rows : {int64_t{196608}, int64_t{1} << 20}) {
+    for (int64_t n_rows : {int64_t{24576}, int64_t{196608}, int64_t{1} << 20}) {
       new_ids(rows);
       const int64_t items = n_rows / C * C;
-      const double ms = MedianMs(
-          [&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0, scratch, scratch_bytes); }, s, 10, 2);
-      const double gbs = items * rb / ms / 1e6;
-      std::printf("UVA %5.1f GiB shm, %7lld rows, bf16, sort in kernel %8.3f ms %8.2f     %.3f of H2D (bar 8.0 GB/s: %.2fx)\n",
-                  seg_bytes / 1073741824.0, static_cast<long long>(items), ms, gbs, gbs / h2d, gbs / 8.0);
+      auto run = [&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0, scratch, scratch_bytes); };
+      tune(1, 0, true);
+      const double sort_ms = MedianMs(run, s, 10, 2);
+      std::printf("UVA row-order, %7lld rows: sort alone (keys + radix)      %8.3f ms\n", static_cast<long long>(items),
+                  sort_ms);
+      for (int variant = 0; variant < 4; ++variant) {
+        tune(1, variant, false);
+        const double ms = MedianMs(run, s, 10, 2);
+        const double gbs = items * rb / ms / 1e6;
+        std::printf("UVA row-order, %7lld rows, variant %d (%s) %8.3f ms %8.2f GB/s %.3f of H2D (gather %.3f ms)\n",
+                    static_cast<long long>(items), variant,
+                    variant == 0 ? "grid-stride, 4 rows/warp" : variant == 1 ? "grid-stride, 8 rows/warp"
+                    : variant == 2 ? "block runs, 4 rows/warp " : "block runs, 8 rows/warp ",
+                    ms, gbs, gbs / h2d, ms - sort_ms);
+      }
+      // Grid: fewer blocks than the persistent grid (fewer rows in flight per SM).
+      for (int variant : {0, 2}) {
+        for (int blocks : {132, 264, 528}) {
+          tune(1, variant, false);
+          const double ms = MedianMs(
+              [&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, false, blocks, scratch, scratch_bytes); }, s,
+              10, 2);
+          std::printf("UVA row-order, %7lld rows, variant %d, %3d blocks           %8.3f ms %8.2f GB/s %.3f of H2D\n",
+                      static_cast<long long>(items), variant, blocks, ms, items * rb / ms / 1e6,
+                      items * rb / ms / 1e6 / h2d);
+        }
+      }
     }
+    // Crossover of the plain and the row-order kernel (the default threshold is sort_min_items).
+    for (int64_t n_rows : {int64_t{24576}, int64_t{49152}, int64_t{98304}, int64_t{196608}}) {
+      new_ids(rows);
+      const int64_t items = n_rows / C * C;
+      auto run = [&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0, scratch, scratch_bytes); };
+      tune(int64_t{1} << 40, default_tuning.sort_variant, false);
+      const double plain = MedianMs(run, s, 10, 2);
+      tune(1, default_tuning.sort_variant, false);
+      const double sorted = MedianMs(run, s, 10, 2);
+      std::printf("UVA crossover %7lld rows: plain %.3f ms (%.2f GB/s), row-order %.3f ms (%.2f GB/s)\n",
+                  static_cast<long long>(items), plain, items * rb / plain / 1e6, sorted, items * rb / sorted / 1e6);
+    }
+    engram::kernels::SetLookupTuning(default_tuning);
+    std::printf("row-order gather default: from %lld items, variant %d\n",
+                static_cast<long long>(default_tuning.sort_min_items), default_tuning.sort_variant);
     CUDA_CHECK(cudaFree(scratch));
   }
   // Grid size: does the UVA gather need the whole GPU?
@@ -232,14 +279,16 @@ int main(int argc, char** argv) {
     void* scratch = nullptr;
     CUDA_CHECK(cudaMalloc(&scratch, scratch_bytes));
     // Repeats: each item copies an earlier item of its batch with probability 0.45 (the share of repeated lookups
-    // measured on real text); otherwise a uniformly random row.
-    auto fill_ids = [&](int64_t items, double repeat) {
+    // measured on real text); otherwise a uniformly random row. `sets` batches side by side (fresh ids per call).
+    auto fill_ids = [&](int64_t items, double repeat, int sets = 1) {
       std::uniform_real_distribution<double> u(0, 1);
-      for (int64_t i = 0; i < items; ++i) {
-        ids[static_cast<size_t>(i)] = i > 0 && u(rng) < repeat ? ids[static_cast<size_t>(rng() % i)]
-                                                               : static_cast<int32_t>(rng() % static_cast<uint64_t>(rows));
+      for (int k = 0; k < sets; ++k) {
+        int32_t* b = ids.data() + k * items;
+        for (int64_t i = 0; i < items; ++i) {
+          b[i] = i > 0 && u(rng) < repeat ? b[rng() % i] : static_cast<int32_t>(rng() % static_cast<uint64_t>(rows));
+        }
       }
-      CUDA_CHECK(cudaMemcpy(d_ids, ids.data(), items * 4, cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(d_ids, ids.data(), items * sets * 4, cudaMemcpyHostToDevice));
     };
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     std::printf("\n%-58s %-11s %-10s %-10s %s\n", "lookup path (16 GiB shm, bf16 out)", "time", "served", "moved",
@@ -247,76 +296,143 @@ int main(int argc, char** argv) {
     struct Best {
       int64_t items;
       double uva, host;
+      std::string uva_what, host_what;
     };
     std::vector<Best> best;
-    std::unique_ptr<engram::client::HostGather> hg[2];  // [dedup]
-    for (int dd = 0; dd < 2; ++dd) {
+    auto make_hg = [&](bool dedup, int th) {
       engram::client::HostGatherOptions o;
-      o.dedup = dd == 1;
-      auto g = engram::client::HostGather::Create({{seg, 0, rows}}, {d_out}, static_cast<int32_t>(max_items / C), C,
-                                                  static_cast<int32_t>(D), o);
+      o.dedup = dedup;
+      o.threads = th;
+      auto g = engram::client::HostGather::Create({{seg, 0, rows, static_cast<const uint8_t*>(dseg)}}, {d_out},
+                                                  static_cast<int32_t>(max_items / C), C, static_cast<int32_t>(D), o);
       if (!g.ok()) {
         std::printf("host gather: %s\n", std::string(g.status().message()).c_str());
-        return 1;
+        std::exit(1);
       }
-      hg[dd] = std::move(*g);
-    }
-    std::printf("host gather: %d threads (default share of %d cores)\n", hg[0]->threads(), cores);
+      return std::move(*g);
+    };
+    const int default_threads = engram::client::DefaultGatherThreads(cores);
+    std::unique_ptr<engram::client::HostGather> hg[2] = {make_hg(false, default_threads), make_hg(true, default_threads)};
+    std::printf("host gather: %d threads (default share of %d cores); engine default: dedup %d, UVA share %.2f\n",
+                hg[0]->threads(), cores, engram::client::kEngineHostGatherDedup ? 1 : 0,
+                engram::client::kEngineHostGatherUvaShare);
+    const double shares[] = {0.3, 0.45, 0.6};
     for (double repeat : {0.0, 0.45}) {
       for (int64_t n_rows : {int64_t{24576}, int64_t{196608}, int64_t{1} << 20}) {
         const int64_t items = n_rows / C * C;
         const int32_t tokens = static_cast<int32_t>(items / C);
         fill_ids(items, repeat);
-        auto line = [&](const char* what, double ms, int64_t moved) {
+        auto line = [&](const std::string& what, double ms, int64_t moved) {
           const double served = items * rb / ms / 1e6;
-          std::printf("%-7lld rows, %2.0f%% repeats, %-32s %8.3f ms %7.2f GB/s %7.2f GB/s  %.3f\n",
-                      static_cast<long long>(items), repeat * 100, what, ms, served, moved * rb / ms / 1e6,
+          std::printf("%-7lld rows, %2.0f%% repeats, %-40s %8.3f ms %7.2f GB/s %7.2f GB/s  %.3f\n",
+                      static_cast<long long>(items), repeat * 100, what.c_str(), ms, served, moved * rb / ms / 1e6,
                       served / h2d);
         };
-        const double uva = MedianMs([&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0); }, s, 10, 2);
-        line("UVA kernel", uva, items);
-        const double sorted = MedianMs(
-            [&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0, scratch, scratch_bytes); }, s, 10, 2);
+        auto uva_run = [&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0, scratch, scratch_bytes); };
+        tune(int64_t{1} << 40, default_tuning.sort_variant, false);
+        const double plain = MedianMs(uva_run, s, 10, 2);
+        line("UVA kernel", plain, items);
+        tune(1, default_tuning.sort_variant, false);
+        const double sorted = MedianMs(uva_run, s, 10, 2);
         line("UVA row-order gather", sorted, items);
-        double host_best = 1e30;
+        engram::kernels::SetLookupTuning(default_tuning);
+        const double uva_engine = MedianMs(uva_run, s, 10, 2);
+        line(items >= default_tuning.sort_min_items ? "UVA, engine default (row-order)" : "UVA, engine default (plain)",
+             uva_engine, items);
+        double host_best = 1e30, host_engine = 1e30;
+        std::string host_what;
         for (int dd = 0; dd < 2; ++dd) {
-          auto& g = *hg[dd];
-          const double ms = MedianMs([&] {
-            if (!g.Prefetch(ids.data(), tokens, C, s).ok() || !g.Wait(0, s).ok()) std::exit(1);
-          }, s, 10, 2);
-          line(dd ? "host gather, de-duplicated" : "host gather, every row", ms, g.stats(0).rows_moved);
-          host_best = std::min(host_best, ms);
+          for (double share : {0.0, shares[0], shares[1], shares[2]}) {
+            if (dd == 1 && share != 0.0 && share != shares[1]) continue;
+            auto& g = *hg[dd];
+            g.set_uva_share(share);
+            const double ms = MedianMs([&] {
+              if (!g.Prefetch(ids.data(), tokens, C, s).ok() || !g.Wait(0, s).ok()) std::exit(1);
+            }, s, 10, 2);
+            char what[96];
+            std::snprintf(what, sizeof what, "host gather, %s, UVA share %.2f", dd ? "de-duplicated" : "every row", share);
+            line(what, ms, g.stats(0).rows_moved);
+            if (ms < host_best) {
+              host_best = ms;
+              host_what = what;
+            }
+            if ((dd == 1) == engram::client::kEngineHostGatherDedup && share == engram::client::kEngineHostGatherUvaShare) {
+              host_engine = ms;
+            }
+          }
+          hg[dd]->set_uva_share(0);
         }
-        if (repeat == 0.0) best.push_back({items, std::min(uva, sorted), host_best});
+        if (host_engine > 1e29) host_engine = host_best;
+        std::printf("%-7lld rows, %2.0f%% repeats: fastest UVA %.3f ms, fastest host %.3f ms (%s); engine: UVA %.3f ms, "
+                    "host %.3f ms\n", static_cast<long long>(items), repeat * 100, std::min(plain, sorted), host_best,
+                    host_what.c_str(), uva_engine, host_engine);
+        if (repeat == 0.0) best.push_back({items, uva_engine, host_engine, "", host_what});
       }
     }
-    // Threads: how the host gather scales (1M rows, random, de-duplicated).
-    {
-      const int64_t items = (int64_t{1} << 20) / C * C;
-      fill_ids(items, 0.0);
-      for (int th : {4, 8, 16, 24}) {
-        if (th > cores) continue;
-        engram::client::HostGatherOptions o;
-        o.threads = th;
-        auto g = engram::client::HostGather::Create({{seg, 0, rows}}, {d_out}, static_cast<int32_t>(max_items / C),
-                                                    C, static_cast<int32_t>(D), o);
-        if (!g.ok()) return 1;
+    // Fresh ids every call (rotating over batches whose records do not fit in L2 together): the repeated-batch
+    // numbers above let a small batch's rows stay in the GPU's L2 and TLBs from one call to the next.
+    for (int64_t n_rows : {int64_t{24576}, int64_t{196608}}) {
+      const int64_t items = n_rows / C * C;
+      const int sets = static_cast<int>(std::min<int64_t>(16, max_items / items));
+      const int32_t tokens = static_cast<int32_t>(items / C);
+      fill_ids(items, 0.0, sets);
+      int k = 0;
+      auto line = [&](const char* what, double ms) {
+        std::printf("%-7lld rows, fresh ids (%2d batches), %-34s %8.3f ms %7.2f GB/s  %.3f\n",
+                    static_cast<long long>(items), sets, what, ms, items * rb / ms / 1e6, items * rb / ms / 1e6 / h2d);
+      };
+      auto uva_run = [&] {
+        lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0, scratch, scratch_bytes, d_ids + (k++ % sets) * items);
+      };
+      tune(int64_t{1} << 40, default_tuning.sort_variant, false);
+      line("UVA kernel", MedianMs(uva_run, s, 20, 4));
+      tune(1, default_tuning.sort_variant, false);
+      line("UVA row-order gather", MedianMs(uva_run, s, 20, 4));
+      engram::kernels::SetLookupTuning(default_tuning);
+      for (double share : {0.0, shares[1]}) {
+        hg[0]->set_uva_share(share);
         const double ms = MedianMs([&] {
-          if (!(*g)->Prefetch(ids.data(), static_cast<int32_t>(items / C), C, s).ok() || !(*g)->Wait(0, s).ok()) {
+          if (!hg[0]->Prefetch(ids.data() + (k++ % sets) * items, tokens, C, s).ok() || !hg[0]->Wait(0, s).ok()) {
             std::exit(1);
           }
-        }, s, 10, 2);
-        std::printf("host gather %2d threads, %lld rows                          %8.3f ms %7.2f GB/s  %.3f of H2D\n", th,
-                    static_cast<long long>(items), ms, items * rb / ms / 1e6, items * rb / ms / 1e6 / h2d);
+        }, s, 20, 4);
+        line(share > 0 ? "host gather, every row, UVA share 0.45" : "host gather, every row", ms);
+      }
+      hg[0]->set_uva_share(0);
+    }
+    hg[0].reset();
+    hg[1].reset();
+    // Threads: how the host gather scales (random rows, 196K and 1M).
+    for (int64_t n_rows : {int64_t{196608}, int64_t{1} << 20}) {
+      const int64_t items = n_rows / C * C;
+      fill_ids(items, 0.0);
+      for (int th : {16, 24, 28}) {
+        if (th > cores) continue;
+        for (int dd = 0; dd < 2; ++dd) {
+          if (dd == 1 && th == 28) continue;
+          auto g = make_hg(dd == 1, th);
+          for (double share : {0.0, 0.3, 0.45}) {
+            if (dd == 1 && share != 0.0) continue;
+            g->set_uva_share(share);
+            const double ms = MedianMs([&] {
+              if (!g->Prefetch(ids.data(), static_cast<int32_t>(items / C), C, s).ok() || !g->Wait(0, s).ok()) {
+                std::exit(1);
+              }
+            }, s, 10, 2);
+            std::printf("host gather %2d threads, %s, UVA share %.2f, %7lld rows  %8.3f ms %7.2f GB/s  %.3f of H2D\n",
+                        th, dd ? "de-duplicated" : "every row    ", share, static_cast<long long>(items), ms,
+                        items * rb / ms / 1e6, items * rb / ms / 1e6 / h2d);
+          }
+        }
       }
     }
-    // The automatic choice's table: per size, did the host-gather path beat the best UVA kernel?
+    // The automatic choice's table: per size, did the host-gather path (engine configuration) beat the UVA path?
     std::printf("automatic choice table (ENGRAM_LOOKUP_PATH_TABLE format):\n");
     FILE* out_table = nullptr;
     if (const char* table = std::getenv("ENGRAM_LOOKUP_PATH_TABLE"); table != nullptr) out_table = std::fopen(table, "w");
     for (const auto& b : best) {
-      std::printf("  %lld %s   (UVA best %.3f ms, host gather %.3f ms)\n", static_cast<long long>(b.items),
-                  b.host < b.uva ? "host" : "uva", b.uva, b.host);
+      std::printf("  %lld %s   (UVA engine default %.3f ms, host gather engine default %.3f ms)\n",
+                  static_cast<long long>(b.items), b.host < b.uva ? "host" : "uva", b.uva, b.host);
       if (out_table != nullptr) std::fprintf(out_table, "%lld %s\n", static_cast<long long>(b.items), b.host < b.uva ? "host" : "uva");
     }
     if (out_table != nullptr) std::fclose(out_table);
@@ -430,13 +546,19 @@ int main(int argc, char** argv) {
                 "lookup done before the main stream in %d/10 runs\n", alone, with[with.size() / 2],
                 (with[with.size() / 2] / alone - 1) * 100, finished_first);
     }
-    // The host-gather path beside the same busy main stream: CPU threads and copy engines, the unpack on the GPU.
-    {
+    // The host-gather path beside the same busy main stream: CPU threads and copy engines, the unpack on the GPU
+    // (and, with the engine's UVA share, the row-order kernel on part of the tokens).
+    for (double share : {0.0, engram::client::kEngineHostGatherUvaShare}) {
       uint16_t *o0 = nullptr, *o1 = nullptr;
       CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&o0), size_t{T} * 24 * D * 2));
       CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&o1), size_t{T} * 24 * D * 2));
-      auto g = engram::client::HostGather::Create({{seg, 0, rows / 2}, {seg + (rows / 2) * rb, 0, rows / 2}},
-                                                  {o0, o1}, T, 24, static_cast<int32_t>(D));
+      engram::client::HostGatherOptions ho;
+      ho.uva_share = share;
+      ho.dedup = engram::client::kEngineHostGatherDedup;
+      auto g = engram::client::HostGather::Create(
+          {{seg, 0, rows / 2, static_cast<const uint8_t*>(dseg)},
+           {seg + (rows / 2) * rb, 0, rows / 2, static_cast<const uint8_t*>(dseg) + (rows / 2) * rb}},
+          {o0, o1}, T, 24, static_cast<int32_t>(D), ho);
       if (!g.ok()) return 1;
       std::vector<int32_t> hid(size_t{T} * 48);
       for (auto& v : hid) v = static_cast<int32_t>(rng() % static_cast<uint64_t>(rows / 2));
@@ -452,8 +574,8 @@ int main(int argc, char** argv) {
         busy();
         if (!(*g)->Wait(1, s).ok()) std::exit(1);
       }, s, 10, 2);
-      std::printf("\nprefetch, host gather (%d threads): 8192 tokens x 2 layers alone %.3f ms\n", (*g)->threads(),
-                  side_alone);
+      std::printf("\nprefetch, host gather (%d threads, UVA share %.2f): 8192 tokens x 2 layers alone %.3f ms\n",
+                  (*g)->threads(), share, side_alone);
       std::printf("  main stream (60 gates T=8192) alone %.3f ms, with the host-gather prefetch %.3f ms: slowed %.1f%%\n",
                   alone, with, (with / alone - 1) * 100);
       g->reset();

@@ -82,16 +82,24 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
   if (const char* v = std::getenv("ENGRAM_HOST_GATHER_CPUS"); v != nullptr && *v != '\0') {
     ASSIGN_OR_RETURN(e->host_options_.cpus, ParseCpuList(v));
   }
-  // Measured on the H200 (bench/RESULTS.md, 2026-11-30): moving every row beats de-duplicating the batch first,
-  // even at 45% repeats; ENGRAM_HOST_GATHER_DEDUP=1 turns de-duplication on.
-  const char* dedup = std::getenv("ENGRAM_HOST_GATHER_DEDUP");
-  e->host_options_.dedup = dedup != nullptr && std::strcmp(dedup, "1") == 0;
+  // De-duplication and the UVA share of a split batch: the measured defaults (host_gather.h, bench/RESULTS.md);
+  // ENGRAM_HOST_GATHER_DEDUP=0|1 and ENGRAM_HOST_GATHER_UVA_SHARE=0..1 override them.
+  e->host_options_.dedup = kEngineHostGatherDedup;
+  if (const char* v = std::getenv("ENGRAM_HOST_GATHER_DEDUP"); v != nullptr && *v != '\0') {
+    e->host_options_.dedup = std::strcmp(v, "1") == 0;
+  }
+  e->host_options_.uva_share = kEngineHostGatherUvaShare;
+  if (const char* v = std::getenv("ENGRAM_HOST_GATHER_UVA_SHARE"); v != nullptr && *v != '\0') {
+    e->host_options_.uva_share = std::clamp(std::atof(v), 0.0, 1.0);
+  }
   const bool host_records = table.layers().empty() || table.records(0) != nullptr;
   std::string table_text;
   for (const auto& p : e->path_table_) table_text += absl::StrCat(table_text.empty() ? "" : ",", p.items, ":", p.threshold ? "host_from" : p.host ? "host" : "uva");
   spdlog::info("engram: event=lookup_engine backend=cuda lookup_path={} path_table={} host_gather_threads={} "
-               "host_gather_dedup={} host_records={} (uva under CUDA graph capture and for device ids)",
-               LookupPathName(e->path_), table_text, e->host_options_.threads, e->host_options_.dedup, host_records);
+               "host_gather_dedup={} host_gather_uva_share={:.2f} host_records={} (uva under CUDA graph capture and for device "
+               "ids)",
+               LookupPathName(e->path_), table_text, e->host_options_.threads, e->host_options_.dedup,
+               e->host_options_.uva_share, host_records);
   return e;
 }
 
@@ -209,7 +217,7 @@ absl::Status DeviceEngine::Prefetch(const int32_t* hash_ids, int32_t num_tokens)
       std::vector<uint16_t*> out;
       for (int32_t l = 0; l < L; ++l) {
         const auto& li = table_->layers()[static_cast<size_t>(l)];
-        layers.push_back({table_->records(l), li.row_begin, li.row_end});
+        layers.push_back({table_->records(l), li.row_begin, li.row_end, table_->device_records(l)});
         out.push_back(prefetcher_.staging(l));
       }
       ASSIGN_OR_RETURN(host_, HostGather::Create(std::move(layers), std::move(out), max_tokens_,

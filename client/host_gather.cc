@@ -1,6 +1,8 @@
 #include "client/host_gather.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -45,6 +47,19 @@ absl::StatusOr<std::unique_ptr<HostGather>> HostGather::Create(std::vector<HostL
       CudaStatus(cudaStreamCreateWithPriority(&g->unpack_, cudaStreamNonBlocking, hi), "unpack stream"));
   RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&g->main_ready_, cudaEventDisableTiming), "event"));
   const size_t L = g->layers_.size();
+  g->uva_ok_ = std::all_of(g->layers_.begin(), g->layers_.end(), [](const HostLayer& h) {
+    return h.device_records != nullptr || h.row_end == h.row_begin;
+  });
+  if (g->uva_ok_) {
+    RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&g->uva_, cudaStreamNonBlocking), "uva stream"));
+    g->sort_bytes_ = kernels::LookupSortScratchBytes(max_items);
+    RETURN_IF_ERROR(CudaStatus(cudaMalloc(&g->sort_scratch_, g->sort_bytes_), "sort scratch"));
+    for (size_t l = 0; l < L; ++l) {
+      cudaEvent_t u = nullptr;
+      RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&u, cudaEventDisableTiming), "event"));
+      g->uva_done_.push_back(u);
+    }
+  }
   g->plans_.resize(L);
   g->stats_.resize(L);
   for (size_t l = 0; l < L; ++l) {
@@ -83,6 +98,10 @@ HostGather::~HostGather() {
   }
   if (copy_ != nullptr) cudaStreamSynchronize(copy_);
   if (unpack_ != nullptr) cudaStreamSynchronize(unpack_);
+  if (uva_ != nullptr) cudaStreamSynchronize(uva_);
+  if (sort_scratch_ != nullptr) cudaFree(sort_scratch_);
+  for (auto e : uva_done_) cudaEventDestroy(e);
+  if (uva_ != nullptr) cudaStreamDestroy(uva_);
   for (auto* p : pinned_rows_) cudaFreeHost(p);
   for (auto* p : pinned_index_) cudaFreeHost(p);
   for (auto* p : dev_rows_) cudaFree(p);
@@ -155,6 +174,7 @@ void HostGather::Dispatch() {
     }
     // The unpack writes the caller's staging buffers: after whatever the main stream had queued at Prefetch.
     absl::Status st = CudaStatus(cudaStreamWaitEvent(unpack_, main_ready_, 0), "unpack stream wait");
+    if (st.ok() && uva_ != nullptr) st = CudaStatus(cudaStreamWaitEvent(uva_, main_ready_, 0), "uva stream wait");
     for (int32_t l = 0; l < n_layers() && st.ok(); ++l) {
       st = RunLayer(l);
       std::lock_guard<std::mutex> g(mu_);
@@ -169,16 +189,55 @@ absl::Status HostGather::RunLayer(int32_t l) {
   const size_t li = static_cast<size_t>(l);
   const HostLayer& layer = layers_[li];
   const int64_t items = static_cast<int64_t>(tokens_) * n_cols_;
+  // The split: tokens [host_tokens, tokens_) go to the UVA row-order gather, the rest to the CPU threads.
+  int32_t uva_tokens = 0;
+  if (uva_ok_ && opt_.uva_share > 0 && items >= std::max<int64_t>(opt_.uva_min_items, 1)) {
+    uva_tokens = static_cast<int32_t>(
+        std::clamp<double>(std::llround(tokens_ * std::min(opt_.uva_share, 1.0)), 0, tokens_));
+  }
+  const int32_t host_tokens = tokens_ - uva_tokens;
+  const int64_t host_items = static_cast<int64_t>(host_tokens) * n_cols_, uva_items = items - host_items;
   // The pinned staging of this layer is free once the previous batch's copies out of it are done; the device rows
-  // once the previous batch's unpack has read them.
+  // (and ids) once the previous batch's unpack has read them.
   RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(copied_[li]), "previous copies"));
+  if (uva_ok_) RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(uva_done_[li]), "previous uva share"));
   RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(copy_, done_[li], 0), "previous unpack"));
+  if (uva_tokens > 0) {
+    // Its ids, packed after the host part's index in the pinned buffer, then to the device; the GPU starts at once.
+    int32_t* packed = pinned_index_[li] + host_items;
+    const int32_t* src = ids_ + static_cast<int64_t>(l) * n_cols_;
+    const int P = pool_->threads();
+    pool_->Run([&](int w) {
+      const Range r = SplitRange(uva_tokens, P, w);
+      for (int64_t t = r.begin; t < r.end; ++t) {
+        std::memcpy(packed + t * n_cols_, src + (host_tokens + t) * stride_, static_cast<size_t>(n_cols_) * 4);
+      }
+    });
+    RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(uva_, done_[li], 0), "uva waits for previous unpack"));
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dev_index_[li] + host_items, packed, static_cast<size_t>(uva_items) * 4,
+                                               cudaMemcpyHostToDevice, uva_),
+                               "uva ids copy"));
+    kernels::LookupArgs u;
+    u.records = layer.device_records;
+    u.row_begin = layer.row_begin;
+    u.row_end = layer.row_end;
+    u.head_dim = head_dim_;
+    u.ids = dev_index_[li] + host_items;
+    u.num_tokens = uva_tokens;
+    u.num_cols = n_cols_;
+    u.ids_stride = n_cols_;
+    u.out = out_[li] + host_items * head_dim_;
+    u.sort_scratch = sort_scratch_;
+    u.sort_scratch_bytes = sort_bytes_;
+    RETURN_IF_ERROR(CudaStatus(kernels::LaunchLookup(u, uva_), "uva share lookup"));
+  }
+  if (uva_ok_) RETURN_IF_ERROR(CudaStatus(cudaEventRecord(uva_done_[li], uva_), "record uva event"));
   GatherPlan& plan = plans_[li];
-  RETURN_IF_ERROR(dedup_->Plan(ids_ + static_cast<int64_t>(l) * n_cols_, tokens_, n_cols_, stride_,
+  RETURN_IF_ERROR(dedup_->Plan(ids_ + static_cast<int64_t>(l) * n_cols_, host_tokens, n_cols_, stride_,
                                   layer.row_begin, layer.row_end, opt_.dedup, *pool_, pinned_index_[li], &plan));
-  stats_[li] = {items, plan.n_rows};
-  if (items > 0) {
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dev_index_[li], pinned_index_[li], static_cast<size_t>(items) * 4,
+  stats_[li] = {items, plan.n_rows + uva_items, uva_items};
+  if (host_items > 0) {
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dev_index_[li], pinned_index_[li], static_cast<size_t>(host_items) * 4,
                                                   cudaMemcpyHostToDevice, copy_),
                                   "index copy"));
   }
@@ -208,12 +267,13 @@ absl::Status HostGather::RunLayer(int32_t l) {
   a.row_end = plan.n_rows;
   a.head_dim = head_dim_;
   a.ids = dev_index_[li];
-  a.num_tokens = tokens_;
+  a.num_tokens = host_tokens;
   a.num_cols = n_cols_;
   a.ids_stride = n_cols_;
   a.out = out_[li];
   a.max_blocks = opt_.unpack_blocks;
   RETURN_IF_ERROR(CudaStatus(kernels::LaunchLookup(a, unpack_), "unpack kernel"));
+  if (uva_tokens > 0) RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(unpack_, uva_done_[li], 0), "join uva share"));
   return CudaStatus(cudaEventRecord(done_[li], unpack_), "record layer event");
 }
 

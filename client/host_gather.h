@@ -5,6 +5,11 @@
 // writes bf16 rows into the caller's staging buffers. Completion of layer l is an event; Wait(l) orders a stream
 // after it, exactly like kernels::Prefetcher, so the engine code does not change.
 //
+// Split batches (options.uva_share > 0, layers with device_records): the last share of each batch's tokens is
+// served at the same time by the UVA row-order gather (kernels::LaunchLookup with sort scratch) on a stream of
+// its own, reading the same records through their device mapping; the two paths use different resources (the
+// GPU's address translation vs CPU threads and a copy engine) and their bandwidths add up to the PCIe limit.
+//
 // Why: a random gather through UVA from a large host table is bound by the GPU's address translation (8-33 GB/s,
 // bench/RESULTS.md); CPU threads reach several times that, and the bytes then cross PCIe as large DMA copies.
 //
@@ -34,17 +39,27 @@
 
 namespace engram::client {
 
+// The engine's defaults (client/device_engine.cc; bench_kernels measures them and writes the automatic choice's
+// table for them): de-duplication off, the UVA share of a split batch (bench/RESULTS.md).
+inline constexpr bool kEngineHostGatherDedup = false;
+inline constexpr double kEngineHostGatherUvaShare = 0.45;
+
 struct HostGatherOptions {
   int threads = 0;            // gather threads; 0 = DefaultGatherThreads(the machine's cores)
   std::vector<int> cpus;      // CPU affinity of the gather threads (worker i on cpus[i % n]); empty = unpinned
   bool dedup = true;          // fetch each distinct row of a batch once
   int32_t unpack_blocks = 0;  // grid of the GPU unpack; 0 = the whole GPU (it reads HBM only, briefly)
   int64_t min_chunk_rows = 1024, max_chunk_rows = 8192;
+  // Share of each batch's tokens gathered by the UVA row-order kernel concurrently (0 = none; needs every layer's
+  // device_records); batches below uva_min_items items per layer are not split.
+  double uva_share = 0;
+  int64_t uva_min_items = 0;
 };
 
 struct HostLayer {
   const uint8_t* records = nullptr;  // host-readable records, row_begin's first (the shared mapping)
   int64_t row_begin = 0, row_end = 0;
+  const uint8_t* device_records = nullptr;  // the same records' device (UVA) address; only for uva_share > 0
 };
 
 class HostGather {
@@ -65,11 +80,14 @@ class HostGather {
   absl::Status Sync();
 
   int threads() const { return pool_->threads(); }
+  // The UVA share of later batches (clamped to [0, 1]; ignored without device records). Call between batches.
+  void set_uva_share(double share) { opt_.uva_share = share; }
   int32_t n_layers() const { return static_cast<int32_t>(layers_.size()); }
   cudaEvent_t layer_event(int32_t layer) const { return done_[static_cast<size_t>(layer)]; }
   // Of the last batch, per layer: items served and rows moved over PCIe (after de-duplication).
   struct LayerStats {
-    int64_t items = 0, rows_moved = 0;
+    int64_t items = 0, rows_moved = 0;  // rows_moved counts the UVA share's items too
+    int64_t uva_items = 0;              // items served by the UVA share
   };
   LayerStats stats(int32_t layer) const { return stats_[static_cast<size_t>(layer)]; }
 
@@ -86,7 +104,11 @@ class HostGather {
   int device_ = 0;
   std::unique_ptr<GatherPool> pool_;
   std::unique_ptr<RowDeduper> dedup_;
-  cudaStream_t copy_ = nullptr, unpack_ = nullptr;
+  cudaStream_t copy_ = nullptr, unpack_ = nullptr, uva_ = nullptr;
+  bool uva_ok_ = false;                 // every layer has device records: batches may be split
+  void* sort_scratch_ = nullptr;        // the UVA share's row-order sort (one launch at a time: one stream)
+  size_t sort_bytes_ = 0;
+  std::vector<cudaEvent_t> uva_done_;
   cudaEvent_t main_ready_ = nullptr;
   std::vector<cudaEvent_t> copied_, done_;
   std::vector<uint8_t*> pinned_rows_;   // [max_items, rb] per layer

@@ -4,7 +4,10 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cub/device/device_radix_sort.cuh>
 
 #include "kernels/engram_kernels.h"
@@ -82,7 +85,9 @@ __global__ void HashKernel(LayoutView L, HashArgs a) {
 
 constexpr int kWarpsPerBlock = 8;
 constexpr int kRows = 4;
-constexpr int64_t kSortMinItems = 8192;  // below this, sorting costs more than the locality it buys
+// The row-order gather's default threshold (LookupTuning::sort_min_items): below it the plain kernel is faster
+// (bench/RESULTS.md, 2026-11-30: 24K random rows of a 16 GiB table, plain 0.63 of H2D, sorted 0.49).
+constexpr int64_t kDefaultSortMinItems = 65536;
 
 struct LookupGeometry {
   int64_t items;       // T * C
@@ -147,27 +152,42 @@ __device__ __forceinline__ uint4 Dequant8(uint64_t w, uint8_t scale_byte) {
   return make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
 
-// Words per lane known at compile time (1 for head_dim 256, 2 for 512).
-template <int kWordsPerLane>
+// Words per lane known at compile time (1 for head_dim 256, 2 for 512); kR rows in flight per warp. kRuns: each
+// block walks one contiguous run of positions (for the row-order gather: one region of the table per block) instead
+// of the grid-stride interleave.
+template <int kWordsPerLane, int kR, bool kRuns>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupWordsKernel(LookupArgs a, LookupGeometry g) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   const int32_t D = a.head_dim;
-  for (int64_t first = warp * kRows; first < g.items; first += n_warps * kRows) {
-    int64_t row[kRows], item[kRows];
-    bool owned[kRows];
-    uint64_t w[kRows][kWordsPerLane];
-    uint8_t sc[kRows][kWordsPerLane];
+  int64_t start, end, step;
+  if (kRuns) {
+    constexpr int64_t per = kWarpsPerBlock * kR;
+    const int64_t run = ((g.items + gridDim.x - 1) / gridDim.x + per - 1) / per * per;
+    const int64_t begin = static_cast<int64_t>(blockIdx.x) * run;
+    start = begin + (threadIdx.x >> 5) * kR;
+    end = begin + run < g.items ? begin + run : g.items;
+    step = per;
+  } else {
+    start = warp * kR;
+    end = g.items;
+    step = n_warps * kR;
+  }
+  for (int64_t first = start; first < end; first += step) {
+    int64_t row[kR], item[kR];
+    bool owned[kR];
+    uint64_t w[kR][kWordsPerLane];
+    uint8_t sc[kR][kWordsPerLane];
 #pragma unroll
-    for (int k = 0; k < kRows; ++k) {
-      const int64_t r = first + k < g.items ? RowAt(a, g, first + k, &item[k]) : -1;
+    for (int k = 0; k < kR; ++k) {
+      const int64_t r = first + k < end ? RowAt(a, g, first + k, &item[k]) : -1;
       owned[k] = r >= 0;
       row[k] = owned[k] ? r : 0;
     }
     // Issue every load before the first use.
 #pragma unroll
-    for (int k = 0; k < kRows; ++k) {
+    for (int k = 0; k < kR; ++k) {
       const uint8_t* rec = a.records + row[k] * g.rec_bytes;
 #pragma unroll
       for (int j = 0; j < kWordsPerLane; ++j) {
@@ -182,8 +202,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupWordsKernel(LookupA
       }
     }
 #pragma unroll
-    for (int k = 0; k < kRows; ++k) {
-      if (first + k >= g.items) break;
+    for (int k = 0; k < kR; ++k) {
+      if (first + k >= end) break;
       uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.out) + item[k] * D);
 #pragma unroll
       for (int j = 0; j < kWordsPerLane; ++j) {
@@ -331,7 +351,61 @@ __global__ void __launch_bounds__(kGateThreads) GateKernel(GateArgs a) {
 
 bool Aligned(const void* p, uintptr_t n) { return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0; }
 
+struct TuningState {
+  std::atomic<int64_t> sort_min_items{kDefaultSortMinItems};
+  std::atomic<int32_t> sort_variant{0};
+  std::atomic<bool> sort_only{false};
+  TuningState() {
+    if (const char* v = std::getenv("ENGRAM_LOOKUP_SORT_MIN_ITEMS"); v != nullptr && *v != '\0') {
+      sort_min_items.store(std::atoll(v));
+    }
+    if (const char* v = std::getenv("ENGRAM_LOOKUP_SORT_VARIANT"); v != nullptr && *v != '\0') {
+      sort_variant.store(std::clamp(std::atoi(v), 0, 3));
+    }
+  }
+};
+
+TuningState& Tuning() {
+  static TuningState state;
+  return state;
+}
+
+template <int kW>
+const void* WordsKernelFor(int variant) {
+  switch (variant) {
+    case 1: return reinterpret_cast<const void*>(LookupWordsKernel<kW, 8, false>);
+    case 2: return reinterpret_cast<const void*>(LookupWordsKernel<kW, kRows, true>);
+    case 3: return reinterpret_cast<const void*>(LookupWordsKernel<kW, 8, true>);
+    default: return reinterpret_cast<const void*>(LookupWordsKernel<kW, kRows, false>);
+  }
+}
+
+template <int kW>
+void LaunchWords(int variant, dim3 grid, dim3 block, cudaStream_t stream, const LookupArgs& a,
+                 const LookupGeometry& g) {
+  switch (variant) {
+    case 1: LookupWordsKernel<kW, 8, false><<<grid, block, 0, stream>>>(a, g); break;
+    case 2: LookupWordsKernel<kW, kRows, true><<<grid, block, 0, stream>>>(a, g); break;
+    case 3: LookupWordsKernel<kW, 8, true><<<grid, block, 0, stream>>>(a, g); break;
+    default: LookupWordsKernel<kW, kRows, false><<<grid, block, 0, stream>>>(a, g); break;
+  }
+}
+
 }  // namespace
+
+LookupTuning GetLookupTuning() {
+  LookupTuning t;
+  t.sort_min_items = Tuning().sort_min_items.load();
+  t.sort_variant = Tuning().sort_variant.load();
+  t.sort_only = Tuning().sort_only.load();
+  return t;
+}
+
+void SetLookupTuning(const LookupTuning& t) {
+  Tuning().sort_min_items.store(t.sort_min_items);
+  Tuning().sort_variant.store(std::clamp(t.sort_variant, 0, 3));
+  Tuning().sort_only.store(t.sort_only);
+}
 
 size_t LookupSortScratchBytes(int64_t max_items) {
   if (max_items <= 0 || max_items >= (int64_t{1} << 31)) return 0;
@@ -376,7 +450,9 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   LookupGeometry g{items, a.head_dim / 8, a.head_dim + a.head_dim / 32};
-  if (a.sort_scratch != nullptr && items >= kSortMinItems) {
+  const LookupTuning tuning = GetLookupTuning();
+  int variant = 0;  // the plain (item-order) gather always takes the grid-stride kernel
+  if (a.sort_scratch != nullptr && items >= std::max<int64_t>(tuning.sort_min_items, 1)) {
     // Sort (row, item) pairs by row so that the gather walks the table in address order.
     const int64_t count = a.row_end - a.row_begin;
     if (count >= 0xFFFFFFFFll) return cudaErrorInvalidValue;
@@ -402,6 +478,8 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
     g.sorted_rows = keys_out;
     g.sorted_items = vals_out;
     g.sentinel = sentinel;
+    if (tuning.sort_only) return cudaGetLastError();
+    variant = tuning.sort_variant;
   }
   if (!a.packed && !Aligned(a.out, 16)) return cudaErrorInvalidValue;
   const int64_t warps_needed = a.packed || g.rec_bytes % 8 != 0 ? items : (items + kRows - 1) / kRows;
@@ -409,8 +487,8 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
   // Persistent grid: exactly the blocks that fit at once (more would run as a second, partial wave).
   int per_sm = 1;
   const void* fn = a.packed ? reinterpret_cast<const void*>(LookupPackedKernel)
-                   : (g.rec_bytes % 8 == 0 && a.head_dim == 256) ? reinterpret_cast<const void*>(LookupWordsKernel<1>)
-                   : (g.rec_bytes % 8 == 0 && a.head_dim == 512) ? reinterpret_cast<const void*>(LookupWordsKernel<2>)
+                   : (g.rec_bytes % 8 == 0 && a.head_dim == 256) ? WordsKernelFor<1>(variant)
+                   : (g.rec_bytes % 8 == 0 && a.head_dim == 512) ? WordsKernelFor<2>(variant)
                                                                  : reinterpret_cast<const void*>(LookupBytesKernel);
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kWarpsPerBlock * 32, 0) != cudaSuccess) per_sm = 1;
   const int64_t persistent = static_cast<int64_t>(DeviceSmCount()) * std::max(per_sm, 1);
@@ -423,9 +501,9 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
     }
     LookupPackedKernel<<<grid, block, 0, stream>>>(a, g);
   } else if (words && a.head_dim == 256) {
-    LookupWordsKernel<1><<<grid, block, 0, stream>>>(a, g);
+    LaunchWords<1>(variant, grid, block, stream, a, g);
   } else if (words && a.head_dim == 512) {
-    LookupWordsKernel<2><<<grid, block, 0, stream>>>(a, g);
+    LaunchWords<2>(variant, grid, block, stream, a, g);
   } else {
     LookupBytesKernel<<<grid, block, 0, stream>>>(a, g);
   }

@@ -58,14 +58,28 @@ struct LookupArgs {
   bool packed = false;
   // Grid size cap: 0 = a persistent grid sized to the whole GPU; a background lookup passes a few blocks.
   int32_t max_blocks = 0;
-  // Optional device scratch of LookupSortScratchBytes(items) bytes. With it, batches of 8192 items or more are
-  // gathered in row order (sorted (row, item) pairs): same output, and through UVA several times faster, because
-  // address translation, not PCIe, bounds a random gather from a large host table (bench/RESULTS.md).
+  // Optional device scratch of LookupSortScratchBytes(items) bytes. With it, batches of at least
+  // GetLookupTuning().sort_min_items items are gathered in row order (sorted (row, item) pairs): same output, and
+  // through UVA faster for large batches, because address translation, not PCIe, bounds a random gather from a
+  // large host table (bench/RESULTS.md); small batches gain nothing from the order and pay the sort.
   void* sort_scratch = nullptr;
   size_t sort_scratch_bytes = 0;
 };
 
 size_t LookupSortScratchBytes(int64_t max_items);
+
+// Process-wide tuning of the row-order gather, read by every LaunchLookup (benchmarks and tests change it; the
+// defaults are the measured best, bench/RESULTS.md). Environment overrides, read once at first use:
+// ENGRAM_LOOKUP_SORT_MIN_ITEMS, ENGRAM_LOOKUP_SORT_VARIANT. Thread-safe (each field is read atomically).
+struct LookupTuning {
+  int64_t sort_min_items = 0;  // row-order gather from this many items per launch (when scratch is given)
+  // How the sorted positions are spread over the grid: 0 = grid-stride, 4 rows in flight per warp; 1 = 8 rows per
+  // warp; 2 = one contiguous run of positions per block (4 rows per warp); 3 = runs, 8 rows per warp.
+  int32_t sort_variant = 0;
+  bool sort_only = false;      // profiling: sort, then skip the gather (the output is left unwritten)
+};
+LookupTuning GetLookupTuning();
+void SetLookupTuning(const LookupTuning& tuning);
 
 cudaError_t LaunchLookup(const LookupArgs& args, cudaStream_t stream);
 

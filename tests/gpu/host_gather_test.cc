@@ -6,6 +6,7 @@
 // synthetic checkpoint): every path (automatic, forced UVA, forced host gather with host or device ids) fills the
 // staging buffers with the CPU reference's rows, and the path taken is the one asked for. Exits 77 (ctest skip) without a GPU.
 // ENGRAM_GPU_QUICK=1 shrinks the batches (compute-sanitizer).
+#include <cmath>
 #include <cstdlib>
 #include <memory>
 #include <random>
@@ -129,6 +130,69 @@ TEST(GpuHostGatherTest, RowsEqualTheCpuReferenceBitForBit) {
     }
   }
   CUDA_OK(cudaStreamDestroy(main_stream));
+}
+
+// Split batches: the last share of the tokens is served by the UVA row-order gather (device mapping of the same
+// registered records) while the threads gather the rest; every row still equals the reference, and the stats say
+// how many items each side served.
+TEST(GpuHostGatherTest, SplitBatchesEqualTheCpuReferenceBitForBit) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  Fixture f(rng);
+  for (int l = 0; l < Fixture::kL; ++l) {
+    auto& h = f.host[static_cast<size_t>(l)];
+    CUDA_OK(cudaHostRegister(h.data(), h.size(), cudaHostRegisterMapped | cudaHostRegisterReadOnly));
+    void* d = nullptr;
+    CUDA_OK(cudaHostGetDevicePointer(&d, h.data(), 0));
+    f.layers[static_cast<size_t>(l)].device_records = static_cast<const uint8_t*>(d);
+  }
+  const int32_t max_tokens = Quick() ? 300 : 4096;
+  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> out;
+  std::vector<uint16_t*> out_ptrs;
+  for (int l = 0; l < Fixture::kL; ++l) {
+    out.push_back(std::make_unique<DeviceBuffer<uint16_t>>(static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD));
+    out_ptrs.push_back(out.back()->get());
+  }
+  cudaStream_t main_stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&main_stream, cudaStreamNonBlocking));
+  for (bool dedup : {false, true}) {
+    HostGatherOptions opt;
+    opt.threads = 3;
+    opt.dedup = dedup;
+    opt.min_chunk_rows = 256;
+    auto g = HostGather::Create(f.layers, out_ptrs, max_tokens, Fixture::kC, static_cast<int32_t>(Fixture::kD), opt);
+    ASSERT_TRUE(g.ok()) << g.status();
+    for (double share : {0.3, 1.0, 0.0, 0.5}) {
+      (*g)->set_uva_share(share);
+      for (int32_t T : {max_tokens, 1, 0, 77, max_tokens}) {
+        SCOPED_TRACE(::testing::Message() << "dedup " << dedup << " share " << share << " T " << T);
+        const std::vector<int32_t> ids = f.Ids(rng, T);
+        for (auto* p : out_ptrs) {
+          CUDA_OK(cudaMemsetAsync(p, 0xAB, static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD * 2,
+                                  main_stream));
+        }
+        ASSERT_TRUE((*g)->Prefetch(ids.data(), T, Fixture::kL * Fixture::kC, main_stream).ok());
+        for (int l = 0; l < Fixture::kL; ++l) {
+          ASSERT_TRUE((*g)->Wait(l, main_stream).ok());
+          std::vector<uint16_t> got(static_cast<size_t>(T) * Fixture::kC * Fixture::kD);
+          CUDA_OK(cudaMemcpyAsync(got.data(), out_ptrs[static_cast<size_t>(l)], got.size() * 2,
+                                  cudaMemcpyDeviceToHost, main_stream));
+          CUDA_OK(cudaStreamSynchronize(main_stream));
+          const std::vector<uint16_t> want = f.Expected(ids, T, l);
+          size_t bad = 0;
+          for (size_t i = 0; i < got.size(); ++i) bad += got[i] != want[i];
+          ASSERT_EQ(bad, 0u) << "layer " << l << ": " << bad << " bf16 values differ";
+          const auto st = (*g)->stats(l);
+          const int64_t uva_tokens = std::llround(T * share);
+          EXPECT_EQ(st.uva_items, uva_tokens * Fixture::kC);
+          if (!dedup) EXPECT_EQ(st.rows_moved, st.items);
+        }
+      }
+    }
+    ASSERT_TRUE((*g)->Sync().ok());
+  }
+  CUDA_OK(cudaStreamDestroy(main_stream));
+  for (auto& h : f.host) CUDA_OK(cudaHostUnregister(h.data()));
 }
 
 TEST(GpuHostGatherTest, RefusesCaptureAndBadInputs) {

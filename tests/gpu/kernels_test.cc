@@ -257,8 +257,72 @@ TEST(GpuLookupTest, SortedGatherNeedsEnoughScratch) {
   a.out = out.get();
   a.sort_scratch = scratch.get();
   a.sort_scratch_bytes = 64;
+  const kernels::LookupTuning saved = kernels::GetLookupTuning();
+  kernels::LookupTuning sort_all = saved;
+  sort_all.sort_min_items = 1;  // this batch takes the sorted gather whatever the default threshold
+  kernels::SetLookupTuning(sort_all);
   EXPECT_EQ(kernels::LaunchLookup(a, nullptr), cudaErrorInvalidValue);
+  kernels::SetLookupTuning(saved);
   EXPECT_GT(kernels::LookupSortScratchBytes(static_cast<int64_t>(T) * C), 4u * T * C * 4);
+}
+
+// Every variant of the row-order gather (grid-stride or block runs, 4 or 8 rows per warp), at every batch size
+// from one item up (the threshold forced to 1), from a registered host table through UVA: the reference's bits.
+TEST(GpuLookupTest, EveryRowOrderVariantEqualsTheCpuReference) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(Seed());
+  const kernels::LookupTuning saved = kernels::GetLookupTuning();
+  for (int64_t D : {256, 512}) {
+    const int64_t begin = 700, rows = 40000, end = begin + rows;
+    std::vector<uint8_t> records = RandomRecords(rng, rows, D);
+    std::vector<uint8_t> host_copy = records;
+    CUDA_OK(cudaHostRegister(host_copy.data(), host_copy.size(), cudaHostRegisterMapped | cudaHostRegisterReadOnly));
+    void* dptr = nullptr;
+    CUDA_OK(cudaHostGetDevicePointer(&dptr, host_copy.data(), 0));
+    const RecordTable cpu{records.data(), begin, end, D};
+    const std::vector<int64_t> edges = {begin, end - 1};
+    for (int T : {1, 5, 333, std::getenv("ENGRAM_GPU_QUICK") ? 600 : 5000}) {
+      const int C = 24;
+      const int64_t stride = 48;
+      std::vector<int32_t> ids = LookupIds(rng, T, C, stride, begin, end, edges);
+      std::vector<int32_t> flat;
+      for (int t = 0; t < T; ++t) {
+        for (int c = 0; c < C; ++c) flat.push_back(ids[static_cast<size_t>(t * stride + c)]);
+      }
+      std::vector<uint16_t> want(flat.size() * static_cast<size_t>(D));
+      ASSERT_TRUE(LookupBf16Cpu(cpu, flat, want).ok());
+      DeviceBuffer<int32_t> d_ids(ids);
+      DeviceBuffer<uint16_t> out(want.size());
+      const size_t scratch_bytes = kernels::LookupSortScratchBytes(static_cast<int64_t>(T) * C);
+      DeviceBuffer<uint8_t> scratch(scratch_bytes);
+      for (int variant = 0; variant < 4; ++variant) {
+        SCOPED_TRACE("D=" + std::to_string(D) + " T=" + std::to_string(T) + " variant=" + std::to_string(variant));
+        kernels::LookupTuning t = saved;
+        t.sort_min_items = 1;
+        t.sort_variant = variant;
+        kernels::SetLookupTuning(t);
+        ASSERT_EQ(kernels::GetLookupTuning().sort_variant, variant);
+        out.Fill(0xFF);
+        kernels::LookupArgs a;
+        a.records = static_cast<const uint8_t*>(dptr);
+        a.row_begin = begin;
+        a.row_end = end;
+        a.head_dim = static_cast<int32_t>(D);
+        a.ids = d_ids.get();
+        a.num_tokens = T;
+        a.num_cols = C;
+        a.ids_stride = stride;
+        a.out = out.get();
+        a.sort_scratch = scratch.get();
+        a.sort_scratch_bytes = scratch_bytes;
+        CUDA_OK(kernels::LaunchLookup(a, nullptr));
+        CUDA_OK(cudaDeviceSynchronize());
+        ASSERT_EQ(out.Download(), want);
+      }
+    }
+    kernels::SetLookupTuning(saved);
+    CUDA_OK(cudaHostUnregister(host_copy.data()));
+  }
 }
 
 TEST(GpuLookupTest, MisuseIsInvalidValue) {
