@@ -1,6 +1,9 @@
 #include "client/dp_engine.h"
 
+#include <signal.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -20,6 +23,15 @@
 
 namespace engram::client {
 namespace {
+
+// A test-only fault point of the host transport's setup (ENGRAM_DP_FAULT; unset in production): the
+// multi-process tests make a member die or give up at a chosen moment of forming the exchange.
+//   rank0-dies-after-creating-region   rank 0 SIGKILLs itself right after creating the region's name
+//   give-up-before-mapping             a member other than rank 0 gives up before opening the region
+std::string DpFaultPoint() {
+  const char* v = std::getenv("ENGRAM_DP_FAULT");
+  return v == nullptr ? std::string() : std::string(v);
+}
 
 // Where one step's ids come from: id(t, li, c) = base[t * token_stride + li * layer_stride + c].
 struct StepIds {
@@ -45,7 +57,8 @@ class DpHostEngine final : public LookupEngine {
   }
 
   // A member that goes away (its engine closed) tells the others at once: their next step fails naming it
-  // instead of waiting for the step timeout.
+  // instead of waiting for the step timeout (the region's abort flag), and engramd breaks the group (the group's
+  // destructor leaves it), so status says who left and this session may make another engine.
   ~DpHostEngine() override {
     if (failed_.ok()) region_->Abort(absl::StrCat("dp rank ", t_rank(), " closed its engine"));
   }
@@ -101,6 +114,7 @@ class DpHostEngine final : public LookupEngine {
     if (failed_.ok()) {
       failed_ = st;
       region_->Abort(absl::StrCat("dp rank ", t_rank(), ": ", st.message()));
+      group_->Leave(absl::StrCat("its DP engine failed a step: ", st.message()));
     }
     return failed_;
   }
@@ -250,9 +264,19 @@ absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpEngine(const Table& table,
   }
   ASSIGN_OR_RETURN(auto group, DpGroup::Join(session, join, DpFormTimeout()));
   const GroupEvent& g = group->formed();
+  // From here until every member mapped the region its name is in /dev/shm. A member that gives up in that window
+  // aborts the region (if it mapped it), removes the name (whoever created it: a rank 0 that died cannot) and leaves
+  // the group, so the others stop at once, naming it, instead of at the step timeout.
+  const std::string region_name = g.rendezvous;
+  auto give_up = [&](const absl::Status& st) {
+    if (region != nullptr) region->Abort(absl::StrCat("dp rank ", d.dp_rank, " gave up: ", st.message()));
+    DpHostRegion::RemoveName(region_name);
+    group->Leave(absl::StrCat("gave up setting up the host exchange: ", st.message()));
+    return st;
+  };
   if (static_cast<int64_t>(g.members.size()) != plan.edp) {
-    return absl::InternalError(absl::StrCat("the daemon formed a group of ", g.members.size(), " members, expected ",
-                                            plan.edp));
+    return give_up(absl::InternalError(absl::StrCat("the daemon formed a group of ", g.members.size(),
+                                                    " members, expected ", plan.edp)));
   }
   DpRegionShape shape;
   shape.members = static_cast<int32_t>(plan.edp);
@@ -262,20 +286,21 @@ absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpEngine(const Table& table,
   shape.record_bytes = static_cast<int32_t>(table.layout().record_bytes());
   shape.part = static_cast<int32_t>(DpHostEngine::PartOf(plan));
   auto broken = [grp = group.get()] { return grp->Broken(); };
+  const std::string fault = DpFaultPoint();
   if (me == 0) {
-    if (auto st = region->Init(shape, me); !st.ok()) {
-      region->Abort(absl::StrCat("dp rank 0 could not set up the exchange region: ", st.message()));
-      return st;
-    }
+    if (auto st = region->Init(shape, me); !st.ok()) return give_up(st);
+    if (fault == "rank0-dies-after-creating-region") ::raise(SIGKILL);
   } else {
-    ASSIGN_OR_RETURN(region, DpHostRegion::Open(g.rendezvous, shape, me, broken, DpStepTimeout()));
+    if (fault == "give-up-before-mapping") {
+      return give_up(absl::UnavailableError("fault injection: this member gave up before mapping the region"));
+    }
+    auto opened = DpHostRegion::Open(region_name, shape, me, broken, DpStepTimeout());
+    if (!opened.ok()) return give_up(opened.status());
+    region = std::move(*opened);
   }
   // Everyone mapped the region: its name can go.
   region->Publish(1);
-  if (auto st = region->WaitAll(1, broken, DpStepTimeout()); !st.ok()) {
-    region->Abort(absl::StrCat("dp rank ", me, " gave up forming the group: ", st.message()));
-    return st;
-  }
+  if (auto st = region->WaitAll(1, broken, DpStepTimeout()); !st.ok()) return give_up(st);
   if (me == 0) region->Unlink();
   spdlog::info("engram: event=dp_group_formed group={} members={} edp_rank={} slot={} region_bytes={}", g.group,
                g.members.size(), me, g.slot, region->bytes());

@@ -5,6 +5,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace engram::client {
@@ -33,17 +34,44 @@ absl::StatusOr<std::unique_ptr<DpGroup>> DpGroup::Join(Session& session, const G
     }
     state->cv.notify_all();
   };
-  if (auto st = session.JoinGroup(join, on_update); !st.ok()) return st;
+  ASSIGN_OR_RETURN(const uint64_t join_id, session.JoinGroup(join, on_update));
   std::unique_lock<std::mutex> lock(state->mu);
   if (!state->cv.wait_for(lock, timeout, [&] { return state->formed || state->broken.load(); })) {
+    lock.unlock();
+    // Giving up: the members that did join are told at once (their wait fails naming this one), and this session
+    // is free to join again.
+    (void)session.LeaveGroup(join_id, "", 0,
+                             absl::StrCat("gave up waiting for the group to form after ", timeout.count(), " ms"));
     return absl::DeadlineExceededError(absl::StrCat(
         "the DP group did not form within ", timeout.count(), " ms: every DP replica of this TP position on the node "
         "must run with embedding_across_dp and join (ENGRAM_DP_FORM_TIMEOUT_MS sets the wait)"));
   }
-  if (state->broken) return absl::AbortedError(state->detail);
-  std::unique_ptr<DpGroup> g(new DpGroup(state));
+  if (state->broken) {
+    const std::string detail = state->detail;
+    lock.unlock();
+    (void)session.LeaveGroup(join_id, "", 0, "the group broke while it was forming");
+    return absl::AbortedError(detail);
+  }
+  std::unique_ptr<DpGroup> g(new DpGroup(&session, join_id, state));
   g->formed_ = state->formed_event;
   return g;
+}
+
+DpGroup::~DpGroup() { Leave("its DP engine was closed"); }
+
+void DpGroup::Leave(const std::string& reason) {
+  if (left_) return;
+  left_ = true;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (!state_->broken) {
+      state_->detail = absl::StrCat("this replica left DP group ", formed_.group, ": ", reason);
+      state_->broken.store(true, std::memory_order_release);
+    }
+  }
+  if (auto st = session_->LeaveGroup(join_id_, formed_.group, formed_.generation, reason); !st.ok()) {
+    spdlog::warn("engram: event=dp_group_leave_failed detail=\"{}\"", std::string(st.message()));
+  }
 }
 
 std::optional<std::string> DpGroup::Broken() const {

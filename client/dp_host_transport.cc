@@ -38,16 +38,22 @@ Header* HeaderOf(uint8_t* base) { return reinterpret_cast<Header*>(base); }
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DpHostRegion>> DpHostRegion::Reserve() {
+  // Only a name: nothing is created before the group formed, so a rank 0 that dies while the group forms leaves
+  // nothing behind. 64 random bits and the pid; Init creates it with O_EXCL.
   std::unique_ptr<DpHostRegion> r(new DpHostRegion());
   std::random_device rd;
-  for (int attempt = 0; attempt < 8; ++attempt) {
-    r->name_ = absl::StrFormat("/engram-dp-%d-%08x%08x", ::getpid(), rd(), rd());
-    r->fd_ = ::shm_open(r->name_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (r->fd_ >= 0) return r;
-    if (errno != EEXIST) break;
-  }
-  return absl::UnavailableError(absl::StrCat("cannot create the DP exchange region ", r->name_, " in /dev/shm: ",
-                                             std::strerror(errno)));
+  r->name_ = absl::StrFormat("%s%d-%08x%08x", kDpRegionPrefix, ::getpid(), rd(), rd());
+  r->unlinked_ = true;  // nothing to unlink yet
+  return r;
+}
+
+bool DpHostRegion::IsRegionName(const std::string& name) {
+  return name.size() <= 255 && name.rfind(kDpRegionPrefix, 0) == 0 && name.find('/', 1) == std::string::npos &&
+         name.size() > std::strlen(kDpRegionPrefix);
+}
+
+void DpHostRegion::RemoveName(const std::string& name) {
+  if (IsRegionName(name)) ::shm_unlink(name.c_str());
 }
 
 absl::Status DpHostRegion::Map(size_t bytes, bool create) {
@@ -89,6 +95,13 @@ absl::Status CheckShape(const DpRegionShape& s) {
 
 absl::Status DpHostRegion::Init(const DpRegionShape& shape, int32_t me) {
   if (auto st = CheckShape(shape); !st.ok()) return st;
+  if (fd_ >= 0) return absl::FailedPreconditionError("the DP exchange region was initialised already");
+  fd_ = ::shm_open(name_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd_ < 0) {
+    return absl::UnavailableError(absl::StrCat("cannot create the DP exchange region ", name_, " in /dev/shm: ",
+                                               std::strerror(errno)));
+  }
+  unlinked_ = false;  // this member created the name: it removes it
   const Geometry g = GeometryOf(shape);
   if (auto st = Map(g.total, /*create=*/true); !st.ok()) return st;
   shape_ = shape;
@@ -111,7 +124,7 @@ absl::StatusOr<std::unique_ptr<DpHostRegion>> DpHostRegion::Open(const std::stri
                                                                  int32_t me, const BrokenFn& broken,
                                                                  std::chrono::milliseconds timeout) {
   if (auto st = CheckShape(shape); !st.ok()) return st;
-  if (name.empty() || name.size() > 255 || name[0] != '/' || name.find('/', 1) != std::string::npos) {
+  if (!IsRegionName(name)) {
     return absl::InvalidArgumentError("the DP group's rendezvous is not a host-transport region name");
   }
   std::unique_ptr<DpHostRegion> r(new DpHostRegion());
@@ -182,6 +195,7 @@ uint8_t* DpHostRegion::records(int32_t src, int32_t dst) {
 void DpHostRegion::Publish(uint64_t phase) { member(me_).phase.store(phase, std::memory_order_release); }
 
 void DpHostRegion::Abort(const std::string& why) {
+  if (base_ == nullptr) return;  // not mapped (yet): no member reads it
   Header* h = HeaderOf(base_);
   uint32_t expected = 0;
   if (h->aborted.compare_exchange_strong(expected, 2)) {  // 2: writing the reason
@@ -193,17 +207,25 @@ void DpHostRegion::Abort(const std::string& why) {
 absl::Status DpHostRegion::WaitAll(uint64_t phase, const BrokenFn& broken, std::chrono::milliseconds timeout) {
   Header* h = HeaderOf(base_);
   const auto start = std::chrono::steady_clock::now();
+  auto all_reached = [&] {
+    for (int32_t r = 0; r < shape_.members; ++r) {
+      if (member(r).phase.load(std::memory_order_acquire) < phase) return false;
+    }
+    return true;
+  };
   for (uint64_t spin = 0;; ++spin) {
-    bool all = true;
-    for (int32_t r = 0; r < shape_.members && all; ++r) all = member(r).phase.load(std::memory_order_acquire) >= phase;
-    if (all) return absl::OkStatus();
+    if (all_reached()) return absl::OkStatus();
     if (spin < 2000) continue;  // a step's partner is usually microseconds away
+    // A member that finished this step and then left (closed its engine: it aborts the region and leaves the group)
+    // published its phase first: look again before calling the step failed.
     const uint32_t ab = h->aborted.load(std::memory_order_acquire);
     if (ab != 0) {
+      if (all_reached()) return absl::OkStatus();
       while (h->aborted.load(std::memory_order_acquire) == 2) sched_yield();
       return absl::AbortedError(absl::StrCat("DP exchange aborted by the group: ", h->reason));
     }
     if (auto why = broken()) {
+      if (all_reached()) return absl::OkStatus();
       Abort(*why);
       return absl::AbortedError(*why);
     }

@@ -1,8 +1,11 @@
 // DpHostRegion: the host transport of the DP-sharded exchange (client/dp_engine.h) between the replica processes
 // of one group on one node, for the CPU backend (CI, machines without a GPU). One shared-memory region per group:
-// the rank-0 member creates it under a fresh name (shm_open, O_EXCL, 0600) whose bytes travel through engramd as the
-// group's rendezvous (the way an ncclUniqueId does); once the group formed it sizes and initialises it, the others
-// open it, and after the first barrier the name is unlinked (the mapping lives on; nothing is left behind).
+// the rank-0 member picks a fresh name (Reserve: nothing is created yet) whose bytes travel through engramd as the
+// group's rendezvous (the way an ncclUniqueId does); once the group formed it creates it (shm_open, O_EXCL, 0600),
+// sizes and initialises it, the others open it, and after the first barrier the name is unlinked (the mapping
+// lives on). The name exists only between the group forming and every member having mapped it; a member that gives
+// up in that window removes it (RemoveName, whoever created it), and a member that dies in it (rank 0 included)
+// breaks the group, so the others give up and remove it: nothing is left in /dev/shm (client/dp_engine.cc).
 //
 // Layout: a header (shape, an abort flag with its reason, and per member: its step phase, token count, pid and the
 // step's layer range), then per member its gathered-ids area [slot, layers, cols] int32, then per (source, dest)
@@ -27,6 +30,7 @@
 namespace engram::client {
 
 inline constexpr int32_t kMaxDpMembers = 64;
+inline constexpr char kDpRegionPrefix[] = "/engram-dp-";  // every region's name: /engram-dp-<pid>-<random>
 
 struct DpRegionShape {
   int32_t members = 0, slot = 0, layers = 0, cols = 0, record_bytes = 0, part = 0;  // part: most columns a member owns
@@ -44,10 +48,15 @@ class DpHostRegion {
  public:
   using BrokenFn = std::function<std::optional<std::string>()>;
 
-  // Rank 0, before it joins: a fresh, empty region; name() is the rendezvous.
+  // Rank 0, before it joins: a fresh name, not created yet; name() is the rendezvous.
   static absl::StatusOr<std::unique_ptr<DpHostRegion>> Reserve();
-  // Rank 0 once the group formed: size, map and initialise.
+  // Rank 0 once the group formed: create (O_EXCL), size, map and initialise. The name is this object's to unlink.
   absl::Status Init(const DpRegionShape& shape, int32_t me);
+  // Whether `name` has the form of a region name (the prefix, one path component).
+  static bool IsRegionName(const std::string& name);
+  // Removes region `name` from /dev/shm (if it is a region name and exists): a member giving up before every member
+  // mapped the region, whoever created it.
+  static void RemoveName(const std::string& name);
   // The others once the group formed: open rank 0's region and wait (at most `timeout`, or until `broken`) until it
   // is initialised with this shape.
   static absl::StatusOr<std::unique_ptr<DpHostRegion>> Open(const std::string& name, const DpRegionShape& shape,
@@ -56,6 +65,7 @@ class DpHostRegion {
   ~DpHostRegion();
 
   const std::string& name() const { return name_; }
+  bool mapped() const { return base_ != nullptr; }
   void Unlink();
   size_t bytes() const { return bytes_; }
 

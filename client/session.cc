@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
@@ -117,6 +118,8 @@ struct Session::Impl {
   bool closing = false;
   std::optional<v1::ClientMessage> outcome;  // replayed after a reconnect
   std::function<void(const GroupEvent&)> on_group;  // the DP group this session joined (JoinGroup)
+  uint64_t join_id = 0;                             // that membership's id (0: none)
+  uint64_t next_join_id = 1;
   std::thread events;
 
   // DP group updates (JoinGroup), from the events thread.
@@ -130,13 +133,22 @@ struct Session::Impl {
     e.slot = u.slot();
     e.left_pid = u.left_pid();
     e.left_dp_rank = u.left_dp_rank();
+    e.generation = u.generation();
     for (const auto& m : u.members()) e.members.push_back({m.pid(), m.dp_rank(), m.edp_rank(), m.max_tokens()});
     std::function<void(const GroupEvent&)> cb;
     {
       std::lock_guard<std::mutex> lock(mu);
-      cb = on_group;
+      // A late update of a membership this session left is not the current one's.
+      if (u.join_id() == join_id) cb = on_group;
     }
     if (cb) cb(e);
+  }
+  void DeliverGroupLeft(const v1::GroupLeft& l) {
+    if (l.code() == 0) {
+      spdlog::info("engram: event=dp_group_left group={} generation={}", l.group(), l.generation());
+    } else {
+      spdlog::warn("engram: event=dp_group_leave_refused code={} detail=\"{}\"", l.code(), l.error());
+    }
   }
   // The session ended: a group this session joined cannot go on (its membership was this lease); the reconnect
   // that follows does not rejoin it.
@@ -146,6 +158,7 @@ struct Session::Impl {
       std::lock_guard<std::mutex> lock(mu);
       cb = std::move(on_group);
       on_group = nullptr;
+      join_id = 0;
     }
     if (!cb) return;
     GroupEvent e;
@@ -179,6 +192,7 @@ struct Session::Impl {
           spdlog::warn("engram: event=daemon_draining detail=\"{}\"", m.event().detail());
         }
         if (m.has_group_update()) DeliverGroupUpdate(m.group_update());
+        if (m.has_group_left()) DeliverGroupLeft(m.group_left());
       }
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -360,7 +374,8 @@ namespace engram::client {
 
 const Declaration& Session::declaration() const { return impl_->declaration; }
 
-absl::Status Session::JoinGroup(const GroupJoinRequest& join, std::function<void(const GroupEvent&)> on_update) {
+absl::StatusOr<uint64_t> Session::JoinGroup(const GroupJoinRequest& join,
+                                            std::function<void(const GroupEvent&)> on_update) {
   v1::ClientMessage m;
   auto* j = m.mutable_group_join();
   j->set_name(join.name);
@@ -369,8 +384,35 @@ absl::Status Session::JoinGroup(const GroupJoinRequest& join, std::function<void
   j->set_max_tokens(join.max_tokens);
   j->set_bytes_per_step(join.bytes_per_step);
   std::lock_guard<std::mutex> lock(impl_->mu);
-  if (impl_->on_group) return absl::FailedPreconditionError("this session joined a DP group already");
+  if (impl_->on_group) {
+    return absl::FailedPreconditionError("this session is in a DP group already: close its engine (which leaves the "
+                                         "group) before making another");
+  }
+  const uint64_t id = impl_->next_join_id++;
+  j->set_join_id(id);
   impl_->on_group = std::move(on_update);
+  impl_->join_id = id;
+  if (auto st = impl_->Write(m); !st.ok()) {
+    impl_->on_group = nullptr;
+    impl_->join_id = 0;
+    return st;
+  }
+  return id;
+}
+
+absl::Status Session::LeaveGroup(uint64_t join_id, const std::string& group, uint64_t generation,
+                                 const std::string& reason) {
+  v1::ClientMessage m;
+  auto* l = m.mutable_group_leave();
+  l->set_group(group);
+  l->set_generation(generation);
+  size_t n = std::min<size_t>(reason.size(), 512);  // the daemon's bound, cut at a UTF-8 boundary
+  while (n < reason.size() && n > 0 && (static_cast<unsigned char>(reason[n]) & 0xC0) == 0x80) --n;
+  l->set_reason(reason.substr(0, n));
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (join_id == 0 || impl_->join_id != join_id) return absl::OkStatus();  // lost with the lease, or left already
+  impl_->on_group = nullptr;
+  impl_->join_id = 0;
   return impl_->Write(m);
 }
 

@@ -90,6 +90,7 @@ struct GroupEvent {
   bool broken = false;  // BROKEN, or this session ended (lease lost): detail says which
   std::string group, detail, rendezvous;
   int32_t slot = 0, left_pid = 0, left_dp_rank = -1;
+  uint64_t generation = 0;  // the group's, as engramd numbers them (a GroupLeave names it)
   std::vector<GroupMemberInfo> members;
 };
 
@@ -123,10 +124,16 @@ class Session {
   // The declaration this session said hello with.
   const Declaration& declaration() const;
   // Joins the DP group after the outcome DP_SHARDED (call after Keep()): `on_update` is called from the events
-  // thread with FORMED and BROKEN updates, and once with broken = true when the session ends (the lease is lost:
-  // the group cannot go on). An error when the join could not be sent; the daemon ends the session on a join it
-  // refuses (then `on_update` is told so).
-  absl::Status JoinGroup(const GroupJoinRequest& join, std::function<void(const GroupEvent&)> on_update);
+  // thread with FORMED and BROKEN updates of this membership, and once with broken = true when the session ends (the
+  // lease is lost: the group cannot go on). Returns the membership's id (for LeaveGroup). An error when the join
+  // could not be sent or this session is in a group already; the daemon ends the session on a join it refuses (then
+  // `on_update` is told so).
+  absl::StatusOr<uint64_t> JoinGroup(const GroupJoinRequest& join, std::function<void(const GroupEvent&)> on_update);
+  // Leaves membership `join_id` (proto GroupLeave): engramd breaks the group for the other members, naming this
+  // replica and `reason`, and this session may join a group again at once. `group` and `generation` (from FORMED;
+  // empty and 0 before it) let the daemon check the membership. Nothing is sent when the membership ended already
+  // (the session was lost, or it left); `on_update` is not called again either way.
+  absl::Status LeaveGroup(uint64_t join_id, const std::string& group, uint64_t generation, const std::string& reason);
 
  private:
   struct Impl;

@@ -18,6 +18,14 @@ bool NameOk(const std::string& name) {
   });
 }
 
+// A member's reason as the others and status show it: control characters (newlines included) become '?'.
+std::string Printable(std::string s) {
+  for (char& ch : s) {
+    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) ch = '?';
+  }
+  return s;
+}
+
 }  // namespace
 
 int32_t GroupRegistry::EdpSize(const engram::v1::Hello& h) {
@@ -62,67 +70,85 @@ absl::Status GroupRegistry::Join(const std::string& lease_id, const engram::v1::
       absl::StrFormat("%s%016x/tp%dof%d/dp%d/e%d/g%d", join.name().empty() ? "" : join.name() + "/",
                       h.fingerprint(), h.tp_rank(), h.tp_size(), h.dp_size(), edp, index);  // edp: one size a group
 
-  std::lock_guard<std::mutex> lock(mu_);
-  if (lease_group_.count(lease_id)) return absl::FailedPreconditionError("group join sent twice in one session");
-  auto it = groups_.find(key);
-  if (it != groups_.end() && it->second.status.state() == "BROKEN") {
-    // A new member under the key of a broken group starts a new group; the broken one stays in the history.
-    Group& old = it->second;
-    for (const auto& m : old.members) {
-      if (!m.left) lease_group_.erase(m.lease_id);
+  Outbox out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (lease_group_.count(lease_id)) {
+      return absl::FailedPreconditionError(
+          "group join: this session is a member of a DP group already (leave it first: GroupLeave)");
     }
-    history_.push_front(old.status);
-    if (history_.size() > kMaxGroupHistory) history_.pop_back();
-    groups_.erase(it);
-    it = groups_.end();
-  }
-  if (it == groups_.end()) {
-    Group g;
-    g.generation = next_generation_++;
-    g.status.set_group(key);
-    g.status.set_checkpoint(EchoOf(h.checkpoint()));
-    g.status.set_tp_rank(h.tp_rank());
-    g.status.set_tp_size(h.tp_size());
-    g.status.set_size(edp);
-    g.status.set_state("FORMING");
-    g.status.set_transport(join.transport());
-    g.status.set_generation(g.generation);
-    it = groups_.emplace(key, std::move(g)).first;
-  }
-  Group& g = it->second;
-  if (g.status.state() != "FORMING") {
-    return absl::FailedPreconditionError(absl::StrCat("group join: group ", key, " is ", g.status.state(),
-                                                      ": no member joins a group that already formed"));
-  }
-  if (g.status.transport() != join.transport()) {
-    return absl::FailedPreconditionError(absl::StrCat("group join: group ", key, " uses transport ",
-                                                      g.status.transport(), ", this member asked for ",
-                                                      join.transport()));
-  }
-  for (const auto& m : g.members) {
-    if (m.info.edp_rank() == edp_rank) {
-      return absl::AlreadyExistsError(absl::StrFormat("group join: edp rank %d of group %s is taken by pid %d",
-                                                      edp_rank, key, m.peer.pid));
+    auto it = groups_.find(key);
+    if (it != groups_.end() && it->second.status.state() == "BROKEN") {
+      // A new member under the key of a broken group starts a new group; the broken one stays in the history.
+      for (const auto& m : it->second.members) {
+        if (!m.left) lease_group_.erase(m.lease_id);
+      }
+      RetireLocked(it);
+      it = groups_.end();
     }
+    if (it == groups_.end()) {
+      Group g;
+      g.generation = next_generation_++;
+      g.status.set_group(key);
+      g.status.set_checkpoint(EchoOf(h.checkpoint()));
+      g.status.set_tp_rank(h.tp_rank());
+      g.status.set_tp_size(h.tp_size());
+      g.status.set_size(edp);
+      g.status.set_state("FORMING");
+      g.status.set_transport(join.transport());
+      g.status.set_generation(g.generation);
+      it = groups_.emplace(key, std::move(g)).first;
+    }
+    Group& g = it->second;
+    if (g.status.state() != "FORMING") {
+      return absl::FailedPreconditionError(absl::StrCat("group join: group ", key, " is ", g.status.state(),
+                                                        ": no member joins a group that already formed"));
+    }
+    if (g.status.transport() != join.transport()) {
+      return absl::FailedPreconditionError(absl::StrCat("group join: group ", key, " uses transport ",
+                                                        g.status.transport(), ", this member asked for ",
+                                                        join.transport()));
+    }
+    for (const auto& m : g.members) {
+      if (m.info.edp_rank() == edp_rank) {
+        return absl::AlreadyExistsError(absl::StrFormat("group join: edp rank %d of group %s is taken by pid %d",
+                                                        edp_rank, key, m.peer.pid));
+      }
+    }
+    Member m;
+    m.lease_id = lease_id;
+    m.peer = peer;
+    m.notify = std::move(notify);
+    m.info.set_pid(peer.pid);
+    m.info.set_dp_rank(h.dp_rank());
+    m.info.set_edp_rank(edp_rank);
+    m.info.set_max_tokens(join.max_tokens());
+    m.info.set_bytes_per_step(join.bytes_per_step());
+    m.info.set_lease_id(lease_id);
+    m.join_id = join.join_id();
+    if (edp_rank == 0) g.rendezvous = join.rendezvous();
+    g.members.push_back(std::move(m));
+    lease_group_[lease_id] = key;
+    RefreshStatus(g);
+    spdlog::info("event=group_join group={} pid={} dp_rank={} edp_rank={} members={}/{}", key, peer.pid, h.dp_rank(),
+                 edp_rank, g.members.size(), edp);
+    if (static_cast<int32_t>(g.members.size()) == edp) FormLocked(g, &out);
   }
-  Member m;
-  m.lease_id = lease_id;
-  m.peer = peer;
-  m.notify = std::move(notify);
-  m.info.set_pid(peer.pid);
-  m.info.set_dp_rank(h.dp_rank());
-  m.info.set_edp_rank(edp_rank);
-  m.info.set_max_tokens(join.max_tokens());
-  m.info.set_bytes_per_step(join.bytes_per_step());
-  m.info.set_lease_id(lease_id);
-  if (edp_rank == 0) g.rendezvous = join.rendezvous();
-  g.members.push_back(std::move(m));
-  lease_group_[lease_id] = key;
-  RefreshStatus(g);
-  spdlog::info("event=group_join group={} pid={} dp_rank={} edp_rank={} members={}/{}", key, peer.pid, h.dp_rank(),
-               edp_rank, g.members.size(), edp);
-  if (static_cast<int32_t>(g.members.size()) == edp) FormLocked(g);
+  Send(out);
   return absl::OkStatus();
+}
+
+void GroupRegistry::Send(Outbox& out) {
+  for (auto& o : out) {
+    if (o.notify) o.notify(o.msg);
+  }
+  out.clear();
+}
+
+void GroupRegistry::RetireLocked(std::map<std::string, Group>::iterator it) {
+  history_.push_front(it->second.status);
+  if (history_.size() > kMaxGroupHistory) history_.pop_back();
+  groups_.erase(it);
 }
 
 void GroupRegistry::RefreshStatus(Group& g) {
@@ -140,7 +166,7 @@ void GroupRegistry::RefreshStatus(Group& g) {
   g.status.set_bytes_per_step(bytes);
 }
 
-void GroupRegistry::FormLocked(Group& g) {
+void GroupRegistry::FormLocked(Group& g, Outbox* out) {
   g.status.set_state("FORMED");
   engram::v1::ServerMessage msg;
   auto* u = msg.mutable_group_update();
@@ -151,25 +177,25 @@ void GroupRegistry::FormLocked(Group& g) {
   *u->mutable_members() = g.status.members();
   u->set_generation(g.generation);
   for (auto& m : g.members) {
-    if (m.notify) m.notify(msg);
+    if (!m.notify) continue;
+    out->push_back({m.notify, msg});
+    out->back().msg.mutable_group_update()->set_join_id(m.join_id);
   }
   spdlog::info("event=group_formed group={} size={} slot={} transport={} bytes_per_step={}", g.status.group(),
                g.members.size(), g.status.slot(), g.status.transport(), g.status.bytes_per_step());
 }
 
-void GroupRegistry::Leave(const std::string& lease_id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto lg = lease_group_.find(lease_id);
-  if (lg == lease_group_.end()) return;
-  const std::string key = lg->second;
-  lease_group_.erase(lg);
+void GroupRegistry::DepartLocked(const std::string& key, const std::string& lease_id, const std::string& reason,
+                                 bool breaks_forming, Outbox* out) {
+  lease_group_.erase(lease_id);
   auto it = groups_.find(key);
   if (it == groups_.end()) return;
   Group& g = it->second;
   auto self = std::find_if(g.members.begin(), g.members.end(), [&](const Member& m) { return m.lease_id == lease_id; });
-  if (self == g.members.end()) return;
+  if (self == g.members.end() || self->left) return;
   const std::string state = g.status.state();
-  if (state == "FORMING") {
+  if (state == "FORMING" && !breaks_forming) {
+    // Its session ended before the group formed: another process may take its edp rank.
     g.members.erase(self);
     RefreshStatus(g);
     if (g.members.empty()) groups_.erase(it);
@@ -177,32 +203,94 @@ void GroupRegistry::Leave(const std::string& lease_id) {
   }
   self->left = true;
   self->notify = nullptr;
-  if (state == "FORMED") {
+  self->info.set_left(true);
+  self->info.set_left_reason(reason);
+  const Member gone = *self;
+  RefreshStatus(g);  // sorts the members: `self` is stale from here
+  if (state != "BROKEN") {
     g.status.set_state("BROKEN");
-    g.status.set_left_pid(self->peer.pid);
-    g.status.set_left_dp_rank(self->info.dp_rank());
-    g.status.set_detail(absl::StrFormat(
-        "member dp rank %d (edp rank %d, pid %d) left: its session with engramd ended; the group's exchange cannot "
-        "continue", self->info.dp_rank(), self->info.edp_rank(), self->peer.pid));
+    g.status.set_left_pid(gone.peer.pid);
+    g.status.set_left_dp_rank(gone.info.dp_rank());
+    g.status.set_detail(absl::StrFormat("member dp rank %d (edp rank %d, pid %d) left%s: %s", gone.info.dp_rank(),
+                                        gone.info.edp_rank(), gone.peer.pid,
+                                        state == "FORMING" ? " before the group formed" : "", reason));
     engram::v1::ServerMessage msg;
     auto* u = msg.mutable_group_update();
     u->set_state(engram::v1::GroupUpdate::BROKEN);
     u->set_group(key);
     u->set_detail(g.status.detail());
-    u->set_left_pid(self->peer.pid);
-    u->set_left_dp_rank(self->info.dp_rank());
+    u->set_left_pid(gone.peer.pid);
+    u->set_left_dp_rank(gone.info.dp_rank());
     u->set_generation(g.generation);
     for (auto& m : g.members) {
-      if (!m.left && m.notify) m.notify(msg);
+      if (m.left || !m.notify) continue;
+      out->push_back({m.notify, msg});
+      out->back().msg.mutable_group_update()->set_join_id(m.join_id);
     }
-    spdlog::warn("event=group_broken group={} left_pid={} left_dp_rank={}", key, self->peer.pid,
-                 self->info.dp_rank());
+    spdlog::warn("event=group_broken group={} left_pid={} left_dp_rank={} reason=\"{}\"", key, gone.peer.pid,
+                 gone.info.dp_rank(), reason);
   }
-  if (std::all_of(g.members.begin(), g.members.end(), [](const Member& m) { return m.left; })) {
-    history_.push_front(g.status);
-    if (history_.size() > kMaxGroupHistory) history_.pop_back();
-    groups_.erase(it);
+  if (std::all_of(g.members.begin(), g.members.end(), [](const Member& m) { return m.left; })) RetireLocked(it);
+}
+
+void GroupRegistry::Leave(const std::string& lease_id) {
+  Outbox out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto lg = lease_group_.find(lease_id);
+    if (lg == lease_group_.end()) return;
+    const std::string key = lg->second;
+    DepartLocked(key, lease_id, "its session with engramd ended; the group's exchange cannot continue",
+                 /*breaks_forming=*/false, &out);
   }
+  Send(out);
+}
+
+absl::StatusOr<engram::v1::GroupLeft> GroupRegistry::LeaveGroup(const std::string& lease_id,
+                                                                const engram::v1::GroupLeave& leave) {
+  if (leave.reason().size() > kMaxLeaveReasonBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat("group leave: the reason is %d bytes, at most %d are accepted",
+                                                      leave.reason().size(), kMaxLeaveReasonBytes));
+  }
+  const std::string reason = leave.reason().empty() ? std::string("it left the group (no reason given)")
+                                                    : Printable(leave.reason());
+  engram::v1::GroupLeft left;
+  Outbox out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto lg = lease_group_.find(lease_id);
+    if (lg == lease_group_.end()) {
+      return absl::FailedPreconditionError(
+          "group leave: this session is not a member of any DP group (it never joined, it left already, or its "
+          "broken group was replaced)");
+    }
+    const std::string key = lg->second;
+    if (!leave.group().empty() && leave.group() != key) {
+      if (groups_.count(leave.group())) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            "group leave: this session is not a member of group ", EchoOf(leave.group()),
+            ": a session leaves only its own membership (it is a member of ", key, ")"));
+      }
+      return absl::NotFoundError(absl::StrCat("group leave: there is no group ", EchoOf(leave.group()),
+                                              " (this session is a member of ", key, ")"));
+    }
+    auto it = groups_.find(key);
+    if (it == groups_.end()) {  // not reached: a session's group lives while it is a member
+      lease_group_.erase(lg);
+      return absl::FailedPreconditionError("group leave: this session's group is gone");
+    }
+    if (leave.generation() != 0 && leave.generation() != it->second.generation) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "group leave: generation %d of group %s is not this session's (it is a member of generation %d)",
+          leave.generation(), key, it->second.generation));
+    }
+    left.set_group(key);
+    left.set_generation(it->second.generation);
+    spdlog::info("event=group_leave group={} lease={} reason=\"{}\"", key, lease_id, reason);
+    DepartLocked(key, lease_id, reason, /*breaks_forming=*/true, &out);
+  }
+  Send(out);
+  return left;
 }
 
 std::vector<engram::v1::GroupStatus> GroupRegistry::Groups() const {

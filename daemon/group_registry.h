@@ -1,17 +1,24 @@
-// GroupRegistry: the DP-sharded groups engramd brokers (embedding_across_dp; proto GroupJoin / GroupUpdate /
-// GroupStatus). Replicas of one checkpoint at one TP position that run DP_SHARDED form a node-local group of
-// edp = gcd(dp_size, local_dp_size) members: member edp rank = dp_rank % edp, group index = dp_rank / edp. Each
-// member joins over its session; when the last one joined, every member is sent FORMED with the group's slot (the
-// largest max_tokens), the member list and the rank-0 member's rendezvous bytes (an ncclUniqueId, or the name of a
-// host-transport region; opaque here: the daemon links neither CUDA nor NCCL and never carries step data). When a
-// member's session ends (its lease: process death included) a FORMED group becomes BROKEN and every other member is
-// sent BROKEN naming the member that left, so nobody waits in a collective for it; status keeps the broken group
-// (and, bounded, the last few whose members all left) so an operator sees which member went away.
+// GroupRegistry: the DP-sharded groups engramd brokers (embedding_across_dp; proto GroupJoin / GroupLeave /
+// GroupUpdate / GroupStatus). Replicas of one checkpoint at one TP position that run DP_SHARDED form a node-local
+// group of edp = gcd(dp_size, local_dp_size) members: member edp rank = dp_rank % edp, group index = dp_rank / edp.
+// Each member joins over its session; when the last one joined, every member is sent FORMED with the group's slot
+// (the largest max_tokens), the member list and the rank-0 member's rendezvous bytes (an ncclUniqueId, or the name
+// of a host-transport region; opaque here: the daemon links neither CUDA nor NCCL and never carries step data).
+// A member departs in one of two ways:
+//   - its session ends (its lease: process death included): a FORMING group forgets it (another process may take
+//     its place), a FORMED group becomes BROKEN;
+//   - it leaves (GroupLeave, LeaveGroup below: its engine closed, or it gave up forming or setting up the exchange):
+//     the group becomes BROKEN whether FORMING or FORMED (the others' wait for the group fails at once), and the
+//     session, which goes on, may join a group again.
+// A group that breaks sends every other member BROKEN naming the member that left and why ("member dp rank 1
+// (edp rank 1, pid N) left: <reason>"), so nobody waits in a collective or for a group that cannot form; status
+// keeps the broken group (and, bounded, the last few whose members all left) with each member's departure.
 //
-// Every join is validated (hello asked for embedding_across_dp, a group of at least two, names/rendezvous/slot in
-// bounds, one member per edp rank, one transport per group, one join per session); a bad one is refused with a
-// Status and changes nothing. Thread-safe: one mutex; `notify` callbacks are called under it (as the replica
-// registry does), so a member's stream is alive whenever it is notified (Leave runs before the session ends).
+// Every join and leave is validated (daemon/group_registry.cc); a bad one is refused with a Status and changes
+// nothing. Thread-safe: one mutex, never held while a member is notified: the updates are decided under it and
+// sent after it is released, so a member whose stream is slow or blocked stalls only the call that notifies it,
+// never the registry. The `notify` callbacks must therefore stay callable after the member's session ended (the
+// service hands in one that drops what comes after its session closed).
 #pragma once
 
 #include <cstdint>
@@ -23,6 +30,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "daemon/peer.h"
 #include "engram/v1/engram.pb.h"
 
@@ -32,6 +40,7 @@ inline constexpr size_t kMaxGroupNameBytes = 128;
 inline constexpr size_t kMaxRendezvousBytes = 1024;
 inline constexpr int32_t kMaxGroupSlot = 1 << 20;
 inline constexpr size_t kMaxGroupHistory = 16;
+inline constexpr size_t kMaxLeaveReasonBytes = 512;
 
 class GroupRegistry {
  public:
@@ -47,6 +56,12 @@ class GroupRegistry {
                     const engram::v1::GroupJoin& join, Notify notify);
   // The session ended: a forming group forgets the member, a formed one breaks and tells the others.
   void Leave(const std::string& lease_id);
+  // The session's member leaves its group (proto GroupLeave): the group breaks, naming the member and `reason`, the
+  // others are told, and the session may join again. Refused (nothing changes) with FailedPrecondition when the
+  // session is in no group or names an older generation, PermissionDenied when it names an existing group it is not
+  // a member of, NotFound when it names no group, InvalidArgument for an oversized reason. On success: the group
+  // key and generation left (GroupLeft, code 0).
+  absl::StatusOr<engram::v1::GroupLeft> LeaveGroup(const std::string& lease_id, const engram::v1::GroupLeave& leave);
 
   // Current groups, then recently broken ones whose members all left (newest first).
   std::vector<engram::v1::GroupStatus> Groups() const;
@@ -57,6 +72,7 @@ class GroupRegistry {
     PeerInfo peer;
     engram::v1::GroupMember info;
     Notify notify;
+    uint64_t join_id = 0;  // echoed in its updates
     bool left = false;
   };
   struct Group {
@@ -65,7 +81,20 @@ class GroupRegistry {
     std::string rendezvous;
     uint64_t generation = 0;
   };
-  void FormLocked(Group& g);
+  // Updates decided under the lock, sent after it is released.
+  struct Outgoing {
+    Notify notify;
+    engram::v1::ServerMessage msg;
+  };
+  using Outbox = std::vector<Outgoing>;
+  static void Send(Outbox& out);
+
+  void FormLocked(Group& g, Outbox* out);
+  // Member `self` of the group under `key` departs (`reason` as status shows it); `breaks_forming`: an explicit
+  // leave, which breaks a FORMING group too.
+  void DepartLocked(const std::string& key, const std::string& lease_id, const std::string& reason,
+                    bool breaks_forming, Outbox* out);
+  void RetireLocked(std::map<std::string, Group>::iterator it);
   static void RefreshStatus(Group& g);
 
   mutable std::mutex mu_;

@@ -1,5 +1,7 @@
 #include "daemon/service.h"
 
+#include <functional>
+#include <memory>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
@@ -20,6 +22,27 @@ grpc::Status Bounded(const char* field, const std::string& value, size_t max = k
   return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                       absl::StrCat(field, " is ", value.size(), " bytes, at most ", max, " are accepted"));
 }
+
+// What the group registry notifies this session through: writes to the session's stream until the session closes
+// it, then drops them. The registry sends updates outside its lock, possibly just after the session ended, so the
+// callback it holds must stay callable while the stream it wrote to is gone (daemon/group_registry.h).
+class GroupSink {
+ public:
+  explicit GroupSink(std::function<void(const engram::v1::ServerMessage&)> write) : write_(std::move(write)) {}
+  void Write(const engram::v1::ServerMessage& m) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (write_) write_(m);
+  }
+  // Waits for a write in progress; later ones are dropped.
+  void Close() {
+    std::lock_guard<std::mutex> lock(mu_);
+    write_ = nullptr;
+  }
+
+ private:
+  std::mutex mu_;
+  std::function<void(const engram::v1::ServerMessage&)> write_;
+};
 
 }  // namespace
 
@@ -54,6 +77,7 @@ grpc::Status EngramService::Session(
     std::lock_guard<std::mutex> lock(write_mu);
     stream->Write(m);
   };
+  auto group_sink = std::make_shared<GroupSink>(write);
   std::string lease;
   auto answer = state_->Attach(first.hello(), peer, [ctx] { return ctx->IsCancelled(); }, write, &lease);
   if (!answer.ok()) return ToGrpc(answer.status());
@@ -129,13 +153,34 @@ grpc::Status EngramService::Session(
                                 "group join before an outcome of mode DP_SHARDED");
           break;
         }
-        if (auto st = state_->JoinGroup(lease, first.hello(), peer, msg.group_join(), write); !st.ok()) {
+        if (auto st = state_->JoinGroup(lease, first.hello(), peer, msg.group_join(),
+                                        [group_sink](const engram::v1::ServerMessage& m) { group_sink->Write(m); });
+            !st.ok()) {
           spdlog::warn("event=group_join_refused pid={} uid={} detail=\"{}\"", peer.pid, peer.uid,
                        std::string(st.message()));
           result = ToGrpc(st);
           break;
         }
         continue;
+      case engram::v1::ClientMessage::kGroupLeave: {
+        // The session's member leaves its group; a refused leave is answered and changes nothing (the session, and
+        // the group it may be in, go on).
+        engram::v1::ServerMessage reply;
+        auto* left = reply.mutable_group_left();
+        if (auto st = Bounded("group_leave.group", msg.group_leave().group()); !st.ok()) {
+          left->set_code(static_cast<int32_t>(st.error_code()));
+          left->set_error(st.error_message());
+        } else if (auto res = state_->groups().LeaveGroup(lease, msg.group_leave()); res.ok()) {
+          *left = *res;
+        } else {
+          spdlog::warn("event=group_leave_refused pid={} uid={} detail=\"{}\"", peer.pid, peer.uid,
+                       std::string(res.status().message()));
+          left->set_code(static_cast<int32_t>(res.status().code()));
+          left->set_error(std::string(res.status().message()));
+        }
+        write(reply);
+        continue;
+      }
       case engram::v1::ClientMessage::kHello:
         result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "hello sent twice in one session");
         break;
@@ -146,6 +191,7 @@ grpc::Status EngramService::Session(
     break;  // only reached on a protocol error
   }
   state_->Detach(lease);
+  group_sink->Close();  // the stream goes with this frame; updates still in flight to it are dropped
   return result;
 }
 
