@@ -1,6 +1,8 @@
 // bench_dp: the DP-sharded exchange on two GPUs of one host (issue 12), per tokens-per-rank, each path next to its
 // ceilings measured in the same run:
-//   all-to-all   the collective path (all-gather of ids, lookup of own columns, all-to-all of records, unpack)
+//   all-to-all   the collective path (default: pipelined, own columns read in place, ids to each member, records
+//                packed, sent and unpacked chunk by chunk; client/dp_nccl_transport.h), and its variants side by side
+//                (--variants: "seq" the sequential form, a number the chunk size in KiB, 0 one chunk)
 //   peer         the NVLink peer-read path (each GPU reads the other's shard directly)
 //   a2a ceiling  NCCL grouped send/recv of exactly the records the collective path moves (no lookup, no unpack)
 //   peer gather  the lookup kernel reading the same rows from the peer GPU's shard (no placement)
@@ -12,12 +14,15 @@
 // Synthetic shards: 24 columns x 2 layers, `rows` rows per column (default 2^20: 3.3 GB per layer and GPU), random
 // ids. Times are per step (both layers), mean of --iters after warm-up. Usage:
 //   bench_dp [--tokens 1,4,64,512,4096,8192] [--iters 50] [--rows 1048576] [--uva-rows 1048576]
+//            [--variants seq,0,4096,8192,16384]
+// Besides each variant's step time (GPU, between events) it prints the host's time to enqueue one step.
 #include <cuda_runtime_api.h>
 
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -35,11 +40,14 @@ using engram::client::DpNcclExchange;
 using engram::client::NcclApi;
 using engram::client::ShardLayer;
 
-constexpr int kL = 2, kC = 24, kD = 256, kRb = 264, kMembers = 2;
+constexpr int kL = 2, kC = 24, kD = 256, kRb = 264, kMembers = 2, kMaxVariants = 8;
 
 struct Result {
   double a2a = 0, peer = 0, a2a_ceiling = 0, peer_gather = 0, uva = 0;
   double record_bytes = 0;
+  double variant_ms[kMaxVariants] = {}, variant_host_ms[kMaxVariants] = {};
+  int variant_chunks[kMaxVariants] = {};
+  double ceiling_host_ms = 0;
 };
 
 std::vector<int> ParseList(const std::string& s) {
@@ -54,9 +62,9 @@ std::vector<int> ParseList(const std::string& s) {
   return v;
 }
 
-// Mean milliseconds per call of `f` on `stream`.
+// Mean milliseconds per call of `f` on `stream` (and, in *host_ms, of the host's time to enqueue it).
 template <typename F>
-double TimeMs(cudaStream_t stream, int iters, F f, const char* what) {
+double TimeMs(cudaStream_t stream, int iters, F f, const char* what, double* host_ms = nullptr) {
   for (int i = 0; i < 3; ++i) f();
   if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) {
     std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
@@ -67,7 +75,10 @@ double TimeMs(cudaStream_t stream, int iters, F f, const char* what) {
   CUDA_CHECK(cudaEventCreate(&b));
   CUDA_CHECK(cudaStreamSynchronize(stream));
   CUDA_CHECK(cudaEventRecord(a, stream));
+  const auto h0 = std::chrono::steady_clock::now();
   for (int i = 0; i < iters; ++i) f();
+  const auto h1 = std::chrono::steady_clock::now();
+  if (host_ms != nullptr) *host_ms = std::chrono::duration<double, std::milli>(h1 - h0).count() / iters;
   CUDA_CHECK(cudaEventRecord(b, stream));
   CUDA_CHECK(cudaEventSynchronize(b));
   float ms = 0;
@@ -83,9 +94,19 @@ int main(int argc, char** argv) {
   std::vector<int> tokens = {1, 4, 64, 512, 4096, 8192};
   int iters = 50;
   int64_t rows = int64_t{1} << 20, uva_rows = int64_t{1} << 20;
+  std::vector<std::string> variants = {"seq", "0", "4096", "8192", "16384"};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--tokens") tokens = ParseList(v);
+    else if (k == "--variants") {
+      variants.clear();
+      for (size_t p = 0; p <= v.size();) {
+        const size_t q = std::min(v.find(',', p), v.size());
+        variants.push_back(v.substr(p, q - p));
+        p = q + 1;
+      }
+      if (variants.size() > static_cast<size_t>(kMaxVariants)) variants.resize(kMaxVariants);
+    }
     else if (k == "--iters") iters = std::stoi(v);
     else if (k == "--rows") rows = std::stoll(v);
     else if (k == "--uva-rows") uva_rows = std::stoll(v);
@@ -197,15 +218,35 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "exchange: %s\n", std::string(x.status().message()).c_str());
         ::_exit(1);
       }
+      Result& res = results[ti];
+      void* outs[kL] = {out[0], out[1]};
+      // The all-to-all variants side by side (each its own exchange: buffers, streams, chunking).
+      for (size_t vi = 0; vi < variants.size(); ++vi) {
+        DpExchangeShape vs = shape;
+        vs.sequential = variants[vi] == "seq";
+        if (!vs.sequential) vs.chunk_bytes = std::stoll(variants[vi]) << 10;
+        auto vx = DpNcclExchange::Create(vs, *comm, false, stream, shard, nullptr, std::chrono::seconds(60));
+        if (!vx.ok()) {
+          std::fprintf(stderr, "exchange: %s\n", std::string(vx.status().message()).c_str());
+          ::_exit(1);
+        }
+        res.variant_chunks[vi] = vs.sequential ? 1 : (*vx)->chunks(kL);
+        res.variant_ms[vi] = TimeMs(stream, iters, [&] {
+          auto st = (*vx)->Step(ids, kL * kC, kC, T, 0, kL, outs, false, false, stream);
+          if (!st.ok()) {
+            std::fprintf(stderr, "step: %s\n", std::string(st.message()).c_str());
+            ::_exit(1);
+          }
+        }, "all-to-all variant", &res.variant_host_ms[vi]);
+        CUDA_CHECK(cudaStreamSynchronize(stream));
+      }
       if (auto st = (*x)->ExchangePeerShards(base); !st.ok()) {
         std::fprintf(stderr, "peer shards: %s\n", std::string(st.message()).c_str());
         ::_exit(1);
       }
-      void* outs[kL] = {out[0], out[1]};
-      Result& res = results[ti];
       res.record_bytes = static_cast<double>(kL) * T * 12 * kRb;  // what this rank sends (and receives)
       auto step = [&](bool peer) {
-        auto st = (*x)->Step(ids, kL * kC, kC, T, 0, kL, outs, false, peer);
+        auto st = (*x)->Step(ids, kL * kC, kC, T, 0, kL, outs, false, peer, stream);
         if (!st.ok()) {
           std::fprintf(stderr, "step: %s\n", std::string(st.message()).c_str());
           ::_exit(1);
@@ -224,7 +265,7 @@ int main(int argc, char** argv) {
         nccl->Recv(rbuf, chunk, ncclUint8, 1 - g, *comm, stream);
         ncclResult_t st = nccl->GroupEnd();
         while (st == ncclInProgress) nccl->CommGetAsyncError(*comm, &st);
-      }, "all-to-all ceiling");
+      }, "all-to-all ceiling", &res.ceiling_host_ms);
       cudaFree(sb);
       cudaFree(rbuf);
       // The peer gather alone: the peer's 12 columns of both layers for my T tokens, straight from its HBM (the
@@ -301,12 +342,45 @@ int main(int argc, char** argv) {
       r.peer_gather = std::max(r.peer_gather, m[ti].peer_gather);
       r.uva = std::max(r.uva, m[ti].uva);
       r.record_bytes = m[ti].record_bytes;
+      for (size_t vi = 0; vi < variants.size(); ++vi) {
+        r.variant_ms[vi] = std::max(r.variant_ms[vi], m[ti].variant_ms[vi]);
+        r.variant_host_ms[vi] = std::max(r.variant_host_ms[vi], m[ti].variant_host_ms[vi]);
+        r.variant_chunks[vi] = m[ti].variant_chunks[vi];
+      }
+      r.ceiling_host_ms = std::max(r.ceiling_host_ms, m[ti].ceiling_host_ms);
     }
     const double best_dp = std::min(r.a2a, r.peer);
     std::printf("%-8d %-12.1f %-12.1f %-14.1f %-10.1f %-12.2f %-14.1f %-12.1f %s\n", tokens[ti], r.a2a * 1e3,
                 r.peer * 1e3, r.a2a_ceiling * 1e3, r.record_bytes / (r.a2a_ceiling * 1e-3) / 1e9,
                 r.a2a_ceiling / r.a2a, r.peer_gather * 1e3, r.uva * 1e3,
                 r.uva < best_dp ? "UVA shared" : (r.peer < r.a2a ? "DP peer" : "DP all-to-all"));
+  }
+  // Every all-to-all variant: step time (GPU), ceiling / step, host enqueue time per step, chunks.
+  std::printf("\nall-to-all variants (us per step, the slower rank; ratio = a2a ceiling / step; host = enqueue time; "
+              "k = chunks)\n%-8s %-16s", "tokens", "ceiling (host)");
+  for (const auto& v : variants) std::printf(" %-28s", (v == "seq" ? std::string("sequential") : "chunk " + v + " KiB").c_str());
+  std::printf("\n");
+  for (size_t ti = 0; ti < tokens.size(); ++ti) {
+    Result r;
+    for (const auto& m : results) {
+      r.a2a_ceiling = std::max(r.a2a_ceiling, m[ti].a2a_ceiling);
+      r.ceiling_host_ms = std::max(r.ceiling_host_ms, m[ti].ceiling_host_ms);
+      for (size_t vi = 0; vi < variants.size(); ++vi) {
+        r.variant_ms[vi] = std::max(r.variant_ms[vi], m[ti].variant_ms[vi]);
+        r.variant_host_ms[vi] = std::max(r.variant_host_ms[vi], m[ti].variant_host_ms[vi]);
+        r.variant_chunks[vi] = m[ti].variant_chunks[vi];
+      }
+    }
+    char head[64];
+    std::snprintf(head, sizeof(head), "%.1f (%.1f)", r.a2a_ceiling * 1e3, r.ceiling_host_ms * 1e3);
+    std::printf("%-8d %-16s", tokens[ti], head);
+    for (size_t vi = 0; vi < variants.size(); ++vi) {
+      char cell[64];
+      std::snprintf(cell, sizeof(cell), "%.1f %.2f h%.1f k%d", r.variant_ms[vi] * 1e3,
+                    r.a2a_ceiling / r.variant_ms[vi], r.variant_host_ms[vi] * 1e3, r.variant_chunks[vi]);
+      std::printf(" %-28s", cell);
+    }
+    std::printf("\n");
   }
   return 0;
 }

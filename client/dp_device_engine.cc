@@ -1,10 +1,13 @@
 #include "client/dp_device_engine.h"
 
+#include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -16,20 +19,27 @@
 namespace engram::client {
 namespace {
 
-int32_t PeerMaxSlot() {
-  const char* v = std::getenv("ENGRAM_DP_PEER_MAX_SLOT");
-  if (v == nullptr || *v == 0) return kDefaultPeerMaxSlot;
-  return static_cast<int32_t>(std::strtol(v, nullptr, 10));
+int64_t EnvInt(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == 0) return fallback;
+  return std::strtoll(v, nullptr, 10);
 }
 
 class DpDeviceEngine final : public LookupEngine {
  public:
   ~DpDeviceEngine() override {
-    // Drain the stream while the watchdog still runs: a member that died mid-step gets the communicator aborted.
-    if (exchange_ != nullptr && !exchange_->aborted()) cudaStreamSynchronize(stream_);
+    // Drain the streams while the watchdog still runs: a member that died mid-step gets the communicator aborted.
+    if (exchange_ != nullptr && !exchange_->aborted()) {
+      cudaStreamSynchronize(stream_);
+      if (side_ != nullptr) cudaStreamSynchronize(side_);
+    }
     stop_ = true;
     if (watchdog_.joinable()) watchdog_.join();
-    if (event_ != nullptr) cudaEventDestroy(event_);
+    for (cudaEvent_t e : {event_, ids_ready_, prefetched_event_}) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    if (side_ != nullptr) cudaStreamDestroy(side_);
+    if (d_ids_ != nullptr) cudaFree(d_ids_);
     for (uint16_t* s : staging_) cudaFree(s);
   }
   Backend backend() const override { return Backend::kCuda; }
@@ -50,16 +60,42 @@ class DpDeviceEngine final : public LookupEngine {
     }
     std::vector<void*> outs(static_cast<size_t>(L), nullptr);
     outs[static_cast<size_t>(l)] = out;
-    return Step(ids, stride, 0, T, l, 1, outs.data(), packed);
+    // On the engine's stream itself: work queued after Lookup sees the rows.
+    return Step(ids, stride, 0, T, l, 1, outs.data(), packed, stream_);
   }
+  // The exchange runs on the engine's side stream (as DeviceEngine's prefetch does): it starts after the work queued
+  // on the engine's stream (the hash ids) and Wait(l) joins it back into that stream with an event, never blocking
+  // the host. Host ids are copied to the device first.
   absl::Status Prefetch(const int32_t* hash_ids, int32_t T) override {
     if (hash_ids == nullptr && T > 0) return Fail(absl::InvalidArgumentError("prefetch: null hash ids"));
+    if (T < 0 || T > max_tokens_) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(T, " tokens; the engine was sized for ", max_tokens_)));
+    }
     const int L = static_cast<int>(staging_.size());
+    const int32_t* ids = hash_ids;
+    if (T > 0) {
+      cudaPointerAttributes attr{};
+      if (cudaPointerGetAttributes(&attr, hash_ids) != cudaSuccess) {
+        return Fail(absl::InvalidArgumentError("prefetch: hash id pointer"));
+      }
+      if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
+        if (cudaMemcpyAsync(d_ids_, hash_ids, static_cast<size_t>(T) * L * cols_ * 4, cudaMemcpyHostToDevice,
+                            stream_) != cudaSuccess) {
+          return Fail(absl::InternalError("prefetch: hash ids to the device"));
+        }
+        ids = d_ids_;
+      }
+    }
+    if (cudaEventRecord(ids_ready_, stream_) != cudaSuccess || cudaStreamWaitEvent(side_, ids_ready_, 0) != cudaSuccess) {
+      return Fail(absl::InternalError("prefetch: fork of the side stream"));
+    }
     std::vector<void*> outs(staging_.begin(), staging_.end());
-    prefetched_ = Step(hash_ids, static_cast<int64_t>(L) * cols_, cols_, T, 0, L, outs.data(), false);
+    prefetched_ = Step(ids, static_cast<int64_t>(L) * cols_, cols_, T, 0, L, outs.data(), false, side_);
+    if (prefetched_.ok() && cudaEventRecord(prefetched_event_, side_) != cudaSuccess) {
+      prefetched_ = Fail(absl::InternalError("prefetch: event"));
+    }
     return prefetched_;
   }
-  // The exchange is on the engine's stream: work queued after it on that stream sees the rows.
   absl::Status Wait(int l) override {
     if (l < 0 || l >= static_cast<int>(staging_.size())) return absl::InvalidArgumentError("wait: layer out of range");
     {
@@ -67,7 +103,12 @@ class DpDeviceEngine final : public LookupEngine {
       std::lock_guard<std::mutex> lock(mu_);
       if (aborted_in_flight_) return absl::AbortedError(abort_reason_);
     }
-    return prefetched_;
+    if (!prefetched_.ok()) return prefetched_;
+    // Work queued on the engine's stream after this sees the rows (one event for every layer: the step's end).
+    if (cudaStreamWaitEvent(stream_, prefetched_event_, 0) != cudaSuccess) {
+      return Fail(absl::InternalError("wait: join of the side stream"));
+    }
+    return absl::OkStatus();
   }
   uint16_t* staging(int l) const override {
     return l < 0 || l >= static_cast<int>(staging_.size()) ? nullptr : staging_[static_cast<size_t>(l)];
@@ -138,6 +179,27 @@ class DpDeviceEngine final : public LookupEngine {
     }
     shape.group_col_begin = static_cast<int32_t>(plan.group_col_begin);
     shape.group_col_end = static_cast<int32_t>(plan.group_col_end);
+    // Facts every member must share, agreed once through the communicator: whether every shard is in GPU memory
+    // (peer reads need it), and the knobs that decide which collectives a step runs (rank 0's win).
+    const bool on_gpu = table.records(0) == nullptr;  // a DEVICE shard has no host copy
+    const int64_t chunk_kib = EnvInt("ENGRAM_DP_CHUNK_KIB", DpExchangeShape::kDefaultDpChunkBytes >> 10);
+    const char* a2a = std::getenv("ENGRAM_DP_A2A");
+    const std::vector<int32_t> mine = {
+        on_gpu ? 1 : 0,
+        static_cast<int32_t>(std::clamp<int64_t>(EnvInt("ENGRAM_DP_PEER_MAX_SLOT", kDefaultPeerMaxSlot), 0, INT32_MAX)),
+        static_cast<int32_t>(std::clamp<int64_t>(chunk_kib, 0, INT32_MAX)),
+        a2a != nullptr && std::string(a2a) == "sequential" ? 1 : 0};
+    auto agreed = e->AllGatherInts(comm, static_cast<int32_t>(plan.edp), mine);
+    if (!agreed.ok()) {
+      if (nccl_comm == nullptr) nccl->CommAbort(comm);  // formed here, not yet owned by an exchange
+      return agreed.status();
+    }
+    const std::vector<int32_t>& all = *agreed;
+    bool all_on_gpu = true;
+    for (int64_t m = 0; m < plan.edp; ++m) all_on_gpu = all_on_gpu && all[static_cast<size_t>(m) * mine.size()] == 1;
+    const int32_t peer_max_slot = all[1];
+    shape.chunk_bytes = int64_t{all[2]} << 10;
+    shape.sequential = all[3] == 1;
     std::vector<ShardLayer> shard;
     for (int64_t l = 0; l < L; ++l) {
       const auto& li = table.layers()[static_cast<size_t>(l)];
@@ -146,22 +208,25 @@ class DpDeviceEngine final : public LookupEngine {
     ASSIGN_OR_RETURN(e->exchange_, DpNcclExchange::Create(shape, comm, /*own_comm=*/nccl_comm == nullptr, stream,
                                                           std::move(shard), broken, DpStepTimeout()));
     // Peer reads for small slots, when every member's shard is in GPU memory: all members decide alike, since the
-    // facts (slot, every member's shard kind) are the group's. The shard kind is agreed through one all-gather.
-    const bool on_gpu = table.records(0) == nullptr;  // a DEVICE shard has no host copy
-    if (g.slot <= PeerMaxSlot()) {
-      ASSIGN_OR_RETURN(bool all_on_gpu, e->AllMembers(on_gpu));
-      if (all_on_gpu) {
-        RETURN_IF_ERROR(e->exchange_->ExchangePeerShards(table.device_records(0)));
-        e->peer_ = true;
+    // facts (slot, every member's shard kind, the agreed threshold) are the group's.
+    if (g.slot <= peer_max_slot && all_on_gpu) {
+      RETURN_IF_ERROR(e->exchange_->ExchangePeerShards(table.device_records(0)));
+      e->peer_ = true;
+    }
+    for (cudaEvent_t* ev : {&e->event_, &e->ids_ready_, &e->prefetched_event_}) {
+      if (cudaEventCreateWithFlags(ev, cudaEventDisableTiming) != cudaSuccess) {
+        return absl::InternalError("cudaEventCreate failed");
       }
     }
-    if (cudaEventCreateWithFlags(&e->event_, cudaEventDisableTiming) != cudaSuccess) {
-      return absl::InternalError("cudaEventCreate failed");
+    if (cudaStreamCreateWithFlags(&e->side_, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaMalloc(&e->d_ids_, static_cast<size_t>(max_tokens) * L * e->cols_ * 4) != cudaSuccess) {
+      return absl::ResourceExhaustedError("cannot create the DP prefetch stream and id buffer");
     }
     e->watchdog_ = std::thread([raw = e.get()] { raw->Watch(); });
     spdlog::info("engram: event=dp_group_formed transport=nccl group={} members={} edp_rank={} slot={} path={} "
-                 "exchange_bytes={}",
+                 "a2a={} chunks={} exchange_bytes={}",
                  g.group, g.members.size(), me, g.slot, e->peer_ ? "nvlink-peer" : "all-to-all",
+                 shape.sequential ? "sequential" : "pipelined", e->exchange_->chunks(static_cast<int32_t>(L)),
                  e->exchange_->device_bytes());
     return std::unique_ptr<LookupEngine>(std::move(e));
   }
@@ -169,34 +234,45 @@ class DpDeviceEngine final : public LookupEngine {
  private:
   DpDeviceEngine() = default;
 
-  // Whether `mine` holds on every member (one all-gather of a flag through the exchange's communicator).
-  absl::StatusOr<bool> AllMembers(bool mine) {
-    const int32_t n = static_cast<int32_t>(group_->formed().members.size());
-    std::vector<int32_t> ids(static_cast<size_t>(cols_), mine ? 1 : 0);
-    int32_t* d = nullptr;
-    if (cudaMalloc(&d, static_cast<size_t>(cols_) * 4) != cudaSuccess) return absl::InternalError("cudaMalloc");
-    cudaMemcpy(d, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice);
-    int32_t* all = nullptr;
-    cudaMalloc(&all, static_cast<size_t>(n) * cols_ * 4);
+  // Every member's `mine` (the same length on each), member m's at [m * mine.size(), ...): one all-gather through
+  // the communicator, polled with the group's broken check.
+  absl::StatusOr<std::vector<int32_t>> AllGatherInts(ncclComm_t comm, int32_t n, const std::vector<int32_t>& mine) {
     ASSIGN_OR_RETURN(const NcclApi* nccl, NcclApi::Get());
-    const ncclResult_t r = nccl->AllGather(d, all, static_cast<size_t>(cols_), ncclInt32, exchange_->comm(), stream_);
-    ncclResult_t st = r;
-    while (st == ncclInProgress || (st == ncclSuccess && r == ncclInProgress)) {
-      nccl->CommGetAsyncError(exchange_->comm(), &st);
-      if (st == ncclSuccess) break;
-      if (auto why = group_->Broken()) return absl::AbortedError(*why);
-      std::this_thread::yield();
+    const size_t k = mine.size();
+    int32_t* d = nullptr;
+    if (cudaMalloc(&d, (static_cast<size_t>(n) + 1) * k * 4) != cudaSuccess) return absl::InternalError("cudaMalloc");
+    std::vector<int32_t> got(static_cast<size_t>(n) * k);
+    absl::Status result;
+    if (cudaMemcpy(d, mine.data(), k * 4, cudaMemcpyHostToDevice) != cudaSuccess) {
+      result = absl::InternalError("cudaMemcpy");
     }
-    if (st != ncclSuccess) return absl::InternalError(absl::StrCat("all-gather: ", nccl->GetErrorString(st)));
-    std::vector<int32_t> got(static_cast<size_t>(n) * cols_);
-    cudaStreamSynchronize(stream_);
-    cudaMemcpy(got.data(), all, got.size() * 4, cudaMemcpyDeviceToHost);
+    if (result.ok()) {
+      const ncclResult_t r = nccl->AllGather(d, d + k, k, ncclInt32, comm, stream_);
+      ncclResult_t st = r;
+      const auto deadline = std::chrono::steady_clock::now() + DpFormTimeout();
+      while (st == ncclInProgress || (st == ncclSuccess && r == ncclInProgress)) {
+        nccl->CommGetAsyncError(comm, &st);
+        if (st == ncclSuccess) break;
+        std::optional<std::string> why = group_->Broken();
+        if (!why && std::chrono::steady_clock::now() > deadline) why = "the group's first all-gather did not complete";
+        if (why) {
+          st = ncclSuccess;
+          result = absl::AbortedError(*why);
+          break;
+        }
+        std::this_thread::yield();
+      }
+      if (result.ok() && st != ncclSuccess) {
+        result = absl::InternalError(absl::StrCat("all-gather: ", nccl->GetErrorString(st)));
+      }
+    }
+    if (result.ok() && (cudaStreamSynchronize(stream_) != cudaSuccess ||
+                        cudaMemcpy(got.data(), d + k, got.size() * 4, cudaMemcpyDeviceToHost) != cudaSuccess)) {
+      result = absl::InternalError("all-gather: copy back");
+    }
     cudaFree(d);
-    cudaFree(all);
-    for (int32_t m = 0; m < n; ++m) {
-      if (got[static_cast<size_t>(m) * cols_] != 1) return false;
-    }
-    return true;
+    if (!result.ok()) return result;
+    return got;
   }
 
   absl::Status Fail(absl::Status st) {
@@ -208,19 +284,20 @@ class DpDeviceEngine final : public LookupEngine {
   }
 
   absl::Status Step(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T, int l0, int nl,
-                    void* const* outs, bool packed) {
+                    void* const* outs, bool packed, cudaStream_t stream) {
     if (!failed_.ok()) return failed_;
     if (auto why = group_->Broken()) return Fail(absl::AbortedError(*why));
     if (auto why = exchange_->aborted()) return Fail(absl::AbortedError(*why));
     if (T < 0 || T > max_tokens_) {
       return Fail(absl::InvalidArgumentError(absl::StrCat(T, " tokens; the engine was sized for ", max_tokens_)));
     }
-    if (auto st = exchange_->Step(ids, token_stride, layer_stride, T, l0, nl, outs, packed, peer_); !st.ok()) {
+    if (auto st = exchange_->Step(ids, token_stride, layer_stride, T, l0, nl, outs, packed, peer_, stream);
+        !st.ok()) {
       if (auto why = exchange_->aborted()) return Fail(absl::AbortedError(*why));
       return Fail(st);
     }
     std::lock_guard<std::mutex> lock(mu_);
-    cudaEventRecord(event_, stream_);
+    cudaEventRecord(event_, stream);  // the step's end, for the watchdog
     pending_since_ = std::chrono::steady_clock::now();
     pending_ = true;
     return absl::OkStatus();
@@ -257,6 +334,10 @@ class DpDeviceEngine final : public LookupEngine {
   }
 
   cudaStream_t stream_ = nullptr;
+  cudaStream_t side_ = nullptr;             // the prefetch stream
+  cudaEvent_t ids_ready_ = nullptr;         // recorded on stream_ by Prefetch: the side stream starts after it
+  cudaEvent_t prefetched_event_ = nullptr;  // the prefetch step's end on side_, joined by Wait
+  int32_t* d_ids_ = nullptr;                // host hash ids copied for the device [max_tokens, L, cols]
   int device_ = 0;
   int64_t cols_ = 0;
   int32_t max_tokens_ = 0;

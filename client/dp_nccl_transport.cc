@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 #include <thread>
@@ -181,6 +182,25 @@ absl::StatusOr<std::unique_ptr<DpNcclExchange>> DpNcclExchange::Create(const DpE
   if (auto st = x->Cuda(cudaMemcpy(x->iota_, iota.data(), iota.size() * 4, cudaMemcpyHostToDevice), "iota"); !st.ok()) {
     return st;
   }
+  // The pipelined path's side streams: the collectives first in line for SMs freed by the packing/unpacking kernels.
+  int least = 0, greatest = 0;
+  if (auto st = x->Cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities"); !st.ok()) return st;
+  if (auto st = x->Cuda(cudaStreamCreateWithPriority(&x->comm_stream_, cudaStreamNonBlocking, greatest), "stream");
+      !st.ok()) {
+    return st;
+  }
+  if (auto st = x->Cuda(cudaStreamCreateWithPriority(&x->own_stream_, cudaStreamNonBlocking, least), "stream");
+      !st.ok()) {
+    return st;
+  }
+  std::vector<cudaEvent_t*> events = {&x->ev_start_, &x->ev_split_, &x->ev_ids_, &x->ev_own_, &x->ev_done_};
+  for (int k = 0; k < kMaxChunks; ++k) {
+    events.push_back(&x->ev_pack_[k]);
+    events.push_back(&x->ev_recv_[k]);
+  }
+  for (cudaEvent_t* e : events) {
+    if (auto st = x->Cuda(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "event"); !st.ok()) return st;
+  }
   return x;
 }
 
@@ -190,6 +210,16 @@ DpNcclExchange::~DpNcclExchange() {
                   static_cast<void*>(recv_recs_), static_cast<void*>(tmp_rows_), static_cast<void*>(iota_),
                   static_cast<void*>(unpack_ids_)}) {
     if (p != nullptr) cudaFree(p);
+  }
+  for (cudaEvent_t e : {ev_start_, ev_split_, ev_ids_, ev_own_, ev_done_}) {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+  for (int k = 0; k < kMaxChunks; ++k) {
+    if (ev_pack_[k] != nullptr) cudaEventDestroy(ev_pack_[k]);
+    if (ev_recv_[k] != nullptr) cudaEventDestroy(ev_recv_[k]);
+  }
+  for (cudaStream_t st : {comm_stream_, own_stream_}) {  // released once their work is done
+    if (st != nullptr) cudaStreamDestroy(st);
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (own_comm_ && comm_ != nullptr && !aborted_) {
@@ -263,12 +293,249 @@ absl::Status DpNcclExchange::ExchangePeerShards(const void* alloc_base) {
   return absl::OkStatus();
 }
 
+int32_t DpNcclExchange::chunks(int32_t nl) const {
+  const int64_t rows = static_cast<int64_t>(nl) * shape_.slot;
+  const int64_t bytes = rows * part_ * shape_.record_bytes() * std::max(shape_.members - 1, 1);
+  if (shape_.chunk_bytes <= 0) return 1;
+  const int64_t k = (bytes + shape_.chunk_bytes - 1) / shape_.chunk_bytes;
+  return static_cast<int32_t>(std::clamp<int64_t>(k, 1, std::min<int64_t>(rows, kMaxChunks)));
+}
+
+absl::Status DpNcclExchange::Gather(const Source& source, const int32_t* ids, int64_t token_stride,
+                                    int64_t layer_stride, int32_t T, int32_t nl, void* const* outs,
+                                    cudaStream_t stream, const char* what) {
+  const int32_t n = shape_.members;
+  kernels::PeerGatherArgs g;
+  g.members = n;
+  g.layers = nl;
+  for (int32_t s = 0; s < n; ++s) {
+    for (int32_t li = 0; li < nl; ++li) {
+      const ShardLayer src = source(s, li);
+      g.records[s][li] = src.records;
+      g.row_begin[s][li] = src.row_begin;
+      g.row_end[s][li] = src.row_end;
+    }
+    g.col_begin[s] = shape_.col_begin[static_cast<size_t>(s)];
+  }
+  g.col_begin[n] = shape_.col_end[static_cast<size_t>(n - 1)];
+  g.ids = ids;
+  g.token_stride = token_stride;
+  g.layer_stride = layer_stride;
+  g.num_tokens = T;
+  g.cols = shape_.cols;
+  g.head_dim = shape_.head_dim;
+  for (int32_t li = 0; li < nl; ++li) g.out[li] = static_cast<uint16_t*>(outs[li]);
+  return Cuda(kernels::LaunchPeerGather(g, stream), what);
+}
+
 absl::Status DpNcclExchange::Step(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T,
-                                  int32_t l0, int32_t nl, void* const* outs, bool packed, bool peer) {
+                                  int32_t l0, int32_t nl, void* const* outs, bool packed, bool peer,
+                                  cudaStream_t stream) {
   if (auto why = aborted()) return absl::AbortedError(*why);
   if (T < 0 || T > shape_.slot || l0 < 0 || nl < 1 || l0 + nl > shape_.layers) {
     return absl::InvalidArgumentError("DP exchange: step outside the exchange's shape");
   }
+  const int32_t n = shape_.members;
+  const bool one_launch = !packed && n <= kernels::kMaxGatherMembers && nl <= kernels::kMaxGatherLayers;
+  if (!peer) {
+    // Steps follow each other on the device whatever streams their callers use: the buffers and side streams are
+    // the exchange's (the event is the previous step's end; never recorded yet, the wait is a no-op).
+    if (auto st = Cuda(cudaStreamWaitEvent(stream, ev_done_, 0), "event"); !st.ok()) return st;
+    absl::Status st = one_launch && !shape_.sequential
+                          ? StepPipelined(ids, token_stride, layer_stride, T, l0, nl, outs, stream)
+                          : StepSequential(ids, token_stride, layer_stride, T, l0, nl, outs, packed, stream);
+    if (!st.ok()) return st;
+    return Cuda(cudaEventRecord(ev_done_, stream), "event");
+  }
+  if (peers_.empty()) return absl::FailedPreconditionError("DP exchange: peer reads without peer shards");
+  if (T == 0) return absl::OkStatus();
+  if (one_launch) {
+    // One launch: every member's shard read in place, bf16 rows straight into the caller's staging columns.
+    return Gather([&](int32_t s, int32_t li) { return peers_[static_cast<size_t>(s)][static_cast<size_t>(l0 + li)]; },
+                  ids, token_stride, layer_stride, T, nl, outs + l0, stream, "peer gather kernel");
+  }
+  const int64_t C = shape_.cols, D = shape_.head_dim;
+  const size_t row_bytes = static_cast<size_t>(packed ? shape_.record_bytes() : D * 2);
+  for (int32_t li = 0; li < nl; ++li) {
+    for (int32_t s = 0; s < n; ++s) {
+      const int32_t cb = shape_.col_begin[static_cast<size_t>(s)], os = shape_.col_end[static_cast<size_t>(s)] - cb;
+      const ShardLayer& src = peers_[static_cast<size_t>(s)][static_cast<size_t>(l0 + li)];
+      kernels::LookupArgs a;
+      a.records = src.records;
+      a.row_begin = src.row_begin;
+      a.row_end = src.row_end;
+      a.head_dim = static_cast<int32_t>(D);
+      a.ids = ids + li * layer_stride + cb;
+      a.num_tokens = T;
+      a.num_cols = os;
+      a.ids_stride = token_stride;
+      a.out = tmp_rows_;
+      a.packed = packed;
+      if (auto st = Cuda(kernels::LaunchLookup(a, stream), "lookup kernel"); !st.ok()) return st;
+      if (auto st = Cuda(cudaMemcpy2DAsync(static_cast<uint8_t*>(outs[l0 + li]) + cb * row_bytes, C * row_bytes,
+                                           tmp_rows_, os * row_bytes, os * row_bytes, T, cudaMemcpyDeviceToDevice,
+                                           stream),
+                         "peer rows copy");
+          !st.ok()) {
+        return st;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DpNcclExchange::StepPipelined(const int32_t* ids, int64_t token_stride, int64_t layer_stride,
+                                           int32_t T, int32_t l0, int32_t nl, void* const* outs,
+                                           cudaStream_t stream) {
+  const int64_t S = shape_.slot, rb = shape_.record_bytes();
+  const int32_t me = shape_.me, n = shape_.members;
+  auto cb = [&](int32_t s) { return shape_.col_begin[static_cast<size_t>(s)]; };
+  auto cols = [&](int32_t s) { return shape_.col_end[static_cast<size_t>(s)] - cb(s); };
+  const int32_t own = cols(me);
+  // Where member p's blocks lie this step (p != me): ids to it, ids from it, records to it, records from it.
+  int64_t ids_to[kernels::kMaxGatherMembers] = {}, ids_from[kernels::kMaxGatherMembers] = {};
+  {
+    int64_t to = 0, from = 0;
+    for (int32_t p = 0; p < n; ++p) {
+      if (p == me) continue;
+      ids_to[p] = to;
+      ids_from[p] = from;
+      to += S * nl * cols(p);
+      from += S * nl * own;
+    }
+  }
+  const int64_t chunk_me = nl * S * own * rb;
+  // 0. Fork: the side streams start after what the caller queued (the ids).
+  if (auto st = Cuda(cudaEventRecord(ev_start_, stream), "event"); !st.ok()) return st;
+  // 1. My own columns of my own tokens, straight from my shard into the staging columns (side stream, concurrent).
+  if (auto st = Cuda(cudaStreamWaitEvent(own_stream_, ev_start_, 0), "event"); !st.ok()) return st;
+  if (T > 0 && own > 0) {
+    kernels::PeerGatherArgs g;
+    g.members = 1;
+    g.layers = nl;
+    for (int32_t li = 0; li < nl; ++li) {
+      const ShardLayer& src = shard_[static_cast<size_t>(l0 + li)];
+      g.records[0][li] = src.records;
+      g.row_begin[0][li] = src.row_begin;
+      g.row_end[0][li] = src.row_end;
+      g.out[li] = static_cast<uint16_t*>(outs[l0 + li]);
+    }
+    g.col_begin[0] = cb(me);
+    g.col_begin[1] = cb(me) + own;
+    g.ids = ids;
+    g.token_stride = token_stride;
+    g.layer_stride = layer_stride;
+    g.num_tokens = T;
+    g.cols = shape_.cols;
+    g.head_dim = shape_.head_dim;
+    g.max_blocks = 0x7fffffff;  // short blocks: the SMs go back to the collectives as they finish
+    if (auto st = Cuda(kernels::LaunchPeerGather(g, own_stream_), "own columns kernel"); !st.ok()) return st;
+  }
+  if (auto st = Cuda(cudaEventRecord(ev_own_, own_stream_), "event"); !st.ok()) return st;
+  // 2. My ids of each other member's columns, padded with -1 (DEAD) to the slot.
+  {
+    kernels::DpSplitIdsArgs a;
+    a.ids = ids;
+    a.token_stride = token_stride;
+    a.layer_stride = layer_stride;
+    a.num_tokens = T;
+    a.slot = static_cast<int32_t>(S);
+    a.layers = nl;
+    a.members = n;
+    a.me = me;
+    for (int32_t s = 0; s < n; ++s) a.col_begin[s] = cb(s);
+    a.col_begin[n] = shape_.col_end[static_cast<size_t>(n - 1)];
+    a.out = send_ids_;
+    for (int32_t p = 0; p < n; ++p) a.out_off[p] = ids_to[p];
+    if (auto st = Cuda(kernels::LaunchDpSplitIds(a, stream), "ids split kernel"); !st.ok()) return st;
+  }
+  if (auto st = Cuda(cudaEventRecord(ev_split_, stream), "event"); !st.ok()) return st;
+  if (auto st = Cuda(cudaStreamWaitEvent(comm_stream_, ev_split_, 0), "event"); !st.ok()) return st;
+  const int32_t K = chunks(nl);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (aborted_) return absl::AbortedError("the DP exchange was aborted");
+  // 3. Each member gets the ids of its columns (one grouped send/recv on the communication stream).
+  nccl_->GroupStart();
+  for (int32_t p = 0; p < n; ++p) {
+    if (p == me) continue;
+    nccl_->Send(send_ids_ + ids_to[p], static_cast<size_t>(S * nl * cols(p)), ncclInt32, p, comm_, comm_stream_);
+    nccl_->Recv(all_ids_ + ids_from[p], static_cast<size_t>(S * nl * own), ncclInt32, p, comm_, comm_stream_);
+  }
+  if (auto st = Wait(nccl_->GroupEnd(), "exchange of hash ids"); !st.ok()) return st;
+  if (auto st = Cuda(cudaEventRecord(ev_ids_, comm_stream_), "event"); !st.ok()) return st;
+  if (auto st = Cuda(cudaStreamWaitEvent(stream, ev_ids_, 0), "event"); !st.ok()) return st;
+  // 4. Chunk k of rows r = layer * slot + token: packed on the step's stream, sent on the communication stream.
+  const int64_t rows = nl * S;
+  auto row = [&](int32_t k) { return rows * k / K; };
+  for (int32_t k = 0; k < K; ++k) {
+    kernels::DpPackArgs a;
+    for (int32_t li = 0; li < nl; ++li) {
+      const ShardLayer& src = shard_[static_cast<size_t>(l0 + li)];
+      a.records[li] = src.records;
+      a.row_begin[li] = src.row_begin;
+      a.row_end[li] = src.row_end;
+    }
+    a.ids = all_ids_;
+    a.out = send_recs_;
+    for (int32_t p = 0; p < n; ++p) {
+      a.ids_off[p] = ids_from[p];
+      a.out_off[p] = p * chunk_me;
+    }
+    a.members = n;
+    a.me = me;
+    a.slot = static_cast<int32_t>(S);
+    a.layers = nl;
+    a.own = own;
+    a.head_dim = shape_.head_dim;
+    a.row0 = row(k);
+    a.row1 = row(k + 1);
+    if (auto st = Cuda(kernels::LaunchDpPack(a, stream), "pack kernel"); !st.ok()) return st;
+    if (auto st = Cuda(cudaEventRecord(ev_pack_[k], stream), "event"); !st.ok()) return st;
+  }
+  for (int32_t k = 0; k < K; ++k) {
+    if (auto st = Cuda(cudaStreamWaitEvent(comm_stream_, ev_pack_[k], 0), "event"); !st.ok()) return st;
+    const int64_t r0 = row(k), r1 = row(k + 1);
+    nccl_->GroupStart();
+    for (int32_t p = 0; p < n; ++p) {
+      if (p == me) continue;
+      nccl_->Send(send_recs_ + p * chunk_me + r0 * own * rb, static_cast<size_t>((r1 - r0) * own * rb), ncclUint8, p,
+                  comm_, comm_stream_);
+      nccl_->Recv(recv_recs_ + recv_off_[static_cast<size_t>(p)] + r0 * cols(p) * rb,
+                  static_cast<size_t>((r1 - r0) * cols(p) * rb), ncclUint8, p, comm_, comm_stream_);
+    }
+    if (auto st = Wait(nccl_->GroupEnd(), "all-to-all of records"); !st.ok()) return st;
+    if (auto st = Cuda(cudaEventRecord(ev_recv_[k], comm_stream_), "event"); !st.ok()) return st;
+  }
+  // 5. Chunk k unpacked into the other members' columns as it arrives; then join the own-column stream.
+  for (int32_t k = 0; k < K; ++k) {
+    if (T == 0 && k + 1 < K) continue;  // no rows to unpack, but the join below waits for the last chunk
+    if (auto st = Cuda(cudaStreamWaitEvent(stream, ev_recv_[k], 0), "event"); !st.ok()) return st;
+    if (T == 0) break;
+    kernels::DpUnpackArgs u;
+    for (int32_t s = 0; s < n; ++s) {
+      u.records[s] = s == me ? nullptr : recv_recs_ + recv_off_[static_cast<size_t>(s)];
+      u.col_begin[s] = cb(s);
+    }
+    u.col_begin[n] = shape_.col_end[static_cast<size_t>(n - 1)];
+    u.members = n;
+    u.slot = static_cast<int32_t>(S);
+    u.layers = nl;
+    u.num_tokens = T;
+    u.cols = shape_.cols;
+    u.head_dim = shape_.head_dim;
+    u.row0 = row(k);
+    u.row1 = row(k + 1);
+    for (int32_t li = 0; li < nl; ++li) u.out[li] = static_cast<uint16_t*>(outs[l0 + li]);
+    if (n > 1) {
+      if (auto st = Cuda(kernels::LaunchDpUnpack(u, stream), "unpack kernel"); !st.ok()) return st;
+    }
+  }
+  return Cuda(cudaStreamWaitEvent(stream, ev_own_, 0), "event");
+}
+
+absl::Status DpNcclExchange::StepSequential(const int32_t* ids, int64_t token_stride, int64_t layer_stride,
+                                            int32_t T, int32_t l0, int32_t nl, void* const* outs, bool packed,
+                                            cudaStream_t stream) {
   const int64_t S = shape_.slot, C = shape_.cols, rb = shape_.record_bytes(), D = shape_.head_dim;
   const int32_t me = shape_.me, n = shape_.members;
   const size_t row_bytes = static_cast<size_t>(packed ? rb : D * 2);
@@ -285,61 +552,13 @@ absl::Status DpNcclExchange::Step(const int32_t* ids, int64_t token_stride, int6
     a.ids_stride = stride;
     a.out = out;
     a.packed = pk;
-    return Cuda(kernels::LaunchLookup(a, stream_), "lookup kernel");
+    return Cuda(kernels::LaunchLookup(a, stream), "lookup kernel");
   };
-  // Rows [T, os] of member s's columns (contiguous, row_bytes each) into the caller's [T, C] rows at its columns.
-  auto place = [&](void* out, int32_t s, const void* rows) {
-    const int64_t cb = shape_.col_begin[static_cast<size_t>(s)];
-    const int64_t os = shape_.col_end[static_cast<size_t>(s)] - cb;
-    return Cuda(cudaMemcpy2DAsync(static_cast<uint8_t*>(out) + cb * row_bytes, C * row_bytes, rows, os * row_bytes,
-                                  os * row_bytes, T, cudaMemcpyDeviceToDevice, stream_),
-                "unpack copy");
-  };
-  if (peer) {
-    if (peers_.empty()) return absl::FailedPreconditionError("DP exchange: peer reads without peer shards");
-    if (T == 0) return absl::OkStatus();
-    if (!packed && n <= kernels::kMaxGatherMembers && nl <= kernels::kMaxGatherLayers) {
-      // One launch: every member's shard read in place, bf16 rows straight into the caller's staging columns.
-      kernels::PeerGatherArgs g;
-      g.members = n;
-      g.layers = nl;
-      for (int32_t s = 0; s < n; ++s) {
-        for (int32_t li = 0; li < nl; ++li) {
-          const ShardLayer& src = peers_[static_cast<size_t>(s)][static_cast<size_t>(l0 + li)];
-          g.records[s][li] = src.records;
-          g.row_begin[s][li] = src.row_begin;
-          g.row_end[s][li] = src.row_end;
-        }
-        g.col_begin[s] = shape_.col_begin[static_cast<size_t>(s)];
-      }
-      g.col_begin[n] = shape_.col_end[static_cast<size_t>(n - 1)];
-      g.ids = ids;
-      g.token_stride = token_stride;
-      g.layer_stride = layer_stride;
-      g.num_tokens = T;
-      g.cols = static_cast<int32_t>(C);
-      g.head_dim = static_cast<int32_t>(D);
-      for (int32_t li = 0; li < nl; ++li) g.out[li] = static_cast<uint16_t*>(outs[l0 + li]);
-      return Cuda(kernels::LaunchPeerGather(g, stream_), "peer gather kernel");
-    }
-    for (int32_t li = 0; li < nl; ++li) {
-      for (int32_t s = 0; s < n; ++s) {
-        const int32_t cb = shape_.col_begin[static_cast<size_t>(s)], os = shape_.col_end[static_cast<size_t>(s)] - cb;
-        if (auto st = lookup(peers_[static_cast<size_t>(s)][static_cast<size_t>(l0 + li)],
-                             ids + li * layer_stride + cb, token_stride, T, os, tmp_rows_, packed);
-            !st.ok()) {
-          return st;
-        }
-        if (auto st = place(outs[l0 + li], s, tmp_rows_); !st.ok()) return st;
-      }
-    }
-    return absl::OkStatus();
-  }
   // 1. My ids, padded with -1 (DEAD: zero rows) to the slot.
   if (T > 0) {
     for (int32_t li = 0; li < nl; ++li) {
       if (auto st = Cuda(cudaMemcpy2DAsync(send_ids_ + li * C, nl * C * 4, ids + li * layer_stride, token_stride * 4,
-                                           C * 4, T, cudaMemcpyDeviceToDevice, stream_),
+                                           C * 4, T, cudaMemcpyDeviceToDevice, stream),
                          "ids copy");
           !st.ok()) {
         return st;
@@ -347,7 +566,7 @@ absl::Status DpNcclExchange::Step(const int32_t* ids, int64_t token_stride, int6
     }
   }
   if (T < S) {
-    if (auto st = Cuda(cudaMemsetAsync(send_ids_ + T * nl * C, 0xFF, (S - T) * nl * C * 4, stream_), "ids pad");
+    if (auto st = Cuda(cudaMemsetAsync(send_ids_ + T * nl * C, 0xFF, (S - T) * nl * C * 4, stream), "ids pad");
         !st.ok()) {
       return st;
     }
@@ -355,7 +574,7 @@ absl::Status DpNcclExchange::Step(const int32_t* ids, int64_t token_stride, int6
   std::lock_guard<std::mutex> lock(mu_);
   if (aborted_) return absl::AbortedError("the DP exchange was aborted");
   // 2. All-gather of every member's ids.
-  if (auto st = Wait(nccl_->AllGather(send_ids_, all_ids_, static_cast<size_t>(S * nl * C), ncclInt32, comm_, stream_),
+  if (auto st = Wait(nccl_->AllGather(send_ids_, all_ids_, static_cast<size_t>(S * nl * C), ncclInt32, comm_, stream),
                      "all-gather of hash ids");
       !st.ok()) {
     return st;
@@ -378,13 +597,13 @@ absl::Status DpNcclExchange::Step(const int32_t* ids, int64_t token_stride, int6
     if (p == me) continue;
     const int64_t cols_p = shape_.col_end[static_cast<size_t>(p)] - shape_.col_begin[static_cast<size_t>(p)];
     const int64_t chunk_p = nl * S * cols_p * rb;
-    nccl_->Send(send_recs_ + p * chunk_me, static_cast<size_t>(chunk_me), ncclUint8, p, comm_, stream_);
+    nccl_->Send(send_recs_ + p * chunk_me, static_cast<size_t>(chunk_me), ncclUint8, p, comm_, stream);
     nccl_->Recv(recv_recs_ + recv_off_[static_cast<size_t>(p)], static_cast<size_t>(chunk_p), ncclUint8, p, comm_,
-                stream_);
+                stream);
   }
   if (auto st = Wait(nccl_->GroupEnd(), "all-to-all of records"); !st.ok()) return st;
   if (auto st = Cuda(cudaMemcpyAsync(recv_recs_ + recv_off_[static_cast<size_t>(me)], send_recs_ + me * chunk_me,
-                                     static_cast<size_t>(chunk_me), cudaMemcpyDeviceToDevice, stream_),
+                                     static_cast<size_t>(chunk_me), cudaMemcpyDeviceToDevice, stream),
                      "own records");
       !st.ok()) {
     return st;
@@ -392,41 +611,32 @@ absl::Status DpNcclExchange::Step(const int32_t* ids, int64_t token_stride, int6
   if (T == 0) return absl::OkStatus();
   // 5. Unpack my tokens' rows of every member's columns, in column order.
   if (!packed && n <= kernels::kMaxGatherMembers && nl <= kernels::kMaxGatherLayers) {
-    // One launch: the received blocks as each member's "shard" (row t * os + c' is token t's column cb + c'),
-    // dequantised straight into the caller's staging columns.
-    kernels::PeerGatherArgs g;
-    g.members = n;
-    g.layers = nl;
-    for (int32_t s = 0; s < n; ++s) {
-      const int32_t os = shape_.col_end[static_cast<size_t>(s)] - shape_.col_begin[static_cast<size_t>(s)];
-      for (int32_t li = 0; li < nl; ++li) {
-        g.records[s][li] = recv_recs_ + recv_off_[static_cast<size_t>(s)] + li * S * os * rb;
-        g.row_begin[s][li] = 0;
-        g.row_end[s][li] = S * os;
-      }
-      g.col_begin[s] = shape_.col_begin[static_cast<size_t>(s)];
-    }
-    g.col_begin[n] = shape_.col_end[static_cast<size_t>(n - 1)];
-    g.ids = unpack_ids_;
-    g.token_stride = C;
-    g.layer_stride = 0;
-    g.num_tokens = T;
-    g.cols = static_cast<int32_t>(C);
-    g.head_dim = static_cast<int32_t>(D);
-    for (int32_t li = 0; li < nl; ++li) g.out[li] = static_cast<uint16_t*>(outs[l0 + li]);
-    return Cuda(kernels::LaunchPeerGather(g, stream_), "unpack kernel");
+    // One launch: the received blocks as each member's "shard" (row t * os + c' is token t's column cb + c').
+    return Gather(
+        [&](int32_t s, int32_t li) {
+          const int64_t os = shape_.col_end[static_cast<size_t>(s)] - shape_.col_begin[static_cast<size_t>(s)];
+          return ShardLayer{recv_recs_ + recv_off_[static_cast<size_t>(s)] + li * S * os * rb, 0, S * os};
+        },
+        unpack_ids_, C, 0, T, nl, outs + l0, stream, "unpack kernel");
   }
   for (int32_t li = 0; li < nl; ++li) {
     for (int32_t s = 0; s < n; ++s) {
-      const int32_t os = shape_.col_end[static_cast<size_t>(s)] - shape_.col_begin[static_cast<size_t>(s)];
+      const int64_t cb = shape_.col_begin[static_cast<size_t>(s)], os = shape_.col_end[static_cast<size_t>(s)] - cb;
       const uint8_t* recs = recv_recs_ + recv_off_[static_cast<size_t>(s)] + li * S * os * rb;
       const void* rows = recs;
       if (!packed) {
         // The received records as a table of their own (row i = record i), dequantised by the lookup kernel.
-        if (auto st = lookup({recs, 0, S * os}, iota_, os, T, os, tmp_rows_, false); !st.ok()) return st;
+        if (auto st = lookup({recs, 0, S * os}, iota_, os, T, static_cast<int32_t>(os), tmp_rows_, false); !st.ok()) {
+          return st;
+        }
         rows = tmp_rows_;
       }
-      if (auto st = place(outs[l0 + li], s, rows); !st.ok()) return st;
+      if (auto st = Cuda(cudaMemcpy2DAsync(static_cast<uint8_t*>(outs[l0 + li]) + cb * row_bytes, C * row_bytes,
+                                           rows, os * row_bytes, os * row_bytes, T, cudaMemcpyDeviceToDevice, stream),
+                         "unpack copy");
+          !st.ok()) {
+        return st;
+      }
     }
   }
   return absl::OkStatus();

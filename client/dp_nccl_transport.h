@@ -1,18 +1,25 @@
 // DpNcclExchange: the production transport of the DP-sharded exchange (client/dp_sharded.h) on the GPU, over NCCL
 // (loaded at run time with dlopen("libnccl.so.2"): the library is linked dynamically, never bundled, and a process
 // that never runs DP_SHARDED never needs it). Two paths, the same rows bit for bit:
-//   collective  all-gather of the members' hash ids (padded with -1 to the group slot: static shapes), lookup of
-//               this rank's columns for every gathered token into packed 264-byte records (the lookup kernel,
-//               packed), one grouped send/recv all-to-all of the records, unpack to bf16 straight into the caller's
-//               [T, cols, head_dim] buffers in column order (one peer-gather launch over the received blocks);
+//   collective  (pipelined, the default) this rank's own columns of its own tokens are read straight from its shard
+//               into the caller's staging columns (no record, no copy), on a side stream, concurrently with the rest;
+//               the other members' columns travel: a grouped send/recv gives each member the ids of its columns
+//               (padded with -1 to the group slot: static shapes), one launch packs this rank's 264-byte records for
+//               every other member's ids, and one grouped send/recv per chunk of (layer, token) rows moves them: the
+//               records of chunk k travel (on a high-priority communication stream) while chunk k + 1 is packed and
+//               chunk k - 1 is unpacked to bf16 straight into the caller's columns. Chunks: the step's record bytes
+//               over DpExchangeShape::chunk_bytes, a group-wide fact, so every member issues the same collectives.
+//               (sequential) the earlier form, kept for packed output and as DpExchangeShape::sequential: all-gather
+//               of every member's ids, lookup of members x slot tokens, one send/recv, own block copied, unpack;
 //   peer reads  (slots up to a threshold, every member's shard in GPU memory) each rank reads the other members'
 //               shards directly over NVLink (CUDA IPC mappings exchanged once through the communicator): no
 //               collective; one launch of the peer gather (kernels/dp_kernels.h) writes bf16 rows straight into the
 //               caller's columns (packed output: a lookup per member and a strided copy).
-// The path is chosen from the group slot, so every member takes the same one. Everything is enqueued on the given
-// stream into fixed buffers sized at creation (CUDA-graph friendly); nothing synchronises the host.
-// The communicator is non-blocking (ncclConfig_t.blocking = 0): every call is polled with a deadline and an
-// abort check, and Abort() (any thread) calls ncclCommAbort, which ends kernels stuck waiting for a member that
+// The path is chosen from the group slot, so every member takes the same one. A step is enqueued on the stream the
+// caller passes, into fixed buffers sized at creation; side streams fork from it and join back into it through
+// events, so work queued on that stream after Step sees the rows, and nothing synchronises the host (CUDA-graph
+// friendly). The communicator is non-blocking (ncclConfig_t.blocking = 0): every call is polled with a deadline and
+// an abort check, and Abort() (any thread) calls ncclCommAbort, which ends kernels stuck waiting for a member that
 // died. Either the engine's own communicator (not owned) or one formed here from an ncclUniqueId.
 // Thread-compatible, except Abort() and aborted(), which are thread-safe.
 #pragma once
@@ -62,7 +69,12 @@ struct DpExchangeShape {
   int32_t members = 0, me = 0, slot = 0, layers = 0, cols = 0, head_dim = 0;
   std::vector<int32_t> col_begin, col_end;  // per member (edp rank)
   int32_t group_col_begin = 0, group_col_end = 0;
+  // Collective path: record bytes a member sends per chunk, at most (0: one chunk per step); `sequential`: the
+  // earlier unpipelined form. Both must be alike on every member (they decide which collectives run).
+  int64_t chunk_bytes = kDefaultDpChunkBytes;
+  bool sequential = false;
   int32_t record_bytes() const { return head_dim + head_dim / 32; }
+  static constexpr int64_t kDefaultDpChunkBytes = int64_t{8} << 20;
 };
 
 class DpNcclExchange {
@@ -88,11 +100,13 @@ class DpNcclExchange {
     return peers_[static_cast<size_t>(member)][static_cast<size_t>(layer)];
   }
 
-  // One step over layers [l0, l0 + nl): ids(t, li, c) = ids[t * token_stride + li * layer_stride + c] (device),
-  // outs[l0 + li] receives bf16 [T, cols, head_dim] or, packed, [T, cols, record_bytes]; columns outside the group
-  // are left as they are (the caller zeroes them once). `peer`: the peer-read path (needs peer shards).
+  // One step over layers [l0, l0 + nl) on `stream`: ids(t, li, c) = ids[t * token_stride + li * layer_stride + c]
+  // (device), outs[l0 + li] receives bf16 [T, cols, head_dim] or, packed, [T, cols, record_bytes]; columns outside
+  // the group are left as they are (the caller zeroes them once). `peer`: the peer-read path (needs peer shards).
   absl::Status Step(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T, int32_t l0,
-                    int32_t nl, void* const* outs, bool packed, bool peer);
+                    int32_t nl, void* const* outs, bool packed, bool peer, cudaStream_t stream);
+  // Chunks of the collective path for a step of `nl` layers (group-wide: slot, column split, chunk_bytes).
+  int32_t chunks(int32_t nl) const;
 
   // Aborts the communicator (thread-safe): kernels waiting for a dead member end; every later Step fails.
   void Abort(const std::string& why);
@@ -104,6 +118,16 @@ class DpNcclExchange {
   DpNcclExchange() = default;
   absl::Status Wait(ncclResult_t r, const char* what);
   absl::Status Cuda(cudaError_t e, const char* what);
+  // The peer gather over member s's layer l0 + li as `source(s, li)`, into outs[li] (li < nl): the peer path, and
+  // the sequential path's unpack.
+  using Source = std::function<ShardLayer(int32_t s, int32_t li)>;
+  absl::Status Gather(const Source& source, const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T,
+                      int32_t nl, void* const* outs, cudaStream_t stream, const char* what);
+  absl::Status StepPipelined(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T, int32_t l0,
+                             int32_t nl, void* const* outs, cudaStream_t stream);
+  absl::Status StepSequential(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T, int32_t l0,
+                              int32_t nl, void* const* outs, bool packed, cudaStream_t stream);
+  static constexpr int kMaxChunks = 16;
 
   const NcclApi* nccl_ = nullptr;
   DpExchangeShape shape_;
@@ -116,8 +140,13 @@ class DpNcclExchange {
   BrokenFn broken_;
   std::chrono::milliseconds timeout_{60000};
   int32_t part_ = 0;
-  int32_t* send_ids_ = nullptr;   // [slot, layers, cols]
-  int32_t* all_ids_ = nullptr;    // [members, slot, layers, cols]
+  // Side streams of the pipelined path (NCCL on comm_stream_, high priority; own columns on own_stream_) and the
+  // events that fork them from the step's stream and join them back.
+  cudaStream_t comm_stream_ = nullptr, own_stream_ = nullptr;
+  cudaEvent_t ev_start_ = nullptr, ev_split_ = nullptr, ev_ids_ = nullptr, ev_own_ = nullptr, ev_done_ = nullptr;
+  cudaEvent_t ev_pack_[kMaxChunks] = {}, ev_recv_[kMaxChunks] = {};
+  int32_t* send_ids_ = nullptr;   // sequential [slot, layers, cols]; pipelined: per other member [slot, layers, its cols]
+  int32_t* all_ids_ = nullptr;    // sequential [members, slot, layers, cols]; pipelined: per other member [slot, layers, own]
   uint8_t* send_recs_ = nullptr;  // [members][layers][slot][own cols][rb]
   uint8_t* recv_recs_ = nullptr;  // [members][layers][slot][their cols][rb]
   std::vector<size_t> recv_off_;

@@ -11,6 +11,8 @@ if [ "${1:-}" = dp ]; then  # only its targets, in an already configured build d
 elif [ "${1:-}" = hostgather ]; then  # only its targets, in an already configured build directory
   cmake --build "$build" --target gpu_host_gather_test gpu_kernels_test gpu_prefetch_test uva_lookup_helper \
     bench_kernels > /dev/null
+elif [ "${1:-}" = register ]; then  # only its targets, in an already configured build directory
+  cmake --build "$build" --target bench_register bench_daemon engramd > /dev/null
 elif [ "${1:-}" = python ]; then  # only what the Python set needs (a full CUDA build is long on 2 cores)
   [ -f "$build/build.ninja" ] || cmake -S "$root" -B "$build" -G Ninja -DENGRAM_CUDA=ON -DENGRAM_CUDA_ARCHS=90 \
     -DENGRAM_WERROR="${ENGRAM_WERROR:-OFF}" > /dev/null
@@ -44,7 +46,9 @@ case "${1:-kernels}" in
   # The host-gather lookup path (issue 14): its GPU test, the kernel tests, bench_kernels (run.sh hostgather).
   hostgather) bins=("$build/tests/gpu_host_gather_test" "$build/tests/gpu_kernels_test" "$build/tests/gpu_prefetch_test"
                     "$build/tests/uva_lookup_helper" "$build/bench/bench_kernels") ;;
-  *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon|client|tests|python|dp|hostgather]" >&2; exit 2 ;;
+  # Registration and publishing on each page kind (issue 14): bench_register, bench_daemon (run.sh register).
+  register) bins=("$build/bench/bench_register" "$build/bench/bench_daemon" "$build/daemon/engramd") ;;
+  *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon|client|tests|python|dp|hostgather|register]" >&2; exit 2 ;;
 esac
 for b in "${bins[@]}"; do
   cp "$b" "$out/bin/"
@@ -147,10 +151,11 @@ if [ "$what" = dp ]; then
   "$here/bin/bench_dp" ${ENGRAM_DP_BENCH_ARGS:-} 2>&1 | tee "$out/bench_dp.log" || rc=1
   cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
   if [ -n "$cs" ]; then
-    # The lookup/unpack kernels and the peer gather of both paths (small shards and batches: memcheck is slow).
-    for k in Lookup PeerGather; do
+    # The exchange's kernels (Dp*: ids split, pack, unpack), the peer gather (peer path and own columns) and the
+    # lookup (sequential form), every all-to-all form (small shards and batches, 7 KiB chunks: memcheck is slow).
+    for k in Dp PeerGather Lookup; do
       "$cs" --tool memcheck --error-exitcode 9 --report-api-errors no --kernel-name kns=$k "$here/bin/bench_dp" \
-        --tokens 3,127 --iters 2 --rows 4096 --uva-rows 4096 > "$out/sanitize-dp-memcheck-$k.log" 2>&1
+        --tokens 3,127 --iters 2 --rows 4096 --uva-rows 4096 --variants seq,0,7 > "$out/sanitize-dp-memcheck-$k.log" 2>&1
       r=$?; echo "compute-sanitizer memcheck $k (bench_dp): exit $r ($(grep -E 'ERROR SUMMARY' "$out/sanitize-dp-memcheck-$k.log" | tail -1))"
       [ $r = 0 ] || rc=1
     done
@@ -175,6 +180,35 @@ if [ "$what" = hostgather ]; then
 fi
 if [ "$what" = daemon ]; then
   "$here/bin/bench_daemon" --gib "${ENGRAM_PUBLISH_GIB:-16}" --engramd "$here/bin/engramd" 2>&1 | tee "$out/bench_daemon.log" || rc=1
+fi
+if [ "$what" = register ]; then
+  # Registration (bench_register) and publishing (bench_daemon) on 4 KiB /dev/shm, a huge=always tmpfs this run
+  # mounts and, where a 2 MiB hugetlb pool can be had, a hugetlbfs mount (the pool is grown for the run and put back).
+  gib=${ENGRAM_REGISTER_GIB:-16}
+  shm=$(mktemp -d /dev/shm/engram-reg.XXXXXX)
+  thp=$(mktemp -d /mnt/engram-thp.XXXXXX)
+  mount -t tmpfs -o size=$(( 2 * gib + 8 ))G,huge=always tmpfs "$thp"
+  old_hp=$(cat /proc/sys/vm/nr_hugepages)
+  need=$(( gib * 512 + 64 ))
+  [ "$old_hp" -ge "$need" ] || echo "$need" > /proc/sys/vm/nr_hugepages
+  grep -E 'HugePages_(Total|Free)|Hugepagesize' /proc/meminfo | tee "$out/register-meminfo.txt"
+  htlb=""
+  if [ "$(awk '/HugePages_Free/ {print $2}' /proc/meminfo)" -ge "$need" ]; then
+    htlb=$(mktemp -d /mnt/engram-htlb.XXXXXX)
+    mount -t hugetlbfs -o pagesize=2M none "$htlb" || { rmdir "$htlb"; htlb=""; }
+  else
+    echo "hugetlb: asked for $need 2 MiB pages, the kernel gave $(cat /proc/sys/vm/nr_hugepages): no hugetlbfs case" | tee -a "$out/register-meminfo.txt"
+  fi
+  kinds=(--kind "4k-shm:$shm:0.64" --kind "thp-tmpfs:$thp:0.45")
+  mounts=(--shm "4k-shm:$shm" --shm "thp-tmpfs:$thp")
+  [ -z "$htlb" ] || { kinds+=(--kind "hugetlbfs:$htlb:0.34"); mounts+=(--shm "hugetlbfs:$htlb"); }
+  "$here/bin/bench_register" --gib "$gib" "${kinds[@]}" ${ENGRAM_REGISTER_ARGS:-} 2>&1 | tee "$out/bench_register.log" || rc=1
+  "$here/bin/bench_daemon" --gib "${ENGRAM_PUBLISH_GIB:-$gib}" "${mounts[@]}" --only-mounts 1 2>&1 | tee "$out/bench_daemon.log" || rc=1
+  [ -z "$htlb" ] || { umount "$htlb"; rmdir "$htlb"; }
+  umount "$thp"; rmdir "$thp"
+  rm -rf "$shm"
+  echo "$old_hp" > /proc/sys/vm/nr_hugepages
+  echo "nr_hugepages put back to $(cat /proc/sys/vm/nr_hugepages)" | tee -a "$out/register-meminfo.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   "$here/bin/bench_kernels" "$here/data/configs/v41-flash.json" "${ENGRAM_TABLE_GIB:-16}" 2>&1 | tee "$out/bench_kernels.log" || rc=1

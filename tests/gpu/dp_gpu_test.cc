@@ -1,9 +1,11 @@
 // DP_SHARDED on two GPUs (issue 12, step 2): a real engramd brokers the group, two engram-replica processes (one per
-// GPU, --device 0/1) form it, exchange over NCCL (the all-to-all path) or read each other's shards over NVLink (the
-// peer path, forced with ENGRAM_DP_PEER_MAX_SLOT), and check every sampled row against the checkpoint through the
-// independent row oracle: T = 1, 3, 127, 4096, 8192 tokens on rank 0 and about two thirds of that on rank 1. The
-// shards live in GPU memory (cpu_offload false); one case keeps them in pinned host memory (read through UVA). Own
-// main(): exits 77 (ctest: skipped) without two GPUs.
+// GPU, --device 0/1) form it, exchange over NCCL (the all-to-all path: pipelined with the default chunks, pipelined
+// with chunks so small that they split layers and tokens unevenly, and the sequential form) or read each other's
+// shards over NVLink (the peer path, forced with ENGRAM_DP_PEER_MAX_SLOT), and check every sampled row against the
+// checkpoint through the independent row oracle: T = 1, 3, 127, 4096, 8192 tokens on rank 0 and about two thirds of
+// that on rank 1. The shards live in GPU memory (cpu_offload false); one case keeps them in pinned host memory (read
+// through UVA) with a rank that has no tokens, on both all-to-all forms. Own main(): exits 77 (ctest: skipped)
+// without two GPUs.
 #include <cuda_runtime_api.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -67,12 +69,45 @@ class DpGpuTest : public ::testing::Test {
   Process daemon_;
 };
 
-TEST_F(DpGpuTest, BothPathsReturnTheCheckpointsRows) {
-  for (const char* path : {"all-to-all", "nvlink-peer"}) {
-    ::setenv("ENGRAM_DP_PEER_MAX_SLOT", std::string(path) == "all-to-all" ? "0" : "1000000", 1);
+// One all-to-all form or the peer path: the environment the replicas get and what their log says they took.
+struct PathCase {
+  const char* name;
+  const char* peer_max_slot;
+  const char* chunk_kib;  // null: the default
+  const char* a2a;        // null: pipelined
+  std::vector<std::string> log_has;
+};
+
+void SetCase(const PathCase& c) {
+  ::setenv("ENGRAM_DP_PEER_MAX_SLOT", c.peer_max_slot, 1);
+  if (c.chunk_kib != nullptr) ::setenv("ENGRAM_DP_CHUNK_KIB", c.chunk_kib, 1);
+  else ::unsetenv("ENGRAM_DP_CHUNK_KIB");
+  if (c.a2a != nullptr) ::setenv("ENGRAM_DP_A2A", c.a2a, 1);
+  else ::unsetenv("ENGRAM_DP_A2A");
+}
+
+void UnsetCase() {
+  for (const char* v : {"ENGRAM_DP_PEER_MAX_SLOT", "ENGRAM_DP_CHUNK_KIB", "ENGRAM_DP_A2A"}) ::unsetenv(v);
+}
+
+const std::vector<PathCase>& AllToAllCases() {
+  static const std::vector<PathCase> cases = {
+      {"all-to-all", "0", nullptr, nullptr, {"path=all-to-all", "a2a=pipelined"}},
+      // 7 KiB chunks: up to 16 per step, boundaries inside layers and between tokens of uneven counts.
+      {"all-to-all-chunks", "0", "7", nullptr, {"path=all-to-all", "a2a=pipelined"}},
+      {"all-to-all-sequential", "0", nullptr, "sequential", {"path=all-to-all", "a2a=sequential"}},
+  };
+  return cases;
+}
+
+TEST_F(DpGpuTest, EveryPathReturnsTheCheckpointsRows) {
+  std::vector<PathCase> cases = AllToAllCases();
+  cases.push_back({"nvlink-peer", "1000000", nullptr, nullptr, {"path=nvlink-peer"}});
+  for (const PathCase& c : cases) {
+    SetCase(c);
     for (int T : {1, 3, 127, 4096, 8192}) {
       const int T1 = T - T / 3;
-      const std::string tag = std::string(path) + "-T" + std::to_string(T);
+      const std::string tag = std::string(c.name) + "-T" + std::to_string(T);
       for (const json& j : RunPair(T, T1, "--cpu-offload false", tag)) {
         EXPECT_EQ(j["mode"], "DP_SHARDED") << tag << j.dump();
         EXPECT_EQ(j["backend"], "cuda") << tag;
@@ -80,19 +115,28 @@ TEST_F(DpGpuTest, BothPathsReturnTheCheckpointsRows) {
         EXPECT_GT(j["verified"].get<int64_t>(), 0) << tag;
       }
       // The path the group took is in the replicas' logs.
-      const std::string log = testing::ReadFile(dir_ / (tag + "-r0.log"));
-      EXPECT_NE(log.find(std::string("path=") + path), std::string::npos) << log;
+      for (int r = 0; r < 2; ++r) {
+        const std::string log = testing::ReadFile(dir_ / (tag + "-r" + std::to_string(r) + ".log"));
+        for (const std::string& want : c.log_has) EXPECT_NE(log.find(want), std::string::npos) << tag << log;
+      }
     }
   }
-  ::unsetenv("ENGRAM_DP_PEER_MAX_SLOT");
+  UnsetCase();
 }
 
 TEST_F(DpGpuTest, PinnedHostShardsAndARankWithoutTokens) {
-  // cpu_offload true: each shard in pinned host memory (UVA), the all-to-all path; rank 1 has no tokens.
-  for (const json& j : RunPair(127, 0, "", "pinned")) {
-    EXPECT_EQ(j["mode"], "DP_SHARDED") << j.dump();
-    EXPECT_EQ(j["mismatches"], 0);
+  // cpu_offload true: each shard in pinned host memory (UVA), the all-to-all path (every form); rank 1 has no tokens.
+  for (const PathCase& c : AllToAllCases()) {
+    SetCase(c);
+    const std::string tag = std::string("pinned-") + c.name;
+    for (const json& j : RunPair(127, 0, "", tag)) {
+      EXPECT_EQ(j["mode"], "DP_SHARDED") << tag << j.dump();
+      EXPECT_EQ(j["mismatches"], 0) << tag;
+    }
+    const std::string log = testing::ReadFile(dir_ / (tag + "-r1.log"));
+    for (const std::string& want : c.log_has) EXPECT_NE(log.find(want), std::string::npos) << tag << log;
   }
+  UnsetCase();
 }
 
 }  // namespace
