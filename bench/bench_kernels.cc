@@ -187,13 +187,17 @@ int main(int argc, char** argv) {
   // alone, then sort + gather, the scatter and dequantisation being fused into the gather) and its variants (how
   // the sorted positions are spread over the grid, rows in flight per warp).
   const engram::kernels::LookupTuning default_tuning = engram::kernels::GetLookupTuning();
-  auto tune = [&](int64_t sort_min_items, int variant, bool sort_only) {
+  auto tune = [&](int64_t sort_min_items, int variant, bool sort_only, int blocks = -1) {
     engram::kernels::LookupTuning t = default_tuning;
     t.sort_min_items = sort_min_items;
     t.sort_variant = variant;
     t.sort_only = sort_only;
+    if (blocks >= 0) t.sort_blocks = blocks;
     engram::kernels::SetLookupTuning(t);
   };
+  // Fresh ids per call: consecutive calls take consecutive batches of the random ids in d_ids (up to 16), so that a
+  // small batch's rows are not still in L2 and the TLBs from the call before (a repeated batch flatters them).
+  auto batches = [&](int64_t items) { return static_cast<int>(std::min<int64_t>(16, max_items / items)); };
   {
     const size_t scratch_bytes = engram::kernels::LookupSortScratchBytes(max_items);
     void* scratch = nullptr;
@@ -201,49 +205,52 @@ int main(int argc, char** argv) {
     for (int64_t n_rows : {int64_t{24576}, int64_t{196608}, int64_t{1} << 20}) {
       new_ids(rows);
       const int64_t items = n_rows / C * C;
-      auto run = [&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0, scratch, scratch_bytes); };
+      const int sets = batches(items);
+      int k = 0;
+      auto run_blocks = [&](int max_blocks) {
+        lookup(static_cast<const uint8_t*>(dseg), rows, items, false, max_blocks, scratch, scratch_bytes,
+               d_ids + (k++ % sets) * items);
+      };
+      auto run = [&] { run_blocks(0); };
       tune(1, 0, true);
       const double sort_ms = MedianMs(run, s, 10, 2);
-      std::printf("UVA row-order, %7lld rows: sort alone (keys + radix)      %8.3f ms\n", static_cast<long long>(items),
-                  sort_ms);
+      std::printf("UVA row-order, %7lld rows (fresh ids, %2d batches): sort alone (keys + radix) %8.3f ms\n",
+                  static_cast<long long>(items), sets, sort_ms);
       for (int variant = 0; variant < 4; ++variant) {
-        tune(1, variant, false);
-        const double ms = MedianMs(run, s, 10, 2);
-        const double gbs = items * rb / ms / 1e6;
-        std::printf("UVA row-order, %7lld rows, variant %d (%s) %8.3f ms %8.2f GB/s %.3f of H2D (gather %.3f ms)\n",
-                    static_cast<long long>(items), variant,
-                    variant == 0 ? "grid-stride, 4 rows/warp" : variant == 1 ? "grid-stride, 8 rows/warp"
-                    : variant == 2 ? "block runs, 4 rows/warp " : "block runs, 8 rows/warp ",
-                    ms, gbs, gbs / h2d, ms - sort_ms);
-      }
-      // Grid: fewer blocks than the persistent grid (fewer rows in flight per SM).
-      for (int variant : {0, 2}) {
-        for (int blocks : {132, 264, 528}) {
-          tune(1, variant, false);
-          const double ms = MedianMs(
-              [&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, false, blocks, scratch, scratch_bytes); }, s,
-              10, 2);
-          std::printf("UVA row-order, %7lld rows, variant %d, %3d blocks           %8.3f ms %8.2f GB/s %.3f of H2D\n",
-                      static_cast<long long>(items), variant, blocks, ms, items * rb / ms / 1e6,
-                      items * rb / ms / 1e6 / h2d);
+        for (int blocks : {8, 16, 32, 66, 132, 0}) {
+          if (variant >= 2 && blocks != 0 && blocks != 32) continue;
+          tune(1, variant, false, blocks);
+          const double ms = MedianMs(run, s, 10, 2);
+          const double gbs = items * rb / ms / 1e6;
+          std::printf("UVA row-order, %7lld rows, variant %d (%s), %4s blocks %8.3f ms %8.2f GB/s %.3f of H2D "
+                      "(gather %.3f ms)\n", static_cast<long long>(items), variant,
+                      variant == 0 ? "grid-stride, 4 rows/warp" : variant == 1 ? "grid-stride, 8 rows/warp"
+                      : variant == 2 ? "block runs, 4 rows/warp " : "block runs, 8 rows/warp ",
+                      blocks ? std::to_string(blocks).c_str() : "all", ms, gbs, gbs / h2d, ms - sort_ms);
         }
       }
     }
-    // Crossover of the plain and the row-order kernel (the default threshold is sort_min_items).
-    for (int64_t n_rows : {int64_t{24576}, int64_t{49152}, int64_t{98304}, int64_t{196608}}) {
+    // Crossover of the plain and the row-order kernel (the default threshold is sort_min_items), fresh ids.
+    for (int64_t n_rows : {int64_t{24576}, int64_t{32768}, int64_t{49152}, int64_t{98304}, int64_t{196608}}) {
       new_ids(rows);
       const int64_t items = n_rows / C * C;
-      auto run = [&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0, scratch, scratch_bytes); };
+      const int sets = batches(items);
+      int k = 0;
+      auto run = [&] {
+        lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0, scratch, scratch_bytes,
+               d_ids + (k++ % sets) * items);
+      };
       tune(int64_t{1} << 40, default_tuning.sort_variant, false);
-      const double plain = MedianMs(run, s, 10, 2);
+      const double plain = MedianMs(run, s, 20, 4);
       tune(1, default_tuning.sort_variant, false);
-      const double sorted = MedianMs(run, s, 10, 2);
-      std::printf("UVA crossover %7lld rows: plain %.3f ms (%.2f GB/s), row-order %.3f ms (%.2f GB/s)\n",
+      const double sorted = MedianMs(run, s, 20, 4);
+      std::printf("UVA crossover %7lld rows (fresh ids): plain %.3f ms (%.2f GB/s), row-order %.3f ms (%.2f GB/s)\n",
                   static_cast<long long>(items), plain, items * rb / plain / 1e6, sorted, items * rb / sorted / 1e6);
     }
     engram::kernels::SetLookupTuning(default_tuning);
-    std::printf("row-order gather default: from %lld items, variant %d\n",
-                static_cast<long long>(default_tuning.sort_min_items), default_tuning.sort_variant);
+    std::printf("row-order gather default: from %lld items, variant %d, %d blocks\n",
+                static_cast<long long>(default_tuning.sort_min_items), default_tuning.sort_variant,
+                default_tuning.sort_blocks);
     CUDA_CHECK(cudaFree(scratch));
   }
   // Grid size: does the UVA gather need the whole GPU?
@@ -316,19 +323,24 @@ int main(int argc, char** argv) {
     std::printf("host gather: %d threads (default share of %d cores); engine default: dedup %d, UVA share %.2f\n",
                 hg[0]->threads(), cores, engram::client::kEngineHostGatherDedup ? 1 : 0,
                 engram::client::kEngineHostGatherUvaShare);
-    const double shares[] = {0.3, 0.45, 0.6};
+    const double shares[] = {0.25, 0.4, 0.55};
     for (double repeat : {0.0, 0.45}) {
-      for (int64_t n_rows : {int64_t{24576}, int64_t{196608}, int64_t{1} << 20}) {
+      for (int64_t n_rows : {int64_t{6144}, int64_t{24576}, int64_t{196608}, int64_t{1} << 20}) {
         const int64_t items = n_rows / C * C;
         const int32_t tokens = static_cast<int32_t>(items / C);
-        fill_ids(items, repeat);
+        const int sets = batches(items);
+        int k = 0;
+        fill_ids(items, repeat, sets);
         auto line = [&](const std::string& what, double ms, int64_t moved) {
           const double served = items * rb / ms / 1e6;
-          std::printf("%-7lld rows, %2.0f%% repeats, %-40s %8.3f ms %7.2f GB/s %7.2f GB/s  %.3f\n",
-                      static_cast<long long>(items), repeat * 100, what.c_str(), ms, served, moved * rb / ms / 1e6,
+          std::printf("%-7lld rows, %2.0f%% repeats, %2d batches, %-40s %8.3f ms %7.2f GB/s %7.2f GB/s  %.3f\n",
+                      static_cast<long long>(items), repeat * 100, sets, what.c_str(), ms, served, moved * rb / ms / 1e6,
                       served / h2d);
         };
-        auto uva_run = [&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0, scratch, scratch_bytes); };
+        auto uva_run = [&] {
+          lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0, scratch, scratch_bytes,
+                 d_ids + (k++ % sets) * items);
+        };
         tune(int64_t{1} << 40, default_tuning.sort_variant, false);
         const double plain = MedianMs(uva_run, s, 10, 2);
         line("UVA kernel", plain, items);
@@ -347,7 +359,9 @@ int main(int argc, char** argv) {
             auto& g = *hg[dd];
             g.set_uva_share(share);
             const double ms = MedianMs([&] {
-              if (!g.Prefetch(ids.data(), tokens, C, s).ok() || !g.Wait(0, s).ok()) std::exit(1);
+              if (!g.Prefetch(ids.data() + (k++ % sets) * items, tokens, C, s).ok() || !g.Wait(0, s).ok()) {
+                std::exit(1);
+              }
             }, s, 10, 2);
             char what[96];
             std::snprintf(what, sizeof what, "host gather, %s, UVA share %.2f", dd ? "de-duplicated" : "every row", share);
@@ -369,59 +383,35 @@ int main(int argc, char** argv) {
         if (repeat == 0.0) best.push_back({items, uva_engine, host_engine, "", host_what});
       }
     }
-    // Fresh ids every call (rotating over batches whose records do not fit in L2 together): the repeated-batch
-    // numbers above let a small batch's rows stay in the GPU's L2 and TLBs from one call to the next.
-    for (int64_t n_rows : {int64_t{24576}, int64_t{196608}}) {
-      const int64_t items = n_rows / C * C;
-      const int sets = static_cast<int>(std::min<int64_t>(16, max_items / items));
-      const int32_t tokens = static_cast<int32_t>(items / C);
-      fill_ids(items, 0.0, sets);
-      int k = 0;
-      auto line = [&](const char* what, double ms) {
-        std::printf("%-7lld rows, fresh ids (%2d batches), %-34s %8.3f ms %7.2f GB/s  %.3f\n",
-                    static_cast<long long>(items), sets, what, ms, items * rb / ms / 1e6, items * rb / ms / 1e6 / h2d);
-      };
-      auto uva_run = [&] {
-        lookup(static_cast<const uint8_t*>(dseg), rows, items, false, 0, scratch, scratch_bytes, d_ids + (k++ % sets) * items);
-      };
-      tune(int64_t{1} << 40, default_tuning.sort_variant, false);
-      line("UVA kernel", MedianMs(uva_run, s, 20, 4));
-      tune(1, default_tuning.sort_variant, false);
-      line("UVA row-order gather", MedianMs(uva_run, s, 20, 4));
-      engram::kernels::SetLookupTuning(default_tuning);
-      for (double share : {0.0, shares[1]}) {
-        hg[0]->set_uva_share(share);
-        const double ms = MedianMs([&] {
-          if (!hg[0]->Prefetch(ids.data() + (k++ % sets) * items, tokens, C, s).ok() || !hg[0]->Wait(0, s).ok()) {
-            std::exit(1);
-          }
-        }, s, 20, 4);
-        line(share > 0 ? "host gather, every row, UVA share 0.45" : "host gather, every row", ms);
-      }
-      hg[0]->set_uva_share(0);
-    }
     hg[0].reset();
     hg[1].reset();
-    // Threads: how the host gather scales (random rows, 196K and 1M).
-    for (int64_t n_rows : {int64_t{196608}, int64_t{1} << 20}) {
+    // Threads and chunk sizes: how the host gather scales (random rows, fresh ids; every row; the engine's share).
+    for (int64_t n_rows : {int64_t{24576}, int64_t{196608}, int64_t{1} << 20}) {
       const int64_t items = n_rows / C * C;
-      fill_ids(items, 0.0);
-      for (int th : {16, 24, 28}) {
-        if (th > cores) continue;
-        for (int dd = 0; dd < 2; ++dd) {
-          if (dd == 1 && th == 28) continue;
-          auto g = make_hg(dd == 1, th);
-          for (double share : {0.0, 0.3, 0.45}) {
-            if (dd == 1 && share != 0.0) continue;
-            g->set_uva_share(share);
+      const int sets = batches(items);
+      int k = 0;
+      fill_ids(items, 0.0, sets);
+      for (int th : {16, 24}) {
+        for (int64_t min_chunk : {int64_t{1024}, int64_t{4096}}) {
+          if (th > cores || (min_chunk != 1024 && n_rows > 196608)) continue;
+          engram::client::HostGatherOptions o;
+          o.threads = th;
+          o.dedup = false;
+          o.min_chunk_rows = min_chunk;
+          auto g = engram::client::HostGather::Create({{seg, 0, rows, static_cast<const uint8_t*>(dseg)}}, {d_out},
+                                                      static_cast<int32_t>(max_items / C), C, static_cast<int32_t>(D), o);
+          if (!g.ok()) return 1;
+          for (double share : {0.0, engram::client::kEngineHostGatherUvaShare}) {
+            (*g)->set_uva_share(share);
             const double ms = MedianMs([&] {
-              if (!g->Prefetch(ids.data(), static_cast<int32_t>(items / C), C, s).ok() || !g->Wait(0, s).ok()) {
+              if (!(*g)->Prefetch(ids.data() + (k++ % sets) * items, static_cast<int32_t>(items / C), C, s).ok() ||
+                  !(*g)->Wait(0, s).ok()) {
                 std::exit(1);
               }
             }, s, 10, 2);
-            std::printf("host gather %2d threads, %s, UVA share %.2f, %7lld rows  %8.3f ms %7.2f GB/s  %.3f of H2D\n",
-                        th, dd ? "de-duplicated" : "every row    ", share, static_cast<long long>(items), ms,
-                        items * rb / ms / 1e6, items * rb / ms / 1e6 / h2d);
+            std::printf("host gather %2d threads, chunks >= %4lld rows, every row, UVA share %.2f, %7lld rows %8.3f ms "
+                        "%7.2f GB/s  %.3f of H2D\n", th, static_cast<long long>(min_chunk), share,
+                        static_cast<long long>(items), ms, items * rb / ms / 1e6, items * rb / ms / 1e6 / h2d);
           }
         }
       }
@@ -501,7 +491,7 @@ int main(int argc, char** argv) {
     std::printf("hash T=8192, 2 layers x 24 columns               %8.2f us                (bar 15 us)\n", ms * 1e3);
 
     // Prefetch during a busy main stream: main = 10 gate kernels of T=8192.
-    for (int blocks : {0, 16, 66}) {
+    for (int blocks : {0, 8, 16}) {
     engram::kernels::Prefetcher p;
     std::vector<engram::kernels::LayerTable> tables = {{static_cast<const uint8_t*>(dseg), 0, rows / 2},
                                                        {static_cast<const uint8_t*>(dseg) + (rows / 2) * rb, 0, rows / 2}};

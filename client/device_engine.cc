@@ -17,9 +17,10 @@ namespace engram::client {
 namespace {
 
 // kAuto's choice, measured by bench_kernels on the H200 (bench/RESULTS.md, 2026-11-30): per batch size (items per
-// layer, random rows of a 16 GiB table), whether the host-gather path beat the best UVA kernel. A batch takes the
-// choice of the nearest measured size (on a log scale).
-constexpr PathPoint kDefaultPathTable[] = {{24576, false}, {196608, true}, {1048560, false}};
+// layer, random rows of a 16 GiB table, fresh ids per batch), whether the host-gather path (the engine's
+// configuration: every row, a share of the tokens on the UVA row-order kernel) beat the UVA path. A batch takes
+// the choice of the nearest measured size (on a log scale).
+constexpr PathPoint kDefaultPathTable[] = {{6144, false}, {24576, true}, {196608, true}, {1048560, true}};
 
 // ENGRAM_HOST_GATHER_MIN_ITEMS=N: host gather from N items (a plain threshold, a single point marked `threshold`);
 // else the table bench_kernels writes (ENGRAM_LOOKUP_PATH_TABLE: lines "ITEMS host|uva"); else the measured default.

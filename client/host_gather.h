@@ -42,7 +42,7 @@ namespace engram::client {
 // The engine's defaults (client/device_engine.cc; bench_kernels measures them and writes the automatic choice's
 // table for them): de-duplication off, the UVA share of a split batch (bench/RESULTS.md).
 inline constexpr bool kEngineHostGatherDedup = false;
-inline constexpr double kEngineHostGatherUvaShare = 0.45;
+inline constexpr double kEngineHostGatherUvaShare = 0.4;
 
 struct HostGatherOptions {
   int threads = 0;            // gather threads; 0 = DefaultGatherThreads(the machine's cores)

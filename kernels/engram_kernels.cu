@@ -85,9 +85,12 @@ __global__ void HashKernel(LayoutView L, HashArgs a) {
 
 constexpr int kWarpsPerBlock = 8;
 constexpr int kRows = 4;
-// The row-order gather's default threshold (LookupTuning::sort_min_items): below it the plain kernel is faster
-// (bench/RESULTS.md, 2026-11-30: 24K random rows of a 16 GiB table, plain 0.63 of H2D, sorted 0.49).
-constexpr int64_t kDefaultSortMinItems = 65536;
+// The row-order gather's defaults (LookupTuning), measured on the H200 (bench/RESULTS.md, 2026-11-30). Threshold:
+// at 24K random rows of a 16 GiB table the plain kernel is as fast or faster (0.63 vs 0.48 of H2D when the batch
+// repeats, 0.17 vs 0.18 with fresh ids), from 48K rows the sorted one wins (0.46 vs 0.35). Grid: fewer rows in
+// flight gather faster (1M rows: 132 blocks 35.2 GB/s, the persistent 1056 blocks 31.6).
+constexpr int64_t kDefaultSortMinItems = 32768;
+constexpr int32_t kDefaultSortBlocks = 32;
 
 struct LookupGeometry {
   int64_t items;       // T * C
@@ -354,6 +357,7 @@ bool Aligned(const void* p, uintptr_t n) { return (reinterpret_cast<uintptr_t>(p
 struct TuningState {
   std::atomic<int64_t> sort_min_items{kDefaultSortMinItems};
   std::atomic<int32_t> sort_variant{0};
+  std::atomic<int32_t> sort_blocks{kDefaultSortBlocks};
   std::atomic<bool> sort_only{false};
   TuningState() {
     if (const char* v = std::getenv("ENGRAM_LOOKUP_SORT_MIN_ITEMS"); v != nullptr && *v != '\0') {
@@ -361,6 +365,9 @@ struct TuningState {
     }
     if (const char* v = std::getenv("ENGRAM_LOOKUP_SORT_VARIANT"); v != nullptr && *v != '\0') {
       sort_variant.store(std::clamp(std::atoi(v), 0, 3));
+    }
+    if (const char* v = std::getenv("ENGRAM_LOOKUP_SORT_BLOCKS"); v != nullptr && *v != '\0') {
+      sort_blocks.store(std::max(std::atoi(v), 0));
     }
   }
 };
@@ -397,6 +404,7 @@ LookupTuning GetLookupTuning() {
   LookupTuning t;
   t.sort_min_items = Tuning().sort_min_items.load();
   t.sort_variant = Tuning().sort_variant.load();
+  t.sort_blocks = Tuning().sort_blocks.load();
   t.sort_only = Tuning().sort_only.load();
   return t;
 }
@@ -404,6 +412,7 @@ LookupTuning GetLookupTuning() {
 void SetLookupTuning(const LookupTuning& t) {
   Tuning().sort_min_items.store(t.sort_min_items);
   Tuning().sort_variant.store(std::clamp(t.sort_variant, 0, 3));
+  Tuning().sort_blocks.store(std::max(t.sort_blocks, 0));
   Tuning().sort_only.store(t.sort_only);
 }
 
@@ -452,7 +461,18 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
   LookupGeometry g{items, a.head_dim / 8, a.head_dim + a.head_dim / 32};
   const LookupTuning tuning = GetLookupTuning();
   int variant = 0;  // the plain (item-order) gather always takes the grid-stride kernel
-  if (a.sort_scratch != nullptr && items >= std::max<int64_t>(tuning.sort_min_items, 1)) {
+  int64_t grid_cap = a.max_blocks;
+  bool sort = a.sort_scratch != nullptr && items >= std::max<int64_t>(tuning.sort_min_items, 1);
+  if (sort && a.records != nullptr) {
+    // Records in HBM need no row order (nor the small grid): only a host table's address translation does.
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, a.records) != cudaSuccess) {
+      (void)cudaGetLastError();  // a failed query (an unknown pointer) is not the launch's error
+    } else if (attr.type == cudaMemoryTypeDevice) {
+      sort = false;
+    }
+  }
+  if (sort) {
     // Sort (row, item) pairs by row so that the gather walks the table in address order.
     const int64_t count = a.row_end - a.row_begin;
     if (count >= 0xFFFFFFFFll) return cudaErrorInvalidValue;
@@ -480,6 +500,7 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
     g.sentinel = sentinel;
     if (tuning.sort_only) return cudaGetLastError();
     variant = tuning.sort_variant;
+    if (grid_cap <= 0) grid_cap = tuning.sort_blocks;
   }
   if (!a.packed && !Aligned(a.out, 16)) return cudaErrorInvalidValue;
   const int64_t warps_needed = a.packed || g.rec_bytes % 8 != 0 ? items : (items + kRows - 1) / kRows;
@@ -492,7 +513,7 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
                                                                  : reinterpret_cast<const void*>(LookupBytesKernel);
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kWarpsPerBlock * 32, 0) != cudaSuccess) per_sm = 1;
   const int64_t persistent = static_cast<int64_t>(DeviceSmCount()) * std::max(per_sm, 1);
-  blocks = std::min(blocks, a.max_blocks > 0 ? static_cast<int64_t>(a.max_blocks) : persistent);
+  blocks = std::min(blocks, a.max_blocks > 0 ? grid_cap : grid_cap > 0 ? std::min(grid_cap, persistent) : persistent);
   const dim3 grid(static_cast<unsigned>(std::max<int64_t>(blocks, 1))), block(kWarpsPerBlock * 32);
   const bool words = g.rec_bytes % 8 == 0 && Aligned(a.records, 8);
   if (a.packed) {
