@@ -4,7 +4,13 @@
 //   adopt     a restarted daemon's start-to-settled time on an existing READY segment (and per 16 GiB)
 //   attach    session round trip (hello -> grant) against a running engramd
 //   status    Status RPC latency with 64 sessions attached
-// Usage: bench_daemon [--gib N] [--threads N] [--engramd PATH]
+//   mounts   with --shm LABEL:DIR (repeatable; e.g. a huge=always tmpfs, a hugetlbfs mount): on each, the first-touch
+//            ceiling (ftruncate, map, the same threads copying the bytes in: pages faulted in parallel) and the old
+//            fallocate-first copy, then Publish() variants side by side (default: pages populated by the filling
+//            threads; ENGRAM_PUBLISH_RESERVE=whole; checkpoint cache kept / dropped), each as GiB/s and the ratio to
+//            the first-touch copy into the same mount. With --only-mounts 1 nothing else runs.
+//            --threads2 N adds a first-touch copy and a publish with N threads.
+// Usage: bench_daemon [--gib N] [--threads N] [--engramd PATH] [--shm LABEL:DIR]... [--threads2 N] [--only-mounts 1]
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
@@ -20,6 +26,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -53,6 +60,29 @@ void ParallelCopy(uint8_t* dst, const uint8_t* src, size_t n, int threads) {
   for (auto& th : pool) th.join();
 }
 
+// A copy of `src` into a fresh file in `dir` by `threads` threads: `fallocate` first (the old publish's way) or not
+// (first touch: each thread's page faults allocate and zero its pages). GiB/s from open to the last byte.
+double CopyInto(const std::string& dir, const uint8_t* src, size_t bytes, int threads, bool fallocate) {
+  const std::string path = dir + "/probe";
+  const size_t size = (bytes + (size_t{2} << 20) - 1) / (size_t{2} << 20) * (size_t{2} << 20);
+  const auto t0 = Clock::now();
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
+  if (fd < 0) return 0;
+  const int e = fallocate ? ::posix_fallocate(fd, 0, static_cast<off_t>(size)) : ::ftruncate(fd, static_cast<off_t>(size));
+  auto* dst = static_cast<uint8_t*>(::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  ::close(fd);
+  if (e != 0 || dst == MAP_FAILED) {
+    std::printf("probe in %s failed (%s)\n", dir.c_str(), std::strerror(e != 0 ? e : errno));
+    ::unlink(path.c_str());
+    return 0;
+  }
+  ParallelCopy(dst, src, bytes, threads);
+  const double gibs = bytes / 1073741824.0 / Since(t0);
+  ::munmap(dst, size);
+  ::unlink(path.c_str());
+  return gibs;
+}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -64,8 +94,18 @@ int main(int argc, char** argv) {
   double gib = 2;
   int threads = static_cast<int>(std::min(16u, std::max(1u, std::thread::hardware_concurrency())));
   std::string engramd = std::filesystem::path(argv[0]).parent_path().string() + "/../daemon/engramd";
+  std::vector<std::pair<std::string, std::string>> mounts;
+  bool only_mounts = false;
+  int threads2 = 0;  // a second thread count for the mounts' first-touch copy and publish (0: none)
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string a = argv[i];
+    if (a == "--shm") {
+      const std::string v = argv[i + 1];
+      const size_t c = v.find(':');
+      mounts.emplace_back(v.substr(0, c), c == std::string::npos ? v : v.substr(c + 1));
+    }
+    if (a == "--threads2") threads2 = std::atoi(argv[i + 1]);
+    if (a == "--only-mounts") only_mounts = std::atoi(argv[i + 1]) != 0;
     if (a == "--gib") gib = std::atof(argv[i + 1]);
     if (a == "--threads") threads = std::atoi(argv[i + 1]);
     if (a == "--engramd") engramd = argv[i + 1];
@@ -98,6 +138,79 @@ int main(int argc, char** argv) {
   auto tok = engram::Tokenizer::Load((*ckpt)->tokenizer_path());
   engram::TokenMap map = engram::TokenMap::Build(*tok);
   const size_t bytes = gen->table_bytes;
+
+  if (!mounts.empty()) {
+    // Per mount: ceilings, then publish variants. The checkpoint (read once above) stays cached
+    // (ENGRAM_PUBLISH_DROP_CACHE=0) until the last variant of the last mount, which runs the product's default
+    // (dropping the cache behind the reader).
+    std::unique_ptr<uint8_t[]> src_mem(new uint8_t[bytes]);  // filled in parallel, not zeroed by one thread
+    uint8_t* const src = src_mem.get();
+    {
+      std::vector<std::thread> pool;
+      for (int t = 0; t < threads; ++t) {
+        pool.emplace_back([&, t] {
+          for (size_t o = bytes * t / threads; o < bytes * (t + 1) / threads; o += 4096) src[o] = static_cast<uint8_t>(o >> 12);
+        });
+      }
+      for (auto& th : pool) th.join();
+    }
+    struct Variant {
+      std::string name;
+      const char* reserve;   // ENGRAM_PUBLISH_RESERVE
+      const char* drop;      // ENGRAM_PUBLISH_DROP_CACHE
+      const char* sub_rows;  // ENGRAM_PUBLISH_SUB_ROWS
+      int threads;
+    };
+    std::vector<Variant> variants = {{"populate by the filling threads (new)", "writers", "0", "1024", threads},
+                                     {"fallocate first (old)", "whole", "0", "1024", threads},
+                                     {"populate, 4096-row steps", "writers", "0", "4096", threads}};
+    if (threads2 > 0) {
+      variants.push_back({"populate, " + std::to_string(threads2) + " threads", "writers", "0", "1024", threads2});
+    }
+    for (size_t m = 0; m < mounts.size(); ++m) {
+      const auto& [label, dir_root] = mounts[m];
+      const std::string dir = dir_root + "/engram-bench-" + std::to_string(::getpid());
+      std::filesystem::create_directories(dir);
+      const double first_touch = CopyInto(dir, src, bytes, threads, false);
+      const double falloc = CopyInto(dir, src, bytes, threads, true);
+      const double first_touch2 = threads2 > 0 ? CopyInto(dir, src, bytes, threads2, false) : 0;
+      std::printf("\n[%s] %s: first-touch copy %.2f GiB/s (ceiling, %d threads; %.2f GiB/s with %d); "
+                  "fallocate-first copy %.2f GiB/s (%.2f)\n",
+                  label.c_str(), dir_root.c_str(), first_touch, threads, first_touch2, threads2, falloc,
+                  first_touch > 0 ? falloc / first_touch : 0.0);
+      std::vector<Variant> vs = variants;
+      if (m + 1 == mounts.size()) {
+        vs.push_back({"product default (populate; cache dropped after READY)", "writers", "after", "1024", threads});
+      }
+      for (const Variant& v : vs) {
+        ::setenv("ENGRAM_PUBLISH_RESERVE", v.reserve, 1);
+        ::setenv("ENGRAM_PUBLISH_DROP_CACHE", v.drop, 1);
+        ::setenv("ENGRAM_PUBLISH_SUB_ROWS", v.sub_rows, 1);
+        auto r = engram::daemon::Publish(**ckpt, *layout, map, 1, 0, dir, 1, 1, v.threads);
+        if (!r.ok()) {
+          std::printf("[%s] publish, %s: FAILED: %s\n", label.c_str(), v.name.c_str(),
+                      std::string(r.status().message()).c_str());
+          continue;
+        }
+        const double g = bytes / 1073741824.0 / r->seconds;
+        const double ceiling = v.threads == threads ? first_touch : first_touch2;
+        std::printf("[%s] publish %.2f GiB, %s: %.2f s = %.2f GiB/s = %.2f of the first-touch copy (%d threads)\n",
+                    label.c_str(), bytes / 1073741824.0, v.name.c_str(), r->seconds, g, ceiling > 0 ? g / ceiling : 0.0,
+                    v.threads);
+        std::fflush(stdout);
+        ::unlink(r->path.c_str());
+      }
+      ::unsetenv("ENGRAM_PUBLISH_RESERVE");
+      ::unsetenv("ENGRAM_PUBLISH_DROP_CACHE");
+      ::unsetenv("ENGRAM_PUBLISH_SUB_ROWS");
+      std::filesystem::remove_all(dir);
+    }
+    if (only_mounts) {
+      std::filesystem::remove_all(work);
+      std::filesystem::remove_all(shm);
+      return 0;
+    }
+  }
 
   // Ceilings: plain memcpy between warm buffers, and a single-pass copy into a fresh shm file (first touch).
   std::vector<uint8_t> src(bytes, 1), warm(bytes, 2);

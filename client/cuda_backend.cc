@@ -4,7 +4,9 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 
@@ -18,9 +20,13 @@ struct DriverApi {
   using Register = CUresult (*)(void*, size_t, unsigned int);
   using Unregister = CUresult (*)(void*);
   using ErrorName = CUresult (*)(CUresult, const char**);
+  using GetCtx = CUresult (*)(CUcontext*);
+  using SetCtx = CUresult (*)(CUcontext);
   Register reg = nullptr;
   Unregister unreg = nullptr;
   ErrorName name = nullptr;
+  GetCtx get_ctx = nullptr;
+  SetCtx set_ctx = nullptr;
 };
 
 const DriverApi& Driver() {
@@ -31,6 +37,10 @@ const DriverApi& Driver() {
     cudaGetDriverEntryPointByVersion("cuMemHostUnregister", reinterpret_cast<void**>(&d.unreg), 12000,
                                      cudaEnableDefault, &q);
     cudaGetDriverEntryPointByVersion("cuGetErrorName", reinterpret_cast<void**>(&d.name), 12000, cudaEnableDefault, &q);
+    cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", reinterpret_cast<void**>(&d.get_ctx), 4000, cudaEnableDefault,
+                                     &q);
+    cudaGetDriverEntryPointByVersion("cuCtxSetCurrent", reinterpret_cast<void**>(&d.set_ctx), 4000, cudaEnableDefault,
+                                     &q);
     cudaGetLastError();
     return d;
   }();
@@ -64,30 +74,59 @@ CudaState ProbeCuda(std::string* why_not) {
 }
 
 absl::StatusOr<std::unique_ptr<HostRegistration>> HostRegistration::Register(const void* ptr, size_t bytes,
-                                                                             size_t chunk_bytes, int* failed_chunk,
-                                                                             int fail_at_chunk) {
+                                                                             const RegisterOptions& options,
+                                                                             int* failed_chunk) {
   constexpr size_t kMaxChunk = size_t{511} << 30;
-  chunk_bytes = std::clamp<size_t>(chunk_bytes, size_t{1} << 21, kMaxChunk);
+  const size_t chunk_bytes = std::clamp<size_t>(options.chunk_bytes, size_t{1} << 21, kMaxChunk);
   std::unique_ptr<HostRegistration> r(new HostRegistration());
   const DriverApi& drv = Driver();
   if (drv.reg == nullptr || drv.unreg == nullptr) {
     return absl::UnavailableError("the CUDA driver's cuMemHostRegister is not available");
   }
   cudaFree(nullptr);  // make the device's primary context current for the driver calls
+  CUcontext ctx = nullptr;
+  if (drv.get_ctx != nullptr) drv.get_ctx(&ctx);
   const auto t0 = std::chrono::steady_clock::now();
   auto* p = static_cast<uint8_t*>(const_cast<void*>(ptr));
-  for (size_t off = 0, k = 0; off < bytes; off += chunk_bytes, ++k) {
-    const size_t n = std::min(chunk_bytes, bytes - off);
-    const CUresult e = static_cast<int>(k) == fail_at_chunk
-                           ? CUDA_ERROR_OUT_OF_MEMORY
-                           : drv.reg(p + off, n, CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_READ_ONLY);
-    if (e != CUDA_SUCCESS) {
-      if (failed_chunk) *failed_chunk = static_cast<int>(k);
-      return absl::ResourceExhaustedError(absl::StrCat("cuMemHostRegister of chunk ", k, " (", n, " bytes at offset ",
-                                                       off, "): ", DriverError(e)));
-      // r's destructor unregisters the chunks registered so far.
+  const size_t n_chunks = bytes == 0 ? 0 : (bytes + chunk_bytes - 1) / chunk_bytes;
+  std::vector<CUresult> result(n_chunks, CUDA_ERROR_NOT_READY);  // NOT_READY: never attempted
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  auto worker = [&](bool own_thread) {
+    if (own_thread && ctx != nullptr && drv.set_ctx != nullptr) drv.set_ctx(ctx);  // the caller's context
+    for (size_t k = next++; k < n_chunks && !failed.load(std::memory_order_relaxed); k = next++) {
+      const size_t off = k * chunk_bytes, n = std::min(chunk_bytes, bytes - off);
+      const CUresult e = static_cast<int>(k) == options.fail_at_chunk
+                             ? CUDA_ERROR_OUT_OF_MEMORY
+                             : drv.reg(p + off, n, CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_READ_ONLY);
+      result[k] = e;
+      if (e != CUDA_SUCCESS) failed.store(true, std::memory_order_relaxed);
     }
-    r->chunks_.push_back(p + off);
+  };
+  const int threads = static_cast<int>(std::clamp<size_t>(static_cast<size_t>(std::max(1, options.threads)), 1,
+                                                          std::max<size_t>(n_chunks, 1)));
+  if (threads == 1) {
+    worker(false);
+  } else {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) pool.emplace_back(worker, true);
+    for (auto& th : pool) th.join();
+  }
+  // Every registered chunk belongs to r (its destructor unregisters them); the lowest failure is the one reported.
+  size_t bad = n_chunks;
+  for (size_t k = 0; k < n_chunks; ++k) {
+    if (result[k] == CUDA_SUCCESS) {
+      r->chunks_.push_back(p + k * chunk_bytes);
+    } else if (result[k] != CUDA_ERROR_NOT_READY && bad == n_chunks) {
+      bad = k;
+    }
+  }
+  if (bad != n_chunks) {
+    const size_t off = bad * chunk_bytes, n = std::min(chunk_bytes, bytes - off);
+    if (failed_chunk) *failed_chunk = static_cast<int>(bad);
+    return absl::ResourceExhaustedError(absl::StrCat("cuMemHostRegister of chunk ", bad, " (", n, " bytes at offset ",
+                                                     off, "): ", DriverError(result[bad])));
+    // r's destructor unregisters the chunks registered so far.
   }
   r->seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;

@@ -17,16 +17,31 @@ enum class CudaState { kUsable, kNoDevice, kNoUva };
 // Whether a CUDA device exists and can use registered host memory through its host address (UVA).
 CudaState ProbeCuda(std::string* why_not);
 
+// How to register: chunks of at most `chunk_bytes` (clamped to [2 MiB, 511 GiB]) handed out to `threads` workers
+// (at most one per chunk; 1 = the calling thread, in order). `fail_at_chunk` >= 0 is a fault-injection seam for
+// tests: that chunk fails as if the driver had refused it.
+struct RegisterOptions {
+  size_t chunk_bytes = size_t{16} << 30;
+  int threads = 1;
+  int fail_at_chunk = -1;
+};
+
 class HostRegistration {
  public:
   // Registers [ptr, ptr + bytes) read-only (cuMemHostRegister, DEVICEMAP | READ_ONLY, through the driver API) in
-  // chunks of at most `chunk_bytes` (never >= 512 GiB); on a failure at chunk k, chunks 0..k-1 are unregistered and
-  // the error names k.
-  // `fail_at_chunk` >= 0 is a fault-injection seam for tests: that chunk fails as if the driver had refused it.
+  // chunks, from `options.threads` threads. On a failure no chunk stays registered (every chunk registered by any
+  // thread is unregistered before returning), `failed_chunk` receives the lowest chunk index that failed and the
+  // error names it; workers take no new chunk once one has failed.
+  static absl::StatusOr<std::unique_ptr<HostRegistration>> Register(const void* ptr, size_t bytes,
+                                                                    const RegisterOptions& options, int* failed_chunk);
+  // The same, one thread (the original interface).
   static absl::StatusOr<std::unique_ptr<HostRegistration>> Register(const void* ptr, size_t bytes, size_t chunk_bytes,
-                                                                    int* failed_chunk, int fail_at_chunk = -1);
+                                                                    int* failed_chunk, int fail_at_chunk = -1) {
+    return Register(ptr, bytes, RegisterOptions{chunk_bytes, 1, fail_at_chunk}, failed_chunk);
+  }
   ~HostRegistration();
   double seconds() const { return seconds_; }
+  size_t chunks() const { return chunks_.size(); }
 
  private:
   std::vector<void*> chunks_;

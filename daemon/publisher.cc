@@ -2,9 +2,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -75,14 +77,31 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   // Checksums are not known yet: reserve the descriptor's final size by filling them with a non-zero placeholder
   // (fixed64 fields serialise to the same size whatever their value).
   for (auto& l : *desc.mutable_layers()) l.set_checksum(~uint64_t{0});
+  // The data's pages are populated by the filling threads (in parallel, next to their writes), not zeroed up front
+  // by one thread in fallocate: see SegmentReserve. ENGRAM_PUBLISH_RESERVE=whole restores the up-front reservation.
+  const char* reserve_env = std::getenv("ENGRAM_PUBLISH_RESERVE");
+  const SegmentReserve reserve = reserve_env != nullptr && std::string(reserve_env) == "whole"
+                                     ? SegmentReserve::kWhole
+                                     : SegmentReserve::kWriters;
   auto writer = SegmentWriter::Create(shm_dir, fingerprint, tp_size, tp_rank, desc.SerializeAsString(), data_bytes,
-                                      instance_id, epoch, env);
+                                      instance_id, epoch, env, reserve);
   if (!writer.ok()) return writer.status();
   (*writer)->SetLoading();
   uint8_t* data = (*writer)->data();
 
+  ShardFillOptions fill;
+  if ((*writer)->populate_data()) {
+    fill.before_write = [env](uint8_t* p, uint64_t n) { return PopulateForWrite(p, n, env); };
+  }
+  // The checkpoint's pages leave the page cache after READY, on a thread of their own (not job by job inside the
+  // fill, where the eviction cost ~2 s per 16 GiB). ENGRAM_PUBLISH_DROP_CACHE=0 keeps them (diagnosis),
+  // =inline drops them job by job as before.
+  const char* drop_env = std::getenv("ENGRAM_PUBLISH_DROP_CACHE");
+  const std::string drop = drop_env == nullptr ? "after" : drop_env;
+  fill.drop_cache = drop == "inline";
+  if (const char* v = std::getenv("ENGRAM_PUBLISH_SUB_ROWS"); v != nullptr) fill.sub_rows = std::atoll(v);
   std::vector<uint64_t> checksums;
-  absl::Status st = ReadShardRecords(ckpt, RowsOf(desc), data, threads, &checksums, rows_done);
+  absl::Status st = ReadShardRecords(ckpt, RowsOf(desc), data, threads, &checksums, rows_done, fill);
   if (!st.ok()) return st;  // the writer's destructor removes the partial segment
   for (int l = 0; l < desc.layers_size(); ++l) desc.mutable_layers(l)->set_checksum(checksums[static_cast<size_t>(l)]);
   const std::string final_desc = desc.SerializeAsString();
@@ -95,6 +114,7 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   reinterpret_cast<SegmentHeader*>(base)->desc_checksum = XXH3_64bits(final_desc.data(), final_desc.size());
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (auto f = (*writer)->Finish(seconds); !f.ok()) return f;
+  if (drop == "after" || drop == "1") std::thread(ShardCacheDropper(ckpt, RowsOf(desc))).detach();
   return PublishResult{(*writer)->path(), reopened->total_bytes, seconds};
 }
 

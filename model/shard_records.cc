@@ -62,7 +62,8 @@ uint64_t Combine(const std::vector<uint64_t>& hashes) {
 }  // namespace
 
 absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRows>& layers, uint8_t* dst,
-                              int threads, std::vector<uint64_t>* checksums, std::atomic<uint64_t>* rows_done) {
+                              int threads, std::vector<uint64_t>* checksums, std::atomic<uint64_t>* rows_done,
+                              const ShardFillOptions& fill) {
   const int64_t D = ckpt.config().head_dim, S = D / 32, rb = D + S;
   std::vector<EngramTensors> tensors;
   for (const auto& l : layers) {
@@ -78,7 +79,7 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
   const std::vector<Job> jobs = MakeJobs(layers, &hashes);
   // Sub-chunks small enough to stay in cache: the pread lands in a cache-resident buffer, the repack reads it from
   // there and the checksum reads the fresh records from there too.
-  constexpr int64_t kSubRows = 1024;
+  const int64_t kSubRows = fill.sub_rows > 0 ? fill.sub_rows : 1024;
   absl::Status st = RunJobs(jobs, threads, [&](const Job& j) -> absl::Status {
     const LayerRows& l = layers[j.entry];
     const EngramTensors& t = tensors[j.entry];
@@ -99,6 +100,7 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
         r = t.embed_scale.file->ReadRange(*t.embed_scale.info, static_cast<uint64_t>(row * S), scale_buf.data(),
                                           static_cast<uint64_t>(n * S));
       }
+      if (r.ok() && fill.before_write) r = fill.before_write(out + done * rb, static_cast<uint64_t>(n * rb));
       if (!r.ok()) break;
       PackRecords(weight_buf.data(), scale_buf.data(), n, D, out + done * rb);
       XXH3_64bits_update(hash, out + done * rb, static_cast<size_t>(n * rb));
@@ -106,6 +108,10 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
     hashes[j.entry][j.chunk] = XXH3_64bits_digest(hash);
     XXH3_freeState(hash);
     if (!r.ok()) return r;
+    if (!fill.drop_cache) {
+      if (rows_done) rows_done->fetch_add(static_cast<uint64_t>(j.rows), std::memory_order_relaxed);
+      return absl::OkStatus();
+    }
     t.embed_weight.file->DropCache(*t.embed_weight.info, static_cast<uint64_t>(first_global * D),
                                    static_cast<uint64_t>(j.rows * D));
     t.embed_scale.file->DropCache(*t.embed_scale.info, static_cast<uint64_t>(first_global * S),
@@ -119,6 +125,26 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
     for (const auto& h : hashes) checksums->push_back(Combine(h));
   }
   return absl::OkStatus();
+}
+
+std::function<void()> ShardCacheDropper(const Checkpoint& ckpt, const std::vector<LayerRows>& layers) {
+  struct Range {
+    TensorRef tensor;
+    uint64_t offset, bytes;
+  };
+  std::vector<Range> ranges;
+  const int64_t D = ckpt.config().head_dim, S = D / 32;
+  for (const auto& l : layers) {
+    if (l.layer < 0 || l.layer >= ckpt.config().n_layers() || l.row_end <= l.row_begin) continue;
+    const EngramTensors t = ckpt.engram(l.layer);
+    if (!t.embed_weight || !t.embed_scale) continue;
+    const auto rows = static_cast<uint64_t>(l.row_end - l.row_begin);
+    ranges.push_back({t.embed_weight, static_cast<uint64_t>(l.row_begin * D), rows * static_cast<uint64_t>(D)});
+    ranges.push_back({t.embed_scale, static_cast<uint64_t>(l.row_begin * S), rows * static_cast<uint64_t>(S)});
+  }
+  return [ranges = std::move(ranges)] {
+    for (const Range& r : ranges) r.tensor.file->DropCache(*r.tensor.info, r.offset, r.bytes);
+  };
 }
 
 absl::Status ReadRecordRow(const Checkpoint& ckpt, int64_t layer, int64_t row, uint8_t* record) {

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -24,10 +25,26 @@ struct LayerRows {
   uint64_t dst_offset = 0;  // where row_begin's record goes
 };
 
+struct ShardFillOptions {
+  // Called by the worker about to write [p, p + n) of dst, before it writes (e.g. to populate a segment's pages from
+  // the filling threads, shm/segment.h PopulateForWrite); an error stops the fill and is returned.
+  std::function<absl::Status(uint8_t* p, uint64_t n)> before_write;
+  // Drop the checkpoint's pages from the page cache behind the reader, job by job (a private table does not keep
+  // two copies). A publish does it once after READY instead (ShardCacheDropper): evicting 16 GiB of cache pages costs
+  // about 2 s of kernel time, which inside the fill was most of a huge-page publish.
+  bool drop_cache = true;
+  // Rows per read-pack-hash step (the buffer stays in cache); <= 0 means the default.
+  int64_t sub_rows = 1024;
+};
+
 // Fills the records; `checksums` (may be null) receives one per LayerRows entry.
 absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRows>& layers, uint8_t* dst,
                               int threads, std::vector<uint64_t>* checksums,
-                              std::atomic<uint64_t>* rows_done = nullptr);
+                              std::atomic<uint64_t>* rows_done = nullptr, const ShardFillOptions& fill = {});
+
+// A closure that drops these rows' checkpoint pages from the page cache (posix_fadvise DONTNEED, one call per tensor
+// range). It holds the files it needs (it may run on another thread after the Checkpoint is gone).
+std::function<void()> ShardCacheDropper(const Checkpoint& ckpt, const std::vector<LayerRows>& layers);
 
 // One row of layer `layer` (global row id) as a record, straight from the checkpoint (for spot checks).
 absl::Status ReadRecordRow(const Checkpoint& ckpt, int64_t layer, int64_t row, uint8_t* record);

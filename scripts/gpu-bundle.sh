@@ -200,10 +200,11 @@ if [ "$what" = register ]; then
     echo "hugetlb: asked for $need 2 MiB pages, the kernel gave $(cat /proc/sys/vm/nr_hugepages): no hugetlbfs case" | tee -a "$out/register-meminfo.txt"
   fi
   kinds=(--kind "4k-shm:$shm:0.64" --kind "thp-tmpfs:$thp:0.45")
-  mounts=(--shm "4k-shm:$shm" --shm "thp-tmpfs:$thp")
+  mounts=(--shm "4k-shm:$shm")   # the huge-page tmpfs last: the product default runs on the last one
   [ -z "$htlb" ] || { kinds+=(--kind "hugetlbfs:$htlb:0.34"); mounts+=(--shm "hugetlbfs:$htlb"); }
+  mounts+=(--shm "thp-tmpfs:$thp")
   "$here/bin/bench_register" --gib "$gib" "${kinds[@]}" ${ENGRAM_REGISTER_ARGS:-} 2>&1 | tee "$out/bench_register.log" || rc=1
-  "$here/bin/bench_daemon" --gib "${ENGRAM_PUBLISH_GIB:-$gib}" "${mounts[@]}" --only-mounts 1 2>&1 | tee "$out/bench_daemon.log" || rc=1
+  "$here/bin/bench_daemon" --gib "${ENGRAM_PUBLISH_GIB:-$gib}" "${mounts[@]}" --only-mounts 1 ${ENGRAM_PUBLISH_ARGS:-} 2>&1 | tee "$out/bench_daemon.log" || rc=1
   [ -z "$htlb" ] || { umount "$htlb"; rmdir "$htlb"; }
   umount "$thp"; rmdir "$thp"
   rm -rf "$shm"

@@ -18,6 +18,10 @@
 #include "shm/env.h"
 #include "xxhash.h"
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
 namespace engram {
 namespace {
 
@@ -79,16 +83,37 @@ bool ParseSegmentName(const std::string& name, uint64_t* fingerprint, int64_t* t
   return true;
 }
 
+uint64_t SegmentDataOffset(uint64_t desc_bytes) {
+  return (kHeaderBytes + desc_bytes + kDataAlign - 1) / kDataAlign * kDataAlign;
+}
+
 uint64_t SegmentFileBytes(uint64_t desc_bytes, uint64_t data_bytes) {
-  const uint64_t data_offset = (kHeaderBytes + desc_bytes + kDataAlign - 1) / kDataAlign * kDataAlign;
-  return data_offset + data_bytes;
+  return (SegmentDataOffset(desc_bytes) + data_bytes + kDataAlign - 1) / kDataAlign * kDataAlign;
+}
+
+absl::Status PopulateForWrite(uint8_t* p, uint64_t n, Env* env) {
+  if (n == 0) return absl::OkStatus();
+  const uintptr_t b = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{4095};
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + n + 4095) & ~uintptr_t{4095};
+  int r;
+  do {
+    r = env->Madvise(reinterpret_cast<void*>(b), e - b, MADV_POPULATE_WRITE);
+  } while (r != 0 && (errno == EINTR || errno == EAGAIN));
+  if (r == 0) return absl::OkStatus();
+  const int err = errno;
+  if (err == EFAULT || err == ENOMEM || err == ENOSPC) {
+    return absl::ResourceExhaustedError(absl::StrCat("populating ", e - b, " bytes of the segment: ", std::strerror(err),
+                                                     " (no room left in the shm mount or the hugetlb pool)"));
+  }
+  return Errno(absl::StrCat("populating ", e - b, " bytes of the segment"), err);
 }
 
 absl::StatusOr<std::unique_ptr<SegmentWriter>> SegmentWriter::Create(const std::string& dir, uint64_t fingerprint,
                                                                      int64_t tp_size, int64_t tp_rank,
                                                                      const std::string& descriptor,
                                                                      uint64_t data_bytes, uint64_t instance_id,
-                                                                     uint64_t epoch, Env* env) {
+                                                                     uint64_t epoch, Env* env,
+                                                                     SegmentReserve reserve) {
   std::unique_ptr<SegmentWriter> w(new SegmentWriter());
   w->env_ = env;
   w->path_ = dir + "/" + SegmentName(fingerprint, tp_size, tp_rank);
@@ -96,25 +121,49 @@ absl::StatusOr<std::unique_ptr<SegmentWriter>> SegmentWriter::Create(const std::
   int fd = RetryEintr([&] { return env->Open(w->path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600); });
   if (fd < 0) return Errno(absl::StrCat("create ", w->path_), errno);
   env->Fchmod(fd, 0600);  // whatever the umask
-  int err;
-  do {
-    err = env->PosixFallocate(fd, 0, static_cast<off_t>(total));
-  } while (err == EINTR);
-  if (err != 0) {
+  auto fail = [&](absl::Status st) {
     env->Close(fd);
     env->Unlink(w->path_.c_str());
-    return Errno(absl::StrCat("reserve ", total, " bytes for ", w->path_), err);
+    return st;
+  };
+  // The mount's page: hugetlbfs (and a huge=always tmpfs) report their huge page size as the block size.
+  struct stat st {};
+  if (env->Fstat(fd, &st) == 0 && st.st_blksize > 4096) w->page_ = static_cast<uint64_t>(st.st_blksize);
+  if (total % w->page_ != 0) {
+    return fail(absl::FailedPreconditionError(
+        absl::StrCat(w->path_, ": the mount's page size (", w->page_, " bytes) does not divide the segment's ", total,
+                     " bytes (hugetlbfs with pages above 2 MiB is not supported: mount it with pagesize=2M)")));
   }
+  const uint64_t data_offset = SegmentDataOffset(descriptor.size());
+  auto reserve_range = [&](uint64_t off, uint64_t len) {
+    int err;
+    do {
+      err = env->PosixFallocate(fd, static_cast<off_t>(off), static_cast<off_t>(len));
+    } while (err == EINTR);
+    return err;
+  };
+  // kWriters: the header pages and the last page (which sets the size); the data's pages are populated by the filler.
+  const bool writers = reserve == SegmentReserve::kWriters && total > data_offset + w->page_;
+  int err = writers ? reserve_range(0, data_offset) : reserve_range(0, total);
+  if (err == 0 && writers) err = reserve_range(total - w->page_, w->page_);
+  if (err != 0) return fail(Errno(absl::StrCat("reserve ", total, " bytes for ", w->path_), err));
   void* p = env->Mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   err = errno;
-  env->Close(fd);
-  if (p == MAP_FAILED) {
-    env->Unlink(w->path_.c_str());
-    return Errno(absl::StrCat("map ", w->path_), err);
-  }
+  if (p == MAP_FAILED) return fail(Errno(absl::StrCat("map ", w->path_), err));
   w->base_ = static_cast<uint8_t*>(p);
   w->size_ = total;
   env->Madvise(p, total, MADV_HUGEPAGE);  // honoured where the mount gives huge pages; harmless elsewhere
+  if (writers) {
+    // The header's page is reserved: this only asks whether the kernel has MADV_POPULATE_WRITE.
+    if (env->Madvise(p, 4096, MADV_POPULATE_WRITE) == 0) {
+      w->populate_ = true;
+    } else if ((err = reserve_range(0, total)) != 0) {
+      env->Munmap(p, total);
+      w->base_ = nullptr;
+      return fail(Errno(absl::StrCat("reserve ", total, " bytes for ", w->path_), err));
+    }
+  }
+  env->Close(fd);
   SegmentHeader* h = w->header();
   std::memset(static_cast<void*>(h), 0, kHeaderBytes);
   std::memcpy(h->magic, kSegmentMagic, 8);
@@ -128,7 +177,7 @@ absl::StatusOr<std::unique_ptr<SegmentWriter>> SegmentWriter::Create(const std::
   h->desc_offset = kHeaderBytes;
   h->desc_bytes = descriptor.size();
   h->desc_checksum = XXH3_64bits(descriptor.data(), descriptor.size());
-  h->data_offset = total - data_bytes;
+  h->data_offset = data_offset;
   h->data_bytes = data_bytes;
   h->total_bytes = total;
   h->created_unix_ms = NowMs();
@@ -178,8 +227,10 @@ absl::StatusOr<SegmentHeader> HeaderOfOpenFile(const std::string& path, int fd, 
     return absl::FailedPreconditionError(absl::StrCat(path, ": segment format ", h.version, ", this build reads ",
                                                       kSegmentVersion));
   }
+  // The records end at most one 2 MiB page before the end of the file (the padding).
   if (h.total_bytes != static_cast<uint64_t>(st.st_size) || h.desc_offset != kHeaderBytes ||
-      h.data_offset < h.desc_offset + h.desc_bytes || h.data_offset + h.data_bytes != h.total_bytes) {
+      h.data_offset < h.desc_offset + h.desc_bytes || h.data_offset > h.total_bytes ||
+      h.data_bytes > h.total_bytes - h.data_offset || h.total_bytes - h.data_offset - h.data_bytes >= kDataAlign) {
     return absl::DataLossError(absl::StrCat(path, ": header sizes disagree with the file (", st.st_size, " bytes)"));
   }
   return h;
@@ -213,8 +264,20 @@ absl::Status SetSegmentState(const std::string& path, SegmentState state, Env* e
   }
   const uint32_t v = static_cast<uint32_t>(state);
   ssize_t n = RetryEintr([&] { return env->Pwrite(fd, &v, 4, offsetof(SegmentHeader, state)); });
+  int err = errno;
+  if (n != 4 && err == EINVAL && st.st_blksize > 4096) {
+    // hugetlbfs has no write(2): through a mapping of the first (huge) page instead.
+    const size_t len = static_cast<size_t>(st.st_blksize);
+    void* p = env->Mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    err = errno;
+    if (p != MAP_FAILED) {
+      std::atomic_ref<uint32_t>(reinterpret_cast<SegmentHeader*>(p)->state).store(v, std::memory_order_release);
+      env->Munmap(p, len);
+      n = 4;
+    }
+  }
   env->Close(fd);
-  return n == 4 ? absl::OkStatus() : Errno(absl::StrCat("write state of ", path), errno);
+  return n == 4 ? absl::OkStatus() : Errno(absl::StrCat("write state of ", path), err);
 }
 
 absl::StatusOr<std::unique_ptr<SegmentReader>> SegmentReader::Open(const std::string& path, Env* env) {

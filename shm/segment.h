@@ -4,7 +4,9 @@
 // File layout:
 //   [0, 4096)                 SegmentHeader (below): magic, version, state, instance/epoch, fingerprint, offsets
 //   [4096, data_offset)       the SegmentDescriptor protobuf (engram.v1), desc_bytes long, xxh3 in the header
-//   [data_offset, total)      the records, layer after layer (data_offset is 2 MiB aligned, for huge pages)
+//   [data_offset, data_offset + data_bytes)   the records, layer after layer (data_offset is 2 MiB aligned)
+//   [.., total)               zero padding up to a 2 MiB multiple: the file is made of whole huge pages, so that a
+//                             hugetlbfs mount (2 MiB pages) can hold it and every mapping of it ends on a huge page
 // States move CREATING -> LOADING -> READY (-> RETIRED); only the daemon writes, and a READY segment is never
 // written again. Anything not READY that a daemon finds at start is debris from a crash and is removed.
 //
@@ -59,19 +61,32 @@ std::string SegmentName(uint64_t fingerprint, int64_t tp_size, int64_t tp_rank);
 // Parses a segment file name; false for anything else.
 bool ParseSegmentName(const std::string& name, uint64_t* fingerprint, int64_t* tp_size, int64_t* tp_rank);
 
-// Total file size for a descriptor of `desc_bytes` and `data_bytes` of records.
+// Where the records start, and the total file size (a multiple of kDataAlign), for a descriptor of `desc_bytes` and
+// `data_bytes` of records.
+uint64_t SegmentDataOffset(uint64_t desc_bytes);
 uint64_t SegmentFileBytes(uint64_t desc_bytes, uint64_t data_bytes);
 
-// Creates, sizes (fallocate: ENOSPC surfaces here, not as SIGBUS later) and maps a new segment read-write.
-// The file is 0600, the creator's: replicas receive a read-only descriptor from the daemon (or open it by path
-// where their uid may).
+// How SegmentWriter::Create reserves the file's memory:
+//   kWhole    fallocate the whole file (ENOSPC surfaces at Create; the zeroing runs in the creating thread)
+//   kWriters  fallocate the header and the last page only; whoever fills the data populates its pages first
+//             (madvise MADV_POPULATE_WRITE, from as many threads as fill it: see populate_data()), so that ENOSPC
+//             (or a short hugetlb pool) comes back as an error from there, never as SIGBUS. Where the kernel lacks
+//             MADV_POPULATE_WRITE (< 5.14), Create falls back to kWhole.
+enum class SegmentReserve { kWhole, kWriters };
+
+// Creates, sizes (fallocate: ENOSPC surfaces here, not as SIGBUS later; see SegmentReserve) and maps a new segment
+// read-write. The file is 0600, the creator's: replicas receive a read-only descriptor from the daemon (or open it by
+// path where their uid may). On hugetlbfs the mount's huge page size must divide the file size (2 MiB pages do;
+// 1 GiB pages are refused with FailedPrecondition); the huge pages are reserved when the file is mapped (ENOMEM
+// from a short pool is ResourceExhausted).
 class SegmentWriter {
  public:
   static absl::StatusOr<std::unique_ptr<SegmentWriter>> Create(const std::string& dir, uint64_t fingerprint,
                                                                int64_t tp_size, int64_t tp_rank,
                                                                const std::string& descriptor, uint64_t data_bytes,
                                                                uint64_t instance_id, uint64_t epoch,
-                                                               Env* env = Env::Default());
+                                                               Env* env = Env::Default(),
+                                                               SegmentReserve reserve = SegmentReserve::kWhole);
   ~SegmentWriter();  // unmaps; a segment not Finish()ed is removed
   SegmentWriter(const SegmentWriter&) = delete;
   SegmentWriter& operator=(const SegmentWriter&) = delete;
@@ -79,6 +94,11 @@ class SegmentWriter {
   uint8_t* data() { return base_ + header()->data_offset; }
   uint64_t data_bytes() const { return header()->data_bytes; }
   const std::string& path() const { return path_; }
+  // True when the data's pages are not reserved yet (kWriters granted): the filler must populate each range before
+  // writing it (PopulateForWrite) to get ENOSPC as an error.
+  bool populate_data() const { return populate_; }
+  // The mount's page size for this file (4096, or the huge page size of a hugetlbfs / huge=always tmpfs mount).
+  uint64_t page_bytes() const { return page_; }
   void SetLoading();
   // Marks READY (after an msync of the data) and keeps the file.
   absl::Status Finish(double load_seconds);
@@ -90,8 +110,14 @@ class SegmentWriter {
   std::string path_;
   uint8_t* base_ = nullptr;
   uint64_t size_ = 0;
+  uint64_t page_ = 4096;
+  bool populate_ = false;
   bool finished_ = false;
 };
+
+// Populates [p, p + n) of a shared writable mapping for writing (MADV_POPULATE_WRITE, widened to whole 4 KiB pages):
+// OK, or ResourceExhausted when the mount (or the hugetlb pool) has no room, instead of a SIGBUS on the write.
+absl::Status PopulateForWrite(uint8_t* p, uint64_t n, Env* env = Env::Default());
 
 // Maps an existing segment read-only and validates its header (magic, version, sizes, descriptor checksum).
 class SegmentReader {

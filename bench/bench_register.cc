@@ -1,0 +1,280 @@
+// bench_register: what it costs a replica to register a shared segment for the GPU (cuMemHostRegister of a
+// read-only MAP_SHARED mapping, DEVICEMAP | READ_ONLY, through client/cuda_backend.h's HostRegistration), on each
+// page kind named on the command line, variant by variant, side by side in one run:
+//   seq            one call for the whole file on a fresh mapping (page tables built inside the call)
+//   seq+pf         MADV_POPULATE_READ first (what the client does before its ticket), then one call; the
+//                  population and the registration are timed apart: this is today's client, the baseline
+//   T x C GiB      prefaulted, then chunks of C GiB registered from T threads (HostRegistration's threads option)
+//   T x C, no pf   the same without the prefault
+//   rw (MEASURED)  the writer's own read-write mapping, DEVICEMAP only (how MEASURED.md's ceiling was taken)
+// Each line: population seconds, registration seconds (and per 16 GiB), ms/GiB, unregister seconds, the ratio to the
+// same kind's seq+pf registration in this run and to MEASURED.md's single-process figure for that kind.
+// Usage: bench_register [--gib N] [--kind LABEL:DIR:MEASURED_S]... [--threads 2,4,8,16] [--chunks-gib 1,2,4]
+//   DIR is a directory on the mount to measure (a tmpfs with huge=never or huge=always, or a hugetlbfs mount: the
+//   file is then sized in whole huge pages and written through the mapping); MEASURED_S is MEASURED.md's seconds
+//   per 16 GiB for that kind (0: none).
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/cuda_backend.h"
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+constexpr double kGiB = 1073741824.0;
+constexpr unsigned long kHugetlbfsMagic = 0x958458f6;
+
+std::vector<int> IntList(const std::string& s) {
+  std::vector<int> v;
+  std::stringstream ss(s);
+  for (std::string x; std::getline(ss, x, ',');) v.push_back(std::atoi(x.c_str()));
+  return v;
+}
+
+long MeminfoKb(const char* key) {
+  std::ifstream f("/proc/meminfo");
+  for (std::string line; std::getline(f, line);) {
+    if (line.rfind(key, 0) == 0) return std::atol(line.c_str() + std::strlen(key));
+  }
+  return -1;
+}
+
+// madvise over [p, p + n) from `threads` threads (slices aligned to 2 MiB); the first error, 0 if none.
+int ParallelMadvise(uint8_t* p, size_t n, int advice, int threads) {
+  std::vector<std::thread> pool;
+  std::vector<int> err(static_cast<size_t>(threads), 0);
+  const size_t part = (n / static_cast<size_t>(threads) + (size_t{2} << 20) - 1) / (size_t{2} << 20) * (size_t{2} << 20);
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      const size_t b = std::min(n, part * static_cast<size_t>(t)), e = std::min(n, part * static_cast<size_t>(t + 1));
+      if (e > b && ::madvise(p + b, e - b, advice) != 0) err[static_cast<size_t>(t)] = errno;
+    });
+  }
+  for (auto& th : pool) th.join();
+  for (int e : err) {
+    if (e != 0) return e;
+  }
+  return 0;
+}
+
+struct Kind {
+  std::string label, dir;
+  double measured_s = 0;  // MEASURED.md, per 16 GiB
+};
+
+struct Variant {
+  std::string name;
+  int prefault_threads = 0;  // 0: no prefault
+  int threads = 1;
+  size_t chunk = 0;  // 0: the whole file
+  bool rw = false;   // the writer's mapping, DEVICEMAP only (raw driver call)
+};
+
+using RegFn = CUresult (*)(void*, size_t, unsigned int);
+using UnregFn = CUresult (*)(void*);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  double gib = 16;
+  std::vector<Kind> kinds;
+  std::vector<int> threads_list = {2, 4, 8, 16}, chunks_gib = {1, 2, 4};
+  int repeat = 1;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i], v = argv[i + 1];
+    if (a == "--gib") gib = std::atof(v.c_str());
+    if (a == "--threads") threads_list = IntList(v);
+    if (a == "--chunks-gib") chunks_gib = IntList(v);
+    if (a == "--repeat") repeat = std::max(1, std::atoi(v.c_str()));
+    if (a == "--kind") {
+      Kind k;
+      const size_t c1 = v.find(':'), c2 = v.find(':', c1 + 1);
+      k.label = v.substr(0, c1);
+      k.dir = v.substr(c1 + 1, c2 == std::string::npos ? std::string::npos : c2 - c1 - 1);
+      if (c2 != std::string::npos) k.measured_s = std::atof(v.c_str() + c2 + 1);
+      kinds.push_back(k);
+    }
+  }
+  if (kinds.empty()) kinds.push_back({"4k-shm", "/dev/shm", 0.64});
+  int n_dev = 0;
+  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
+    std::printf("bench_register: no GPU\n");
+    return 77;
+  }
+  cudaFree(nullptr);
+  RegFn raw_reg = nullptr;
+  UnregFn raw_unreg = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  cudaGetDriverEntryPointByVersion("cuMemHostRegister", reinterpret_cast<void**>(&raw_reg), 12000, cudaEnableDefault, &q);
+  cudaGetDriverEntryPointByVersion("cuMemHostUnregister", reinterpret_cast<void**>(&raw_unreg), 12000,
+                                   cudaEnableDefault, &q);
+  const size_t want = static_cast<size_t>(gib * kGiB);
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int pf_threads = std::min(16, cores);
+  std::printf("bench_register: %.1f GiB, %d cores, %d prefault threads\n", gib, cores, pf_threads);
+
+  std::vector<Variant> variants;
+  variants.push_back({"seq", 0, 1, 0, false});
+  variants.push_back({"seq+pf", 1, 1, 0, false});
+  for (int c : chunks_gib) {
+    for (int t : threads_list) {
+      if (static_cast<double>(t) * c > gib) continue;  // more threads than chunks: the same as fewer
+      variants.push_back({std::to_string(t) + "thr x " + std::to_string(c) + "GiB +pf16", pf_threads, t,
+                          static_cast<size_t>(c) << 30, false});
+    }
+  }
+  for (int t : threads_list) {
+    if (t >= 8) variants.push_back({std::to_string(t) + "thr x 1GiB no pf", 0, t, size_t{1} << 30, false});
+  }
+  variants.push_back({"rw DEVICEMAP (MEASURED's way)", pf_threads, 1, 0, true});
+
+  // The rollback with threads: chunk 5 of 16 fails while other threads register theirs; the error names chunk 5 and
+  // no chunk stays registered (the whole range registers again afterwards).
+  {
+    const size_t n = size_t{32} << 20;
+    auto* buf = static_cast<uint8_t*>(::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    std::memset(buf, 1, n);
+    int failed = -1;
+    auto bad = engram::client::HostRegistration::Register(buf, n, {size_t{2} << 20, 8, 5}, &failed);
+    auto good = engram::client::HostRegistration::Register(buf, n, {size_t{2} << 20, 8, -1}, &failed);
+    std::printf("rollback check (16 chunks, 8 threads, chunk 5 fails): %s, failed chunk %d, re-register %s\n",
+                bad.ok() ? "UNEXPECTED SUCCESS" : std::string(bad.status().message()).c_str(), failed,
+                good.ok() ? "ok" : std::string(good.status().message()).c_str());
+    good = absl::InternalError("released");
+    ::munmap(buf, n);
+  }
+  std::printf("%-10s %-30s %8s %8s %10s %8s %8s %9s %9s\n", "kind", "variant", "pf_s", "reg_s", "reg/16GiB", "ms/GiB",
+              "unreg_s", "vs_seqpf", "vs_MEAS");
+  for (const Kind& k : kinds) {
+    struct statfs sfs {};
+    if (::statfs(k.dir.c_str(), &sfs) != 0) {
+      std::printf("%s: %s: %s (skipped)\n", k.label.c_str(), k.dir.c_str(), std::strerror(errno));
+      continue;
+    }
+    const bool hugetlb = static_cast<unsigned long>(sfs.f_type) == kHugetlbfsMagic;
+    const std::string path = k.dir + "/bench-register-" + std::to_string(::getpid());
+    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0) {
+      std::printf("%s: create %s: %s (skipped)\n", k.label.c_str(), path.c_str(), std::strerror(errno));
+      continue;
+    }
+    struct stat st {};
+    ::fstat(fd, &st);
+    const size_t page = hugetlb ? static_cast<size_t>(st.st_blksize) : 4096;
+    const size_t bytes = (want + page - 1) / page * page;
+    const long shmem_huge0 = MeminfoKb("ShmemHugePages:"), hugetlb_free0 = MeminfoKb("HugePages_Free:");
+    auto t0 = Clock::now();
+    if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      std::printf("%s: ftruncate %zu: %s (skipped)\n", k.label.c_str(), bytes, std::strerror(errno));
+      ::close(fd);
+      ::unlink(path.c_str());
+      continue;
+    }
+    auto* w = static_cast<uint8_t*>(::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    if (w == MAP_FAILED) {
+      std::printf("%s: map %zu: %s (skipped)\n", k.label.c_str(), bytes, std::strerror(errno));
+      ::close(fd);
+      ::unlink(path.c_str());
+      continue;
+    }
+    // First touch from 16 threads (as a publish would), then a pattern written.
+    if (int e = ParallelMadvise(w, bytes, MADV_POPULATE_WRITE, pf_threads); e != 0) {
+      std::printf("%s: populate: %s (skipped)\n", k.label.c_str(), std::strerror(e));
+      ::munmap(w, bytes);
+      ::close(fd);
+      ::unlink(path.c_str());
+      continue;
+    }
+    const double fill_s = Since(t0);
+    const long shmem_huge1 = MeminfoKb("ShmemHugePages:"), hugetlb_free1 = MeminfoKb("HugePages_Free:");
+    for (size_t off = 0; off < bytes; off += 4096) w[off] = static_cast<uint8_t>(off >> 12);
+    std::printf("%-10s %s (%s, page %zu KiB): %.2f GiB, first touch from %d threads %.2f s = %.1f GiB/s; "
+                "ShmemHugePages +%ld MiB, HugePages_Free -%ld\n",
+                k.label.c_str(), k.dir.c_str(), hugetlb ? "hugetlbfs" : "tmpfs", page >> 10, bytes / kGiB, pf_threads,
+                fill_s, bytes / kGiB / fill_s, (shmem_huge1 - shmem_huge0) >> 10, hugetlb_free0 - hugetlb_free1);
+    double base_reg = 0;
+    for (const Variant& v : variants) {
+      for (int rep = 0; rep < repeat; ++rep) {
+        uint8_t* p = w;
+        if (!v.rw) {
+          p = static_cast<uint8_t*>(::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0));
+          if (p == MAP_FAILED) {
+            std::printf("map: %s\n", std::strerror(errno));
+            return 1;
+          }
+        }
+        double pf_s = 0;
+        if (v.prefault_threads > 0) {
+          auto tp = Clock::now();
+          if (int e = ParallelMadvise(p, bytes, v.rw ? MADV_POPULATE_WRITE : MADV_POPULATE_READ, v.prefault_threads);
+              e != 0) {
+            std::printf("prefault: %s\n", std::strerror(e));
+          }
+          pf_s = Since(tp);
+        }
+        double reg_s = 0, unreg_s = 0;
+        std::string err;
+        if (v.rw) {
+          auto tr = Clock::now();
+          const CUresult e = raw_reg(p, bytes, CU_MEMHOSTREGISTER_DEVICEMAP);
+          reg_s = Since(tr);
+          if (e != CUDA_SUCCESS) err = "CUresult " + std::to_string(static_cast<int>(e));
+          tr = Clock::now();
+          if (e == CUDA_SUCCESS) raw_unreg(p);
+          unreg_s = Since(tr);
+        } else {
+          int failed = -1;
+          engram::client::RegisterOptions o;
+          o.chunk_bytes = v.chunk == 0 ? bytes : v.chunk;
+          o.threads = v.threads;
+          auto tr = Clock::now();
+          auto r = engram::client::HostRegistration::Register(p, bytes, o, &failed);
+          reg_s = Since(tr);
+          if (!r.ok()) err = std::string(r.status().message());
+          tr = Clock::now();
+          r = absl::InternalError("released");
+          unreg_s = Since(tr);
+          ::munmap(p, bytes);
+        }
+        if (!err.empty()) {
+          std::printf("%-10s %-30s FAILED: %s\n", k.label.c_str(), v.name.c_str(), err.c_str());
+          continue;
+        }
+        if (v.name == "seq+pf" && rep == 0) base_reg = reg_s;
+        const double per16 = reg_s * 16 * kGiB / bytes;
+        std::printf("%-10s %-30s %8.3f %8.3f %10.3f %8.1f %8.3f %9.2f %9.2f\n", k.label.c_str(), v.name.c_str(), pf_s,
+                    reg_s, per16, reg_s * 1000 / (bytes / kGiB), unreg_s, base_reg > 0 ? reg_s / base_reg : 0.0,
+                    k.measured_s > 0 ? per16 / k.measured_s : 0.0);
+        std::fflush(stdout);
+      }
+    }
+    ::munmap(w, bytes);
+    ::close(fd);
+    ::unlink(path.c_str());
+  }
+  return 0;
+}

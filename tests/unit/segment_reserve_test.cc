@@ -1,0 +1,218 @@
+// How a segment's memory is reserved and filled (shm/segment.h SegmentReserve, PopulateForWrite; daemon/publisher.h):
+// with kWriters only the header and the last page are reserved up front and the filling threads populate the data's
+// pages, an out-of-room populate is ResourceExhausted (never SIGBUS) and leaves no file, a kernel without
+// MADV_POPULATE_WRITE gets the whole reservation; the file is whole 2 MiB pages (records end less than one page
+// before it), and a segment published into a hugetlbfs mount is readable, verifiable and retirable (skipped where
+// no such mount has free 2 MiB pages; ENGRAM_TEST_HUGETLBFS_DIR names one).
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "daemon/publisher.h"
+#include "gtest/gtest.h"
+#include "model/checkpoint.h"
+#include "model/layout.h"
+#include "model/token_map.h"
+#include "model/tokenizer.h"
+#include "shm/env.h"
+#include "shm/segment.h"
+#include "tests/test_util.h"
+#include "tools/synthetic.h"
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+namespace engram {
+namespace {
+
+using testing::TempDir;
+
+// Records every fallocate; MADV_POPULATE_WRITE answers `populate_errno` (0: the real call) except for the 4 KiB
+// support probe when `probe_ok`.
+class PopulateEnv : public PosixEnv {
+ public:
+  int populate_errno = 0;
+  bool probe_ok = true;
+  std::vector<std::pair<off_t, off_t>> fallocates;
+
+  int PosixFallocate(int fd, off_t off, off_t len) override {
+    fallocates.emplace_back(off, len);
+    return PosixEnv::PosixFallocate(fd, off, len);
+  }
+  int Madvise(void* addr, size_t len, int advice) override {
+    if (advice == MADV_POPULATE_WRITE && populate_errno != 0 && !(probe_ok && len == 4096)) {
+      errno = populate_errno;
+      return -1;
+    }
+    return PosixEnv::Madvise(addr, len, advice);
+  }
+};
+
+constexpr uint64_t kData = (uint64_t{5} << 20) + 3 * 264;
+
+TEST(SegmentReserveTest, WritersReserveOnlyTheHeaderAndTheLastPageThenPopulateWhatTheyWrite) {
+  TempDir dir;
+  PopulateEnv env;
+  auto w = SegmentWriter::Create(dir.path(), 0x51, 1, 0, "desc", kData, 1, 1, &env, SegmentReserve::kWriters);
+  ASSERT_TRUE(w.ok()) << w.status();
+  if (!(*w)->populate_data()) GTEST_SKIP() << "this kernel has no MADV_POPULATE_WRITE (the whole file was reserved)";
+  const uint64_t total = SegmentFileBytes(4, kData);
+  EXPECT_EQ(total % kDataAlign, 0u);
+  EXPECT_EQ(std::filesystem::file_size((*w)->path()), total);
+  ASSERT_EQ(env.fallocates.size(), 2u);
+  EXPECT_EQ(static_cast<uint64_t>(env.fallocates[0].first + env.fallocates[0].second), SegmentDataOffset(4));
+  EXPECT_EQ(static_cast<uint64_t>(env.fallocates[1].first + env.fallocates[1].second), total);
+  for (const auto& [off, len] : env.fallocates) EXPECT_LT(static_cast<uint64_t>(len), kData) << "data not reserved";
+  ASSERT_TRUE(PopulateForWrite((*w)->data(), kData, &env).ok());
+  for (uint64_t i = 0; i < kData; ++i) (*w)->data()[i] = static_cast<uint8_t>(i * 7);
+  ASSERT_TRUE((*w)->Finish(0.1).ok());
+  auto r = SegmentReader::Open((*w)->path());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)->file_bytes(), total);
+  EXPECT_EQ((*r)->header().data_offset % kDataAlign, 0u);
+  EXPECT_EQ((*r)->header().data_bytes, kData);
+  EXPECT_LT(total - (*r)->header().data_offset - kData, kDataAlign);
+  for (uint64_t i = 0; i < kData; i += 4093) ASSERT_EQ((*r)->data()[i], static_cast<uint8_t>(i * 7)) << i;
+}
+
+TEST(SegmentReserveTest, WithoutPopulateWriteTheWholeFileIsReserved) {
+  TempDir dir;
+  PopulateEnv env;
+  env.populate_errno = EINVAL;  // a kernel before 5.14
+  env.probe_ok = false;
+  auto w = SegmentWriter::Create(dir.path(), 0x52, 1, 0, "desc", kData, 1, 1, &env, SegmentReserve::kWriters);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_FALSE((*w)->populate_data());
+  ASSERT_FALSE(env.fallocates.empty());
+  EXPECT_EQ(env.fallocates.back().first, 0);
+  EXPECT_EQ(static_cast<uint64_t>(env.fallocates.back().second), SegmentFileBytes(4, kData));
+}
+
+TEST(SegmentReserveTest, PopulateWithoutRoomIsResourceExhausted) {
+  TempDir dir;
+  PopulateEnv env;
+  env.populate_errno = EFAULT;  // what madvise answers where a write fault would have been SIGBUS
+  auto w = SegmentWriter::Create(dir.path(), 0x53, 1, 0, "desc", kData, 1, 1, &env, SegmentReserve::kWriters);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE((*w)->populate_data());
+  const absl::Status st = PopulateForWrite((*w)->data() + 100, 5000, &env);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_NE(st.message().find("no room"), std::string::npos) << st;
+}
+
+TEST(SegmentReserveTest, RecordsEndingAWholePageBeforeTheEndAreRefused) {
+  TempDir dir;
+  auto w = SegmentWriter::Create(dir.path(), 0x54, 1, 0, "desc", 4096, 1, 1);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE((*w)->Finish(0).ok());
+  const std::string path = (*w)->path();
+  ASSERT_TRUE(ReadSegmentHeader(path).ok());
+  // Grow the file by one more 2 MiB page and say so in the header: sizes agree, but the padding is a whole page.
+  const uint64_t total = SegmentFileBytes(4, 4096) + kDataAlign;
+  int fd = ::open(path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(total)), 0);
+  ASSERT_EQ(::pwrite(fd, &total, 8, offsetof(SegmentHeader, total_bytes)), 8);
+  ::close(fd);
+  auto h = ReadSegmentHeader(path);
+  ASSERT_FALSE(h.ok());
+  EXPECT_EQ(h.status().code(), absl::StatusCode::kDataLoss) << h.status();
+}
+
+// Publish through an Env whose populate fails after the probe: the publish fails as out of room, no file is left.
+class PublishReserveTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    tools::SyntheticSpec spec;
+    spec.out_dir = dir_ / "ck";
+    spec.table_mib = 3;
+    ASSERT_TRUE(tools::WriteSyntheticCheckpoint(spec).ok());
+    auto ck = Checkpoint::Open(spec.out_dir);
+    ASSERT_TRUE(ck.ok()) << ck.status();
+    ckpt_ = *ck;
+    auto layout = Layout::Build(ckpt_->config());
+    ASSERT_TRUE(layout.ok());
+    layout_ = std::make_unique<Layout>(*layout);
+    auto tok = Tokenizer::Load(ckpt_->tokenizer_path());
+    ASSERT_TRUE(tok.ok());
+    map_ = std::make_unique<TokenMap>(TokenMap::Build(*tok));
+  }
+  TempDir dir_;
+  std::shared_ptr<const Checkpoint> ckpt_;
+  std::unique_ptr<Layout> layout_;
+  std::unique_ptr<TokenMap> map_;
+};
+
+TEST_F(PublishReserveTest, APopulateFailureFailsThePublishAsOutOfRoomAndLeavesNoFile) {
+  const std::string shm = dir_ / "shm";
+  std::filesystem::create_directories(shm);
+  PopulateEnv env;
+  env.populate_errno = ENOMEM;
+  auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2, nullptr, &env);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_TRUE(ListSegments(shm).empty());
+}
+
+// A hugetlbfs directory this process may write, with free 2 MiB pages; "" if none.
+std::string HugetlbfsDir() {
+  if (const char* d = std::getenv("ENGRAM_TEST_HUGETLBFS_DIR"); d != nullptr && *d != '\0') return d;
+  long free_pages = 0, page_kb = 0;
+  std::ifstream mi("/proc/meminfo");
+  for (std::string line; std::getline(mi, line);) {
+    if (line.rfind("HugePages_Free:", 0) == 0) free_pages = std::atol(line.c_str() + 15);
+    if (line.rfind("Hugepagesize:", 0) == 0) page_kb = std::atol(line.c_str() + 13);
+  }
+  if (free_pages < 8 || page_kb != 2048) return "";
+  std::ifstream mounts("/proc/mounts");
+  for (std::string line; std::getline(mounts, line);) {
+    std::istringstream f(line);
+    std::string dev, mnt, type, opts;
+    f >> dev >> mnt >> type >> opts;
+    if (type != "hugetlbfs" || opts.find("pagesize=1") != std::string::npos) continue;
+    if (::access(mnt.c_str(), W_OK) == 0) return mnt;
+  }
+  return "";
+}
+
+TEST_F(PublishReserveTest, ASegmentInHugetlbfsIsPublishedReadVerifiedAndRetired) {
+  const std::string root = HugetlbfsDir();
+  if (root.empty()) GTEST_SKIP() << "no writable hugetlbfs mount with free 2 MiB pages (ENGRAM_TEST_HUGETLBFS_DIR)";
+  struct statfs sfs {};
+  ASSERT_EQ(::statfs(root.c_str(), &sfs), 0);
+  ASSERT_EQ(static_cast<unsigned long>(sfs.f_type), 0x958458f6ul) << root << " is not hugetlbfs";
+  std::string tmpl = root + "/engram-test-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl.data()), nullptr) << root;
+  const std::string shm = tmpl;
+  struct Cleanup {
+    std::string d;
+    ~Cleanup() { std::filesystem::remove_all(d); }
+  } cleanup{shm};
+  auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->bytes % kDataAlign, 0u);
+  EXPECT_EQ(std::filesystem::file_size(r->path), r->bytes);
+  auto reader = SegmentReader::Open(r->path);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ((*reader)->state(), SegmentState::kReady);
+  EXPECT_TRUE(daemon::VerifyChecksums(r->path, 2).ok());
+  reader->reset();
+  ASSERT_TRUE(SetSegmentState(r->path, SegmentState::kRetired).ok());  // hugetlbfs has no write(2)
+  auto h = ReadSegmentHeader(r->path);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->state, static_cast<uint32_t>(SegmentState::kRetired));
+}
+
+}  // namespace
+}  // namespace engram
