@@ -229,6 +229,7 @@ absl::Status HostGather::RunLayer(int32_t l) {
     u.out = out_[li] + host_items * head_dim_;
     u.sort_scratch = sort_scratch_;
     u.sort_scratch_bytes = sort_bytes_;
+    u.max_blocks = opt_.uva_blocks;
     RETURN_IF_ERROR(CudaStatus(kernels::LaunchLookup(u, uva_), "uva share lookup"));
   }
   if (uva_ok_) RETURN_IF_ERROR(CudaStatus(cudaEventRecord(uva_done_[li], uva_), "record uva event"));

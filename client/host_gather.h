@@ -40,9 +40,11 @@
 namespace engram::client {
 
 // The engine's defaults (client/device_engine.cc; bench_kernels measures them and writes the automatic choice's
-// table for them): de-duplication off, the UVA share of a split batch (bench/RESULTS.md).
+// table for them), measured on the H200 (bench/RESULTS.md, 2026-11-30): de-duplication off (it costs more than
+// it saves even at 45% repeats), a quarter of the tokens on the UVA row-order kernel (the best share at 196K rows,
+// the size where the engine takes this path).
 inline constexpr bool kEngineHostGatherDedup = false;
-inline constexpr double kEngineHostGatherUvaShare = 0.4;
+inline constexpr double kEngineHostGatherUvaShare = 0.25;
 
 struct HostGatherOptions {
   int threads = 0;            // gather threads; 0 = DefaultGatherThreads(the machine's cores)
@@ -54,6 +56,9 @@ struct HostGatherOptions {
   // device_records); batches below uva_min_items items per layer are not split.
   double uva_share = 0;
   int64_t uva_min_items = 0;
+  // Grid of the UVA share's kernel: few blocks, so that it disturbs the main stream little (the row-order gather
+  // is as fast on 8 blocks of 8 rows per warp as on 16-32 at these sizes).
+  int32_t uva_blocks = 8;
 };
 
 struct HostLayer {

@@ -85,12 +85,15 @@ __global__ void HashKernel(LayoutView L, HashArgs a) {
 
 constexpr int kWarpsPerBlock = 8;
 constexpr int kRows = 4;
-// The row-order gather's defaults (LookupTuning), measured on the H200 (bench/RESULTS.md, 2026-11-30). Threshold:
-// at 24K random rows of a 16 GiB table the plain kernel is as fast or faster (0.63 vs 0.48 of H2D when the batch
-// repeats, 0.17 vs 0.18 with fresh ids), from 48K rows the sorted one wins (0.46 vs 0.35). Grid: fewer rows in
-// flight gather faster (1M rows: 132 blocks 35.2 GB/s, the persistent 1056 blocks 31.6).
-constexpr int64_t kDefaultSortMinItems = 32768;
-constexpr int32_t kDefaultSortBlocks = 32;
+// The row-order gather's defaults (LookupTuning), measured on the H200 (bench/RESULTS.md, 2026-11-30), random
+// rows of a 16 GiB host table, a fresh batch of ids per call. Grid: few rows in flight keep the gather within a
+// narrow span of the table and translate far faster than the persistent grid (1M rows: 16 blocks of 8 warps x 8
+// rows 38.1 GB/s, 1056 blocks 33.0; 196K rows: 14.9 vs 11.2; 24K rows: 14.5 vs 10.2). Threshold: on that grid the
+// sorted gather beats the plain kernel from 24K rows (14.1 vs 9.1 GB/s); at 6K rows the plain kernel is as fast
+// or faster (10.1 vs 8.6 GB/s), and a batch repeated call after call is faster plain (its rows stay in L2).
+constexpr int64_t kDefaultSortMinItems = 12288;
+constexpr int32_t kDefaultSortVariant = 1;
+constexpr int32_t kDefaultSortBlocks = 16;
 
 struct LookupGeometry {
   int64_t items;       // T * C
@@ -356,7 +359,7 @@ bool Aligned(const void* p, uintptr_t n) { return (reinterpret_cast<uintptr_t>(p
 
 struct TuningState {
   std::atomic<int64_t> sort_min_items{kDefaultSortMinItems};
-  std::atomic<int32_t> sort_variant{0};
+  std::atomic<int32_t> sort_variant{kDefaultSortVariant};
   std::atomic<int32_t> sort_blocks{kDefaultSortBlocks};
   std::atomic<bool> sort_only{false};
   TuningState() {
@@ -463,8 +466,11 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
   int variant = 0;  // the plain (item-order) gather always takes the grid-stride kernel
   int64_t grid_cap = a.max_blocks;
   bool sort = a.sort_scratch != nullptr && items >= std::max<int64_t>(tuning.sort_min_items, 1);
-  if (sort && a.records != nullptr) {
-    // Records in HBM need no row order (nor the small grid): only a host table's address translation does.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (sort && a.records != nullptr && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+      capture == cudaStreamCaptureStatusNone) {
+    // Records in HBM need no row order (nor the small grid): only a host table's address translation does. (Not
+    // asked under graph capture, where the launch keeps the row order.)
     cudaPointerAttributes attr{};
     if (cudaPointerGetAttributes(&attr, a.records) != cudaSuccess) {
       (void)cudaGetLastError();  // a failed query (an unknown pointer) is not the launch's error

@@ -63,7 +63,7 @@ struct LookupArgs {
   // GetLookupTuning().sort_min_items items are gathered in row order (sorted (row, item) pairs): same output, and
   // through UVA faster for large batches, because address translation, not PCIe, bounds a random gather from a
   // large host table (bench/RESULTS.md); small batches gain nothing from the order and pay the sort. Records in
-  // device memory (cudaPointerGetAttributes says so) are never sorted.
+  // device memory (cudaPointerGetAttributes says so; not asked while `stream` is being captured) are not sorted.
   void* sort_scratch = nullptr;
   size_t sort_scratch_bytes = 0;
 };
@@ -74,14 +74,14 @@ size_t LookupSortScratchBytes(int64_t max_items);
 // defaults are the measured best, bench/RESULTS.md). Environment overrides, read once at first use:
 // ENGRAM_LOOKUP_SORT_MIN_ITEMS, ENGRAM_LOOKUP_SORT_VARIANT, ENGRAM_LOOKUP_SORT_BLOCKS. Thread-safe (each field is read atomically).
 struct LookupTuning {
-  int64_t sort_min_items = 0;  // row-order gather from this many items per launch (when scratch is given)
+  int64_t sort_min_items = 12288;  // row-order gather from this many items per launch (when scratch is given)
   // How the sorted positions are spread over the grid: 0 = grid-stride, 4 rows in flight per warp; 1 = 8 rows per
   // warp; 2 = one contiguous run of positions per block (4 rows per warp); 3 = runs, 8 rows per warp.
-  int32_t sort_variant = 0;
+  int32_t sort_variant = 1;
   // Grid of the row-order gather when the caller sets no max_blocks (0 = the persistent grid). Few rows in flight
   // keep the in-flight rows in a narrow span of the table, which the GPU's address translation caches serve far
   // better than the whole GPU's worth of rows spread over the table (bench/RESULTS.md).
-  int32_t sort_blocks = 0;
+  int32_t sort_blocks = 16;
   bool sort_only = false;      // profiling: sort, then skip the gather (the output is left unwritten)
 };
 LookupTuning GetLookupTuning();

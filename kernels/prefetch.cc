@@ -16,11 +16,11 @@ absl::Status Prefetcher::Init(std::vector<LayerTable> tables, int32_t max_tokens
   max_tokens_ = max_tokens;
   n_cols_ = n_cols;
   head_dim_ = head_dim;
-  // Background grid: 4 blocks (32 warps, 128 rows in flight). The UVA gather is bound by address translation, not
-  // by SMs: on an H200, 4 blocks gather as fast as the whole GPU (12.4 vs 12.1 ms for 8192 tokens x 2 layers),
-  // while a larger grid slows an HBM-bound main stream far more (half the SMs: +50%, 16 blocks: +25%, 4: +3%;
-  // bench/RESULTS.md).
-  max_blocks_ = max_blocks > 0 ? max_blocks : 4;
+  // Background grid: 8 blocks. The UVA gather is bound by address translation, not by SMs, and the row-order
+  // gather is faster with few rows in flight: on an H200, 8192 tokens x 2 layers take 5.2 ms on 8 or 16 blocks,
+  // 9.2 ms on 4, while a larger grid slows an HBM-bound main stream far more (60 gate kernels: 4 blocks +1.9%,
+  // 8 blocks +2.1%, 16 blocks +6.5%, 66 blocks +21%; bench/RESULTS.md, 2026-11-30).
+  max_blocks_ = max_blocks > 0 ? max_blocks : 8;
   int lo = 0, hi = 0;
   cudaDeviceGetStreamPriorityRange(&lo, &hi);
   if (auto st = CudaStatus(cudaStreamCreateWithPriority(&side_, cudaStreamNonBlocking, hi), "side stream");

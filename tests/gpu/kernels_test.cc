@@ -242,12 +242,16 @@ TEST(GpuLookupTest, SortedGatherNeedsEnoughScratch) {
   REQUIRE_GPU();
   const int T = 1024, C = 24;
   std::vector<int32_t> ids(static_cast<size_t>(T * C), 3);
+  // A host table (registered, read through UVA): only those are gathered in row order.
   std::vector<uint8_t> table(100 * 264, 1);
+  CUDA_OK(cudaHostRegister(table.data(), table.size(), cudaHostRegisterMapped | cudaHostRegisterReadOnly));
+  void* host_table = nullptr;
+  CUDA_OK(cudaHostGetDevicePointer(&host_table, table.data(), 0));
   DeviceBuffer<int32_t> d_ids(ids);
   DeviceBuffer<uint8_t> d_table(table), scratch(64);
   DeviceBuffer<uint16_t> out(ids.size() * 256);
   kernels::LookupArgs a;
-  a.records = d_table.get();
+  a.records = static_cast<const uint8_t*>(host_table);
   a.row_end = 100;
   a.head_dim = 256;
   a.ids = d_ids.get();
@@ -262,7 +266,12 @@ TEST(GpuLookupTest, SortedGatherNeedsEnoughScratch) {
   sort_all.sort_min_items = 1;  // this batch takes the sorted gather whatever the default threshold
   kernels::SetLookupTuning(sort_all);
   EXPECT_EQ(kernels::LaunchLookup(a, nullptr), cudaErrorInvalidValue);
+  // Records in HBM are never sorted: the same launch over a device copy of the table needs no scratch at all.
+  a.records = d_table.get();
+  EXPECT_EQ(kernels::LaunchLookup(a, nullptr), cudaSuccess);
+  CUDA_OK(cudaDeviceSynchronize());
   kernels::SetLookupTuning(saved);
+  CUDA_OK(cudaHostUnregister(table.data()));
   EXPECT_GT(kernels::LookupSortScratchBytes(static_cast<int64_t>(T) * C), 4u * T * C * 4);
 }
 
