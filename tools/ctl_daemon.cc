@@ -131,8 +131,10 @@ json GroupsJson(const engram::v1::StatusReply& s) {
   for (const auto& g : s.groups()) {
     json members = json::array();
     for (const auto& m : g.members()) {
-      members.push_back({{"pid", m.pid()}, {"dp_rank", m.dp_rank()}, {"edp_rank", m.edp_rank()},
-                         {"max_tokens", m.max_tokens()}, {"bytes_per_step", m.bytes_per_step()}});
+      json member = {{"pid", m.pid()}, {"dp_rank", m.dp_rank()}, {"edp_rank", m.edp_rank()},
+                     {"max_tokens", m.max_tokens()}, {"bytes_per_step", m.bytes_per_step()}};
+      if (m.left()) member["left"] = m.left_reason();  // it left (GroupLeave) or its session ended: why
+      members.push_back(member);
     }
     json one = {{"group", g.group()},         {"checkpoint", g.checkpoint()}, {"tp_rank", g.tp_rank()},
                 {"tp_size", g.tp_size()},     {"size", g.size()},             {"state", g.state()},
@@ -153,7 +155,9 @@ void PrintGroups(const engram::v1::StatusReply& s) {
                                "slot", "bytes/step", "members (dp rank:pid)");
   for (const auto& g : s.groups()) {
     std::vector<std::string> members;
-    for (const auto& m : g.members()) members.push_back(absl::StrFormat("%d:%d", m.dp_rank(), m.pid()));
+    for (const auto& m : g.members()) {
+      members.push_back(absl::StrFormat("%d:%d%s", m.dp_rank(), m.pid(), m.left() ? "(left)" : ""));
+    }
     std::cout << absl::StrFormat("%-44s %-6s %-9s %-9s %-7d %-12s %s (%d of %d)\n", g.group(),
                                  absl::StrFormat("%d/%d", g.tp_rank(), g.tp_size()), g.state(), g.transport(),
                                  g.slot(), absl::StrFormat("%.2f MiB", g.bytes_per_step() / 1048576.0),

@@ -5,10 +5,16 @@
 // and a rank with zero tokens. A member SIGKILLed in the middle of its steps: the others fail with an error naming
 // it (no hang) and status shows the group BROKEN and who left. Malformed group requests are refused without
 // harming the daemon. Precedence: where dp_shared_memory can share, SHARED wins over embedding_across_dp.
+// Lifecycle (DpLifecycleTest, with scripted members: tests/integration/dp_member_helper.cc): a member that closes its
+// engine, gives up before mapping the host region or gives up forming leaves the group (GroupLeave) while its
+// session lives on: the others stop at once naming it and why, status says so, and the session joins again; rank 0
+// killed while the group forms or right after creating the region leaves nothing in /dev/shm; leave requests that
+// are not the session's to make are refused without harm.
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/stat.h>
 
+#include <filesystem>
 #include <set>
 #include <sstream>
 #include <string>
@@ -242,6 +248,22 @@ class RawSession {
     }
     return false;
   }
+  // Sends a GroupLeave and reads until its answer (GroupLeft); updates read on the way are kept in `updates`.
+  bool Leave(const engram::v1::GroupLeave& l, engram::v1::GroupLeft* left) {
+    engram::v1::ClientMessage m;
+    *m.mutable_group_leave() = l;
+    if (!stream_->Write(m)) return false;
+    engram::v1::ServerMessage r;
+    while (stream_->Read(&r)) {
+      if (r.has_group_left()) {
+        *left = r.group_left();
+        return true;
+      }
+      if (r.has_group_update()) updates.push_back(r.group_update());
+    }
+    return false;
+  }
+  std::vector<engram::v1::GroupUpdate> updates;
 
  private:
   grpc::ClientContext ctx_;
@@ -381,6 +403,359 @@ TEST_F(DpGroupTest, MalformedGroupRequestsAreRefusedWithoutHarm) {
   EXPECT_EQ(testing::HealthCheck(daemon_->socket()), 1);
   // And real replicas still form groups on this daemon afterwards.
   RunTopology(1, 2, {4, 2}, "--dp-shared-memory false");
+}
+
+// --- Group lifecycle: leaving, giving up, rejoining, and the host region's name ---------------------------------
+
+// Every JSON line of a helper's output.
+std::vector<json> JsonLines(const std::string& out) {
+  std::vector<json> lines;
+  std::istringstream ss(out);
+  for (std::string line; std::getline(ss, line);) {
+    if (!line.empty() && line[0] == '{') lines.push_back(json::parse(line, nullptr, false));
+  }
+  return lines;
+}
+
+// The host-transport regions in /dev/shm that process `pid` created (their names start /engram-dp-<pid>-).
+std::vector<std::string> RegionsOf(pid_t pid) {
+  std::vector<std::string> found;
+  const std::string prefix = "engram-dp-" + std::to_string(pid) + "-";
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) == 0) found.push_back(name);
+  }
+  return found;
+}
+void RemoveRegions(const std::vector<std::string>& names) {
+  for (const auto& n : names) std::filesystem::remove("/dev/shm/" + n);
+}
+
+class DpLifecycleTest : public DpGroupTest {
+ protected:
+  // A scripted member (tests/integration/dp_member_helper.cc) with `env` (VAR=value ...) set.
+  Process Member(int dp_size, int dp_rank, int tokens, const std::string& commands, const std::string& log,
+                 const std::vector<std::string>& env = {}) {
+    std::vector<std::string> argv = {"/usr/bin/env"};
+    argv.insert(argv.end(), env.begin(), env.end());
+    for (const std::string& a : {BinPath("dp_member_helper"), daemon_->socket(), ckpt_, std::to_string(dp_size),
+                                 std::to_string(dp_rank), std::to_string(tokens)}) {
+      argv.push_back(a);
+    }
+    std::istringstream ss(commands);
+    for (std::string w; ss >> w;) argv.push_back(w);
+    return Process(argv, dir_ / log);
+  }
+  // An engram-replica of dp rank `dp_rank` of `dp_size` running DP_SHARDED, with `env` set.
+  Process EnvReplica(int dp_size, int dp_rank, const std::string& args, const std::string& log,
+                     const std::vector<std::string>& env) {
+    std::vector<std::string> argv = {"/usr/bin/env"};
+    argv.insert(argv.end(), env.begin(), env.end());
+    for (const std::string& a : {BinPath("engram-replica"), std::string("--socket"), daemon_->socket(),
+                                 std::string("--checkpoint"), ckpt_, std::string("--timeout-ms"),
+                                 std::string("10000"), std::string("--embedding-across-dp"),
+                                 std::string("--dp-shared-memory"), std::string("false"), std::string("--dp-size"),
+                                 std::to_string(dp_size), std::string("--dp-rank"), std::to_string(dp_rank)}) {
+      argv.push_back(a);
+    }
+    std::istringstream ss(args);
+    for (std::string w; ss >> w;) argv.push_back(w);
+    return Process(argv, dir_ / log);
+  }
+  std::string Touch(const std::string& name) {
+    const std::string path = dir_ / name;
+    testing::WriteFile(path, "go");
+    return path;
+  }
+  // The first group in status whose state is `state` (null when none).
+  json GroupIn(const std::string& state) {
+    json gs = Groups();
+    if (!gs.is_array()) return json();
+    for (const auto& g : gs) {
+      if (g["state"] == state) return g;
+    }
+    return json();
+  }
+};
+
+// A member closes its engine while its session lives on: engramd breaks the group naming it and why (status says
+// so while the member's process still runs, so it is the leave and not a lease end), the other member's next step
+// fails naming it, and both sessions make new engines that form a new group whose rows match the checkpoint.
+TEST_F(DpLifecycleTest, ALeavingMemberBreaksTheGroupAndItsSessionJoinsAgain) {
+  const std::string go0 = dir_ / "go0", go1 = dir_ / "go1";
+  Process m0 = Member(2, 0, 6, "engine step wait " + go0 + " step close engine step step", "leave0.log");
+  Process m1 = Member(2, 1, 3, "engine step close wait " + go1 + " engine step step", "leave1.log");
+  ASSERT_TRUE(WaitFor([&] { return m1.Output().find("closed") != std::string::npos; }, std::chrono::seconds(60)))
+      << m0.Output() << m1.Output();
+  json broken;
+  ASSERT_TRUE(WaitFor([&] { return !(broken = GroupIn("BROKEN")).is_null(); }, std::chrono::seconds(30)))
+      << Groups().dump();
+  EXPECT_TRUE(m1.Running()) << "the member that left still holds its session";
+  EXPECT_EQ(broken["left"]["dp_rank"], 1);
+  EXPECT_EQ(broken["left"]["pid"], m1.pid());
+  const std::string detail = broken["detail"].get<std::string>();
+  EXPECT_NE(detail.find("member dp rank 1 (edp rank 1, pid " + std::to_string(m1.pid()) +
+                        ") left: its DP engine was closed"),
+            std::string::npos)
+      << detail;
+  ASSERT_EQ(broken["members"].size(), 2u);
+  EXPECT_EQ(broken["members"][1]["left"], "its DP engine was closed") << broken.dump();
+  EXPECT_FALSE(broken["members"][0].contains("left")) << broken.dump();
+  const uint64_t first_generation = broken["generation"].get<uint64_t>();
+  // The text status shows who left.
+  auto text = testing::RunCmd(BinPath("engramctl") + " status --socket " + daemon_->socket());
+  EXPECT_NE(text.out.find("left: its DP engine was closed"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("1:" + std::to_string(m1.pid()) + "(left)"), std::string::npos) << text.out;
+
+  Touch("go0");
+  Touch("go1");
+  for (Process* p : {&m0, &m1}) EXPECT_EQ(p->Wait(std::chrono::seconds(90)), 0) << p->Output();
+  const auto l0 = JsonLines(m0.Output()), l1 = JsonLines(m1.Output());
+  ASSERT_EQ(l0.size(), 9u) << m0.Output();
+  ASSERT_EQ(l1.size(), 8u) << m1.Output();
+  EXPECT_EQ(l0[0]["engine"], "ok");
+  EXPECT_EQ(l0[1]["step"], "ok");
+  ASSERT_TRUE(l0[3].contains("step_error")) << l0[3].dump();
+  EXPECT_NE(l0[3]["step_error"].get<std::string>().find("dp rank 1"), std::string::npos) << l0[3].dump();
+  // The new engines: joined again in the same sessions, rows of every token and column against the checkpoint.
+  EXPECT_EQ(l0[5]["engine"], "ok") << l0[5].dump();
+  EXPECT_EQ(l1[4]["engine"], "ok") << l1[4].dump();
+  for (const json& step : {l0[1], l0[6], l0[7], l1[1], l1[5], l1[6]}) {
+    EXPECT_EQ(step["step"], "ok") << step.dump();
+    EXPECT_EQ(step["mismatches"], 0) << step.dump();
+    EXPECT_GT(step["verified"].get<int64_t>(), 0);
+  }
+  // Status lists both generations of the group.
+  std::set<uint64_t> generations;
+  for (const auto& g : Groups()) generations.insert(g["generation"].get<uint64_t>());
+  EXPECT_TRUE(generations.count(first_generation)) << Groups().dump();
+  EXPECT_GE(generations.size(), 2u) << Groups().dump();
+  EXPECT_TRUE(daemon_->proc().Running());
+}
+
+// A member that gives up after the group formed but before it mapped the host region (fault injection) leaves the
+// group: the others stop at once with its reason, well inside the step timeout they would otherwise wait out.
+TEST_F(DpLifecycleTest, AMemberThatGivesUpBeforeMappingStopsTheOthersAtOnce) {
+  const std::vector<std::string> patient = {"ENGRAM_DP_STEP_TIMEOUT_MS=600000"};
+  Process r0 = EnvReplica(3, 0, "--tokens 4 --batches 2 --verify 0", "giveup0.log", patient);
+  Process r2 = EnvReplica(3, 2, "--tokens 4 --batches 2 --verify 0", "giveup2.log", patient);
+  Process m1 = Member(3, 1, 4, "engine hold", "giveup1.log", {"ENGRAM_DP_FAULT=give-up-before-mapping"});
+  for (Process* p : {&r0, &r2}) {
+    // A bound for a hang (the step timeout is 10 minutes), not a timing assertion.
+    const int code = p->Wait(std::chrono::seconds(60));
+    EXPECT_EQ(code, 1) << p->Output();
+    json j = testing::JsonLine(p->Output(), true);
+    ASSERT_TRUE(j.contains("error")) << p->Output();
+    const std::string error = j["error"].get<std::string>();
+    EXPECT_NE(error.find("member dp rank 1"), std::string::npos) << error;
+    EXPECT_NE(error.find("pid " + std::to_string(m1.pid())), std::string::npos) << error;
+    EXPECT_NE(error.find("gave up setting up the host exchange"), std::string::npos) << error;
+  }
+  EXPECT_TRUE(m1.Running());
+  EXPECT_NE(m1.Output().find("fault injection"), std::string::npos) << m1.Output();
+  json g = GroupIn("BROKEN");
+  ASSERT_FALSE(g.is_null()) << Groups().dump();
+  EXPECT_EQ(g["left"]["dp_rank"], 1);
+  EXPECT_NE(g["detail"].get<std::string>().find("gave up"), std::string::npos) << g.dump();
+  const auto left = RegionsOf(r0.pid());
+  EXPECT_TRUE(left.empty()) << left.size() << " region(s) left in /dev/shm by rank 0";
+  RemoveRegions(left);
+}
+
+// A member that gives up waiting for the group to form (its form timeout) leaves: the member that waits with a long
+// timeout stops at once with the reason; the session that gave up may join again (it gets another timeout, not
+// "joined already").
+TEST_F(DpLifecycleTest, AMemberThatGivesUpFormingEndsTheOthersWait) {
+  Process r0 = EnvReplica(3, 0, "--tokens 4 --batches 1 --verify 0", "form0.log", {"ENGRAM_DP_FORM_TIMEOUT_MS=600000"});
+  ASSERT_TRUE(WaitFor([&] { return !GroupIn("FORMING").is_null(); }, std::chrono::seconds(30))) << r0.Output();
+  Process m1 = Member(3, 1, 4, "engine engine hold", "form1.log", {"ENGRAM_DP_FORM_TIMEOUT_MS=1000"});
+  const int code = r0.Wait(std::chrono::seconds(60));  // a bound for a hang: its own form timeout is 10 minutes
+  EXPECT_EQ(code, 1) << r0.Output();
+  json j = testing::JsonLine(r0.Output(), true);
+  ASSERT_TRUE(j.contains("error")) << r0.Output();
+  const std::string error = j["error"].get<std::string>();
+  EXPECT_NE(error.find("member dp rank 1"), std::string::npos) << error;
+  EXPECT_NE(error.find("gave up waiting for the group to form"), std::string::npos) << error;
+  ASSERT_TRUE(WaitFor([&] { return m1.Output().find("holding") != std::string::npos; }, std::chrono::seconds(60)))
+      << m1.Output();
+  const auto lines = JsonLines(m1.Output());
+  ASSERT_GE(lines.size(), 2u) << m1.Output();
+  for (size_t i = 0; i < 2; ++i) {
+    ASSERT_TRUE(lines[i].contains("engine_error")) << lines[i].dump();
+    EXPECT_EQ(lines[i]["code"], "DEADLINE_EXCEEDED") << lines[i].dump();
+  }
+  EXPECT_TRUE(daemon_->proc().Running());
+}
+
+// Rank 0 SIGKILLed while its group forms (it has sent the region's name): nothing of it in /dev/shm.
+TEST_F(DpLifecycleTest, Rank0KilledWhileTheGroupFormsLeavesNoRegion) {
+  Process r0 = EnvReplica(2, 0, "--tokens 4 --batches 1 --verify 0", "forming0.log", {});
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        json g = GroupIn("FORMING");
+        return !g.is_null() && g["members"].size() == 1 && g["members"][0]["pid"] == r0.pid();
+      },
+      std::chrono::seconds(30)))
+      << Groups().dump() << r0.Output();
+  r0.Signal(SIGKILL);
+  EXPECT_EQ(r0.Wait(), 128 + SIGKILL);
+  const auto left = RegionsOf(r0.pid());
+  EXPECT_TRUE(left.empty()) << left.size() << " region(s) left in /dev/shm by the killed rank 0";
+  RemoveRegions(left);
+}
+
+// Rank 0 SIGKILLs itself right after creating the region (fault injection), before anyone mapped it: the member
+// left behind stops naming it and removes the name, so nothing is left in /dev/shm.
+TEST_F(DpLifecycleTest, Rank0KilledAfterCreatingTheRegionLeavesNoRegion) {
+  Process r0 = EnvReplica(2, 0, "--tokens 4 --batches 1 --verify 0", "created0.log",
+                          {"ENGRAM_DP_FAULT=rank0-dies-after-creating-region"});
+  Process r1 = EnvReplica(2, 1, "--tokens 4 --batches 1 --verify 0", "created1.log", {});
+  EXPECT_EQ(r0.Wait(std::chrono::seconds(60)), 128 + SIGKILL) << r0.Output();
+  EXPECT_EQ(r1.Wait(std::chrono::seconds(60)), 1) << r1.Output();
+  json j = testing::JsonLine(r1.Output(), true);
+  ASSERT_TRUE(j.contains("error")) << r1.Output();
+  EXPECT_NE(j["error"].get<std::string>().find("member dp rank 0"), std::string::npos) << j.dump();
+  const auto left = RegionsOf(r0.pid());
+  EXPECT_TRUE(left.empty()) << left.size() << " region(s) left in /dev/shm after rank 0 died";
+  RemoveRegions(left);
+}
+
+// GroupLeave requests that are not this session's to make are refused with a clear status and change nothing: the
+// session goes on, its group and everyone else's stay as they were. A proper leave then breaks the group naming the
+// member and its reason, and the session joins again.
+TEST_F(DpLifecycleTest, LeaveRequestsAreCheckedAndRefusedWithoutHarm) {
+  auto stub = engram::v1::Engram::NewStub(
+      grpc::CreateChannel("unix:" + daemon_->socket(), grpc::InsecureChannelCredentials()));
+  auto ck = Checkpoint::Open(ckpt_);
+  ASSERT_TRUE(ck.ok());
+  auto hello = [&](int dp_rank) {
+    engram::v1::ClientMessage m;
+    auto* h = m.mutable_hello();
+    h->set_fingerprint((*ck)->Fingerprint());
+    h->set_tp_size(1);
+    h->set_dp_size(2);
+    h->set_dp_rank(dp_rank);
+    h->set_local_dp_size(2);
+    h->mutable_config()->set_embedding_across_dp(true);
+    h->mutable_config()->set_dp_shared_memory(engram::v1::DISABLED);
+    return m;
+  };
+  auto join = [](int rank, const std::string& name, uint64_t id) {
+    engram::v1::GroupJoin j;
+    j.set_name(name);
+    j.set_transport("host");
+    j.set_max_tokens(8);
+    j.set_join_id(id);
+    if (rank == 0) j.set_rendezvous("/engram-dp-test");
+    return j;
+  };
+  auto leave = [](const std::string& group, uint64_t generation, const std::string& reason) {
+    engram::v1::GroupLeave l;
+    l.set_group(group);
+    l.set_generation(generation);
+    l.set_reason(reason);
+    return l;
+  };
+  auto session = [&](int rank) {
+    auto s = std::make_unique<RawSession>(stub.get(), hello(rank));
+    s->Outcome(engram::v1::DP_SHARDED);
+    return s;
+  };
+  // Not in any group.
+  auto loner = session(0);
+  engram::v1::GroupLeft left;
+  ASSERT_TRUE(loner->Leave(leave("", 0, "why not"), &left));
+  EXPECT_EQ(left.code(), grpc::StatusCode::FAILED_PRECONDITION) << left.error();
+  EXPECT_NE(left.error().find("not a member"), std::string::npos) << left.error();
+  // Group "alpha" formed by a and b; c forming in group "beta".
+  auto a = session(0), b = session(1), c = session(0);
+  a->Join(join(0, "alpha", 11));
+  b->Join(join(1, "alpha", 12));
+  c->Join(join(0, "beta", 13));
+  engram::v1::GroupUpdate formed;
+  ASSERT_TRUE(a->ReadUpdate(&formed));
+  ASSERT_EQ(formed.state(), engram::v1::GroupUpdate::FORMED);
+  EXPECT_EQ(formed.join_id(), 11u);
+  engram::v1::GroupUpdate formed_b;
+  ASSERT_TRUE(b->ReadUpdate(&formed_b));
+  EXPECT_EQ(formed_b.join_id(), 12u);
+  ASSERT_TRUE(WaitFor([&] { return Groups().size() == 2; }, std::chrono::seconds(10))) << Groups().dump();
+  const json before = Groups();
+  struct Case {
+    std::string what;
+    RawSession* s;
+    engram::v1::GroupLeave l;
+    grpc::StatusCode code;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {"another session's group", c.get(), leave(formed.group(), formed.generation(), "hostile"),
+       grpc::StatusCode::PERMISSION_DENIED, "not a member of group"},
+      {"no such group", c.get(), leave("no-such-group", 0, "x"), grpc::StatusCode::NOT_FOUND, "no group"},
+      {"another generation", a.get(), leave(formed.group(), formed.generation() + 100, "x"),
+       grpc::StatusCode::FAILED_PRECONDITION, "generation"},
+      {"oversized reason", a.get(), leave("", 0, std::string(600, 'r')), grpc::StatusCode::INVALID_ARGUMENT,
+       "reason"},
+      {"oversized group", b.get(), leave(std::string(5000, 'g'), 0, "x"), grpc::StatusCode::INVALID_ARGUMENT,
+       "group"},
+  };
+  for (const auto& k : cases) {
+    ASSERT_TRUE(k.s->Leave(k.l, &left)) << k.what << ": the session ended";
+    EXPECT_EQ(left.code(), k.code) << k.what << ": " << left.error();
+    EXPECT_NE(left.error().find(k.needle), std::string::npos) << k.what << ": " << left.error();
+  }
+  // Nothing changed: the same groups, states and members; nobody was told anything.
+  const json after = Groups();
+  ASSERT_EQ(after.size(), before.size()) << after.dump();
+  for (size_t i = 0; i < after.size(); ++i) {
+    EXPECT_EQ(after[i]["state"], before[i]["state"]) << after.dump();
+    EXPECT_EQ(after[i]["members"], before[i]["members"]) << after.dump();
+  }
+  EXPECT_TRUE(a->updates.empty());
+  EXPECT_TRUE(c->updates.empty());
+
+  // b leaves properly (its reason has a newline: shown as '?'): a is told, naming it and why.
+  ASSERT_TRUE(b->Leave(leave(formed.group(), formed.generation(), "draining\nfor maintenance"), &left));
+  EXPECT_EQ(left.code(), 0) << left.error();
+  EXPECT_EQ(left.group(), formed.group());
+  engram::v1::GroupUpdate broken;
+  ASSERT_TRUE(a->ReadUpdate(&broken));
+  EXPECT_EQ(broken.state(), engram::v1::GroupUpdate::BROKEN);
+  EXPECT_EQ(broken.left_dp_rank(), 1);
+  EXPECT_EQ(broken.join_id(), 11u);
+  EXPECT_NE(broken.detail().find("left: draining?for maintenance"), std::string::npos) << broken.detail();
+  // Leaving twice: refused, harmless.
+  ASSERT_TRUE(b->Leave(leave("", 0, "again"), &left));
+  EXPECT_EQ(left.code(), grpc::StatusCode::FAILED_PRECONDITION);
+  // c gives up forming: its group breaks (nobody else in it) and is listed with the reason.
+  ASSERT_TRUE(c->Leave(leave("", 0, "no partner came"), &left));
+  EXPECT_EQ(left.code(), 0) << left.error();
+  bool listed = false;
+  for (const auto& g : Groups()) {
+    listed |= g["group"].get<std::string>().rfind("beta/", 0) == 0 && g["state"] == "BROKEN" &&
+              g["detail"].get<std::string>().find("left before the group formed: no partner came") != std::string::npos;
+  }
+  EXPECT_TRUE(listed) << Groups().dump();
+  // a and b join again in the same sessions and form a new generation of "alpha".
+  ASSERT_TRUE(a->Leave(leave(formed.group(), formed.generation(), "partner left"), &left));
+  EXPECT_EQ(left.code(), 0) << left.error();
+  b->Join(join(1, "alpha", 22));
+  a->Join(join(0, "alpha", 21));
+  engram::v1::GroupUpdate again_a, again_b;
+  ASSERT_TRUE(a->ReadUpdate(&again_a));
+  ASSERT_TRUE(b->ReadUpdate(&again_b));
+  EXPECT_EQ(again_a.state(), engram::v1::GroupUpdate::FORMED);
+  EXPECT_EQ(again_a.join_id(), 21u);
+  EXPECT_EQ(again_b.join_id(), 22u);
+  EXPECT_EQ(again_a.group(), formed.group());
+  EXPECT_GT(again_a.generation(), formed.generation());
+  (void)a->End();
+  (void)b->End();
+  (void)c->End();
+  (void)loner->End();
+  EXPECT_TRUE(daemon_->proc().Running());
+  EXPECT_EQ(testing::HealthCheck(daemon_->socket()), 1);
 }
 
 }  // namespace

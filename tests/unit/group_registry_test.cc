@@ -1,0 +1,212 @@
+// GroupRegistry (daemon/group_registry.h), in-process: explicit leaves (a formed and a forming group break naming
+// the member and its reason, the others are told, the session may join again; refused leaves change nothing), a
+// session's end while forming (forgotten, not broken), updates carrying each member's join id, and the registry
+// never held while a member is notified: a member whose notification blocks does not stall status, other joins or
+// leaves. Blocking is a latch the test opens; the bounds below are deadlines for a hang, not timings.
+#include <chrono>
+#include <future>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "daemon/group_registry.h"
+#include "gtest/gtest.h"
+
+namespace engram::daemon {
+namespace {
+
+using engram::v1::GroupUpdate;
+using engram::v1::ServerMessage;
+
+engram::v1::Hello MakeHello(int dp_rank, int dp_size = 2) {
+  engram::v1::Hello h;
+  h.set_fingerprint(0x1234);
+  h.set_tp_size(1);
+  h.set_dp_size(dp_size);
+  h.set_dp_rank(dp_rank);
+  h.set_local_dp_size(dp_size);
+  h.mutable_config()->set_embedding_across_dp(true);
+  return h;
+}
+
+engram::v1::GroupJoin MakeJoin(int rank, uint64_t join_id = 0) {
+  engram::v1::GroupJoin j;
+  j.set_transport("host");
+  j.set_max_tokens(8);
+  j.set_join_id(join_id);
+  if (rank == 0) j.set_rendezvous("/engram-dp-1-x");
+  return j;
+}
+
+// What one member was sent.
+struct Inbox {
+  std::mutex mu;
+  std::vector<GroupUpdate> got;
+  GroupRegistry::Notify notify() {
+    return [this](const ServerMessage& m) {
+      std::lock_guard<std::mutex> lock(mu);
+      got.push_back(m.group_update());
+    };
+  }
+  std::vector<GroupUpdate> all() {
+    std::lock_guard<std::mutex> lock(mu);
+    return got;
+  }
+};
+
+engram::v1::GroupLeave MakeLeave(const std::string& reason, const std::string& group = "", uint64_t gen = 0) {
+  engram::v1::GroupLeave l;
+  l.set_reason(reason);
+  l.set_group(group);
+  l.set_generation(gen);
+  return l;
+}
+
+TEST(GroupRegistryTest, ALeaveBreaksAFormedGroupNamingTheMemberAndTheSessionMayJoinAgain) {
+  GroupRegistry r;
+  Inbox a, b;
+  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerInfo(100, 1, 1), MakeJoin(0, 7), a.notify()).ok());
+  ASSERT_TRUE(r.Join("lease-b", MakeHello(1), PeerInfo(101, 1, 1), MakeJoin(1, 9), b.notify()).ok());
+  ASSERT_EQ(a.all().size(), 1u);
+  const GroupUpdate formed = a.all()[0];
+  EXPECT_EQ(formed.state(), GroupUpdate::FORMED);
+  EXPECT_EQ(formed.join_id(), 7u);
+  EXPECT_EQ(b.all()[0].join_id(), 9u);
+
+  auto left = r.LeaveGroup("lease-b", MakeLeave("engine closed", formed.group(), formed.generation()));
+  ASSERT_TRUE(left.ok()) << left.status();
+  EXPECT_EQ(left->group(), formed.group());
+  EXPECT_EQ(left->generation(), formed.generation());
+  // a is told, naming b and its reason; b (the leaver) is told nothing more.
+  ASSERT_EQ(a.all().size(), 2u);
+  const GroupUpdate broken = a.all()[1];
+  EXPECT_EQ(broken.state(), GroupUpdate::BROKEN);
+  EXPECT_EQ(broken.left_pid(), 101);
+  EXPECT_EQ(broken.left_dp_rank(), 1);
+  EXPECT_EQ(broken.join_id(), 7u);
+  EXPECT_NE(broken.detail().find("member dp rank 1 (edp rank 1, pid 101) left: engine closed"), std::string::npos)
+      << broken.detail();
+  EXPECT_EQ(b.all().size(), 1u);
+  // Status: broken, the member listed as left with its reason.
+  auto groups = r.Groups();
+  ASSERT_EQ(groups.size(), 1u);
+  EXPECT_EQ(groups[0].state(), "BROKEN");
+  ASSERT_EQ(groups[0].members_size(), 2);
+  EXPECT_FALSE(groups[0].members(0).left());
+  EXPECT_TRUE(groups[0].members(1).left());
+  EXPECT_EQ(groups[0].members(1).left_reason(), "engine closed");
+
+  // b may join again (a new group under the key: a must leave the broken one before it joins again).
+  Inbox b2;
+  EXPECT_EQ(r.Join("lease-a", MakeHello(0), PeerInfo(100, 1, 1), MakeJoin(0), a.notify()).code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(r.Join("lease-b", MakeHello(1), PeerInfo(101, 1, 1), MakeJoin(1, 10), b2.notify()).ok());
+  // The broken group went to the history when b's join replaced it: a is no longer a member of anything.
+  EXPECT_EQ(r.LeaveGroup("lease-a", MakeLeave("bye")).status().code(), absl::StatusCode::kFailedPrecondition);
+  Inbox a2;
+  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerInfo(100, 1, 1), MakeJoin(0, 8), a2.notify()).ok());
+  ASSERT_EQ(b2.all().size(), 1u);
+  EXPECT_EQ(b2.all()[0].state(), GroupUpdate::FORMED);
+  EXPECT_EQ(b2.all()[0].join_id(), 10u);
+  EXPECT_GT(b2.all()[0].generation(), formed.generation());
+}
+
+TEST(GroupRegistryTest, ALeaveBreaksAFormingGroupButASessionEndOnlyForgetsTheMember) {
+  GroupRegistry r;
+  Inbox a, b;
+  ASSERT_TRUE(r.Join("lease-a", MakeHello(0, 3), PeerInfo(100, 1, 1), MakeJoin(0), a.notify()).ok());
+  ASSERT_TRUE(r.Join("lease-b", MakeHello(1, 3), PeerInfo(101, 1, 1), MakeJoin(1), b.notify()).ok());
+  // b's session ends while forming: forgotten, a waits on (another process may take dp rank 1).
+  r.Leave("lease-b");
+  EXPECT_TRUE(a.all().empty());
+  ASSERT_EQ(r.Groups().size(), 1u);
+  EXPECT_EQ(r.Groups()[0].state(), "FORMING");
+  EXPECT_EQ(r.Groups()[0].members_size(), 1);
+  // c joins as dp rank 1 and gives up: a's wait ends at once, naming c and why.
+  Inbox c;
+  ASSERT_TRUE(r.Join("lease-c", MakeHello(1, 3), PeerInfo(102, 1, 1), MakeJoin(1), c.notify()).ok());
+  ASSERT_TRUE(r.LeaveGroup("lease-c", MakeLeave("gave up waiting")).ok());
+  ASSERT_EQ(a.all().size(), 1u);
+  EXPECT_EQ(a.all()[0].state(), GroupUpdate::BROKEN);
+  EXPECT_NE(a.all()[0].detail().find("pid 102) left before the group formed: gave up waiting"), std::string::npos)
+      << a.all()[0].detail();
+  // a leaves too: every member left, the group is history, still listed.
+  ASSERT_TRUE(r.LeaveGroup("lease-a", MakeLeave("done")).ok());
+  auto groups = r.Groups();
+  ASSERT_EQ(groups.size(), 1u);
+  EXPECT_EQ(groups[0].state(), "BROKEN");
+  EXPECT_EQ(groups[0].left_pid(), 102);
+}
+
+TEST(GroupRegistryTest, RefusedLeavesChangeNothing) {
+  GroupRegistry r;
+  Inbox a, b, c;
+  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerInfo(100, 1, 1), MakeJoin(0), a.notify()).ok());
+  ASSERT_TRUE(r.Join("lease-b", MakeHello(1), PeerInfo(101, 1, 1), MakeJoin(1), b.notify()).ok());
+  auto named = MakeJoin(0);
+  named.set_name("other");
+  ASSERT_TRUE(r.Join("lease-c", MakeHello(0), PeerInfo(102, 1, 1), named, c.notify()).ok());
+  const GroupUpdate formed = a.all().at(0);
+  const auto before = r.Groups();
+
+  EXPECT_EQ(r.LeaveGroup("lease-none", MakeLeave("x")).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(r.LeaveGroup("lease-c", MakeLeave("x", formed.group())).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(r.LeaveGroup("lease-c", MakeLeave("x", "no-such-group")).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(r.LeaveGroup("lease-a", MakeLeave("x", formed.group(), formed.generation() + 100)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(r.LeaveGroup("lease-a", MakeLeave(std::string(kMaxLeaveReasonBytes + 1, 'x'))).status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  const auto after = r.Groups();
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t i = 0; i < after.size(); ++i) EXPECT_EQ(after[i].DebugString(), before[i].DebugString());
+  EXPECT_EQ(a.all().size(), 1u);
+  EXPECT_EQ(b.all().size(), 1u);
+  EXPECT_TRUE(c.all().empty());
+}
+
+// A member whose stream blocks (its notification never returns until the latch opens) stalls only the call that
+// notifies it: status and another group's join and leave go on. With the notifications sent under the registry's
+// lock, Groups() would wait for the latch.
+TEST(GroupRegistryTest, ABlockedMemberDoesNotStallTheRegistry) {
+  GroupRegistry r;
+  std::promise<void> latch;
+  std::shared_future<void> open = latch.get_future().share();
+  std::promise<void> entered;
+  auto blocking = [open, &entered, first = std::make_shared<bool>(true)](const ServerMessage&) {
+    if (*first) {
+      *first = false;
+      entered.set_value();
+    }
+    open.wait();
+  };
+  Inbox b;
+  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerInfo(100, 1, 1), MakeJoin(0), blocking).ok());
+  // b's join forms the group and notifies a: that call blocks in a's notification.
+  auto forming = std::async(std::launch::async, [&] {
+    return r.Join("lease-b", MakeHello(1), PeerInfo(101, 1, 1), MakeJoin(1), b.notify());
+  });
+  ASSERT_EQ(entered.get_future().wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  // Meanwhile the registry serves everyone else.
+  auto others = std::async(std::launch::async, [&] {
+    Inbox c, d;
+    auto j = MakeJoin(0);
+    j.set_name("second");
+    auto k = MakeJoin(1);
+    k.set_name("second");
+    bool ok = r.Join("lease-c", MakeHello(0), PeerInfo(102, 1, 1), j, c.notify()).ok() &&
+              r.Join("lease-d", MakeHello(1), PeerInfo(103, 1, 1), k, d.notify()).ok() &&
+              r.LeaveGroup("lease-d", MakeLeave("bye")).ok();
+    return ok && r.Groups().size() == 2 && c.all().size() == 2;
+  });
+  const bool served = others.wait_for(std::chrono::seconds(30)) == std::future_status::ready;
+  latch.set_value();  // let the blocked call finish whatever happened
+  ASSERT_TRUE(served) << "the registry stalled behind a blocked member's notification";
+  EXPECT_TRUE(others.get());
+  EXPECT_TRUE(forming.get().ok());
+  EXPECT_EQ(b.all().size(), 1u);
+}
+
+}  // namespace
+}  // namespace engram::daemon
