@@ -339,12 +339,18 @@ absl::Status DpNcclExchange::Step(const int32_t* ids, int64_t token_stride, int6
   const bool one_launch = !packed && n <= kernels::kMaxGatherMembers && nl <= kernels::kMaxGatherLayers;
   if (!peer) {
     // Steps follow each other on the device whatever streams their callers use: the buffers and side streams are
-    // the exchange's (the event is the previous step's end; never recorded yet, the wait is a no-op).
-    if (auto st = Cuda(cudaStreamWaitEvent(stream, ev_done_, 0), "event"); !st.ok()) return st;
+    // the exchange's (the event is the previous step's end; never recorded yet, the wait is a no-op). Under graph
+    // capture the caller's stream order is the graph's, and an event from outside the capture cannot be joined.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (auto st = Cuda(cudaStreamIsCapturing(stream, &capture), "capture status"); !st.ok()) return st;
+    const bool eager = capture == cudaStreamCaptureStatusNone;
+    if (eager) {
+      if (auto st = Cuda(cudaStreamWaitEvent(stream, ev_done_, 0), "event"); !st.ok()) return st;
+    }
     absl::Status st = one_launch && !shape_.sequential
                           ? StepPipelined(ids, token_stride, layer_stride, T, l0, nl, outs, stream)
                           : StepSequential(ids, token_stride, layer_stride, T, l0, nl, outs, packed, stream);
-    if (!st.ok()) return st;
+    if (!st.ok() || !eager) return st;
     return Cuda(cudaEventRecord(ev_done_, stream), "event");
   }
   if (peers_.empty()) return absl::FailedPreconditionError("DP exchange: peer reads without peer shards");
@@ -407,9 +413,10 @@ absl::Status DpNcclExchange::StepPipelined(const int32_t* ids, int64_t token_str
   const int64_t chunk_me = nl * S * own * rb;
   // 0. Fork: the side streams start after what the caller queued (the ids).
   if (auto st = Cuda(cudaEventRecord(ev_start_, stream), "event"); !st.ok()) return st;
-  // 1. My own columns of my own tokens, straight from my shard into the staging columns (side stream, concurrent).
-  if (auto st = Cuda(cudaStreamWaitEvent(own_stream_, ev_start_, 0), "event"); !st.ok()) return st;
-  if (T > 0 && own > 0) {
+  // 1. My own columns of my own tokens, straight from my shard into the staging columns: on the step's stream after
+  // the packs (it runs while the records travel), or (own_concurrent) on a side stream from the start.
+  auto own_columns = [&](cudaStream_t on) -> absl::Status {
+    if (T == 0 || own == 0) return absl::OkStatus();
     kernels::PeerGatherArgs g;
     g.members = 1;
     g.layers = nl;
@@ -429,9 +436,13 @@ absl::Status DpNcclExchange::StepPipelined(const int32_t* ids, int64_t token_str
     g.cols = shape_.cols;
     g.head_dim = shape_.head_dim;
     g.max_blocks = 0x7fffffff;  // short blocks: the SMs go back to the collectives as they finish
-    if (auto st = Cuda(kernels::LaunchPeerGather(g, own_stream_), "own columns kernel"); !st.ok()) return st;
+    return Cuda(kernels::LaunchPeerGather(g, on), "own columns kernel");
+  };
+  if (shape_.own_concurrent) {
+    if (auto st = Cuda(cudaStreamWaitEvent(own_stream_, ev_start_, 0), "event"); !st.ok()) return st;
+    if (auto st = own_columns(own_stream_); !st.ok()) return st;
+    if (auto st = Cuda(cudaEventRecord(ev_own_, own_stream_), "event"); !st.ok()) return st;
   }
-  if (auto st = Cuda(cudaEventRecord(ev_own_, own_stream_), "event"); !st.ok()) return st;
   // 2. My ids of each other member's columns, padded with -1 (DEAD) to the slot.
   {
     kernels::DpSplitIdsArgs a;
@@ -492,6 +503,9 @@ absl::Status DpNcclExchange::StepPipelined(const int32_t* ids, int64_t token_str
     if (auto st = Cuda(kernels::LaunchDpPack(a, stream), "pack kernel"); !st.ok()) return st;
     if (auto st = Cuda(cudaEventRecord(ev_pack_[k], stream), "event"); !st.ok()) return st;
   }
+  if (!shape_.own_concurrent) {
+    if (auto st = own_columns(stream); !st.ok()) return st;
+  }
   for (int32_t k = 0; k < K; ++k) {
     if (auto st = Cuda(cudaStreamWaitEvent(comm_stream_, ev_pack_[k], 0), "event"); !st.ok()) return st;
     const int64_t r0 = row(k), r1 = row(k + 1);
@@ -530,7 +544,7 @@ absl::Status DpNcclExchange::StepPipelined(const int32_t* ids, int64_t token_str
       if (auto st = Cuda(kernels::LaunchDpUnpack(u, stream), "unpack kernel"); !st.ok()) return st;
     }
   }
-  return Cuda(cudaStreamWaitEvent(stream, ev_own_, 0), "event");
+  return shape_.own_concurrent ? Cuda(cudaStreamWaitEvent(stream, ev_own_, 0), "event") : absl::OkStatus();
 }
 
 absl::Status DpNcclExchange::StepSequential(const int32_t* ids, int64_t token_stride, int64_t layer_stride,

@@ -71,10 +71,15 @@ struct DpExchangeShape {
   int32_t group_col_begin = 0, group_col_end = 0;
   // Collective path: record bytes a member sends per chunk, at most (0: one chunk per step); `sequential`: the
   // earlier unpipelined form. Both must be alike on every member (they decide which collectives run).
+  // `own_concurrent`: this rank's own columns are read on a side stream from the step's start (else on the step's
+  // stream after the packs, while the records travel); a local choice.
   int64_t chunk_bytes = kDefaultDpChunkBytes;
   bool sequential = false;
+  bool own_concurrent = false;
   int32_t record_bytes() const { return head_dim + head_dim / 32; }
-  static constexpr int64_t kDefaultDpChunkBytes = int64_t{8} << 20;
+  // bench_dp on 2 x H200 (bench/RESULTS.md): every chunk is one more host-polled NCCL group (~60-75 us of host time
+  // each: a non-blocking communicator launches every group from a new thread), so few large chunks win.
+  static constexpr int64_t kDefaultDpChunkBytes = int64_t{32} << 20;
 };
 
 class DpNcclExchange {

@@ -1,4 +1,7 @@
 // Implementation of kernels/dp_kernels.h.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -29,14 +32,28 @@ __device__ __forceinline__ uint64_t LoadWord(const uint8_t* p, bool aligned) {
   return v;
 }
 
-__device__ __forceinline__ uint4 Dequant8(uint64_t v, uint8_t scale) {
+// 8 e4m3 values times one ue8m0 scale as bf16. On sm_89+ with the hardware's conversions: e4m3x2 -> f16x2 and
+// f16 -> f32 are exact, the product is the same IEEE single multiply, and f32x2 -> bf16x2 rounds to nearest even and
+// makes every NaN 0x7FFF, exactly as model/fp8.h's FloatToBf16: the same bits as DequantBf16 (the portable path).
+__device__ __forceinline__ uint4 Dequant8(uint64_t v, uint8_t scale_byte) {
   uint32_t packed[4];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const float scale = Ue8m0ToFloat(scale_byte);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const uint16_t lo = DequantBf16(static_cast<uint8_t>(v >> (16 * k)), scale);
-    const uint16_t hi = DequantBf16(static_cast<uint8_t>(v >> (16 * k + 8)), scale);
+    const __half2_raw h2 = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v >> (16 * k)), __NV_E4M3);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+    packed[k] = *reinterpret_cast<const uint32_t*>(&b);
+  }
+#else
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint16_t lo = DequantBf16(static_cast<uint8_t>(v >> (16 * k)), scale_byte);
+    const uint16_t hi = DequantBf16(static_cast<uint8_t>(v >> (16 * k + 8)), scale_byte);
     packed[k] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
   }
+#endif
   return make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
 
@@ -77,13 +94,13 @@ __device__ __forceinline__ void DequantRows(const uint8_t* const (&rec)[kRows], 
 
 // kRows (token, layer, column) items per warp and iteration (grid-stride).
 template <int kJ>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) PeerGatherKernel(PeerGatherArgs a, int64_t items) {
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) PeerGatherKernel(PeerGatherArgs a, int64_t items,
+                                                                        bool aligned) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   const int32_t gcb = a.col_begin[0], gc = a.col_begin[a.members] - gcb;
   const int32_t D = a.head_dim, rec_bytes = D + D / 32;
-  const bool aligned = rec_bytes % 8 == 0;
   for (int64_t first = warp * kRows; first < items; first += n_warps * kRows) {
     const uint8_t* rec[kRows];
     uint16_t* dst[kRows];
@@ -187,12 +204,12 @@ struct UnpackPlan {
 };
 
 template <int kJ>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) DpUnpackKernel(DpUnpackArgs a, UnpackPlan p, int64_t items) {
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) DpUnpackKernel(DpUnpackArgs a, UnpackPlan p, int64_t items,
+                                                                      bool aligned) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   const int32_t D = a.head_dim, rb = D + D / 32;
-  const bool aligned = rb % 8 == 0;
   for (int64_t first = warp * kRows; first < items; first += n_warps * kRows) {
     const uint8_t* rec[kRows];
     uint16_t* dst[kRows];
@@ -253,9 +270,12 @@ cudaError_t LaunchPeerGather(const PeerGatherArgs& a, cudaStream_t stream) {
       WordsPerLane(a.head_dim) == 0 || a.cols < 1 || a.ids == nullptr || !ColsOk(a.col_begin, a.members, a.cols)) {
     return cudaErrorInvalidValue;
   }
+  // 8-byte loads when every record is 8-byte aligned (records of 264 bytes from an aligned base), else byte loads.
+  bool aligned = (a.head_dim + a.head_dim / 32) % 8 == 0;
   for (int s = 0; s < a.members; ++s) {
     for (int l = 0; l < a.layers; ++l) {
-      if (a.records[s][l] == nullptr || !Aligned(a.records[s][l], 8)) return cudaErrorInvalidValue;
+      if (a.records[s][l] == nullptr) return cudaErrorInvalidValue;
+      aligned = aligned && Aligned(a.records[s][l], 8);
     }
   }
   for (int l = 0; l < a.layers; ++l) {
@@ -266,7 +286,7 @@ cudaError_t LaunchPeerGather(const PeerGatherArgs& a, cudaStream_t stream) {
   const int64_t cap = a.max_blocks > 0 ? int64_t{a.max_blocks} : int64_t{SmCount()} * 8;
   const int64_t blocks = std::min<int64_t>((items + kWarpsPerBlock * kRows - 1) / (kWarpsPerBlock * kRows), cap);
   return LaunchRows(WordsPerLane(a.head_dim), blocks, stream, PeerGatherKernel<1>, PeerGatherKernel<2>,
-                    PeerGatherKernel<4>, a, items);
+                    PeerGatherKernel<4>, a, items, aligned);
 }
 
 cudaError_t LaunchDpSplitIds(const DpSplitIdsArgs& a, cudaStream_t stream) {
@@ -325,10 +345,10 @@ cudaError_t LaunchDpUnpack(const DpUnpackArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   UnpackPlan p;
-  const bool words = (a.head_dim + a.head_dim / 32) % 8 == 0;
+  bool aligned = (a.head_dim + a.head_dim / 32) % 8 == 0;
   for (int s = 0; s < a.members; ++s) {
     if (a.records[s] == nullptr) continue;
-    if (words && !Aligned(a.records[s], 8)) return cudaErrorInvalidValue;
+    aligned = aligned && Aligned(a.records[s], 8);
     p.given_cols += a.col_begin[s + 1] - a.col_begin[s];
   }
   int64_t rows = 0;
@@ -347,7 +367,7 @@ cudaError_t LaunchDpUnpack(const DpUnpackArgs& a, cudaStream_t stream) {
   if (items == 0) return cudaSuccess;
   const int64_t blocks = (items + kWarpsPerBlock * kRows - 1) / (kWarpsPerBlock * kRows);
   return LaunchRows(WordsPerLane(a.head_dim), std::min<int64_t>(blocks, 0x7fffffff), stream,
-                    DpUnpackKernel<1>, DpUnpackKernel<2>, DpUnpackKernel<4>, a, p, items);
+                    DpUnpackKernel<1>, DpUnpackKernel<2>, DpUnpackKernel<4>, a, p, items, aligned);
 }
 
 }  // namespace engram::kernels

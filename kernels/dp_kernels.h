@@ -1,6 +1,6 @@
 // The DP-sharded exchange kernels (issue 12). Callable from plain C++; launches are asynchronous on the given stream;
-// misuse is cudaErrorInvalidValue. Dequantisation is model/fp8.h's DequantBf16, the CPU reference's own, so rows are
-// bit-exact with it. Records are head_dim e4m3 bytes then head_dim/32 ue8m0 scales (record_bytes = head_dim * 33/32).
+// misuse is cudaErrorInvalidValue. Dequantisation gives model/fp8.h's DequantBf16 bits (the CPU reference's; on sm_89+
+// through the hardware's exact fp8/bf16 conversions), so rows are bit-exact with it. Records are head_dim e4m3 bytes then head_dim/32 ue8m0 scales (record_bytes = head_dim * 33/32).
 // Stateless; thread-safe as far as the CUDA runtime is.
 //   LaunchPeerGather  one launch reads every member's shard of a node-local DP group directly (peer GPU memory over
 //                     NVLink, mapped through CUDA IPC; or this GPU's own shard) and writes the bf16 rows of the

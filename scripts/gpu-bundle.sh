@@ -155,7 +155,7 @@ if [ "$what" = dp ]; then
     # lookup (sequential form), every all-to-all form (small shards and batches, 7 KiB chunks: memcheck is slow).
     for k in Dp PeerGather Lookup; do
       "$cs" --tool memcheck --error-exitcode 9 --report-api-errors no --kernel-name kns=$k "$here/bin/bench_dp" \
-        --tokens 3,127 --iters 2 --rows 4096 --uva-rows 4096 --variants seq,0,7 > "$out/sanitize-dp-memcheck-$k.log" 2>&1
+        --tokens 3,127 --iters 2 --rows 4096 --uva-rows 4096 --variants seq,7,7c > "$out/sanitize-dp-memcheck-$k.log" 2>&1
       r=$?; echo "compute-sanitizer memcheck $k (bench_dp): exit $r ($(grep -E 'ERROR SUMMARY' "$out/sanitize-dp-memcheck-$k.log" | tail -1))"
       [ $r = 0 ] || rc=1
     done
