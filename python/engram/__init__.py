@@ -33,10 +33,39 @@ DEFAULT_SOCKET = "/run/engramd/engramd.sock"
 Reason = namedtuple("Reason", "code name hint")
 Reason.__doc__ = "Why a table is not shared: code (engram.v1.FallbackReason number), name, hint (what to do)."
 LayerLayout = namedtuple("LayerLayout", "layer_id row_begin row_end column_rows")
-Layout = namedtuple("Layout", "layers n_cols col_begin col_end head_dim record_bytes max_ngram hidden_size hc_mult "
-                              "rms_norm_eps pad_token_id raw_vocab")
-Layout.__doc__ = ("A table's layout: layers (LayerLayout: backbone layer id, this shard's rows, rows per hash "
-                  "column), hash columns and the ones this TP shard owns, row width, gate dimensions.")
+
+
+class Layout(namedtuple("Layout", "layers n_cols col_begin col_end head_dim record_bytes max_ngram hidden_size "
+                                  "hc_mult rms_norm_eps pad_token_id raw_vocab staging_col_begin staging_col_end",
+                        defaults=(None, None))):
+    """A table's layout: layers (LayerLayout: backbone layer id, this shard's rows, rows per hash column), hash
+    columns, row width, gate dimensions, and two column ranges of the n_cols hash columns:
+      owned_cols   = (col_begin, col_end): the columns whose rows this table holds. The TP shard's columns, except
+                     in a DP_SHARDED table: this rank's DP shard of them (the rest are the DP group's other members').
+      staging_cols = (staging_col_begin, staging_col_end): the columns an engine's staging (and lookup) fills with
+                     rows; every other column of a staging row is zero. Always the TP shard's columns: in a
+                     DP_SHARDED table the exchange brings the group's other columns, so a TP rank's partial
+                     products (wkv) run over staging_cols, not owned_cols.
+    Outside DP_SHARDED the two are the same range."""
+
+    __slots__ = ()
+
+    @property
+    def owned_cols(self):
+        return (self.col_begin, self.col_end)
+
+    @property
+    def staging_cols(self):
+        if self.staging_col_begin is None:
+            return self.owned_cols
+        return (self.staging_col_begin, self.staging_col_end)
+
+
+def _tp_columns(n_cols, tp_size, tp_rank):
+    # The TP shard's hash columns as SPEC 5 splits them (model/layout.cc Layout::Shard): contiguous parts of
+    # ceil(n_cols / tp_size) columns. Used only for a DP_SHARDED table, whose library range is the DP shard inside it.
+    part = -(-n_cols // tp_size)
+    return tp_rank * part, min((tp_rank + 1) * part, n_cols)
 
 
 def _choice(v, name):
@@ -78,7 +107,7 @@ def attach(checkpoint, *, tp_size=1, tp_rank=0, dp_size=1, dp_rank=0, local_dp_s
                                 len(err))
     if rc != 0:
         raise EngramError(rc, err.value.decode("utf-8", "replace"))
-    return Table(handle)
+    return Table(handle, tp=(tp_size, tp_rank))
 
 
 def status(socket=DEFAULT_SOCKET, timeout_ms=5000):
@@ -102,7 +131,7 @@ class Table:
     once when no engine of it is alive, else when the last one goes (an engine, and every staging view of one,
     keeps its table alive: nothing is freed under a live array)."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, tp=(1, 0)):
         self._h = handle
         self._closed = False
         self._engines = weakref.WeakSet()
@@ -122,11 +151,18 @@ class Table:
             layers.append(LayerLayout(L.engram_table_layer_id(h, i), b.value, e.value, tuple(rows)))
         cb, ce = ctypes.c_int(), ctypes.c_int()
         _check_rc(L.engram_table_col_range(h, ctypes.byref(cb), ctypes.byref(ce)), "column range")
+        sb, se = cb.value, ce.value  # outside DP_SHARDED the staging holds exactly the owned columns
+        if self.mode == "DP_SHARDED":
+            sb, se = _tp_columns(n_cols, *tp)
+            if not sb <= cb.value < ce.value <= se:
+                self._free()
+                raise EngramError(13, f"internal: the DP shard [{cb.value}, {ce.value}) is not inside TP rank "
+                                      f"{tp[1]} of {tp[0]}'s columns [{sb}, {se})")
         self.layout = Layout(tuple(layers), n_cols, cb.value, ce.value, L.engram_table_head_dim(h),
                              L.engram_table_record_bytes(h), L.engram_table_max_ngram(h),
                              L.engram_table_hidden_size(h), L.engram_table_hc_mult(h),
                              L.engram_table_rms_norm_eps(h), L.engram_table_pad_token_id(h),
-                             L.engram_table_raw_vocab(h))
+                             L.engram_table_raw_vocab(h), sb, se)
         self.register_seconds = L.engram_table_register_seconds(h)
 
     @property

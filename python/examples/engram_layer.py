@@ -11,7 +11,8 @@ scales; a plain matmul) and the gate (SPEC 2.4, 3, 4).
 
 Arrays: torch tensors (CUDA, or CPU) or, on the CPU backend without torch, NumPy arrays with bf16 as uint16 bits.
 With torch >= 2.4 the CUDA path goes through the engram.torch ops (torch.compile and CUDA graphs take it whole).
-Tensor parallelism: a rank owns columns [col_begin, col_end) and computes a partial wkv product; pass
+Tensor parallelism: a rank's staging holds the rows of its TP shard's columns (layout.staging_cols; in a DP_SHARDED
+table wider than the DP shard it holds, layout.owned_cols) and it computes a partial wkv product over them; pass
 `all_reduce` (e.g. torch.distributed.all_reduce) when tp_size > 1.
 
 As a program: N DP processes against one engramd, each attaching its rank and running random steps:
@@ -97,11 +98,11 @@ class EngramLayer:
         self.layer_id = lay.layers[index].layer_id
         ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
         D = lay.head_dim
-        cb, ce = lay.col_begin, lay.col_end
+        cb, ce = lay.staging_cols  # the columns the staging fills (DP_SHARDED: more than the table holds)
         self.cols = (cb, ce)
         self.partial = (cb, ce) != (0, lay.n_cols)
         if self.partial and all_reduce is None:
-            raise ValueError(f"this TP rank owns columns [{cb}, {ce}) of {lay.n_cols}: pass all_reduce")
+            raise ValueError(f"this TP rank's staging holds columns [{cb}, {ce}) of {lay.n_cols}: pass all_reduce")
         self.all_reduce = all_reduce
         wkv = ck.wkv(self.layer_id)[:, cb * D: ce * D]                  # float32, exact bf16 values
         q, k = ck.gate_weights(self.layer_id)                           # bf16 bits
