@@ -14,7 +14,7 @@
 // Synthetic shards: 24 columns x 2 layers, `rows` rows per column (default 2^20: 3.3 GB per layer and GPU), random
 // ids. Times are per step (both layers), mean of --iters after warm-up. Usage:
 //   bench_dp [--tokens 1,4,64,512,4096,8192] [--iters 50] [--rows 1048576] [--uva-rows 1048576]
-//            [--variants seq,0c,0,16384,32768,16384c]   (a trailing c: own columns on a concurrent side stream)
+//            [--variants seq,0,0c,16384,32768,32768c]   (a trailing c: own columns on a concurrent side stream)
 // Besides each variant's step time (GPU, between events) it prints the host's time to enqueue one step.
 #include <cuda_runtime_api.h>
 
@@ -94,7 +94,7 @@ int main(int argc, char** argv) {
   std::vector<int> tokens = {1, 4, 64, 512, 4096, 8192};
   int iters = 50;
   int64_t rows = int64_t{1} << 20, uva_rows = int64_t{1} << 20;
-  std::vector<std::string> variants = {"seq", "0c", "0", "16384", "32768", "16384c"};
+  std::vector<std::string> variants = {"seq", "0", "0c", "16384", "32768", "32768c"};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--tokens") tokens = ParseList(v);
