@@ -77,8 +77,9 @@ struct DpExchangeShape {
   bool sequential = false;
   bool own_concurrent = false;
   int32_t record_bytes() const { return head_dim + head_dim / 32; }
-  // bench_dp on 2 x H200 (bench/RESULTS.md): every chunk is one more host-polled NCCL group (~60-75 us of host time
-  // each: a non-blocking communicator launches every group from a new thread), so few large chunks win.
+  // bench_dp on 2 x H200 (bench/RESULTS.md, 2026-11-30 s3): every chunk is one more host-polled NCCL group (~60-75 us
+  // of host time each: a non-blocking communicator launches every group from a new thread), so few large chunks win:
+  // 32 MiB (one chunk at 4096 tokens per rank, two at 8192) measured best, 218 / 362 us against 16 MiB's 277 / 400.
   static constexpr int64_t kDefaultDpChunkBytes = int64_t{32} << 20;
 };
 
