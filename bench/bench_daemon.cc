@@ -6,9 +6,10 @@
 //   status    Status RPC latency with 64 sessions attached
 //   mounts   with --shm LABEL:DIR (repeatable; e.g. a huge=always tmpfs, a hugetlbfs mount): on each, the first-touch
 //            ceiling (ftruncate, map, the same threads copying the bytes in: pages faulted in parallel) and the old
-//            fallocate-first copy, then Publish() variants side by side (default: pages populated by the filling
-//            threads; ENGRAM_PUBLISH_RESERVE=whole; checkpoint cache kept / dropped), each as GiB/s and the ratio to
-//            the first-touch copy into the same mount. With --only-mounts 1 nothing else runs.
+//            fallocate-first copy, then Publish() variants side by side (pages populated by the filling threads;
+//            the whole file fallocated first; 4096-row steps; --threads2; on the last mount the product default:
+//            reserve auto, cache dropped after READY), each as GiB/s and the ratio to the first-touch copy into the
+//            same mount with the same threads. With --only-mounts 1 nothing else runs.
 //            --threads2 N adds a first-touch copy and a publish with N threads.
 // Usage: bench_daemon [--gib N] [--threads N] [--engramd PATH] [--shm LABEL:DIR]... [--threads2 N] [--only-mounts 1]
 #include <fcntl.h>
@@ -68,7 +69,8 @@ double CopyInto(const std::string& dir, const uint8_t* src, size_t bytes, int th
   const auto t0 = Clock::now();
   int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
   if (fd < 0) return 0;
-  const int e = fallocate ? ::posix_fallocate(fd, 0, static_cast<off_t>(size)) : ::ftruncate(fd, static_cast<off_t>(size));
+  const int e = fallocate ? ::posix_fallocate(fd, 0, static_cast<off_t>(size))
+                          : ::ftruncate(fd, static_cast<off_t>(size));
   auto* dst = static_cast<uint8_t*>(::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
   ::close(fd);
   if (e != 0 || dst == MAP_FAILED) {
@@ -149,7 +151,9 @@ int main(int argc, char** argv) {
       std::vector<std::thread> pool;
       for (int t = 0; t < threads; ++t) {
         pool.emplace_back([&, t] {
-          for (size_t o = bytes * t / threads; o < bytes * (t + 1) / threads; o += 4096) src[o] = static_cast<uint8_t>(o >> 12);
+          for (size_t o = bytes * t / threads; o < bytes * (t + 1) / threads; o += 4096) {
+            src[o] = static_cast<uint8_t>(o >> 12);
+          }
         });
       }
       for (auto& th : pool) th.join();
@@ -161,9 +165,10 @@ int main(int argc, char** argv) {
       const char* sub_rows;  // ENGRAM_PUBLISH_SUB_ROWS
       int threads;
     };
-    std::vector<Variant> variants = {{"populate by the filling threads (new)", "writers", "0", "1024", threads},
-                                     {"fallocate first (old)", "whole", "0", "1024", threads},
-                                     {"populate, 4096-row steps", "writers", "0", "4096", threads}};
+    std::vector<Variant> variants = {
+        {"populate by the filling threads (kWriters: the default on hugetlbfs)", "writers", "0", "1024", threads},
+        {"fallocate first (kWhole: the default on tmpfs)", "whole", "0", "1024", threads},
+        {"populate, 4096-row steps", "writers", "0", "4096", threads}};
     if (threads2 > 0) {
       variants.push_back({"populate, " + std::to_string(threads2) + " threads", "writers", "0", "1024", threads2});
     }
@@ -180,7 +185,7 @@ int main(int argc, char** argv) {
                   first_touch > 0 ? falloc / first_touch : 0.0);
       std::vector<Variant> vs = variants;
       if (m + 1 == mounts.size()) {
-        vs.push_back({"product default (populate; cache dropped after READY)", "writers", "after", "1024", threads});
+        vs.push_back({"product default (reserve auto; cache dropped after READY)", "auto", "after", "1024", threads});
       }
       for (const Variant& v : vs) {
         ::setenv("ENGRAM_PUBLISH_RESERVE", v.reserve, 1);

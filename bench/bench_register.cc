@@ -67,7 +67,8 @@ long MeminfoKb(const char* key) {
 int ParallelMadvise(uint8_t* p, size_t n, int advice, int threads) {
   std::vector<std::thread> pool;
   std::vector<int> err(static_cast<size_t>(threads), 0);
-  const size_t part = (n / static_cast<size_t>(threads) + (size_t{2} << 20) - 1) / (size_t{2} << 20) * (size_t{2} << 20);
+  constexpr size_t kAlign = size_t{2} << 20;
+  const size_t part = (n / static_cast<size_t>(threads) + kAlign - 1) / kAlign * kAlign;
   for (int t = 0; t < threads; ++t) {
     pool.emplace_back([&, t] {
       const size_t b = std::min(n, part * static_cast<size_t>(t)), e = std::min(n, part * static_cast<size_t>(t + 1));
@@ -129,7 +130,8 @@ int main(int argc, char** argv) {
   RegFn raw_reg = nullptr;
   UnregFn raw_unreg = nullptr;
   cudaDriverEntryPointQueryResult q;
-  cudaGetDriverEntryPointByVersion("cuMemHostRegister", reinterpret_cast<void**>(&raw_reg), 12000, cudaEnableDefault, &q);
+  cudaGetDriverEntryPointByVersion("cuMemHostRegister", reinterpret_cast<void**>(&raw_reg), 12000, cudaEnableDefault,
+                                   &q);
   cudaGetDriverEntryPointByVersion("cuMemHostUnregister", reinterpret_cast<void**>(&raw_unreg), 12000,
                                    cudaEnableDefault, &q);
   const size_t want = static_cast<size_t>(gib * kGiB);

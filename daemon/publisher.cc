@@ -77,12 +77,13 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   // Checksums are not known yet: reserve the descriptor's final size by filling them with a non-zero placeholder
   // (fixed64 fields serialise to the same size whatever their value).
   for (auto& l : *desc.mutable_layers()) l.set_checksum(~uint64_t{0});
-  // The data's pages are populated by the filling threads (in parallel, next to their writes), not zeroed up front
-  // by one thread in fallocate: see SegmentReserve. ENGRAM_PUBLISH_RESERVE=whole restores the up-front reservation.
-  const char* reserve_env = std::getenv("ENGRAM_PUBLISH_RESERVE");
-  const SegmentReserve reserve = reserve_env != nullptr && std::string(reserve_env) == "whole"
-                                     ? SegmentReserve::kWhole
-                                     : SegmentReserve::kWriters;
+  // On hugetlbfs the data's pages are populated by the filling threads (in parallel, next to their writes), not
+  // zeroed up front by one thread in fallocate; a tmpfs is reserved whole (SegmentReserve::kAuto).
+  // ENGRAM_PUBLISH_RESERVE=whole|writers forces one (diagnosis).
+  const std::string reserve_env = std::getenv("ENGRAM_PUBLISH_RESERVE") ? std::getenv("ENGRAM_PUBLISH_RESERVE") : "";
+  const SegmentReserve reserve = reserve_env == "whole"     ? SegmentReserve::kWhole
+                                 : reserve_env == "writers" ? SegmentReserve::kWriters
+                                                            : SegmentReserve::kAuto;
   auto writer = SegmentWriter::Create(shm_dir, fingerprint, tp_size, tp_rank, desc.SerializeAsString(), data_bytes,
                                       instance_id, epoch, env, reserve);
   if (!writer.ok()) return writer.status();

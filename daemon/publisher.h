@@ -4,14 +4,14 @@
 //
 // A failure (read error, truncated file, ENOSPC at fallocate) removes the partial segment; a killed daemon leaves a
 // CREATING/LOADING file that the next start removes. Progress is published through an atomic counter for status.
-// One Publish call per segment; the call blocks its thread and uses `threads` workers, which also populate the
-// segment's pages as they fill them (SegmentReserve::kWriters: no single-threaded zeroing up front; ENOSPC or a short
+// One Publish call per segment; the call blocks its thread and uses `threads` workers; on hugetlbfs they also
+// populate the segment's pages as they fill them (SegmentReserve::kAuto: no single-threaded zeroing up front; a short
 // hugetlb pool is an error from the fill, never SIGBUS). The segment file is 0600, the daemon's (shm/segment.h).
 // The checkpoint's table pages are dropped from the page cache once the segment is READY, by a detached thread (so
 // that a publish does not keep two copies, and READY does not wait for ~2 s of eviction per 16 GiB).
-// Diagnosis knobs (environment, read per call): ENGRAM_PUBLISH_RESERVE=whole reserves the whole file up front
-// (fallocate, the old way); ENGRAM_PUBLISH_DROP_CACHE=0 keeps the checkpoint's pages cached, =inline drops them job
-// by job inside the fill (the old way); ENGRAM_PUBLISH_SUB_ROWS=N rows per read-pack-hash step (default 1024).
+// Diagnosis knobs (environment, read per call): ENGRAM_PUBLISH_RESERVE=whole|writers forces a SegmentReserve;
+// ENGRAM_PUBLISH_DROP_CACHE=0 keeps the checkpoint's pages cached, =inline drops them job by job inside the fill (the
+// old way); ENGRAM_PUBLISH_SUB_ROWS=N rows per read-pack-hash step (default 1024).
 #pragma once
 
 #include <atomic>

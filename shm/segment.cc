@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -102,7 +103,8 @@ absl::Status PopulateForWrite(uint8_t* p, uint64_t n, Env* env) {
   if (r == 0) return absl::OkStatus();
   const int err = errno;
   if (err == EFAULT || err == ENOMEM || err == ENOSPC) {
-    return absl::ResourceExhaustedError(absl::StrCat("populating ", e - b, " bytes of the segment: ", std::strerror(err),
+    return absl::ResourceExhaustedError(absl::StrCat("populating ", e - b, " bytes of the segment: ",
+                                                     std::strerror(err),
                                                      " (no room left in the shm mount or the hugetlb pool)"));
   }
   return Errno(absl::StrCat("populating ", e - b, " bytes of the segment"), err);
@@ -142,6 +144,12 @@ absl::StatusOr<std::unique_ptr<SegmentWriter>> SegmentWriter::Create(const std::
     } while (err == EINTR);
     return err;
   };
+  if (reserve == SegmentReserve::kAuto) {
+    // hugetlbfs reports its huge page as the filesystem block size (a tmpfs reports 4 KiB, huge pages or not).
+    struct statvfs vfs {};
+    const bool hugetlbfs = env->Statvfs(dir.c_str(), &vfs) == 0 && vfs.f_bsize > 4096;
+    reserve = hugetlbfs ? SegmentReserve::kWriters : SegmentReserve::kWhole;
+  }
   // kWriters: the header pages and the last page (which sets the size); the data's pages are populated by the filler.
   const bool writers = reserve == SegmentReserve::kWriters && total > data_offset + w->page_;
   int err = writers ? reserve_range(0, data_offset) : reserve_range(0, total);

@@ -1,12 +1,14 @@
 // How a segment's memory is reserved and filled (shm/segment.h SegmentReserve, PopulateForWrite; daemon/publisher.h):
 // with kWriters only the header and the last page are reserved up front and the filling threads populate the data's
 // pages, an out-of-room populate is ResourceExhausted (never SIGBUS) and leaves no file, a kernel without
-// MADV_POPULATE_WRITE gets the whole reservation; the file is whole 2 MiB pages (records end less than one page
+// MADV_POPULATE_WRITE gets the whole reservation, kAuto reserves the whole file outside hugetlbfs and lets the
+// filling threads populate it on hugetlbfs; the file is whole 2 MiB pages (records end less than one page
 // before it), and a segment published into a hugetlbfs mount is readable, verifiable and retirable (skipped where
 // no such mount has free 2 MiB pages; ENGRAM_TEST_HUGETLBFS_DIR names one).
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/vfs.h>
 #include <unistd.h>
 
@@ -99,6 +101,20 @@ TEST(SegmentReserveTest, WithoutPopulateWriteTheWholeFileIsReserved) {
   EXPECT_EQ(static_cast<uint64_t>(env.fallocates.back().second), SegmentFileBytes(4, kData));
 }
 
+TEST(SegmentReserveTest, AutoReservesTheWholeFileOutsideHugetlbfs) {
+  TempDir dir;
+  struct statvfs vfs {};
+  ASSERT_EQ(::statvfs(dir.path().c_str(), &vfs), 0);
+  if (vfs.f_bsize > 4096) GTEST_SKIP() << dir.path() << " is on hugetlbfs";
+  PopulateEnv env;
+  auto w = SegmentWriter::Create(dir.path(), 0x55, 1, 0, "desc", kData, 1, 1, &env, SegmentReserve::kAuto);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_FALSE((*w)->populate_data());
+  ASSERT_EQ(env.fallocates.size(), 1u);
+  EXPECT_EQ(env.fallocates[0].first, 0);
+  EXPECT_EQ(static_cast<uint64_t>(env.fallocates[0].second), SegmentFileBytes(4, kData));
+}
+
 TEST(SegmentReserveTest, PopulateWithoutRoomIsResourceExhausted) {
   TempDir dir;
   PopulateEnv env;
@@ -159,7 +175,9 @@ TEST_F(PublishReserveTest, APopulateFailureFailsThePublishAsOutOfRoomAndLeavesNo
   std::filesystem::create_directories(shm);
   PopulateEnv env;
   env.populate_errno = ENOMEM;
+  ::setenv("ENGRAM_PUBLISH_RESERVE", "writers", 1);  // what a hugetlbfs directory gets
   auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2, nullptr, &env);
+  ::unsetenv("ENGRAM_PUBLISH_RESERVE");
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
   EXPECT_TRUE(ListSegments(shm).empty());
@@ -199,9 +217,13 @@ TEST_F(PublishReserveTest, ASegmentInHugetlbfsIsPublishedReadVerifiedAndRetired)
     std::string d;
     ~Cleanup() { std::filesystem::remove_all(d); }
   } cleanup{shm};
-  auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2);
+  PopulateEnv env;
+  auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2, nullptr, &env);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->bytes % kDataAlign, 0u);
+  // On hugetlbfs the filling threads populate the data: only the header and the last page were fallocated.
+  ASSERT_EQ(env.fallocates.size(), 2u);
+  for (const auto& [off, len] : env.fallocates) EXPECT_LE(static_cast<uint64_t>(len), kDataAlign);
   EXPECT_EQ(std::filesystem::file_size(r->path), r->bytes);
   auto reader = SegmentReader::Open(r->path);
   ASSERT_TRUE(reader.ok()) << reader.status();
