@@ -98,7 +98,14 @@ int RunDpSharded(const engram::client::Table& t, engram::oracle::RowOracle* orac
       return fail("step", st);
     }
 #ifdef ENGRAM_HAVE_CUDA
-    if (cuda) cudaStreamSynchronize(nullptr);
+    if (cuda) {
+      // Prefetch only enqueues on CUDA (the exchange runs on the engine's side stream): time until every layer's
+      // rows are in staging, i.e. Wait joins each layer into the engine's stream and that stream drains.
+      for (int64_t l = 0; l < L; ++l) {
+        if (auto st = (*engine)->Wait(static_cast<int>(l)); !st.ok()) return fail("wait", st);
+      }
+      cudaStreamSynchronize(nullptr);
+    }
 #endif
     busy += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     // Every row when the budget allows, else a random sample of `verify` per batch and layer.
