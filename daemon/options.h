@@ -22,7 +22,7 @@ struct Options {
   std::string socket = "/run/engramd/engramd.sock";
   std::string group;        // members may connect; empty: the daemon's own uid and root only
   int tickets = 1;          // replicas registering at once
-  int threads = 0;          // publish/verify workers; 0 = hardware concurrency (at most 16)
+  int threads = 0;          // publish/verify workers; 0 = hardware concurrency (at most 32)
   std::string log_level = "info";
   std::string metrics_file;  // Prometheus text format, rewritten every 2 s (node_exporter textfile collector)
   std::string config_file;  // where the file values came from ("" when none)

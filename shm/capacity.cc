@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstring>
 #include <cstdlib>
@@ -56,7 +57,34 @@ uint64_t HugetlbFreeBytes() {
   return free_pages * page_kb * 1024;
 }
 
+uint64_t ReadCount(const std::string& path) {
+  std::ifstream in(path);
+  uint64_t v = 0;
+  return (in >> v) ? v : 0;
+}
+
 }  // namespace
+
+HugePool ReadHugePool(uint64_t page_bytes) {
+  HugePool p;
+  p.page_bytes = page_bytes;
+  const std::string dir = absl::StrCat("/sys/kernel/mm/hugepages/hugepages-", page_bytes / 1024, "kB/");
+  p.total_pages = ReadCount(dir + "nr_hugepages");
+  const uint64_t free_pages = ReadCount(dir + "free_hugepages"), reserved = ReadCount(dir + "resv_hugepages");
+  p.available_pages = free_pages > reserved ? free_pages - reserved : 0;
+  return p;
+}
+
+void ApplyHugetlbfsLimits(uint64_t vfs_blocks, uint64_t vfs_bavail, const HugePool& pool, ShmCapacity& c) {
+  const uint64_t pool_free = pool.available_pages * pool.page_bytes;
+  if (vfs_blocks == 0) {  // no size= on the mount: the pool is the limit
+    c.total_bytes = pool.total_pages * pool.page_bytes;
+    c.free_bytes = pool_free;
+    return;
+  }
+  c.total_bytes = vfs_blocks * pool.page_bytes;
+  c.free_bytes = std::min(vfs_bavail * pool.page_bytes, pool_free);
+}
 
 absl::StatusOr<ShmCapacity> ProbeShm(const std::string& dir, Env* env) {
   ShmCapacity c;
@@ -79,6 +107,11 @@ absl::StatusOr<ShmCapacity> ProbeShm(const std::string& dir, Env* env) {
   c.free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
   ReadMountInfo(c.path, c);
   c.hugetlb_free_bytes = HugetlbFreeBytes();
+  if (c.fs_type == "hugetlbfs") {
+    // statvfs counts in the mount's huge pages (f_bsize is the page size) and says nothing without size=.
+    ApplyHugetlbfsLimits(static_cast<uint64_t>(vfs.f_blocks), static_cast<uint64_t>(vfs.f_bavail),
+                         ReadHugePool(static_cast<uint64_t>(vfs.f_bsize)), c);
+  }
   struct rlimit rl {};
   if (::getrlimit(RLIMIT_MEMLOCK, &rl) == 0) {
     c.memlock_limit = rl.rlim_cur == RLIM_INFINITY ? UINT64_MAX : static_cast<uint64_t>(rl.rlim_cur);

@@ -3,7 +3,8 @@
 // policy from /proc/self/mountinfo, the hugetlb pool (/proc/meminfo) and RLIMIT_MEMLOCK; statvfs goes through the
 // Env (shm/env.h), so tests can make a mount look full.
 //
-// Pure function of the system state; thread-safe.
+// On hugetlbfs the room is the mount's size= limit capped by its page size's free pool (without size= the kernel
+// reports no blocks at all, and the pool is the whole answer). Pure function of the system state; thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -28,5 +29,19 @@ struct ShmCapacity {
 
 // NotFound when the directory does not exist (reason SHM_MISSING upstream).
 absl::StatusOr<ShmCapacity> ProbeShm(const std::string& dir, Env* env = Env::Default());
+
+// The hugetlb pool of one page size (/sys/kernel/mm/hugepages/hugepages-<kB>kB): pages the kernel holds, pages
+// neither in use nor promised to a mapping (free - reserved).
+struct HugePool {
+  uint64_t page_bytes = 0;
+  uint64_t total_pages = 0;
+  uint64_t available_pages = 0;
+};
+HugePool ReadHugePool(uint64_t page_bytes);
+
+// What a hugetlbfs mount can hold: its size= limit when it has one (statvfs blocks, in huge pages), never more
+// than the pool can still back; without size= the kernel reports 0 blocks and the pool alone is the limit.
+// Sets total_bytes and free_bytes.
+void ApplyHugetlbfsLimits(uint64_t vfs_blocks, uint64_t vfs_bavail, const HugePool& pool, ShmCapacity& c);
 
 }  // namespace engram

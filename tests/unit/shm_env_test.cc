@@ -9,6 +9,8 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <string>
 
 #include "gtest/gtest.h"
 #include "shm/capacity.h"
@@ -225,6 +227,43 @@ TEST(SegmentNameTest, ParsesOnlyWhatItWrites) {
                           "other-0123456789abcdef-tp0of1", "engram-0123456789ABCDEF-tp0of1", ""}) {
     EXPECT_FALSE(ParseSegmentName(bad, &fp, &n, &r)) << bad;
   }
+}
+
+// hugetlbfs without size= reports 0 blocks: the pool is the room (the daemon refused every publish as SHM_TOO_SMALL
+// there); with size= the limit is the smaller of the mount's free blocks and what the pool can still back.
+TEST(ShmCapacityTest, HugetlbfsRoomIsTheSizeLimitCappedByThePool) {
+  const uint64_t mib2 = uint64_t{2} << 20;
+  HugePool pool{mib2, 100, 40};
+  ShmCapacity c;
+  ApplyHugetlbfsLimits(0, 0, pool, c);  // no size=
+  EXPECT_EQ(c.total_bytes, 100 * mib2);
+  EXPECT_EQ(c.free_bytes, 40 * mib2);
+  ApplyHugetlbfsLimits(64, 60, pool, c);  // size=128M worth of pages, 60 free, but the pool has 40
+  EXPECT_EQ(c.total_bytes, 64 * mib2);
+  EXPECT_EQ(c.free_bytes, 40 * mib2);
+  ApplyHugetlbfsLimits(16, 10, pool, c);  // a small size= is the limit
+  EXPECT_EQ(c.free_bytes, 10 * mib2);
+  ApplyHugetlbfsLimits(0, 0, HugePool{mib2, 0, 0}, c);  // no pool at all: no room
+  EXPECT_EQ(c.free_bytes, 0u);
+}
+
+// The pool of the default huge page size agrees with /proc/meminfo's HugePages_Total (a second reader).
+TEST(ShmCapacityTest, HugePoolOfTheDefaultSizeMatchesMeminfo) {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t total = 0, page_kb = 0;
+  while (in >> key) {
+    uint64_t v = 0;
+    in >> v;
+    if (key == "HugePages_Total:") total = v;
+    if (key == "Hugepagesize:") page_kb = v;
+    in.ignore(256, '\n');
+  }
+  if (page_kb == 0) GTEST_SKIP() << "no huge pages in /proc/meminfo";
+  const HugePool p = ReadHugePool(page_kb * 1024);
+  EXPECT_EQ(p.page_bytes, page_kb * 1024);
+  EXPECT_EQ(p.total_pages, total);
+  EXPECT_LE(p.available_pages, p.total_pages);
 }
 
 }  // namespace
