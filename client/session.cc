@@ -138,8 +138,9 @@ struct Session::Impl {
     std::function<void(const GroupEvent&)> cb;
     {
       std::lock_guard<std::mutex> lock(mu);
-      // A late update of a membership this session left is not the current one's.
-      if (u.join_id() == join_id) cb = on_group;
+      // A late update of a membership this session left is not the current one's (0: an engramd that does not
+      // echo join ids, which has no GroupLeave either: its updates are the one membership's).
+      if (u.join_id() == join_id || u.join_id() == 0) cb = on_group;
     }
     if (cb) cb(e);
   }
