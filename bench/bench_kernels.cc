@@ -7,7 +7,9 @@
 //   prefetch   8192-token lookup on the side stream during a busy main stream
 //   paths      every lookup path (UVA, UVA row-order, host gather with and without de-duplication) at 24K / 196K /
 //              1M rows, random and with 45% repeated rows (rows moved vs rows served), host-gather threads; the
-//              crossover the engine's automatic choice uses (written to $ENGRAM_LOOKUP_PATH_TABLE when set)
+//              crossover the engine's automatic choice uses (written to $ENGRAM_LOOKUP_PATH_TABLE when set); the
+//              host gather's pipeline variants (prefetch distance, non-temporal stores, fused plan, copy issuer,
+//              wake-up) side by side, batches back to back and after an idle gap ("host gather variant" lines)
 // Usage: bench_kernels FLASH_CONFIG_JSON [TABLE_GIB]   (prints a table; times are medians of CUDA-event timings)
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
@@ -415,6 +417,116 @@ int main(int argc, char** argv) {
           }
         }
       }
+    }
+    // Host-gather variants side by side (issue 14: what separates the pipeline from the CPU gather ceiling): every
+    // HostGatherOptions knob of the copy pipeline, each alone and together, against today's settings; every row, 0 and
+    // the engine's UVA share; fresh ids per call. "b2b" = batches back to back (threads and dispatcher may still be
+    // spinning); "idle" = 2 ms without work before each batch (everything asleep: a serving engine's case).
+    {
+      struct HgVariant {
+        const char* name;
+        int32_t prefetch, nt, fused, issuer, spin, dspin, prewake;
+        int64_t min_chunk, max_chunk;
+      };
+      const HgVariant hv[] = {
+          {"today (pf16)", 16, 0, 0, 0, 200, 0, 0, 1024, 8192},
+          {"pf0", 0, 0, 0, 0, 200, 0, 0, 1024, 8192},
+          {"pf8", 8, 0, 0, 0, 200, 0, 0, 1024, 8192},
+          {"pf32", 32, 0, 0, 0, 200, 0, 0, 1024, 8192},
+          {"nt", 16, 1, 0, 0, 200, 0, 0, 1024, 8192},
+          {"fused", 16, 0, 1, 0, 200, 0, 0, 1024, 8192},
+          {"issuer", 16, 0, 0, 1, 200, 0, 0, 1024, 8192},
+          {"prewake+dspin200", 16, 0, 0, 0, 200, 200, 1, 1024, 8192},
+          {"spin1000", 16, 0, 0, 0, 1000, 0, 0, 1024, 8192},
+          {"all (nt fused issuer prewake dspin200)", 16, 1, 1, 1, 200, 200, 1, 1024, 8192},
+          {"all, pf8", 8, 1, 1, 1, 200, 200, 1, 1024, 8192},
+          {"all, pf32", 32, 1, 1, 1, 200, 200, 1, 1024, 8192},
+          {"all, no nt", 16, 0, 1, 1, 200, 200, 1, 1024, 8192},
+          {"all, chunks 256-8192", 16, 1, 1, 1, 200, 200, 1, 256, 8192},
+          {"all, chunks 512-4096", 16, 1, 1, 1, 200, 200, 1, 512, 4096},
+      };
+      const int64_t sizes[] = {24576, 196608, int64_t{1} << 20};
+      std::vector<std::vector<int32_t>> size_ids;
+      for (int64_t n_rows : sizes) {
+        const int64_t items = n_rows / C * C;
+        const int sets = batches(items);
+        fill_ids(items, 0.0, sets);
+        size_ids.emplace_back(ids.begin(), ids.begin() + items * sets);
+      }
+      cudaEvent_t ea, eb;
+      CUDA_CHECK(cudaEventCreate(&ea));
+      CUDA_CHECK(cudaEventCreate(&eb));
+      // Median ms of `reps` batches (after 2 untimed), each after `idle_us` microseconds without work.
+      auto time_batches = [&](engram::client::HostGather& g, const std::vector<int32_t>& bids, int64_t items,
+                              int idle_us) {
+        const int sets = static_cast<int>(bids.size() / static_cast<size_t>(items));
+        std::vector<float> ms;
+        for (int r = 0; r < 12; ++r) {
+          if (idle_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(idle_us));
+          CUDA_CHECK(cudaEventRecord(ea, s));
+          if (!g.Prefetch(bids.data() + (r % sets) * items, static_cast<int32_t>(items / C), C, s).ok() ||
+              !g.Wait(0, s).ok()) {
+            std::exit(1);
+          }
+          CUDA_CHECK(cudaEventRecord(eb, s));
+          CUDA_CHECK(cudaEventSynchronize(eb));
+          float m = 0;
+          CUDA_CHECK(cudaEventElapsedTime(&m, ea, eb));
+          if (r >= 2) ms.push_back(m);
+        }
+        std::sort(ms.begin(), ms.end());
+        return static_cast<double>(ms[ms.size() / 2]);
+      };
+      std::printf("\nhost gather variants (%d threads, every row, fresh ids; b2b = back to back, idle = 2 ms idle "
+                  "before each batch):\n", default_threads);
+      struct BestHg {
+        double ms = 1e30;
+        std::string what;
+      };
+      std::vector<BestHg> best_b2b(6), best_idle(6);
+      for (const HgVariant& v : hv) {
+        engram::client::HostGatherOptions o;
+        o.threads = default_threads;
+        o.dedup = false;
+        o.prefetch_rows = v.prefetch;
+        o.stream_stores = v.nt;
+        o.fused = v.fused;
+        o.copy_issuer = v.issuer;
+        o.spin_us = v.spin;
+        o.dispatch_spin_us = v.dspin;
+        o.prewake = v.prewake;
+        o.min_chunk_rows = v.min_chunk;
+        o.max_chunk_rows = v.max_chunk;
+        auto g = engram::client::HostGather::Create({{seg, 0, rows, static_cast<const uint8_t*>(dseg)}}, {d_out},
+                                                    static_cast<int32_t>(max_items / C), C, static_cast<int32_t>(D), o);
+        if (!g.ok()) return 1;
+        for (size_t si = 0; si < 3; ++si) {
+          const int64_t items = sizes[si] / C * C;
+          for (int sh = 0; sh < 2; ++sh) {
+            const double share = sh == 0 ? 0.0 : engram::client::kEngineHostGatherUvaShare;
+            (*g)->set_uva_share(share);
+            const double b2b = time_batches(**g, size_ids[si], items, 0);
+            const double idle = time_batches(**g, size_ids[si], items, 2000);
+            const double gb_b2b = items * rb / b2b / 1e6, gb_idle = items * rb / idle / 1e6;
+            std::printf("host gather variant %-40s share %.2f %7lld rows  b2b %7.3f ms %6.2f GB/s %.3f of H2D  "
+                        "idle %7.3f ms %6.2f GB/s %.3f of H2D\n", v.name, share, static_cast<long long>(items), b2b,
+                        gb_b2b, gb_b2b / h2d, idle, gb_idle, gb_idle / h2d);
+            const size_t bi = si * 2 + static_cast<size_t>(sh);
+            if (b2b < best_b2b[bi].ms) best_b2b[bi] = {b2b, v.name};
+            if (idle < best_idle[bi].ms) best_idle[bi] = {idle, v.name};
+          }
+        }
+      }
+      for (size_t bi = 0; bi < 6; ++bi) {
+        const int64_t items = sizes[bi / 2] / C * C;
+        std::printf("host gather variants, %7lld rows, share %.2f: fastest b2b %s (%.3f ms, %.3f of H2D), fastest idle "
+                    "%s (%.3f ms, %.3f of H2D)\n", static_cast<long long>(items),
+                    bi % 2 == 0 ? 0.0 : engram::client::kEngineHostGatherUvaShare, best_b2b[bi].what.c_str(),
+                    best_b2b[bi].ms, items * rb / best_b2b[bi].ms / 1e6 / h2d, best_idle[bi].what.c_str(),
+                    best_idle[bi].ms, items * rb / best_idle[bi].ms / 1e6 / h2d);
+      }
+      cudaEventDestroy(ea);
+      cudaEventDestroy(eb);
     }
     // The automatic choice's table: per size, did the host-gather path (engine configuration) beat the UVA path?
     std::printf("automatic choice table (ENGRAM_LOOKUP_PATH_TABLE format):\n");

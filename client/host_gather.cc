@@ -1,7 +1,9 @@
 #include "client/host_gather.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +14,32 @@
 namespace engram::client {
 
 using kernels::CudaStatus;
+
+HostGatherOptions ResolveHostGatherOptions(HostGatherOptions o) {
+  auto resolve = [](int32_t* field, const char* env, int32_t fallback) {
+    if (*field >= 0) return;
+    const char* v = std::getenv(env);
+    *field = v != nullptr && *v != '\0' ? std::max(0, std::atoi(v)) : fallback;
+  };
+  resolve(&o.prefetch_rows, "ENGRAM_HOST_GATHER_PREFETCH", 16);
+  resolve(&o.stream_stores, "ENGRAM_HOST_GATHER_NT", 0);
+  resolve(&o.fused, "ENGRAM_HOST_GATHER_FUSED", 0);
+  resolve(&o.copy_issuer, "ENGRAM_HOST_GATHER_ISSUER", 0);
+  resolve(&o.spin_us, "ENGRAM_HOST_GATHER_SPIN_US", 200);
+  resolve(&o.dispatch_spin_us, "ENGRAM_HOST_GATHER_DISPATCH_SPIN_US", 0);
+  resolve(&o.prewake, "ENGRAM_HOST_GATHER_PREWAKE", 0);
+  return o;
+}
+
+namespace {
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<HostGather>> HostGather::Create(std::vector<HostLayer> layers,
                                                                std::vector<uint16_t*> out, int32_t max_tokens,
@@ -36,9 +64,9 @@ absl::StatusOr<std::unique_ptr<HostGather>> HostGather::Create(std::vector<HostL
   g->n_cols_ = n_cols;
   g->head_dim_ = head_dim;
   g->rb_ = head_dim + head_dim / 32;
-  g->opt_ = options;
+  g->opt_ = ResolveHostGatherOptions(std::move(options));
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads = options.threads > 0 ? options.threads : DefaultGatherThreads(cores);
+  const int threads = g->opt_.threads > 0 ? g->opt_.threads : DefaultGatherThreads(cores);
   RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&g->device_), "current device"));
   int lo = 0, hi = 0;
   cudaDeviceGetStreamPriorityRange(&lo, &hi);
@@ -81,7 +109,8 @@ absl::StatusOr<std::unique_ptr<HostGather>> HostGather::Create(std::vector<HostL
     g->dev_index_.push_back(static_cast<int32_t*>(p));
     g->plans_[l].rows.resize(static_cast<size_t>(max_items));
   }
-  g->pool_ = std::make_unique<GatherPool>(threads, options.cpus);
+  g->pool_ = std::make_unique<GatherPool>(threads, g->opt_.cpus, g->opt_.spin_us);
+  g->chunk_done_.reset(new std::atomic<uint8_t>[static_cast<size_t>(max_items) + 1]);
   g->dedup_ = std::make_unique<RowDeduper>(max_items);
   g->dispatcher_ = std::thread([p = g.get()] { p->Dispatch(); });
   return g;
@@ -142,8 +171,10 @@ absl::Status HostGather::Prefetch(const int32_t* host_ids, int32_t num_tokens, i
     error_ = absl::OkStatus();
     pending_ = true;
     any_batch_ = true;
+    pending_flag_.store(true, std::memory_order_release);
   }
   cv_.notify_all();
+  if (opt_.prewake > 0 && num_tokens > 0) pool_->Wake();
   return absl::OkStatus();
 }
 
@@ -166,11 +197,16 @@ absl::Status HostGather::Sync() {
 void HostGather::Dispatch() {
   cudaSetDevice(device_);
   for (;;) {
+    if (opt_.dispatch_spin_us > 0) {  // the next batch often follows at once (a prefill's layers, a benchmark)
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(opt_.dispatch_spin_us);
+      while (!pending_flag_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until) CpuRelax();
+    }
     {
       std::unique_lock<std::mutex> l(mu_);
       cv_.wait(l, [&] { return stop_ || pending_; });
       if (stop_) return;
       pending_ = false;
+      pending_flag_.store(false, std::memory_order_relaxed);
     }
     // The unpack writes the caller's staging buffers: after whatever the main stream had queued at Prefetch.
     absl::Status st = CudaStatus(cudaStreamWaitEvent(unpack_, main_ready_, 0), "unpack stream wait");
@@ -234,31 +270,82 @@ absl::Status HostGather::RunLayer(int32_t l) {
   }
   if (uva_ok_) RETURN_IF_ERROR(CudaStatus(cudaEventRecord(uva_done_[li], uva_), "record uva event"));
   GatherPlan& plan = plans_[li];
-  RETURN_IF_ERROR(dedup_->Plan(ids_ + static_cast<int64_t>(l) * n_cols_, host_tokens, n_cols_, stride_,
-                                  layer.row_begin, layer.row_end, opt_.dedup, *pool_, pinned_index_[li], &plan));
-  stats_[li] = {items, plan.n_rows + uva_items, uva_items};
-  if (host_items > 0) {
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dev_index_[li], pinned_index_[li], static_cast<size_t>(host_items) * 4,
-                                                  cudaMemcpyHostToDevice, copy_),
-                                  "index copy"));
+  // Fused: no planning pass; each thread plans the chunk it is about to gather (identity plan, item order).
+  const bool fused = opt_.fused > 0 && !opt_.dedup;
+  const int32_t* layer_ids = ids_ + static_cast<int64_t>(l) * n_cols_;
+  if (fused) {
+    plan.n_rows = host_items;
+  } else {
+    RETURN_IF_ERROR(dedup_->Plan(layer_ids, host_tokens, n_cols_, stride_, layer.row_begin, layer.row_end,
+                                 opt_.dedup, *pool_, pinned_index_[li], &plan));
   }
-  const int64_t chunk = PlanChunkRows(plan.n_rows, pool_->threads(), opt_.min_chunk_rows, opt_.max_chunk_rows);
+  stats_[li] = {items, plan.n_rows + uva_items, uva_items};
+  auto copy_index = [&] {
+    if (host_items == 0) return absl::OkStatus();
+    return CudaStatus(cudaMemcpyAsync(dev_index_[li], pinned_index_[li], static_cast<size_t>(host_items) * 4,
+                                      cudaMemcpyHostToDevice, copy_),
+                      "index copy");
+  };
+  if (!fused) RETURN_IF_ERROR(copy_index());
+  int64_t chunk = PlanChunkRows(plan.n_rows, pool_->threads(), opt_.min_chunk_rows, opt_.max_chunk_rows);
+  // Whole groups of 8 rows (8 x 264 B = 33 cache lines): no two threads write one line of the staging.
+  if (chunk > 8) chunk = (chunk + 7) / 8 * 8;
   const int64_t n_chunks = chunk > 0 ? (plan.n_rows + chunk - 1) / chunk : 0;
+  const GatherCopy how{opt_.prefetch_rows, opt_.stream_stores > 0};
+  uint8_t* const staging = pinned_rows_[li];
+  auto gather_chunk = [&](int64_t c) {
+    const int64_t begin = c * chunk, end = std::min(plan.n_rows, begin + chunk);
+    if (fused) {
+      PlanIdentityRange(layer_ids, n_cols_, stride_, layer.row_begin, layer.row_end, begin, end, plan.rows.data(),
+                        pinned_index_[li]);
+    }
+    GatherRecords(layer.records, rb_, plan.rows.data(), begin, end, staging, how);
+  };
+  auto copy_rows = [&](int64_t first_chunk, int64_t end_chunk) {
+    const int64_t begin = first_chunk * chunk, end = std::min(plan.n_rows, end_chunk * chunk);
+    return cudaMemcpyAsync(dev_rows_[li] + begin * rb_, staging + begin * rb_, static_cast<size_t>((end - begin) * rb_),
+                           cudaMemcpyHostToDevice, copy_);
+  };
   std::atomic<int64_t> next{0};
   std::atomic<int> failed{0};
-  const int device = device_;
-  pool_->Run([&](int) {
-    cudaSetDevice(device);
-    for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
-      const int64_t begin = c * chunk, end = std::min(plan.n_rows, begin + chunk);
-      GatherRecords(layer.records, rb_, plan.rows.data(), begin, end, pinned_rows_[li]);
-      if (cudaMemcpyAsync(dev_rows_[li] + begin * rb_, pinned_rows_[li] + begin * rb_,
-                          static_cast<size_t>((end - begin) * rb_), cudaMemcpyHostToDevice, copy_) != cudaSuccess) {
-        failed.store(1);
+  if (opt_.copy_issuer > 0) {
+    // The threads only gather; this thread hands each run of finished chunks (in order) to the copy engine.
+    for (int64_t c = 0; c < n_chunks; ++c) chunk_done_[static_cast<size_t>(c)].store(0, std::memory_order_relaxed);
+    pool_->Run(
+        [&](int) {
+          for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
+            gather_chunk(c);
+            chunk_done_[static_cast<size_t>(c)].store(1, std::memory_order_release);
+          }
+        },
+        [&] {
+          int64_t issued = 0;
+          while (issued < n_chunks) {
+            int64_t e = issued;
+            while (e < n_chunks && chunk_done_[static_cast<size_t>(e)].load(std::memory_order_acquire) != 0) ++e;
+            if (e == issued) {
+              CpuRelax();
+              continue;
+            }
+            if (copy_rows(issued, e) != cudaSuccess) {
+              failed.store(1);
+              return;
+            }
+            issued = e;
+          }
+        });
+  } else {
+    const int device = device_;
+    pool_->Run([&](int) {
+      cudaSetDevice(device);
+      for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
+        gather_chunk(c);
+        if (copy_rows(c, c + 1) != cudaSuccess) failed.store(1);
       }
-    }
-  });
+    });
+  }
   if (failed.load() != 0) return absl::InternalError("host gather: a chunk copy failed to enqueue");
+  if (fused) RETURN_IF_ERROR(copy_index());
   RETURN_IF_ERROR(CudaStatus(cudaEventRecord(copied_[li], copy_), "record copy event"));
   RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(unpack_, copied_[li], 0), "unpack waits for copies"));
   // The unpack: the lookup kernel over the dense gathered rows, item i reading row index[i] (-1: zeros).

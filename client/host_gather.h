@@ -59,7 +59,25 @@ struct HostGatherOptions {
   // Grid of the UVA share's kernel: few blocks, so that it disturbs the main stream little (the row-order gather
   // is as fast on 8 blocks of 8 rows per warp as on 16-32 at these sizes).
   int32_t uva_blocks = 8;
+
+  // How the batch reaches the copy engine (issue 14: the gap between the pipeline and the CPU gather ceiling). Each
+  // field left at -1 is taken from its environment variable when set, else from the built-in default (today's
+  // behaviour, until bench_kernels' "host gather variant" lines say otherwise); HostGather::options() shows the result.
+  int32_t prefetch_rows = -1;  // ENGRAM_HOST_GATHER_PREFETCH: rows prefetched ahead in each thread's list (16; 0 = none)
+  int32_t stream_stores = -1;  // ENGRAM_HOST_GATHER_NT=1: non-temporal stores into the pinned staging (0)
+  int32_t fused = -1;          // ENGRAM_HOST_GATHER_FUSED=1: without de-duplication, each thread plans its own chunk
+                               // (ids -> rows, index) right before gathering it: one pass, not two (0)
+  int32_t copy_issuer = -1;    // ENGRAM_HOST_GATHER_ISSUER=1: the dispatcher thread enqueues the chunk copies (runs
+                               // of finished chunks merged into one copy); the gather threads never call CUDA (0)
+  int32_t spin_us = -1;        // ENGRAM_HOST_GATHER_SPIN_US: idle gather threads spin this long before sleeping (200)
+  int32_t dispatch_spin_us = -1;  // ENGRAM_HOST_GATHER_DISPATCH_SPIN_US: the same for the dispatcher thread after a
+                                  // batch (0)
+  int32_t prewake = -1;        // ENGRAM_HOST_GATHER_PREWAKE=1: Prefetch wakes the gather threads itself, so that
+                               // their wake-up overlaps the dispatcher's (0)
 };
+
+// The options with every -1 field resolved (environment, then built-in default).
+HostGatherOptions ResolveHostGatherOptions(HostGatherOptions options);
 
 struct HostLayer {
   const uint8_t* records = nullptr;  // host-readable records, row_begin's first (the shared mapping)
@@ -87,6 +105,7 @@ class HostGather {
   int threads() const { return pool_->threads(); }
   // The UVA share of later batches (clamped to [0, 1]; ignored without device records). Call between batches.
   void set_uva_share(double share) { opt_.uva_share = share; }
+  const HostGatherOptions& options() const { return opt_; }  // as resolved by Create
   int32_t n_layers() const { return static_cast<int32_t>(layers_.size()); }
   cudaEvent_t layer_event(int32_t layer) const { return done_[static_cast<size_t>(layer)]; }
   // Of the last batch, per layer: items served and rows moved over PCIe (after de-duplication).
@@ -121,6 +140,7 @@ class HostGather {
   std::vector<uint8_t*> dev_rows_;
   std::vector<int32_t*> dev_index_;
   std::vector<GatherPlan> plans_;
+  std::unique_ptr<std::atomic<uint8_t>[]> chunk_done_;  // copy_issuer: [chunk] gathered (and fenced)
   std::vector<LayerStats> stats_;
 
   // The batch handed to the dispatcher thread.
@@ -128,6 +148,7 @@ class HostGather {
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false, pending_ = false, any_batch_ = false;
+  std::atomic<bool> pending_flag_{false};  // pending_, readable without the lock (the dispatcher's spin)
   uint64_t batch_ = 0;       // batches handed over
   int32_t issued_ = 0;       // layers of batch_ enqueued so far
   absl::Status error_;       // of batch_

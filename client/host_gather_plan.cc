@@ -7,6 +7,10 @@
 #include <chrono>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "absl/strings/str_cat.h"
 
 namespace engram::client {
@@ -53,7 +57,23 @@ Range SplitRange(int64_t n, int parts, int part) {
   return {begin, begin + base + (part < extra ? 1 : 0)};
 }
 
-GatherPool::GatherPool(int threads, std::vector<int> cpus) {
+namespace {
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+GatherPool::GatherPool(int threads, std::vector<int> cpus, int spin_us)
+    : spin_ns_(std::max<int64_t>(spin_us, 0) * 1000) {
   threads = std::max(threads, 1);
   for (int w = 0; w < threads; ++w) {
     workers_.emplace_back([this, w] { Loop(w); });
@@ -67,53 +87,55 @@ GatherPool::GatherPool(int threads, std::vector<int> cpus) {
 }
 
 GatherPool::~GatherPool() {
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    stop_ = true;
-  }
-  start_cv_.notify_all();
+  stop_.store(true, std::memory_order_release);
+  signal_.fetch_add(1, std::memory_order_release);
+  signal_.notify_all();
   for (auto& t : workers_) t.join();
 }
 
-// Workers and the caller spin briefly before sleeping: a batch runs several short parallel passes back to back, and
-// a futex wake-up of every worker per pass costs more than the pass.
-constexpr auto kSpin = std::chrono::microseconds(200);
-
-void GatherPool::Run(const std::function<void(int)>& fn) {
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    job_ = &fn;
-    running_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
-    generation_.fetch_add(1, std::memory_order_release);
+// Sleeping and waking go straight through the futex words (std::atomic wait/notify): one system call wakes every
+// worker, and no worker then queues for a mutex behind the others.
+void GatherPool::Run(const std::function<void(int)>& fn, const std::function<void()>& caller) {
+  job_ = &fn;
+  running_.store(static_cast<int32_t>(workers_.size()), std::memory_order_relaxed);
+  generation_.fetch_add(1, std::memory_order_release);
+  signal_.fetch_add(1, std::memory_order_release);
+  signal_.notify_all();
+  if (caller) caller();
+  const int64_t until = NowNs() + spin_ns_;
+  while (running_.load(std::memory_order_acquire) != 0 && NowNs() < until) CpuRelax();
+  for (int32_t r = running_.load(std::memory_order_acquire); r != 0; r = running_.load(std::memory_order_acquire)) {
+    running_.wait(r, std::memory_order_acquire);
   }
-  start_cv_.notify_all();
-  const auto until = std::chrono::steady_clock::now() + kSpin;
-  while (running_.load(std::memory_order_acquire) != 0 && std::chrono::steady_clock::now() < until) {
-  }
-  std::unique_lock<std::mutex> l(mu_);
-  done_cv_.wait(l, [&] { return running_.load(std::memory_order_acquire) == 0; });
   job_ = nullptr;
+}
+
+void GatherPool::Wake() {
+  signal_.fetch_add(1, std::memory_order_release);
+  signal_.notify_all();
 }
 
 void GatherPool::Loop(int worker) {
   uint64_t seen = 0;
   for (;;) {
-    const auto until = std::chrono::steady_clock::now() + kSpin;
-    while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) {
+    // A job is new when generation_ moved; signal_ is read first so that a Run after the check still wakes us.
+    const uint32_t sig = signal_.load(std::memory_order_acquire);
+    if (stop_.load(std::memory_order_acquire)) return;
+    if (generation_.load(std::memory_order_acquire) == seen) {
+      const int64_t until = NowNs() + spin_ns_;
+      while (generation_.load(std::memory_order_acquire) == seen && !stop_.load(std::memory_order_relaxed) &&
+             NowNs() < until) {
+        CpuRelax();
+      }
+      if (generation_.load(std::memory_order_acquire) == seen && !stop_.load(std::memory_order_acquire)) {
+        signal_.wait(sig, std::memory_order_acquire);
+      }
+      continue;
     }
-    const std::function<void(int)>* job = nullptr;
-    {
-      std::unique_lock<std::mutex> l(mu_);
-      start_cv_.wait(l, [&] { return stop_ || generation_.load(std::memory_order_relaxed) != seen; });
-      if (stop_) return;
-      seen = generation_.load(std::memory_order_relaxed);
-      job = job_;
-    }
-    (*job)(worker);
-    if (running_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      std::lock_guard<std::mutex> l(mu_);
-      done_cv_.notify_one();
-    }
+    // Run cannot start the next job before this worker finished this one, so job_ is this generation's.
+    seen = generation_.load(std::memory_order_acquire);
+    (*job_)(worker);
+    if (running_.fetch_sub(1, std::memory_order_acq_rel) == 1) running_.notify_all();
   }
 }
 
@@ -174,11 +196,7 @@ absl::Status RowDeduper::Plan(const int32_t* ids, int32_t num_tokens, int32_t nu
   if (!dedup) {
     pool.Run([&](int w) {
       const Range r = SplitRange(items, P, w);
-      ForEachId(ids, r.begin, r.end, num_cols, ids_stride, [&](int64_t i, int64_t id) {
-        const bool owned = id >= row_begin && id < row_end;
-        rows[i] = owned ? static_cast<uint32_t>(id - row_begin) : GatherPlan::kNoRow;
-        index[i] = owned ? static_cast<int32_t>(i) : -1;
-      });
+      PlanIdentityRange(ids, num_cols, ids_stride, row_begin, row_end, r.begin, r.end, rows, index);
     });
     plan->n_rows = items;
     return absl::OkStatus();
@@ -287,21 +305,85 @@ absl::Status RowDeduper::Plan(const int32_t* ids, int32_t num_tokens, int32_t nu
   return absl::OkStatus();
 }
 
+void PlanIdentityRange(const int32_t* ids, int32_t cols, int64_t stride, int64_t row_begin, int64_t row_end,
+                       int64_t begin, int64_t end, uint32_t* rows, int32_t* index) {
+  ForEachId(ids, begin, end, cols, stride, [&](int64_t i, int64_t id) {
+    const bool owned = id >= row_begin && id < row_end;
+    rows[i] = owned ? static_cast<uint32_t>(id - row_begin) : GatherPlan::kNoRow;
+    index[i] = owned ? static_cast<int32_t>(i) : -1;
+  });
+}
+
+namespace {
+
+// Every cache line of [p, p + n) prefetched once.
+inline void PrefetchLines(const uint8_t* p, int64_t n) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+  const uintptr_t last = reinterpret_cast<uintptr_t>(p + n - 1);
+  for (uintptr_t a = first; a <= last; a += 64) __builtin_prefetch(reinterpret_cast<const void*>(a));
+}
+
+// Copies n bytes with non-temporal stores where the destination's alignment allows them (8-byte movnti, 16-byte
+// movntdq), plain stores for any unaligned remainder. Not fenced: the caller fences once after many rows.
+inline void CopyStreaming(uint8_t* d, const uint8_t* s, int64_t n) {
+#if defined(__x86_64__)
+  if ((reinterpret_cast<uintptr_t>(d) & 7) != 0) {
+    std::memcpy(d, s, static_cast<size_t>(n));
+    return;
+  }
+  if ((reinterpret_cast<uintptr_t>(d) & 15) != 0 && n >= 8) {
+    long long v;
+    std::memcpy(&v, s, 8);
+    _mm_stream_si64(reinterpret_cast<long long*>(d), v);
+    d += 8, s += 8, n -= 8;
+  }
+  for (; n >= 64; d += 64, s += 64, n -= 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
+  }
+  for (; n >= 16; d += 16, s += 16, n -= 16) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  }
+  if (n >= 8) {
+    long long v;
+    std::memcpy(&v, s, 8);
+    _mm_stream_si64(reinterpret_cast<long long*>(d), v);
+    d += 8, s += 8, n -= 8;
+  }
+  if (n > 0) std::memcpy(d, s, static_cast<size_t>(n));
+#else
+  std::memcpy(d, s, static_cast<size_t>(n));
+#endif
+}
+
+}  // namespace
+
 void GatherRecords(const uint8_t* records, int64_t rb, const uint32_t* rows, int64_t begin, int64_t end,
-                   uint8_t* dst) {
-  constexpr int64_t kAhead = 16;
-  for (int64_t k = begin; k < std::min(end, begin + kAhead); ++k) {
-    if (rows[k] != GatherPlan::kNoRow) __builtin_prefetch(records + static_cast<int64_t>(rows[k]) * rb);
+                   uint8_t* dst, const GatherCopy& how) {
+  const int64_t ahead = std::max(how.prefetch_rows, 0);
+  if (ahead > 0) {
+    for (int64_t k = begin; k < std::min(end, begin + ahead); ++k) {
+      if (rows[k] != GatherPlan::kNoRow) PrefetchLines(records + static_cast<int64_t>(rows[k]) * rb, rb);
+    }
   }
   for (int64_t k = begin; k < end; ++k) {
-    if (k + kAhead < end && rows[k + kAhead] != GatherPlan::kNoRow) {
-      const uint8_t* p = records + static_cast<int64_t>(rows[k + kAhead]) * rb;
-      for (int64_t off = 0; off < rb; off += 64) __builtin_prefetch(p + off);
-      __builtin_prefetch(p + rb - 1);
+    if (ahead > 0 && k + ahead < end && rows[k + ahead] != GatherPlan::kNoRow) {
+      PrefetchLines(records + static_cast<int64_t>(rows[k + ahead]) * rb, rb);
     }
     if (rows[k] == GatherPlan::kNoRow) continue;
-    std::memcpy(dst + k * rb, records + static_cast<int64_t>(rows[k]) * rb, static_cast<size_t>(rb));
+    const uint8_t* src = records + static_cast<int64_t>(rows[k]) * rb;
+    if (how.stream_stores) CopyStreaming(dst + k * rb, src, rb);
+    else std::memcpy(dst + k * rb, src, static_cast<size_t>(rb));
   }
+#if defined(__x86_64__)
+  if (how.stream_stores) _mm_sfence();
+#endif
 }
 
 }  // namespace engram::client

@@ -1,7 +1,9 @@
 // The CPU side of the host-gather lookup path (client/host_gather.h), free of CUDA so that it is unit-tested on any
 // machine: a small thread pool (optional CPU affinity), the de-duplication of a batch's row ids (each distinct row
 // fetched once; every item maps to its row's slot in the gathered array), the chunk plan (how many rows per H2D
-// copy) and the row gather itself (264 B records copied from the shared mapping, with software prefetch).
+// copy) and the row gather itself (264 B records copied from the shared mapping, with software prefetch a tunable
+// number of rows ahead, optionally with non-temporal stores: the destination is pinned staging that only the GPU's
+// DMA reads, so the CPU need not read its lines before writing them).
 //
 // Ownership: GatherPool owns its threads and joins them in its destructor. RowDeduper owns its hash table, sized
 // for max_items. Thread-safety: one thread drives a GatherPool (Run is not reentrant); a RowDeduper is used by one
@@ -44,24 +46,30 @@ Range SplitRange(int64_t n, int parts, int part);
 class GatherPool {
  public:
   // `threads` >= 1 workers; `cpus` (may be empty) pins worker i to cpus[i % cpus.size()]. Pinning failures are
-  // ignored (the worker runs unpinned).
-  GatherPool(int threads, std::vector<int> cpus = {});
+  // ignored (the worker runs unpinned). Idle workers spin `spin_us` microseconds before they sleep (a batch runs
+  // several short passes back to back; a sleeping worker costs a futex wake-up).
+  GatherPool(int threads, std::vector<int> cpus = {}, int spin_us = 200);
   ~GatherPool();
   GatherPool(const GatherPool&) = delete;
   GatherPool& operator=(const GatherPool&) = delete;
   int threads() const { return static_cast<int>(workers_.size()); }
-  // Runs fn(worker) on every worker at once and returns when all have returned.
-  void Run(const std::function<void(int worker)>& fn);
+  // Runs fn(worker) on every worker at once and returns when all have returned. `caller`, if given, runs on the
+  // calling thread meanwhile (e.g. handing finished chunks to a copy engine).
+  void Run(const std::function<void(int worker)>& fn, const std::function<void()>& caller = nullptr);
+  // Wakes sleeping workers so that they spin (for spin_us) waiting for the next Run: a hint given as soon as a
+  // batch is known, so that their wake-up overlaps whatever precedes the first Run.
+  void Wake();
 
  private:
   void Loop(int worker);
   std::vector<std::thread> workers_;
-  std::mutex mu_;
-  std::condition_variable start_cv_, done_cv_;
-  const std::function<void(int)>* job_ = nullptr;
+  const int64_t spin_ns_;
+  // Workers sleep on signal_ (a futex word: Run and Wake bump it); generation_ numbers the jobs.
+  std::atomic<uint32_t> signal_{0};
   std::atomic<uint64_t> generation_{0};
-  std::atomic<int> running_{0};
-  bool stop_ = false;
+  std::atomic<int32_t> running_{0};
+  std::atomic<bool> stop_{false};
+  const std::function<void(int)>* job_ = nullptr;  // written before generation_'s release increment
 };
 
 // A batch of one layer's ids, de-duplicated: `rows` holds each distinct owned row (relative to row_begin) once, in
@@ -94,9 +102,23 @@ class RowDeduper {
   std::vector<std::vector<uint32_t>> tables_;    // [part] row + 1 per slot; 0 = empty
 };
 
+// The identity plan of items [begin, end) (no de-duplication): rows[i] = id - row_begin and index[i] = i for owned
+// items, rows[i] = kNoRow and index[i] = -1 otherwise; id of item i = t * cols + c is ids[t * stride + c].
+void PlanIdentityRange(const int32_t* ids, int32_t cols, int64_t stride, int64_t row_begin, int64_t row_end,
+                       int64_t begin, int64_t end, uint32_t* rows, int32_t* index);
+
+// How GatherRecords copies. prefetch_rows: every line of the row that many rows ahead in the list is prefetched
+// (the gather is bound by memory latency and address translation; 0 = no software prefetch). stream_stores:
+// non-temporal stores (x86-64; elsewhere plain stores), fenced before GatherRecords returns, so a DMA (or another
+// thread told after the return) sees them.
+struct GatherCopy {
+  int prefetch_rows = 16;
+  bool stream_stores = false;
+};
+
 // Copies record rows[k] (of `record_bytes` bytes, from `records`) to dst + k * record_bytes for k in [begin, end);
-// kNoRow rows are left untouched. Prefetches a few rows ahead (the gather is bound by memory latency).
+// kNoRow rows are left untouched.
 void GatherRecords(const uint8_t* records, int64_t record_bytes, const uint32_t* rows, int64_t begin, int64_t end,
-                   uint8_t* dst);
+                   uint8_t* dst, const GatherCopy& how = {});
 
 }  // namespace engram::client

@@ -1,7 +1,8 @@
 // The host-gather lookup path (client/host_gather.h) on a GPU: rows written into the staging buffers equal the CPU
 // reference (model/reference.h LookupBf16Cpu) bit for bit, for several layers with a strided id array, ids outside a
 // layer's rows (zeros), repeated rows (fetched once with de-duplication), with and without de-duplication, 1 and
-// several threads, batches of 0, 1 and many tokens back to back (buffer reuse); Wait orders the main stream; a
+// several threads, batches of 0, 1 and many tokens back to back (buffer reuse), every variant of the copy pipeline
+// (prefetch distance, non-temporal stores, fused plan, copy issuer, wake-up); Wait orders the main stream; a
 // Prefetch during CUDA graph capture is refused; bad inputs are errors. Through DeviceEngine (a private table of a
 // synthetic checkpoint): every path (automatic, forced UVA, forced host gather with host or device ids) fills the
 // staging buffers with the CPU reference's rows, and the path taken is the one asked for. Exits 77 (ctest skip) without a GPU.
@@ -68,6 +69,29 @@ struct Fixture {
   }
 };
 
+// The copy pipeline's variants (HostGatherOptions: prefetch distance, non-temporal stores, fused plan, copy issuer,
+// wake-up): each must serve the same rows. Explicit values, so the environment's knobs do not change what runs.
+struct PipelineVariant {
+  const char* name;
+  int32_t prefetch, nt, fused, issuer, spin, dspin, prewake;
+  HostGatherOptions Options() const {
+    HostGatherOptions o;
+    o.prefetch_rows = prefetch;
+    o.stream_stores = nt;
+    o.fused = fused;
+    o.copy_issuer = issuer;
+    o.spin_us = spin;
+    o.dispatch_spin_us = dspin;
+    o.prewake = prewake;
+    return o;
+  }
+};
+const PipelineVariant kPipelineVariants[] = {
+    {"today", 16, 0, 0, 0, 200, 0, 0},          {"no prefetch", 0, 0, 0, 0, 0, 0, 0},
+    {"non-temporal", 16, 1, 0, 0, 200, 0, 0},   {"fused", 8, 0, 1, 0, 200, 0, 0},
+    {"issuer", 32, 0, 0, 1, 200, 0, 0},         {"all", 16, 1, 1, 1, 200, 200, 1},
+};
+
 TEST(GpuHostGatherTest, RowsEqualTheCpuReferenceBitForBit) {
   REQUIRE_GPU();
   std::mt19937_64 rng(std::random_device{}());
@@ -81,49 +105,54 @@ TEST(GpuHostGatherTest, RowsEqualTheCpuReferenceBitForBit) {
   }
   cudaStream_t main_stream;
   CUDA_OK(cudaStreamCreateWithFlags(&main_stream, cudaStreamNonBlocking));
-  for (int threads : {1, 4}) {
-    for (bool dedup : {true, false}) {
-      HostGatherOptions opt;
-      opt.threads = threads;
-      opt.dedup = dedup;
-      opt.min_chunk_rows = 256;  // several chunks even in small batches
-      auto g = HostGather::Create(f.layers, out_ptrs, max_tokens, Fixture::kC, static_cast<int32_t>(Fixture::kD), opt);
-      ASSERT_TRUE(g.ok()) << g.status();
-      EXPECT_EQ((*g)->threads(), threads);
-      for (int32_t T : {max_tokens, 1, 0, 77, max_tokens}) {
-        SCOPED_TRACE(::testing::Message() << "threads " << threads << " dedup " << dedup << " T " << T);
-        const std::vector<int32_t> ids = f.Ids(rng, T);
-        // Poison the outputs on the main stream first: the unpack must be ordered after it.
-        for (auto* p : out_ptrs) {
-          CUDA_OK(cudaMemsetAsync(p, 0xAB, static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD * 2,
-                                  main_stream));
-        }
-        ASSERT_TRUE((*g)->Prefetch(ids.data(), T, Fixture::kL * Fixture::kC, main_stream).ok());
-        for (int l = Fixture::kL - 1; l >= 0; --l) {
-          ASSERT_TRUE((*g)->Wait(l, main_stream).ok());
-          std::vector<uint16_t> got(static_cast<size_t>(T) * Fixture::kC * Fixture::kD);
-          CUDA_OK(cudaMemcpyAsync(got.data(), out_ptrs[static_cast<size_t>(l)], got.size() * 2,
-                                  cudaMemcpyDeviceToHost, main_stream));
-          CUDA_OK(cudaStreamSynchronize(main_stream));
-          const std::vector<uint16_t> want = f.Expected(ids, T, l);
-          ASSERT_EQ(got.size(), want.size());
-          size_t bad = 0;
-          for (size_t i = 0; i < got.size(); ++i) bad += got[i] != want[i];
-          ASSERT_EQ(bad, 0u) << "layer " << l << ": " << bad << " bf16 values differ";
-          const auto st = (*g)->stats(l);
-          EXPECT_EQ(st.items, static_cast<int64_t>(T) * Fixture::kC);
-          if (dedup) {  // exactly the distinct owned rows of this layer (oracle: std::set)
-            std::set<int32_t> distinct;
-            for (int32_t tok = 0; tok < T; ++tok) {
-              for (int c = 0; c < Fixture::kC; ++c) {
-                const int32_t id = ids[static_cast<size_t>((tok * Fixture::kL + l) * Fixture::kC + c)];
-                if (id >= Fixture::kBegin && id < Fixture::kBegin + Fixture::kRows) distinct.insert(id);
-              }
-            }
-            EXPECT_EQ(st.rows_moved, static_cast<int64_t>(distinct.size())) << "each distinct row moved once";
+  for (const PipelineVariant& v : kPipelineVariants) {
+    for (int threads : {1, 4}) {
+      for (bool dedup : {true, false}) {
+        HostGatherOptions opt = v.Options();
+        opt.threads = threads;
+        opt.dedup = dedup;
+        opt.min_chunk_rows = 256;  // several chunks even in small batches
+        auto g = HostGather::Create(f.layers, out_ptrs, max_tokens, Fixture::kC, static_cast<int32_t>(Fixture::kD), opt);
+        ASSERT_TRUE(g.ok()) << g.status();
+        EXPECT_EQ((*g)->threads(), threads);
+        EXPECT_EQ((*g)->options().stream_stores, v.nt);
+        EXPECT_EQ((*g)->options().fused, v.fused);
+        EXPECT_EQ((*g)->options().copy_issuer, v.issuer);
+        for (int32_t T : {max_tokens, 1, 0, 77, max_tokens}) {
+          SCOPED_TRACE(::testing::Message() << v.name << " threads " << threads << " dedup " << dedup << " T " << T);
+          const std::vector<int32_t> ids = f.Ids(rng, T);
+          // Poison the outputs on the main stream first: the unpack must be ordered after it.
+          for (auto* p : out_ptrs) {
+            CUDA_OK(cudaMemsetAsync(p, 0xAB, static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD * 2,
+                                    main_stream));
           }
-          if (!dedup) {
-            EXPECT_EQ(st.rows_moved, st.items);
+          ASSERT_TRUE((*g)->Prefetch(ids.data(), T, Fixture::kL * Fixture::kC, main_stream).ok());
+          for (int l = Fixture::kL - 1; l >= 0; --l) {
+            ASSERT_TRUE((*g)->Wait(l, main_stream).ok());
+            std::vector<uint16_t> got(static_cast<size_t>(T) * Fixture::kC * Fixture::kD);
+            CUDA_OK(cudaMemcpyAsync(got.data(), out_ptrs[static_cast<size_t>(l)], got.size() * 2,
+                                    cudaMemcpyDeviceToHost, main_stream));
+            CUDA_OK(cudaStreamSynchronize(main_stream));
+            const std::vector<uint16_t> want = f.Expected(ids, T, l);
+            ASSERT_EQ(got.size(), want.size());
+            size_t bad = 0;
+            for (size_t i = 0; i < got.size(); ++i) bad += got[i] != want[i];
+            ASSERT_EQ(bad, 0u) << "layer " << l << ": " << bad << " bf16 values differ";
+            const auto st = (*g)->stats(l);
+            EXPECT_EQ(st.items, static_cast<int64_t>(T) * Fixture::kC);
+            if (dedup) {  // exactly the distinct owned rows of this layer (oracle: std::set)
+              std::set<int32_t> distinct;
+              for (int32_t tok = 0; tok < T; ++tok) {
+                for (int c = 0; c < Fixture::kC; ++c) {
+                  const int32_t id = ids[static_cast<size_t>((tok * Fixture::kL + l) * Fixture::kC + c)];
+                  if (id >= Fixture::kBegin && id < Fixture::kBegin + Fixture::kRows) distinct.insert(id);
+                }
+              }
+              EXPECT_EQ(st.rows_moved, static_cast<int64_t>(distinct.size())) << "each distinct row moved once";
+            }
+            if (!dedup) {
+              EXPECT_EQ(st.rows_moved, st.items);
+            }
           }
         }
       }
@@ -155,41 +184,43 @@ TEST(GpuHostGatherTest, SplitBatchesEqualTheCpuReferenceBitForBit) {
   }
   cudaStream_t main_stream;
   CUDA_OK(cudaStreamCreateWithFlags(&main_stream, cudaStreamNonBlocking));
-  for (bool dedup : {false, true}) {
-    HostGatherOptions opt;
-    opt.threads = 3;
-    opt.dedup = dedup;
-    opt.min_chunk_rows = 256;
-    auto g = HostGather::Create(f.layers, out_ptrs, max_tokens, Fixture::kC, static_cast<int32_t>(Fixture::kD), opt);
-    ASSERT_TRUE(g.ok()) << g.status();
-    for (double share : {0.3, 1.0, 0.0, 0.5}) {
-      (*g)->set_uva_share(share);
-      for (int32_t T : {max_tokens, 1, 0, 77, max_tokens}) {
-        SCOPED_TRACE(::testing::Message() << "dedup " << dedup << " share " << share << " T " << T);
-        const std::vector<int32_t> ids = f.Ids(rng, T);
-        for (auto* p : out_ptrs) {
-          CUDA_OK(cudaMemsetAsync(p, 0xAB, static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD * 2,
-                                  main_stream));
-        }
-        ASSERT_TRUE((*g)->Prefetch(ids.data(), T, Fixture::kL * Fixture::kC, main_stream).ok());
-        for (int l = 0; l < Fixture::kL; ++l) {
-          ASSERT_TRUE((*g)->Wait(l, main_stream).ok());
-          std::vector<uint16_t> got(static_cast<size_t>(T) * Fixture::kC * Fixture::kD);
-          CUDA_OK(cudaMemcpyAsync(got.data(), out_ptrs[static_cast<size_t>(l)], got.size() * 2,
-                                  cudaMemcpyDeviceToHost, main_stream));
-          CUDA_OK(cudaStreamSynchronize(main_stream));
-          const std::vector<uint16_t> want = f.Expected(ids, T, l);
-          size_t bad = 0;
-          for (size_t i = 0; i < got.size(); ++i) bad += got[i] != want[i];
-          ASSERT_EQ(bad, 0u) << "layer " << l << ": " << bad << " bf16 values differ";
-          const auto st = (*g)->stats(l);
-          const int64_t uva_tokens = std::llround(T * share);
-          EXPECT_EQ(st.uva_items, uva_tokens * Fixture::kC);
-          if (!dedup) EXPECT_EQ(st.rows_moved, st.items);
+  for (const PipelineVariant* v : {&kPipelineVariants[0], &kPipelineVariants[5]}) {
+    for (bool dedup : {false, true}) {
+      HostGatherOptions opt = v->Options();
+      opt.threads = 3;
+      opt.dedup = dedup;
+      opt.min_chunk_rows = 256;
+      auto g = HostGather::Create(f.layers, out_ptrs, max_tokens, Fixture::kC, static_cast<int32_t>(Fixture::kD), opt);
+      ASSERT_TRUE(g.ok()) << g.status();
+      for (double share : {0.3, 1.0, 0.0, 0.5}) {
+        (*g)->set_uva_share(share);
+        for (int32_t T : {max_tokens, 1, 0, 77, max_tokens}) {
+          SCOPED_TRACE(::testing::Message() << v->name << " dedup " << dedup << " share " << share << " T " << T);
+          const std::vector<int32_t> ids = f.Ids(rng, T);
+          for (auto* p : out_ptrs) {
+            CUDA_OK(cudaMemsetAsync(p, 0xAB, static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD * 2,
+                                    main_stream));
+          }
+          ASSERT_TRUE((*g)->Prefetch(ids.data(), T, Fixture::kL * Fixture::kC, main_stream).ok());
+          for (int l = 0; l < Fixture::kL; ++l) {
+            ASSERT_TRUE((*g)->Wait(l, main_stream).ok());
+            std::vector<uint16_t> got(static_cast<size_t>(T) * Fixture::kC * Fixture::kD);
+            CUDA_OK(cudaMemcpyAsync(got.data(), out_ptrs[static_cast<size_t>(l)], got.size() * 2,
+                                    cudaMemcpyDeviceToHost, main_stream));
+            CUDA_OK(cudaStreamSynchronize(main_stream));
+            const std::vector<uint16_t> want = f.Expected(ids, T, l);
+            size_t bad = 0;
+            for (size_t i = 0; i < got.size(); ++i) bad += got[i] != want[i];
+            ASSERT_EQ(bad, 0u) << "layer " << l << ": " << bad << " bf16 values differ";
+            const auto st = (*g)->stats(l);
+            const int64_t uva_tokens = std::llround(T * share);
+            EXPECT_EQ(st.uva_items, uva_tokens * Fixture::kC);
+            if (!dedup) EXPECT_EQ(st.rows_moved, st.items);
+          }
         }
       }
+      ASSERT_TRUE((*g)->Sync().ok());
     }
-    ASSERT_TRUE((*g)->Sync().ok());
   }
   CUDA_OK(cudaStreamDestroy(main_stream));
   for (auto& h : f.host) CUDA_OK(cudaHostUnregister(h.data()));

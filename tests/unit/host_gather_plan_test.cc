@@ -2,10 +2,13 @@
 // maps to a gathered row holding its id, each distinct owned row gathered exactly once, non-owned items -1), the
 // identity plan without de-duplication, chunk planning, range splitting, the pool, and the record gather.
 // Oracles: std::set / direct indexing, never the code under test.
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <random>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include "client/host_gather_plan.h"
@@ -182,6 +185,91 @@ TEST(HostGatherPlanTest, GatherCopiesRecordsAndSkipsNoRow) {
       continue;
     }
     ASSERT_EQ(std::memcmp(got, table.data() + order[k] * rb, rb), 0) << "slot " << k;
+  }
+}
+
+// Every copy variant (prefetch distance, non-temporal stores) writes exactly the listed records, for record sizes
+// whose rows land at every alignment (33 B: none; 264 B: 8-byte; 528 B: 16-byte) and destinations offset by 0-15 B.
+TEST(HostGatherPlanTest, EveryCopyVariantCopiesRecordsAndSkipsNoRow) {
+  std::mt19937_64 rng(5);
+  for (const int64_t rb : {int64_t{33}, int64_t{66}, int64_t{264}, int64_t{528}}) {
+    const int64_t rows = 300;
+    std::vector<uint8_t> table(static_cast<size_t>(rows * rb));
+    for (auto& b : table) b = static_cast<uint8_t>(rng());
+    std::vector<uint32_t> order;
+    for (int k = 0; k < 200; ++k) order.push_back(rng() % 7 == 0 ? GatherPlan::kNoRow : static_cast<uint32_t>(rng() % rows));
+    for (const int ahead : {0, 1, 8, 16, 64}) {
+      for (const bool nt : {false, true}) {
+        for (const size_t shift : {size_t{0}, size_t{8}, size_t{13}}) {
+          SCOPED_TRACE(::testing::Message() << "rb " << rb << " ahead " << ahead << " nt " << nt << " shift " << shift);
+          std::vector<uint8_t> buf(order.size() * static_cast<size_t>(rb) + 64, 0xEE);
+          uint8_t* dst = buf.data() + shift;
+          GatherRecords(table.data(), rb, order.data(), 3, static_cast<int64_t>(order.size()) - 2, dst, {ahead, nt});
+          for (size_t k = 0; k < order.size(); ++k) {
+            const uint8_t* got = dst + k * static_cast<size_t>(rb);
+            if (k < 3 || k + 2 >= order.size() || order[k] == GatherPlan::kNoRow) {
+              for (int64_t b = 0; b < rb; ++b) ASSERT_EQ(got[b], 0xEE) << "slot " << k << " was written";
+              continue;
+            }
+            ASSERT_EQ(std::memcmp(got, table.data() + order[k] * static_cast<size_t>(rb), static_cast<size_t>(rb)), 0)
+                << "slot " << k;
+          }
+          for (size_t b = 0; b < shift; ++b) ASSERT_EQ(buf[b], 0xEE);
+          for (size_t b = shift + order.size() * static_cast<size_t>(rb); b < buf.size(); ++b) ASSERT_EQ(buf[b], 0xEE);
+        }
+      }
+    }
+  }
+}
+
+// The identity plan of a sub-range (what a fused gather thread plans for its own chunk) equals direct indexing.
+TEST(HostGatherPlanTest, IdentityRangeMapsOwnedIdsAndMarksTheRest) {
+  const int32_t T = 9, C = 5;
+  const int64_t stride = 12, begin_row = 100, end_row = 150;
+  std::vector<int32_t> ids(static_cast<size_t>(T * stride), -7);
+  for (int32_t t = 0; t < T; ++t) {
+    for (int32_t c = 0; c < C; ++c) ids[static_cast<size_t>(t * stride + c)] = 90 + (t * 7 + c * 3) % 70;
+  }
+  std::vector<uint32_t> rows(static_cast<size_t>(T * C), 12345);
+  std::vector<int32_t> index(static_cast<size_t>(T * C), 999);
+  PlanIdentityRange(ids.data(), C, stride, begin_row, end_row, 7, 38, rows.data(), index.data());
+  for (int64_t i = 0; i < T * C; ++i) {
+    const int64_t id = ids[static_cast<size_t>((i / C) * stride + i % C)];
+    if (i < 7 || i >= 38) {
+      EXPECT_EQ(rows[static_cast<size_t>(i)], 12345u) << i;
+      EXPECT_EQ(index[static_cast<size_t>(i)], 999) << i;
+    } else if (id >= begin_row && id < end_row) {
+      EXPECT_EQ(rows[static_cast<size_t>(i)], static_cast<uint32_t>(id - begin_row)) << i;
+      EXPECT_EQ(index[static_cast<size_t>(i)], i);
+    } else {
+      EXPECT_EQ(rows[static_cast<size_t>(i)], GatherPlan::kNoRow) << i;
+      EXPECT_EQ(index[static_cast<size_t>(i)], -1) << i;
+    }
+  }
+}
+
+// The pool with and without spinning, woken early or not, with work on the calling thread: every worker runs each
+// pass exactly once, the caller's function runs during the pass, and Run returns only after every worker finished.
+TEST(HostGatherPlanTest, PoolPassesWithWakeHintsAndCallerWork) {
+  for (const int spin : {0, 50}) {
+    GatherPool pool(4, {}, spin);
+    std::vector<std::atomic<int>> hits(4);
+    for (auto& h : hits) h.store(0);
+    for (int round = 0; round < 200; ++round) {
+      if (round % 3 == 0) pool.Wake();
+      if (round % 7 == 0) std::this_thread::sleep_for(std::chrono::microseconds(300));  // workers asleep
+      std::atomic<int> done{0};
+      bool caller_ran = false;
+      pool.Run(
+          [&](int w) {
+            hits[static_cast<size_t>(w)].fetch_add(1);
+            done.fetch_add(1);
+          },
+          round % 2 == 0 ? std::function<void()>([&] { caller_ran = true; }) : std::function<void()>());
+      ASSERT_EQ(done.load(), 4) << "round " << round;
+      EXPECT_EQ(caller_ran, round % 2 == 0);
+    }
+    for (auto& h : hits) EXPECT_EQ(h.load(), 200);
   }
 }
 
