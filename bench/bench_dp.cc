@@ -1,8 +1,10 @@
 // bench_dp: the DP-sharded exchange on two GPUs of one host (issue 12), per tokens-per-rank, each path next to its
 // ceilings measured in the same run:
-//   all-to-all   the collective path (default: pipelined, own columns read in place, ids to each member, records
-//                packed, sent and unpacked chunk by chunk; client/dp_nccl_transport.h), and its variants side by side
-//                (--variants: "seq" the sequential form, a number the chunk size in KiB, 0 one chunk)
+//   all-to-all   the collective path (the product default: the pipelined step (own columns read in place, ids to
+//                each member, records packed, sent and unpacked chunk by chunk) replayed as a CUDA graph;
+//                client/dp_nccl_transport.h), and its variants side by side (--variants: "seq" the sequential form,
+//                a number the pipelined form enqueued call by call with that chunk size in KiB, 0 one chunk; a
+//                leading g: the same as a replayed CUDA graph)
 //   peer         the NVLink peer-read path (each GPU reads the other's shard directly)
 //   a2a ceiling  NCCL grouped send/recv of exactly the records the collective path moves (no lookup, no unpack)
 //   peer gather  the lookup kernel reading the same rows from the peer GPU's shard (no placement)
@@ -14,7 +16,8 @@
 // Synthetic shards: 24 columns x 2 layers, `rows` rows per column (default 2^20: 3.3 GB per layer and GPU), random
 // ids. Times are per step (both layers), mean of --iters after warm-up. Usage:
 //   bench_dp [--tokens 1,4,64,512,4096,8192] [--iters 50] [--rows 1048576] [--uva-rows 1048576]
-//            [--variants seq,0,0c,16384,32768,32768c]   (a trailing c: own columns on a concurrent side stream)
+//            [--variants seq,32768,g32768,g16384,g8192,g4096,g2048,g0]   (a trailing c: own columns on a concurrent
+//            side stream) [--uneven 1]   (rank 1's all-to-all steps with fewer tokens than the slot: memcheck)
 // Besides each variant's step time (GPU, between events) it prints the host's time to enqueue one step.
 #include <cuda_runtime_api.h>
 
@@ -40,7 +43,7 @@ using engram::client::DpNcclExchange;
 using engram::client::NcclApi;
 using engram::client::ShardLayer;
 
-constexpr int kL = 2, kC = 24, kD = 256, kRb = 264, kMembers = 2, kMaxVariants = 8;
+constexpr int kL = 2, kC = 24, kD = 256, kRb = 264, kMembers = 2, kMaxVariants = 12;
 
 struct Result {
   double a2a = 0, peer = 0, a2a_ceiling = 0, peer_gather = 0, uva = 0;
@@ -94,7 +97,8 @@ int main(int argc, char** argv) {
   std::vector<int> tokens = {1, 4, 64, 512, 4096, 8192};
   int iters = 50;
   int64_t rows = int64_t{1} << 20, uva_rows = int64_t{1} << 20;
-  std::vector<std::string> variants = {"seq", "0", "0c", "16384", "32768", "32768c"};
+  bool uneven = false;  // rank 1 steps the all-to-all forms with T - ceil(T / 3) tokens (0 at T = 1), slot T
+  std::vector<std::string> variants = {"seq", "32768", "g32768", "g16384", "g8192", "g4096", "g2048", "g0"};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--tokens") tokens = ParseList(v);
@@ -110,6 +114,7 @@ int main(int argc, char** argv) {
     else if (k == "--iters") iters = std::stoi(v);
     else if (k == "--rows") rows = std::stoll(v);
     else if (k == "--uva-rows") uva_rows = std::stoll(v);
+    else if (k == "--uneven") uneven = std::stoi(v) != 0;
   }
   // Fork first: CUDA must not be initialised in the parent.
   int id_pipe[2], res_pipe[2][2];
@@ -202,6 +207,7 @@ int main(int argc, char** argv) {
     std::vector<ShardLayer> peer_shard;
     for (size_t ti = 0; ti < tokens.size(); ++ti) {
       const int T = tokens[ti];
+      const int Ta = uneven && g == 1 ? T - (T + 2) / 3 : T;  // the all-to-all steps' token count on this rank
       DpExchangeShape shape;
       shape.members = kMembers;
       shape.me = g;
@@ -213,6 +219,7 @@ int main(int argc, char** argv) {
       shape.col_end = {12, 24};
       shape.group_col_begin = 0;
       shape.group_col_end = 24;
+      shape.graph = true;  // the product default (client/dp_device_engine.cc)
       auto x = DpNcclExchange::Create(shape, *comm, false, stream, shard, nullptr, std::chrono::seconds(60));
       if (!x.ok()) {
         std::fprintf(stderr, "exchange: %s\n", std::string(x.status().message()).c_str());
@@ -225,7 +232,8 @@ int main(int argc, char** argv) {
         DpExchangeShape vs = shape;
         vs.sequential = variants[vi] == "seq";
         vs.own_concurrent = !variants[vi].empty() && variants[vi].back() == 'c';
-        if (!vs.sequential) vs.chunk_bytes = std::stoll(variants[vi]) << 10;
+        vs.graph = !variants[vi].empty() && variants[vi][0] == 'g';
+        if (!vs.sequential) vs.chunk_bytes = std::stoll(variants[vi].substr(vs.graph ? 1 : 0)) << 10;
         auto vx = DpNcclExchange::Create(vs, *comm, false, stream, shard, nullptr, std::chrono::seconds(60));
         if (!vx.ok()) {
           std::fprintf(stderr, "exchange: %s\n", std::string(vx.status().message()).c_str());
@@ -233,13 +241,16 @@ int main(int argc, char** argv) {
         }
         res.variant_chunks[vi] = vs.sequential ? 1 : (*vx)->chunks(kL);
         res.variant_ms[vi] = TimeMs(stream, iters, [&] {
-          auto st = (*vx)->Step(ids, kL * kC, kC, T, 0, kL, outs, false, false, stream);
+          auto st = (*vx)->Step(ids, kL * kC, kC, Ta, 0, kL, outs, false, false, stream);
           if (!st.ok()) {
             std::fprintf(stderr, "step: %s\n", std::string(st.message()).c_str());
             ::_exit(1);
           }
         }, "all-to-all variant", &res.variant_host_ms[vi]);
         CUDA_CHECK(cudaStreamSynchronize(stream));
+        std::fprintf(stderr, "rank %d tokens %d variant %s: %.1f us (host %.1f us, %d chunks)\n", g, T,
+                     variants[vi].c_str(), res.variant_ms[vi] * 1e3, res.variant_host_ms[vi] * 1e3,
+                     res.variant_chunks[vi]);
       }
       if (auto st = (*x)->ExchangePeerShards(base); !st.ok()) {
         std::fprintf(stderr, "peer shards: %s\n", std::string(st.message()).c_str());
@@ -247,7 +258,7 @@ int main(int argc, char** argv) {
       }
       res.record_bytes = static_cast<double>(kL) * T * 12 * kRb;  // what this rank sends (and receives)
       auto step = [&](bool peer) {
-        auto st = (*x)->Step(ids, kL * kC, kC, T, 0, kL, outs, false, peer, stream);
+        auto st = (*x)->Step(ids, kL * kC, kC, peer ? T : Ta, 0, kL, outs, false, peer, stream);
         if (!st.ok()) {
           std::fprintf(stderr, "step: %s\n", std::string(st.message()).c_str());
           ::_exit(1);
@@ -360,7 +371,10 @@ int main(int argc, char** argv) {
   std::printf("\nall-to-all variants (us per step, the slower rank; ratio = a2a ceiling / step; host = enqueue time; "
               "k = chunks)\n%-8s %-16s", "tokens", "ceiling (host)");
   for (const auto& v : variants) {
-    std::printf(" %-28s", (v == "seq" ? std::string("sequential") : "chunk " + v + " KiB").c_str());
+    std::printf(" %-28s", (v == "seq"     ? std::string("sequential")
+                           : v[0] == 'g' ? "graph " + v.substr(1) + " KiB"
+                                         : "chunk " + v + " KiB")
+                              .c_str());
   }
   std::printf("\n");
   for (size_t ti = 0; ti < tokens.size(); ++ti) {

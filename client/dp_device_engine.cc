@@ -19,6 +19,18 @@
 namespace engram::client {
 namespace {
 
+// ENGRAM_DP_A2A: the all-to-all form (agreed group-wide: rank 0's); unset or unknown: kDefaultA2aForm.
+constexpr int32_t kA2aPipelined = 0, kA2aSequential = 1, kA2aGraph = 2;
+constexpr int32_t kDefaultA2aForm = kA2aGraph;
+
+int32_t A2aForm(const char* v) {
+  const std::string s = v == nullptr ? "" : v;
+  if (s == "sequential") return kA2aSequential;
+  if (s == "pipelined") return kA2aPipelined;
+  if (s == "graph") return kA2aGraph;
+  return kDefaultA2aForm;
+}
+
 int64_t EnvInt(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == 0) return fallback;
@@ -188,7 +200,7 @@ class DpDeviceEngine final : public LookupEngine {
         on_gpu ? 1 : 0,
         static_cast<int32_t>(std::clamp<int64_t>(EnvInt("ENGRAM_DP_PEER_MAX_SLOT", kDefaultPeerMaxSlot), 0, INT32_MAX)),
         static_cast<int32_t>(std::clamp<int64_t>(chunk_kib, 0, INT32_MAX)),
-        a2a != nullptr && std::string(a2a) == "sequential" ? 1 : 0};
+        A2aForm(a2a)};
     auto agreed = e->AllGatherInts(comm, static_cast<int32_t>(plan.edp), mine);
     if (!agreed.ok()) {
       if (nccl_comm == nullptr) nccl->CommAbort(comm);  // formed here, not yet owned by an exchange
@@ -199,7 +211,8 @@ class DpDeviceEngine final : public LookupEngine {
     for (int64_t m = 0; m < plan.edp; ++m) all_on_gpu = all_on_gpu && all[static_cast<size_t>(m) * mine.size()] == 1;
     const int32_t peer_max_slot = all[1];
     shape.chunk_bytes = int64_t{all[2]} << 10;
-    shape.sequential = all[3] == 1;
+    shape.sequential = all[3] == kA2aSequential;
+    shape.graph = all[3] == kA2aGraph;
     std::vector<ShardLayer> shard;
     for (int64_t l = 0; l < L; ++l) {
       const auto& li = table.layers()[static_cast<size_t>(l)];
@@ -226,7 +239,8 @@ class DpDeviceEngine final : public LookupEngine {
     spdlog::info("engram: event=dp_group_formed transport=nccl group={} members={} edp_rank={} slot={} path={} "
                  "a2a={} chunks={} exchange_bytes={}",
                  g.group, g.members.size(), me, g.slot, e->peer_ ? "nvlink-peer" : "all-to-all",
-                 shape.sequential ? "sequential" : "pipelined", e->exchange_->chunks(static_cast<int32_t>(L)),
+                 shape.sequential ? "sequential" : shape.graph ? "graph" : "pipelined",
+                 e->exchange_->chunks(static_cast<int32_t>(L)),
                  e->exchange_->device_bytes());
     return std::unique_ptr<LookupEngine>(std::move(e));
   }

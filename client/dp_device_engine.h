@@ -1,13 +1,16 @@
 // The DP-sharded LookupEngine on the CUDA backend (client/dp_engine.h describes the calls): the exchange runs over
 // NCCL (client/dp_nccl_transport.h) into fixed device staging buffers; Prefetch runs it on the engine's side stream
 // after the work queued on the engine's stream (the hash ids), and Wait(l) joins it back into the engine's stream with
-// an event (the host never waits); Lookup runs it on the engine's stream. Hash and Gate are the DeviceEngine's. The communicator is the engine's own (DpEngineOptions::nccl_comm, not owned) or one formed from
-// the ncclUniqueId that the group's rank 0 sent through engramd. Small group slots (<= ENGRAM_DP_PEER_MAX_SLOT,
-// default kDefaultPeerMaxSlot) read the other members' shards over NVLink instead when every member's shard is in
+// an event (the host never waits); Lookup runs it on the engine's stream. Hash and Gate are the DeviceEngine's. The
+// communicator is the engine's own (DpEngineOptions::nccl_comm, not owned) or one formed from the ncclUniqueId that
+// the group's rank 0 sent through engramd. Small group slots (<= ENGRAM_DP_PEER_MAX_SLOT, default kDefaultPeerMaxSlot)
+// read the other members' shards over NVLink instead when every member's shard is in
 // GPU memory (cpu_offload false); the choice depends on group-wide facts only, so every member takes the same path.
 // The knobs that decide a step's collectives (ENGRAM_DP_PEER_MAX_SLOT, ENGRAM_DP_CHUNK_KIB: the all-to-all path's
-// chunk of records, 0 = one chunk; ENGRAM_DP_A2A=sequential: the unpipelined all-to-all) are rank 0's, agreed with
-// the shard kinds in one all-gather when the group forms.
+// chunk of records, 0 = one chunk; ENGRAM_DP_A2A=graph (default): the pipelined step captured once per shape into a
+// CUDA graph and replayed, =pipelined: enqueued call by call, =sequential: the unpipelined all-to-all) are rank 0's,
+// agreed with the shard kinds in one all-gather when the group forms. Under the caller's own stream capture the graph
+// form enqueues the pipelined step into the caller's graph instead (no nested instantiate).
 // A watchdog thread aborts the communicator when the group breaks (engramd: a member left; or this lease ended)
 // or a step does not finish within ENGRAM_DP_STEP_TIMEOUT_MS, so no member hangs in a collective; every later call
 // then returns the reason. CUDA builds only. One thread drives the engine; the Table must outlive it.

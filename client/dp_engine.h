@@ -3,11 +3,16 @@
 // joins the node-local DP group through engramd (client/dp_group.h) and sets up the transport, so every member must
 // create its engine (the group forms when the last one did).
 //   Hash, Gate     local, as on any engine (no exchange).
-//   Prefetch       one step for every layer: all-gather of the members' hash ids, lookup of this rank's columns for
-//                  every gathered token, all-to-all of packed records, unpacked to bf16 into staging(l) in column
-//                  order (columns outside the group's range are zero). A collective: every member calls it, with
-//                  its own token count (0 included); the step is padded to the group slot.
-//   Wait(l)        the step's status (the exchange is done when Prefetch returns on the host transport).
+//   Prefetch       one step for every layer, unpacked to bf16 into staging(l) in column order (columns outside the
+//                  group's range are zero). A collective: every member calls it, with its own token count (0
+//                  included); the step is padded to the group slot. Host transport: all-gather of the members' hash
+//                  ids, lookup of this rank's columns for every gathered token, all-to-all of packed records, done
+//                  when Prefetch returns. CUDA: enqueued on the engine's side stream (the host never waits): small
+//                  slots read the other members' shards over NVLink; larger ones run the all-to-all path of
+//                  client/dp_nccl_transport.h (ids only to the member owning the columns, own columns read in
+//                  place, records packed / sent / unpacked chunk by chunk, by default replayed as one CUDA graph).
+//   Wait(l)        the step's status; on CUDA it also joins the step into the engine's stream (an event), so work
+//                  queued after it sees the rows.
 //   Lookup(l, ...) one layer's step, the same collective for that layer alone (bf16 or packed records).
 // Buffers are fixed at creation (sized from the group slot). Any failure of a step (a member left, the lease
 // ended, the step timeout, a bad argument on one member) aborts the step on every member and poisons the engine:

@@ -193,6 +193,10 @@ absl::StatusOr<std::unique_ptr<DpNcclExchange>> DpNcclExchange::Create(const DpE
       !st.ok()) {
     return st;
   }
+  if (auto st = x->Cuda(cudaStreamCreateWithFlags(&x->cap_stream_, cudaStreamNonBlocking), "stream"); !st.ok()) {
+    return st;
+  }
+  if (auto st = alloc(reinterpret_cast<void**>(&x->live_), 4); !st.ok()) return st;
   std::vector<cudaEvent_t*> events = {&x->ev_start_, &x->ev_split_, &x->ev_ids_, &x->ev_own_, &x->ev_done_};
   for (int k = 0; k < kMaxChunks; ++k) {
     events.push_back(&x->ev_pack_[k]);
@@ -205,10 +209,15 @@ absl::StatusOr<std::unique_ptr<DpNcclExchange>> DpNcclExchange::Create(const DpE
 }
 
 DpNcclExchange::~DpNcclExchange() {
+  {
+    // Before the communicator goes: NCCL's destroy and abort wait until no graph that captured it is alive.
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    DropGraphs();
+  }
   for (void* p : ipc_opened_) cudaIpcCloseMemHandle(p);
   for (void* p : {static_cast<void*>(send_ids_), static_cast<void*>(all_ids_), static_cast<void*>(send_recs_),
                   static_cast<void*>(recv_recs_), static_cast<void*>(tmp_rows_), static_cast<void*>(iota_),
-                  static_cast<void*>(unpack_ids_)}) {
+                  static_cast<void*>(unpack_ids_), static_cast<void*>(live_)}) {
     if (p != nullptr) cudaFree(p);
   }
   for (cudaEvent_t e : {ev_start_, ev_split_, ev_ids_, ev_own_, ev_done_}) {
@@ -218,10 +227,10 @@ DpNcclExchange::~DpNcclExchange() {
     if (ev_pack_[k] != nullptr) cudaEventDestroy(ev_pack_[k]);
     if (ev_recv_[k] != nullptr) cudaEventDestroy(ev_recv_[k]);
   }
-  for (cudaStream_t st : {comm_stream_, own_stream_}) {  // released once their work is done
+  for (cudaStream_t st : {comm_stream_, own_stream_, cap_stream_}) {  // released once their work is done
     if (st != nullptr) cudaStreamDestroy(st);
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   if (own_comm_ && comm_ != nullptr && !aborted_) {
     // A finished group: release the communicator without waiting on peers that may be gone (abort is local).
     nccl_->CommAbort(comm_);
@@ -230,14 +239,79 @@ DpNcclExchange::~DpNcclExchange() {
 
 void DpNcclExchange::Abort(const std::string& why) {
   if (aborted_.exchange(true)) return;
-  std::lock_guard<std::mutex> lock(mu_);  // the engine thread leaves its NCCL polling once aborted_ is set
+  std::lock_guard<std::recursive_mutex> lock(mu_);  // the engine thread leaves its NCCL polling once aborted_ is set
   abort_reason_ = why;
+  // A graph in flight is freed when it completes (the abort ends its NCCL kernels); NCCL's abort waits for that.
+  DropGraphs();
   if (comm_ != nullptr) nccl_->CommAbort(comm_);
+}
+
+void DpNcclExchange::DropGraphs() {
+  for (CachedGraph& g : graphs_) cudaGraphExecDestroy(g.exec);
+  graphs_.clear();
+}
+
+bool DpNcclExchange::GraphKey::operator==(const GraphKey& o) const {
+  if (ids != o.ids || token_stride != o.token_stride || layer_stride != o.layer_stride || l0 != o.l0 || nl != o.nl) {
+    return false;
+  }
+  for (int i = 0; i < 4; ++i) {
+    if (outs[i] != o.outs[i]) return false;
+  }
+  return true;
+}
+
+absl::Status DpNcclExchange::StepGraph(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T,
+                                       int32_t l0, int32_t nl, void* const* outs, cudaStream_t stream) {
+  GraphKey key;
+  key.ids = ids;
+  key.token_stride = token_stride;
+  key.layer_stride = layer_stride;
+  key.l0 = l0;
+  key.nl = nl;
+  for (int32_t li = 0; li < nl && li < 4; ++li) key.outs[li] = outs[l0 + li];
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  if (aborted_) return absl::AbortedError("the DP exchange was aborted");
+  auto it = std::find_if(graphs_.begin(), graphs_.end(), [&](const CachedGraph& g) { return g.key == key; });
+  if (it == graphs_.end()) {
+    // A shape's first step runs directly (NCCL connects lazily, outside any capture; a one-off shape costs no
+    // capture); its second is captured. More shapes than graphs kept (e.g. ids from a different buffer every step):
+    // enqueued directly, never recaptured.
+    const bool seen = std::find(seen_.begin(), seen_.end(), key) != seen_.end();
+    if (!seen && seen_.size() < 2 * kMaxGraphs) seen_.push_back(key);
+    if (!seen || graphs_.size() >= kMaxGraphs) {
+      return StepPipelined(ids, token_stride, layer_stride, T, l0, nl, outs, stream);
+    }
+  }
+  if (it == graphs_.end()) {
+    // Capture the pipelined step for the full slot, token count from live_, on the exchange's own stream (the
+    // caller's may be the legacy stream, which cannot be captured). Capturing runs no collective (NCCL connected
+    // during the direct first step), so a member that captured and one that did not still pair their sends.
+    if (auto st = Cuda(cudaStreamBeginCapture(cap_stream_, cudaStreamCaptureModeRelaxed), "begin capture");
+        !st.ok()) {
+      return st;
+    }
+    absl::Status st = StepPipelined(ids, token_stride, layer_stride, shape_.slot, l0, nl, outs, cap_stream_, live_);
+    cudaGraph_t graph = nullptr;
+    const cudaError_t end = cudaStreamEndCapture(cap_stream_, &graph);
+    if (st.ok()) st = Cuda(end, "end capture");
+    cudaGraphExec_t exec = nullptr;
+    if (st.ok()) st = Cuda(cudaGraphInstantiateWithFlags(&exec, graph, 0), "graph instantiate");
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (!st.ok()) {
+      cudaGetLastError();
+      return absl::InternalError(absl::StrCat("DP exchange: capture of the step's CUDA graph: ", st.message()));
+    }
+    graphs_.push_back({key, exec});
+    it = graphs_.end() - 1;
+  }
+  if (auto st = Cuda(kernels::LaunchDpSetTokens(live_, T, stream), "token count"); !st.ok()) return st;
+  return Cuda(cudaGraphLaunch(it->exec, stream), "graph launch");
 }
 
 std::optional<std::string> DpNcclExchange::aborted() const {
   if (!aborted_) return std::nullopt;
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   return abort_reason_;
 }
 
@@ -259,7 +333,7 @@ absl::Status DpNcclExchange::ExchangePeerShards(const void* alloc_base) {
   std::vector<PeerExport> all(n);
   absl::Status result = Cuda(cudaMemcpy(d, &mine, sizeof(mine), cudaMemcpyHostToDevice), "copy");
   if (result.ok()) {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     result = Wait(nccl_->AllGather(d, static_cast<uint8_t*>(d) + sizeof(PeerExport), sizeof(PeerExport), ncclUint8,
                                    comm_, stream_),
                   "all-gather of the peer handles");
@@ -347,9 +421,11 @@ absl::Status DpNcclExchange::Step(const int32_t* ids, int64_t token_stride, int6
     if (eager) {
       if (auto st = Cuda(cudaStreamWaitEvent(stream, ev_done_, 0), "event"); !st.ok()) return st;
     }
-    absl::Status st = one_launch && !shape_.sequential
-                          ? StepPipelined(ids, token_stride, layer_stride, T, l0, nl, outs, stream)
-                          : StepSequential(ids, token_stride, layer_stride, T, l0, nl, outs, packed, stream);
+    // The graph form outside a caller's capture; inside one, the pipelined form joins the caller's graph.
+    absl::Status st = !one_launch || shape_.sequential
+                          ? StepSequential(ids, token_stride, layer_stride, T, l0, nl, outs, packed, stream)
+                      : shape_.graph && eager ? StepGraph(ids, token_stride, layer_stride, T, l0, nl, outs, stream)
+                                              : StepPipelined(ids, token_stride, layer_stride, T, l0, nl, outs, stream);
     if (!st.ok() || !eager) return st;
     return Cuda(cudaEventRecord(ev_done_, stream), "event");
   }
@@ -392,7 +468,7 @@ absl::Status DpNcclExchange::Step(const int32_t* ids, int64_t token_stride, int6
 
 absl::Status DpNcclExchange::StepPipelined(const int32_t* ids, int64_t token_stride, int64_t layer_stride,
                                            int32_t T, int32_t l0, int32_t nl, void* const* outs,
-                                           cudaStream_t stream) {
+                                           cudaStream_t stream, const int32_t* live) {
   const int64_t S = shape_.slot, rb = shape_.record_bytes();
   const int32_t me = shape_.me, n = shape_.members;
   auto cb = [&](int32_t s) { return shape_.col_begin[static_cast<size_t>(s)]; };
@@ -436,6 +512,7 @@ absl::Status DpNcclExchange::StepPipelined(const int32_t* ids, int64_t token_str
     g.cols = shape_.cols;
     g.head_dim = shape_.head_dim;
     g.max_blocks = 0x7fffffff;  // short blocks: the SMs go back to the collectives as they finish
+    g.live_tokens = live;
     return Cuda(kernels::LaunchPeerGather(g, on), "own columns kernel");
   };
   if (shape_.own_concurrent) {
@@ -457,13 +534,14 @@ absl::Status DpNcclExchange::StepPipelined(const int32_t* ids, int64_t token_str
     for (int32_t s = 0; s < n; ++s) a.col_begin[s] = cb(s);
     a.col_begin[n] = shape_.col_end[static_cast<size_t>(n - 1)];
     a.out = send_ids_;
+    a.live_tokens = live;
     for (int32_t p = 0; p < n; ++p) a.out_off[p] = ids_to[p];
     if (auto st = Cuda(kernels::LaunchDpSplitIds(a, stream), "ids split kernel"); !st.ok()) return st;
   }
   if (auto st = Cuda(cudaEventRecord(ev_split_, stream), "event"); !st.ok()) return st;
   if (auto st = Cuda(cudaStreamWaitEvent(comm_stream_, ev_split_, 0), "event"); !st.ok()) return st;
   const int32_t K = chunks(nl);
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   if (aborted_) return absl::AbortedError("the DP exchange was aborted");
   // 3. Each member gets the ids of its columns (one grouped send/recv on the communication stream).
   nccl_->GroupStart();
@@ -539,6 +617,7 @@ absl::Status DpNcclExchange::StepPipelined(const int32_t* ids, int64_t token_str
     u.head_dim = shape_.head_dim;
     u.row0 = row(k);
     u.row1 = row(k + 1);
+    u.live_tokens = live;
     for (int32_t li = 0; li < nl; ++li) u.out[li] = static_cast<uint16_t*>(outs[l0 + li]);
     if (n > 1) {
       if (auto st = Cuda(kernels::LaunchDpUnpack(u, stream), "unpack kernel"); !st.ok()) return st;
@@ -585,7 +664,7 @@ absl::Status DpNcclExchange::StepSequential(const int32_t* ids, int64_t token_st
       return st;
     }
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   if (aborted_) return absl::AbortedError("the DP exchange was aborted");
   // 2. All-gather of every member's ids.
   if (auto st = Wait(nccl_->AllGather(send_ids_, all_ids_, static_cast<size_t>(S * nl * C), ncclInt32, comm_, stream),

@@ -9,6 +9,16 @@
 //               records of chunk k travel (on a high-priority communication stream) while chunk k + 1 is packed and
 //               chunk k - 1 is unpacked to bf16 straight into the caller's columns. Chunks: the step's record bytes
 //               over DpExchangeShape::chunk_bytes, a group-wide fact, so every member issues the same collectives.
+//               (graph, DpExchangeShape::graph) the same pipelined step captured into a CUDA graph once per
+//               (ids, strides, layers, outputs) -- on that shape's second step, the first runs directly -- and
+//               replayed: a step costs the host one tiny kernel (the token count into a device scalar that the
+//               kernels read; the graph is captured for the full slot) and one cudaGraphLaunch instead of 2 + chunks
+//               host-polled NCCL groups (~60 us each on a non-blocking communicator). Captured on the exchange's own
+//               stream (relaxed capture mode), replayed on the caller's; up to kMaxGraphs shapes, further ones
+//               enqueued directly; under the caller's own capture the step is enqueued directly too (no nested
+//               instantiate: the pipelined form becomes part of the caller's graph). Abort destroys the graphs
+//               before aborting the communicator (NCCL does not release a communicator while a graph that captured
+//               it lives; a graph in flight is freed as it completes).
 //               (sequential) the earlier form, kept for packed output and as DpExchangeShape::sequential: all-gather
 //               of every member's ids, lookup of members x slot tokens, one send/recv, own block copied, unpack;
 //   peer reads  (slots up to a threshold, every member's shard in GPU memory) each rank reads the other members'
@@ -75,6 +85,7 @@ struct DpExchangeShape {
   // stream after the packs, while the records travel); a local choice.
   int64_t chunk_bytes = kDefaultDpChunkBytes;
   bool sequential = false;
+  bool graph = false;  // the pipelined step as a replayed CUDA graph (a local choice: the collectives are the same)
   bool own_concurrent = false;
   int32_t record_bytes() const { return head_dim + head_dim / 32; }
   // bench_dp on 2 x H200 (bench/RESULTS.md, 2026-11-30 s3): every chunk is one more host-polled NCCL group (~60-75 us
@@ -129,8 +140,28 @@ class DpNcclExchange {
   using Source = std::function<ShardLayer(int32_t s, int32_t li)>;
   absl::Status Gather(const Source& source, const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T,
                       int32_t nl, void* const* outs, cudaStream_t stream, const char* what);
+  // `live`: a device scalar of the token count (T is then the slot): the graph form's capture.
   absl::Status StepPipelined(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T, int32_t l0,
-                             int32_t nl, void* const* outs, cudaStream_t stream);
+                             int32_t nl, void* const* outs, cudaStream_t stream, const int32_t* live = nullptr);
+  absl::Status StepGraph(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T, int32_t l0,
+                         int32_t nl, void* const* outs, cudaStream_t stream);
+  void DropGraphs();  // with mu_ held
+  struct GraphKey {
+    const int32_t* ids = nullptr;
+    int64_t token_stride = 0, layer_stride = 0;
+    int32_t l0 = 0, nl = 0;
+    void* outs[4] = {};
+    bool operator==(const GraphKey& o) const;
+  };
+  struct CachedGraph {
+    GraphKey key;
+    cudaGraphExec_t exec = nullptr;
+  };
+  static constexpr size_t kMaxGraphs = 4;  // further shapes run the pipelined form directly (no recapture churn)
+  std::vector<CachedGraph> graphs_;        // guarded by mu_
+  std::vector<GraphKey> seen_;             // shapes stepped once (captured on their second step); guarded by mu_
+  int32_t* live_ = nullptr;          // the graph form's token count (device)
+  cudaStream_t cap_stream_ = nullptr;
   absl::Status StepSequential(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T, int32_t l0,
                               int32_t nl, void* const* outs, bool packed, cudaStream_t stream);
   static constexpr int kMaxChunks = 16;
@@ -160,7 +191,9 @@ class DpNcclExchange {
   int32_t* iota_ = nullptr;       // [slot * part]
   int32_t* unpack_ids_ = nullptr; // [slot, cols]: the received-block row of (token, column)
   size_t device_bytes_ = 0;
-  mutable std::mutex mu_;        // held around NCCL calls and by Abort: never abort a communicator in use
+  // Held around NCCL calls, graph capture and launch, and by Abort: never abort a communicator in use (recursive:
+  // the graph form holds it across the capture of the pipelined step, which takes it for its NCCL calls).
+  mutable std::recursive_mutex mu_;
   std::atomic<bool> aborted_{false};
   std::string abort_reason_;     // guarded by mu_
 };

@@ -101,6 +101,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) PeerGatherKernel(PeerGath
   const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   const int32_t gcb = a.col_begin[0], gc = a.col_begin[a.members] - gcb;
   const int32_t D = a.head_dim, rec_bytes = D + D / 32;
+  const int64_t live = a.live_tokens != nullptr ? *a.live_tokens : a.num_tokens;
   for (int64_t first = warp * kRows; first < items; first += n_warps * kRows) {
     const uint8_t* rec[kRows];
     uint16_t* dst[kRows];
@@ -114,6 +115,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) PeerGatherKernel(PeerGath
       const int64_t rest = item / gc;
       const int32_t li = static_cast<int32_t>(rest % a.layers);
       const int64_t t = rest / a.layers;
+      if (t >= live) continue;
       int32_t s = 0;
       while (s + 1 < a.members && c >= a.col_begin[s + 1]) ++s;
       const int64_t id = a.ids[t * a.token_stride + li * a.layer_stride + c];
@@ -139,8 +141,9 @@ __global__ void DpSplitIdsKernel(DpSplitIdsArgs a, int64_t items) {
   int32_t p = 0;
   while (p + 1 < a.members && c >= a.col_begin[p + 1]) ++p;
   const int32_t cb = a.col_begin[p], cols_p = a.col_begin[p + 1] - cb;
+  const int64_t live = a.live_tokens != nullptr ? min(*a.live_tokens, a.num_tokens) : a.num_tokens;
   a.out[a.out_off[p] + (t * a.layers + li) * cols_p + (c - cb)] =
-      t < a.num_tokens ? a.ids[t * a.token_stride + li * a.layer_stride + c] : -1;
+      t < live ? a.ids[t * a.token_stride + li * a.layer_stride + c] : -1;
 }
 
 // kGroup records per warp and iteration, copied as one flat run of W words (the loads of up to 8 words per lane
@@ -210,6 +213,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) DpUnpackKernel(DpUnpackAr
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   const int32_t D = a.head_dim, rb = D + D / 32;
+  const int64_t live = a.live_tokens != nullptr ? *a.live_tokens : a.num_tokens;
   for (int64_t first = warp * kRows; first < items; first += n_warps * kRows) {
     const uint8_t* rec[kRows];
     uint16_t* dst[kRows];
@@ -226,6 +230,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) DpUnpackKernel(DpUnpackAr
       const int64_t r = p.seg_row[sg] + ri;
       const int32_t li = static_cast<int32_t>(r / a.slot);
       const int64_t t = r - static_cast<int64_t>(li) * a.slot;
+      if (t >= live) continue;
       int32_t s = 0;
       for (; s < a.members; ++s) {
         if (a.records[s] == nullptr) continue;
@@ -240,6 +245,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) DpUnpackKernel(DpUnpackAr
     DequantRows<kJ>(rec, dst, D, lane, aligned);
   }
 }
+
+__global__ void DpSetTokensKernel(int32_t* dst, int32_t value) { *dst = value; }
 
 bool Aligned(const void* p, uintptr_t n) { return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0; }
 
@@ -368,6 +375,12 @@ cudaError_t LaunchDpUnpack(const DpUnpackArgs& a, cudaStream_t stream) {
   const int64_t blocks = (items + kWarpsPerBlock * kRows - 1) / (kWarpsPerBlock * kRows);
   return LaunchRows(WordsPerLane(a.head_dim), std::min<int64_t>(blocks, 0x7fffffff), stream,
                     DpUnpackKernel<1>, DpUnpackKernel<2>, DpUnpackKernel<4>, a, p, items, aligned);
+}
+
+cudaError_t LaunchDpSetTokens(int32_t* dst, int32_t value, cudaStream_t stream) {
+  if (dst == nullptr || value < 0) return cudaErrorInvalidValue;
+  DpSetTokensKernel<<<1, 1, 0, stream>>>(dst, value);
+  return cudaGetLastError();
 }
 
 }  // namespace engram::kernels

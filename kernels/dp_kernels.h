@@ -15,6 +15,10 @@
 //                     (zero records for ids this shard does not own, DEAD included);
 //   LaunchDpUnpack    the received blocks' rows [row0, row1) with token < num_tokens, dequantised into the caller's
 //                     staging columns of each member whose block is given (a null block: columns left as they are).
+//   LaunchDpSetTokens writes one int32 on the device (a step's token count, read by a replayed CUDA graph).
+// `live_tokens` (gather, split, unpack; optional): a device scalar read by the kernel; tokens at or above it are
+// treated as beyond num_tokens (padding / not written). The CUDA-graph form launches with num_tokens = slot and the
+// step's real count there, so one captured graph serves every token count.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -39,6 +43,7 @@ struct PeerGatherArgs {
   int32_t num_tokens = 0, cols = 0, head_dim = 0;  // head_dim: multiple of 32
   uint16_t* out[kMaxGatherLayers] = {};            // bf16 [T, cols, head_dim] per step layer
   int32_t max_blocks = 0;                          // grid cap; 0: 8 blocks per SM (grid-stride)
+  const int32_t* live_tokens = nullptr;            // device scalar: tokens >= it are not read or written
 };
 
 cudaError_t LaunchPeerGather(const PeerGatherArgs& args, cudaStream_t stream);
@@ -50,6 +55,7 @@ struct DpSplitIdsArgs {
   int32_t col_begin[kMaxGatherMembers + 1] = {};  // as PeerGatherArgs
   int32_t* out = nullptr;                          // member p's block at out + out_off[p] (p != me)
   int64_t out_off[kMaxGatherMembers] = {};
+  const int32_t* live_tokens = nullptr;            // device scalar: tokens >= it are padding (-1)
 };
 
 cudaError_t LaunchDpSplitIds(const DpSplitIdsArgs& args, cudaStream_t stream);
@@ -74,8 +80,11 @@ struct DpUnpackArgs {
   int32_t members = 0, slot = 0, layers = 0, num_tokens = 0, cols = 0, head_dim = 0;
   int64_t row0 = 0, row1 = 0;           // rows r = layer * slot + token of this launch
   uint16_t* out[kMaxGatherLayers] = {};  // bf16 [num_tokens, cols, head_dim] per step layer
+  const int32_t* live_tokens = nullptr;  // device scalar: tokens >= it are not written
 };
 
 cudaError_t LaunchDpUnpack(const DpUnpackArgs& args, cudaStream_t stream);
+
+cudaError_t LaunchDpSetTokens(int32_t* dst, int32_t value, cudaStream_t stream);
 
 }  // namespace engram::kernels

@@ -146,16 +146,19 @@ if [ "$what" = dp ]; then
   # machine's own (dlopen), never bundled.
   export NCCL_NVLS_ENABLE=0
   ldconfig -p | grep -m1 libnccl.so.2 | tee "$out/nccl.txt"
-  "$here/bin/gpu_dp_test" 2>&1 | tee "$out/gpu_dp_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure|^(all-to-all|nvlink-peer|pinned)' ; r=${PIPESTATUS[0]}
+  # bench first (its numbers choose the defaults), each step bounded so a hang cannot eat the rest.
+  timeout 110 "$here/bin/bench_dp" ${ENGRAM_DP_BENCH_ARGS:-} 2>&1 | tee "$out/bench_dp.log"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  timeout 130 "$here/bin/gpu_dp_test" 2>&1 | tee "$out/gpu_dp_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure|^(all-to-all|nvlink-peer|pinned)' ; r=${PIPESTATUS[0]}
   echo "gpu_dp_test: exit $r"; [ "$r" = 0 ] || rc=1
-  "$here/bin/bench_dp" ${ENGRAM_DP_BENCH_ARGS:-} 2>&1 | tee "$out/bench_dp.log" || rc=1
   cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
   if [ -n "$cs" ]; then
     # The exchange's kernels (Dp*: ids split, pack, unpack), the peer gather (peer path and own columns) and the
-    # lookup (sequential form), every all-to-all form (small shards and batches, 7 KiB chunks: memcheck is slow).
+    # lookup (sequential form), every all-to-all form (small shards and batches, 7 KiB chunks, pipelined and as a
+    # CUDA graph; the main a2a column is the graph form too; rank 1 with fewer tokens than the slot, 0 at T = 1:
+    # memcheck is slow).
     for k in Dp PeerGather Lookup; do
       "$cs" --tool memcheck --error-exitcode 9 --report-api-errors no --kernel-name kns=$k "$here/bin/bench_dp" \
-        --tokens 3,127 --iters 2 --rows 4096 --uva-rows 4096 --variants seq,7,7c > "$out/sanitize-dp-memcheck-$k.log" 2>&1
+        --tokens 1,3,127 --uneven 1 --iters 2 --rows 4096 --uva-rows 4096 --variants seq,7,g7 > "$out/sanitize-dp-memcheck-$k.log" 2>&1
       r=$?; echo "compute-sanitizer memcheck $k (bench_dp): exit $r ($(grep -E 'ERROR SUMMARY' "$out/sanitize-dp-memcheck-$k.log" | tail -1))"
       [ $r = 0 ] || rc=1
     done

@@ -1,11 +1,11 @@
 // DP_SHARDED on two GPUs (issue 12, step 2): a real engramd brokers the group, two engram-replica processes (one per
-// GPU, --device 0/1) form it, exchange over NCCL (the all-to-all path: pipelined with the default chunks, pipelined
-// with chunks so small that they split layers and tokens unevenly, and the sequential form) or read each other's
-// shards over NVLink (the peer path, forced with ENGRAM_DP_PEER_MAX_SLOT), and check every sampled row against the
-// checkpoint through the independent row oracle: T = 1, 3, 127, 4096, 8192 tokens on rank 0 and about two thirds of
-// that on rank 1. The shards live in GPU memory (cpu_offload false); one case keeps them in pinned host memory (read
-// through UVA) with a rank that has no tokens, on both all-to-all forms. Own main(): exits 77 (ctest: skipped)
-// without two GPUs.
+// GPU, --device 0/1) form it, exchange over NCCL (the all-to-all path: as a replayed CUDA graph and enqueued call by
+// call, each with the default chunks and with chunks so small that they split layers and tokens unevenly, and the
+// sequential form) or read each other's shards over NVLink (the peer path, forced with ENGRAM_DP_PEER_MAX_SLOT), and
+// check every sampled row against the checkpoint through the independent row oracle: T = 1, 3, 127, 4096, 8192
+// tokens on rank 0 and about two thirds of that on rank 1. The shards live in GPU memory (cpu_offload false); one
+// case keeps them in pinned host memory (read through UVA) with a rank that has no tokens, on every all-to-all form.
+// Own main(): exits 77 (ctest: skipped) without two GPUs.
 #include <cuda_runtime_api.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -74,7 +74,7 @@ struct PathCase {
   const char* name;
   const char* peer_max_slot;
   const char* chunk_kib;  // null: the default
-  const char* a2a;        // null: pipelined
+  const char* a2a;        // ENGRAM_DP_A2A (null: the default)
   std::vector<std::string> log_has;
 };
 
@@ -92,9 +92,13 @@ void UnsetCase() {
 
 const std::vector<PathCase>& AllToAllCases() {
   static const std::vector<PathCase> cases = {
-      {"all-to-all", "0", nullptr, nullptr, {"path=all-to-all", "a2a=pipelined"}},
+      // The CUDA-graph form (captured for the slot, the token count from the device: rank 1's smaller counts and
+      // the rank without tokens read it), default chunks and 7 KiB chunks.
+      {"all-to-all-graph", "0", nullptr, "graph", {"path=all-to-all", "a2a=graph"}},
+      {"all-to-all-graph-chunks", "0", "7", "graph", {"path=all-to-all", "a2a=graph"}},
+      {"all-to-all", "0", nullptr, "pipelined", {"path=all-to-all", "a2a=pipelined"}},
       // 7 KiB chunks: up to 16 per step, boundaries inside layers and between tokens of uneven counts.
-      {"all-to-all-chunks", "0", "7", nullptr, {"path=all-to-all", "a2a=pipelined"}},
+      {"all-to-all-chunks", "0", "7", "pipelined", {"path=all-to-all", "a2a=pipelined"}},
       {"all-to-all-sequential", "0", nullptr, "sequential", {"path=all-to-all", "a2a=sequential"}},
   };
   return cases;
