@@ -138,11 +138,30 @@ absl::Status GroupRegistry::Join(const std::string& lease_id, const engram::v1::
   return absl::OkStatus();
 }
 
-void GroupRegistry::Send(Outbox& out) {
-  for (auto& o : out) {
-    if (o.notify) o.notify(o.msg);
+void GroupRegistry::Enqueue(Group& g, const Member& m, const engram::v1::ServerMessage& msg, Outbox* out) {
+  if (!m.notify) return;
+  if (out->delivery == nullptr) {
+    out->delivery = g.delivery;
+    out->ticket = g.delivery->next_ticket++;
   }
-  out.clear();
+  out->updates.push_back({m.notify, msg});
+  out->updates.back().msg.mutable_group_update()->set_join_id(m.join_id);
+}
+
+void GroupRegistry::Send(Outbox& out) {
+  if (out.delivery == nullptr) return;
+  Delivery& d = *out.delivery;
+  {
+    std::unique_lock<std::mutex> lock(d.mu);
+    d.cv.wait(lock, [&] { return d.serving == out.ticket; });
+  }
+  for (auto& o : out.updates) o.notify(o.msg);
+  {
+    std::lock_guard<std::mutex> lock(d.mu);
+    ++d.serving;
+  }
+  d.cv.notify_all();
+  out = Outbox();
 }
 
 void GroupRegistry::RetireLocked(std::map<std::string, Group>::iterator it) {
@@ -176,11 +195,7 @@ void GroupRegistry::FormLocked(Group& g, Outbox* out) {
   u->set_slot(g.status.slot());
   *u->mutable_members() = g.status.members();
   u->set_generation(g.generation);
-  for (auto& m : g.members) {
-    if (!m.notify) continue;
-    out->push_back({m.notify, msg});
-    out->back().msg.mutable_group_update()->set_join_id(m.join_id);
-  }
+  for (auto& m : g.members) Enqueue(g, m, msg, out);
   spdlog::info("event=group_formed group={} size={} slot={} transport={} bytes_per_step={}", g.status.group(),
                g.members.size(), g.status.slot(), g.status.transport(), g.status.bytes_per_step());
 }
@@ -223,9 +238,7 @@ void GroupRegistry::DepartLocked(const std::string& key, const std::string& leas
     u->set_left_dp_rank(gone.info.dp_rank());
     u->set_generation(g.generation);
     for (auto& m : g.members) {
-      if (m.left || !m.notify) continue;
-      out->push_back({m.notify, msg});
-      out->back().msg.mutable_group_update()->set_join_id(m.join_id);
+      if (!m.left) Enqueue(g, m, msg, out);
     }
     spdlog::warn("event=group_broken group={} left_pid={} left_dp_rank={} reason=\"{}\"", key, gone.peer.pid,
                  gone.info.dp_rank(), reason);

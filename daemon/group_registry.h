@@ -16,14 +16,16 @@
 //
 // Every join and leave is validated (daemon/group_registry.cc); a bad one is refused with a Status and changes
 // nothing. Thread-safe: one mutex, never held while a member is notified: the updates are decided under it and
-// sent after it is released, so a member whose stream is slow or blocked stalls only the call that notifies it,
-// never the registry. The `notify` callbacks must therefore stay callable after the member's session ended (the
+// sent after it is released, so a member whose stream is slow or blocked stalls only the calls that notify its
+// group, never the registry; each member still gets its group's updates in the order they were decided. The `notify` callbacks must therefore stay callable after the member's session ended (the
 // service hands in one that drops what comes after its session closed).
 #pragma once
 
 #include <cstdint>
 #include <deque>
+#include <condition_variable>
 #include <functional>
+#include <memory>
 #include <map>
 #include <mutex>
 #include <string>
@@ -75,18 +77,34 @@ class GroupRegistry {
     uint64_t join_id = 0;  // echoed in its updates
     bool left = false;
   };
+  // A group's updates reach each member in the order they were decided (FORMED before BROKEN): every decision that
+  // sends takes a ticket under the registry's lock, and its updates are sent when the group's earlier tickets were.
+  // A member whose stream blocks holds up its own group's later updates, never the registry.
+  struct Delivery {
+    uint64_t next_ticket = 0;  // guarded by the registry's mu_
+    std::mutex mu;
+    std::condition_variable cv;
+    uint64_t serving = 0;  // guarded by mu
+  };
   struct Group {
     engram::v1::GroupStatus status;  // state, members etc. kept current
     std::vector<Member> members;
     std::string rendezvous;
     uint64_t generation = 0;
+    std::shared_ptr<Delivery> delivery = std::make_shared<Delivery>();
   };
-  // Updates decided under the lock, sent after it is released.
+  // Updates decided under the lock, sent after it is released (Send), in ticket order within the group.
   struct Outgoing {
     Notify notify;
     engram::v1::ServerMessage msg;
   };
-  using Outbox = std::vector<Outgoing>;
+  struct Outbox {
+    std::shared_ptr<Delivery> delivery;  // set with the first update
+    uint64_t ticket = 0;
+    std::vector<Outgoing> updates;
+  };
+  // Queues update `msg` for member `m` (its join id set) of group `g`.
+  static void Enqueue(Group& g, const Member& m, const engram::v1::ServerMessage& msg, Outbox* out);
   static void Send(Outbox& out);
 
   void FormLocked(Group& g, Outbox* out);

@@ -2,7 +2,8 @@
 // the member and its reason, the others are told, the session may join again; refused leaves change nothing), a
 // session's end while forming (forgotten, not broken), updates carrying each member's join id, and the registry
 // never held while a member is notified: a member whose notification blocks does not stall status, other joins or
-// leaves. Blocking is a latch the test opens; the bounds below are deadlines for a hang, not timings.
+// leaves, while each member still gets its group's updates in the order they were decided. Blocking is a latch the
+// test opens; the bounds below are deadlines for a hang, not timings.
 #include <chrono>
 #include <future>
 #include <mutex>
@@ -206,6 +207,40 @@ TEST(GroupRegistryTest, ABlockedMemberDoesNotStallTheRegistry) {
   EXPECT_TRUE(others.get());
   EXPECT_TRUE(forming.get().ok());
   EXPECT_EQ(b.all().size(), 1u);
+}
+
+// Updates reach each member in the order the registry decided them, though they are sent outside its lock by
+// different threads: b's FORMED is held up (the thread sending it blocks in a's notification first), a's session
+// ends meanwhile, and b still gets FORMED before BROKEN (the other way round, b would give up before learning the
+// group, e.g. the host region's name it must clean up).
+TEST(GroupRegistryTest, AMemberGetsFormedBeforeBroken) {
+  GroupRegistry r;
+  std::promise<void> latch, entered;
+  std::shared_future<void> open = latch.get_future().share();
+  auto blocking = [open, &entered, first = std::make_shared<bool>(true)](const ServerMessage&) {
+    if (*first) {
+      *first = false;
+      entered.set_value();
+      open.wait();
+    }
+  };
+  Inbox b;
+  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerInfo(100, 1, 1), MakeJoin(0), blocking).ok());
+  auto forming = std::async(std::launch::async, [&] {
+    return r.Join("lease-b", MakeHello(1), PeerInfo(101, 1, 1), MakeJoin(1), b.notify());
+  });
+  ASSERT_EQ(entered.get_future().wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  auto leaving = std::async(std::launch::async, [&] { r.Leave("lease-a"); });
+  // The leave's BROKEN waits for the FORMED still being sent (give it a moment to overtake if it could; whether
+  // it does is what the order below checks, not how long anything took).
+  (void)leaving.wait_for(std::chrono::seconds(2));
+  latch.set_value();
+  ASSERT_EQ(leaving.wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  EXPECT_TRUE(forming.get().ok());
+  const auto got = b.all();
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0].state(), GroupUpdate::FORMED);
+  EXPECT_EQ(got[1].state(), GroupUpdate::BROKEN);
 }
 
 }  // namespace
