@@ -46,7 +46,9 @@ absl::StatusOr<std::unique_ptr<DpGroup>> DpGroup::Join(Session& session, const G
         "the DP group did not form within ", timeout.count(), " ms: every DP replica of this TP position on the node "
         "must run with embedding_across_dp and join (ENGRAM_DP_FORM_TIMEOUT_MS sets the wait)"));
   }
-  if (state->broken) {
+  // Formed, even if broken since: the caller learns the group (a host region's name it must remove) and stops at
+  // its first Broken() check.
+  if (!state->formed) {
     const std::string detail = state->detail;
     lock.unlock();
     (void)session.LeaveGroup(join_id, "", 0, "the group broke while it was forming");
