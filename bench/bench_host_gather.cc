@@ -2,8 +2,8 @@
 // rows gathered from a /dev/shm segment (4 KiB pages, as the shared table) by a GatherPool into plain memory, per
 // batch the plan pass + the chunked gather (today) or one fused pass, for each gather variant (software prefetch
 // distance, non-temporal stores), and the pool's pass latency with sleeping workers, spinning workers, and after a
-// Wake() hint. Fresh ids per batch (rotating over several random batches). The ceiling printed beside the lines is
-// the same machine's one-pass gather with the best variant measured in the run: only relative numbers mean
+// Wake() hint. Fresh ids per batch (rotating over several random batches); the variants run round robin, and each
+// line's last column is its speed relative to today's (the first line) in the same run: only relative numbers mean
 // anything on a shared or small machine (bench_kernels measures the real path against H2D on the GPU machine).
 // Usage: bench_host_gather [TABLE_GIB=2] [THREADS=half the cores] [REPS=7]
 #include <fcntl.h>
@@ -100,14 +100,16 @@ int main(int argc, char** argv) {
     const int sets = static_cast<int>(std::clamp<int64_t>((int64_t{4} << 20) / n, 1, 16));
     std::vector<int32_t> ids(static_cast<size_t>(n * sets));
     for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint64_t>(rows));
-    double today = 0;
+    const int64_t chunk0 = engram::client::PlanChunkRows(n, threads, 1024, 8192);
+    const int64_t chunk = chunk0 > 8 ? (chunk0 + 7) / 8 * 8 : chunk0;
+    const int64_t n_chunks = (n + chunk - 1) / chunk;
+    const size_t nv = sizeof(variants) / sizeof(variants[0]);
+    std::vector<std::vector<double>> ms(nv);
     int k = 0;
-    for (const Variant& v : variants) {
-      const int64_t chunk0 = engram::client::PlanChunkRows(n, threads, 1024, 8192);
-      const int64_t chunk = chunk0 > 8 ? (chunk0 + 7) / 8 * 8 : chunk0;
-      const int64_t n_chunks = (n + chunk - 1) / chunk;
-      std::vector<double> ms;
-      for (int r = 0; r < reps + 1; ++r) {
+    // Round robin over the variants, rep by rep: a drift of the machine's load hits every variant alike.
+    for (int r = 0; r < reps + 1; ++r) {
+      for (size_t vi = 0; vi < nv; ++vi) {
+        const Variant& v = variants[vi];
         const int32_t* b = ids.data() + (k++ % sets) * n;
         const double t0 = NowMs();
         if (!v.fused) {  // RowDeduper::Plan without de-duplication: the identity plan, one pass over the pool
@@ -128,12 +130,14 @@ int main(int argc, char** argv) {
             engram::client::GatherRecords(seg, rb, plan.rows.data(), begin, end, dst, v.how);
           }
         });
-        if (r > 0) ms.push_back(NowMs() - t0);  // the first is a warm-up
+        if (r > 0) ms[vi].push_back(NowMs() - t0);  // the first round is a warm-up
       }
-      const double m = Median(ms);
-      if (today == 0) today = m;
-      std::printf("%-44s %9lld %7.3f ms %7.2f  %.2fx\n", v.name, static_cast<long long>(n), m, n * rb / m / 1e6,
-                  today / m);
+    }
+    const double today = Median(ms[0]);
+    for (size_t vi = 0; vi < nv; ++vi) {
+      const double m = Median(ms[vi]);
+      std::printf("%-44s %9lld %7.3f ms %7.2f  %.2fx\n", variants[vi].name, static_cast<long long>(n), m,
+                  n * rb / m / 1e6, today / m);
     }
     // Spot check: the last batch's rows are in place.
     const int32_t* b = ids.data() + ((k - 1) % sets) * n;

@@ -423,27 +423,42 @@ int main(int argc, char** argv) {
     // the engine's UVA share; fresh ids per call. "b2b" = batches back to back (threads and dispatcher may still be
     // spinning); "idle" = 2 ms without work before each batch (everything asleep: a serving engine's case).
     {
-      struct HgVariant {
+      struct HgVariant {  // today's settings unless named
         const char* name;
-        int32_t prefetch, nt, fused, issuer, spin, dspin, prewake;
-        int64_t min_chunk, max_chunk;
+        int32_t prefetch = 16, nt = 0, fused = 0, issuer = 0, spin = 200, dspin = 0, prewake = 0;
+        int64_t min_chunk = 1024, max_chunk = 8192;
+        int32_t issue_min = 0, sunpack = 0, pass_spin = 200;
       };
       const HgVariant hv[] = {
-          {"today (pf16)", 16, 0, 0, 0, 200, 0, 0, 1024, 8192},
-          {"pf0", 0, 0, 0, 0, 200, 0, 0, 1024, 8192},
-          {"pf8", 8, 0, 0, 0, 200, 0, 0, 1024, 8192},
-          {"pf32", 32, 0, 0, 0, 200, 0, 0, 1024, 8192},
-          {"nt", 16, 1, 0, 0, 200, 0, 0, 1024, 8192},
-          {"fused", 16, 0, 1, 0, 200, 0, 0, 1024, 8192},
-          {"issuer", 16, 0, 0, 1, 200, 0, 0, 1024, 8192},
-          {"prewake+dspin200", 16, 0, 0, 0, 200, 200, 1, 1024, 8192},
-          {"spin1000", 16, 0, 0, 0, 1000, 0, 0, 1024, 8192},
-          {"all (nt fused issuer prewake dspin200)", 16, 1, 1, 1, 200, 200, 1, 1024, 8192},
-          {"all, pf8", 8, 1, 1, 1, 200, 200, 1, 1024, 8192},
-          {"all, pf32", 32, 1, 1, 1, 200, 200, 1, 1024, 8192},
-          {"all, no nt", 16, 0, 1, 1, 200, 200, 1, 1024, 8192},
-          {"all, chunks 256-8192", 16, 1, 1, 1, 200, 200, 1, 256, 8192},
-          {"all, chunks 512-4096", 16, 1, 1, 1, 200, 200, 1, 512, 4096},
+          {.name = "today (pf16)"},
+          {.name = "pf0", .prefetch = 0},
+          {.name = "pf8", .prefetch = 8},
+          {.name = "pf32", .prefetch = 32},
+          {.name = "nt", .nt = 1},
+          {.name = "fused", .fused = 1},
+          {.name = "issuer", .issuer = 1},
+          {.name = "prewake+dspin200", .dspin = 200, .prewake = 1},
+          {.name = "spin1000", .spin = 1000},
+          {.name = "pass spin 20000", .pass_spin = 20000},
+          {.name = "all (nt fused issuer prewake dspin200)", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1},
+          {.name = "all, pf8", .prefetch = 8, .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1},
+          {.name = "all, pf32", .prefetch = 32, .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1},
+          {.name = "all, no nt", .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1},
+          {.name = "all, chunks 256-8192", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,
+           .min_chunk = 256},
+          {.name = "all, chunks 512-4096", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,
+           .min_chunk = 512, .max_chunk = 4096},
+          {.name = "all, chunks 256-1024, copies >= 4096", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200,
+           .prewake = 1, .min_chunk = 256, .max_chunk = 1024, .issue_min = 4096},
+          {.name = "all + streamed unpack", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,
+           .sunpack = 1},
+          {.name = "all + streamed unpack, chunks 256-2048, >= 4096", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200,
+           .prewake = 1, .min_chunk = 256, .max_chunk = 2048, .issue_min = 4096, .sunpack = 1},
+          {.name = "all + streamed unpack, no nt", .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1, .sunpack = 1},
+          {.name = "fused + pass spin + prewake + dspin (no issuer)", .fused = 1, .dspin = 200, .prewake = 1,
+           .pass_spin = 20000},
+          {.name = "fused + nt + pass spin + prewake + dspin", .nt = 1, .fused = 1, .dspin = 200, .prewake = 1,
+           .pass_spin = 20000},
       };
       const int64_t sizes[] = {24576, 196608, int64_t{1} << 20};
       std::vector<std::vector<int32_t>> size_ids;
@@ -497,6 +512,9 @@ int main(int argc, char** argv) {
         o.prewake = v.prewake;
         o.min_chunk_rows = v.min_chunk;
         o.max_chunk_rows = v.max_chunk;
+        o.issue_min_rows = v.issue_min;
+        o.stream_unpack = v.sunpack;
+        o.pass_spin_us = v.pass_spin;
         auto g = engram::client::HostGather::Create({{seg, 0, rows, static_cast<const uint8_t*>(dseg)}}, {d_out},
                                                     static_cast<int32_t>(max_items / C), C, static_cast<int32_t>(D), o);
         if (!g.ok()) return 1;
@@ -508,7 +526,7 @@ int main(int argc, char** argv) {
             const double b2b = time_batches(**g, size_ids[si], items, 0);
             const double idle = time_batches(**g, size_ids[si], items, 2000);
             const double gb_b2b = items * rb / b2b / 1e6, gb_idle = items * rb / idle / 1e6;
-            std::printf("host gather variant %-40s share %.2f %7lld rows  b2b %7.3f ms %6.2f GB/s %.3f of H2D  "
+            std::printf("host gather variant %-48s share %.2f %7lld rows  b2b %7.3f ms %6.2f GB/s %.3f of H2D  "
                         "idle %7.3f ms %6.2f GB/s %.3f of H2D\n", v.name, share, static_cast<long long>(items), b2b,
                         gb_b2b, gb_b2b / h2d, idle, gb_idle, gb_idle / h2d);
             const size_t bi = si * 2 + static_cast<size_t>(sh);

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -27,7 +28,10 @@ HostGatherOptions ResolveHostGatherOptions(HostGatherOptions o) {
   resolve(&o.copy_issuer, "ENGRAM_HOST_GATHER_ISSUER", 0);
   resolve(&o.spin_us, "ENGRAM_HOST_GATHER_SPIN_US", 200);
   resolve(&o.dispatch_spin_us, "ENGRAM_HOST_GATHER_DISPATCH_SPIN_US", 0);
+  resolve(&o.pass_spin_us, "ENGRAM_HOST_GATHER_PASS_SPIN_US", 200);
   resolve(&o.prewake, "ENGRAM_HOST_GATHER_PREWAKE", 0);
+  resolve(&o.issue_min_rows, "ENGRAM_HOST_GATHER_ISSUE_MIN_ROWS", 0);
+  resolve(&o.stream_unpack, "ENGRAM_HOST_GATHER_STREAM_UNPACK", 0);
   return o;
 }
 
@@ -74,6 +78,7 @@ absl::StatusOr<std::unique_ptr<HostGather>> HostGather::Create(std::vector<HostL
   RETURN_IF_ERROR(
       CudaStatus(cudaStreamCreateWithPriority(&g->unpack_, cudaStreamNonBlocking, hi), "unpack stream"));
   RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&g->main_ready_, cudaEventDisableTiming), "event"));
+  RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&g->group_copied_, cudaEventDisableTiming), "event"));
   const size_t L = g->layers_.size();
   g->uva_ok_ = std::all_of(g->layers_.begin(), g->layers_.end(), [](const HostLayer& h) {
     return h.device_records != nullptr || h.row_end == h.row_begin;
@@ -109,7 +114,7 @@ absl::StatusOr<std::unique_ptr<HostGather>> HostGather::Create(std::vector<HostL
     g->dev_index_.push_back(static_cast<int32_t*>(p));
     g->plans_[l].rows.resize(static_cast<size_t>(max_items));
   }
-  g->pool_ = std::make_unique<GatherPool>(threads, g->opt_.cpus, g->opt_.spin_us);
+  g->pool_ = std::make_unique<GatherPool>(threads, g->opt_.cpus, g->opt_.spin_us, g->opt_.pass_spin_us);
   g->chunk_done_.reset(new std::atomic<uint8_t>[static_cast<size_t>(max_items) + 1]);
   g->dedup_ = std::make_unique<RowDeduper>(max_items);
   g->dispatcher_ = std::thread([p = g.get()] { p->Dispatch(); });
@@ -138,6 +143,7 @@ HostGather::~HostGather() {
   for (auto e : copied_) cudaEventDestroy(e);
   for (auto e : done_) cudaEventDestroy(e);
   if (main_ready_ != nullptr) cudaEventDestroy(main_ready_);
+  if (group_copied_ != nullptr) cudaEventDestroy(group_copied_);
   if (copy_ != nullptr) cudaStreamDestroy(copy_);
   if (unpack_ != nullptr) cudaStreamDestroy(unpack_);
 }
@@ -288,8 +294,12 @@ absl::Status HostGather::RunLayer(int32_t l) {
   };
   if (!fused) RETURN_IF_ERROR(copy_index());
   int64_t chunk = PlanChunkRows(plan.n_rows, pool_->threads(), opt_.min_chunk_rows, opt_.max_chunk_rows);
-  // Whole groups of 8 rows (8 x 264 B = 33 cache lines): no two threads write one line of the staging.
-  if (chunk > 8) chunk = (chunk + 7) / 8 * 8;
+  // Streamed unpack: each copy holds whole tokens (item order = token order in the fused plan).
+  const bool stream_unpack = opt_.stream_unpack > 0 && opt_.copy_issuer > 0 && fused;
+  // Whole groups of 8 rows (8 x 264 B = 33 cache lines): no two threads write one line of the staging; with the
+  // streamed unpack, whole tokens too.
+  const int64_t grain = stream_unpack ? std::lcm<int64_t>(8, n_cols_) : 8;
+  if (chunk > grain || (stream_unpack && chunk > 0)) chunk = (chunk + grain - 1) / grain * grain;
   const int64_t n_chunks = chunk > 0 ? (plan.n_rows + chunk - 1) / chunk : 0;
   const GatherCopy how{opt_.prefetch_rows, opt_.stream_stores > 0};
   uint8_t* const staging = pinned_rows_[li];
@@ -305,6 +315,30 @@ absl::Status HostGather::RunLayer(int32_t l) {
     const int64_t begin = first_chunk * chunk, end = std::min(plan.n_rows, end_chunk * chunk);
     return cudaMemcpyAsync(dev_rows_[li] + begin * rb_, staging + begin * rb_, static_cast<size_t>((end - begin) * rb_),
                            cudaMemcpyHostToDevice, copy_);
+  };
+  // The unpack: the lookup kernel over the dense gathered rows, item i reading row index[i] (-1: zeros); all the
+  // host part's tokens at the end, or (streamed) tokens [t0, t1) as soon as their rows and index are copied.
+  auto unpack_args = [&](int64_t t0, int64_t t1) {
+    kernels::LookupArgs a;
+    a.records = dev_rows_[li];
+    a.row_begin = 0;
+    a.row_end = plan.n_rows;
+    a.head_dim = head_dim_;
+    a.ids = dev_index_[li] + t0 * n_cols_;
+    a.num_tokens = static_cast<int32_t>(t1 - t0);
+    a.num_cols = n_cols_;
+    a.ids_stride = n_cols_;
+    a.out = out_[li] + t0 * n_cols_ * head_dim_;
+    a.max_blocks = opt_.unpack_blocks;
+    return a;
+  };
+  auto unpack_group = [&](int64_t c0, int64_t c1) {
+    const int64_t begin = c0 * chunk, end = std::min(plan.n_rows, c1 * chunk);
+    return cudaMemcpyAsync(dev_index_[li] + begin, pinned_index_[li] + begin, static_cast<size_t>(end - begin) * 4,
+                           cudaMemcpyHostToDevice, copy_) == cudaSuccess &&
+           cudaEventRecord(group_copied_, copy_) == cudaSuccess &&
+           cudaStreamWaitEvent(unpack_, group_copied_, 0) == cudaSuccess &&
+           kernels::LaunchLookup(unpack_args(begin / n_cols_, end / n_cols_), unpack_) == cudaSuccess;
   };
   std::atomic<int64_t> next{0};
   std::atomic<int> failed{0};
@@ -323,11 +357,11 @@ absl::Status HostGather::RunLayer(int32_t l) {
           while (issued < n_chunks) {
             int64_t e = issued;
             while (e < n_chunks && chunk_done_[static_cast<size_t>(e)].load(std::memory_order_acquire) != 0) ++e;
-            if (e == issued) {
+            if (e == issued || (e < n_chunks && (e - issued) * chunk < opt_.issue_min_rows)) {
               CpuRelax();
               continue;
             }
-            if (copy_rows(issued, e) != cudaSuccess) {
+            if (copy_rows(issued, e) != cudaSuccess || (stream_unpack && !unpack_group(issued, e))) {
               failed.store(1);
               return;
             }
@@ -345,22 +379,12 @@ absl::Status HostGather::RunLayer(int32_t l) {
     });
   }
   if (failed.load() != 0) return absl::InternalError("host gather: a chunk copy failed to enqueue");
-  if (fused) RETURN_IF_ERROR(copy_index());
+  if (fused && !stream_unpack) RETURN_IF_ERROR(copy_index());
   RETURN_IF_ERROR(CudaStatus(cudaEventRecord(copied_[li], copy_), "record copy event"));
   RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(unpack_, copied_[li], 0), "unpack waits for copies"));
-  // The unpack: the lookup kernel over the dense gathered rows, item i reading row index[i] (-1: zeros).
-  kernels::LookupArgs a;
-  a.records = dev_rows_[li];
-  a.row_begin = 0;
-  a.row_end = plan.n_rows;
-  a.head_dim = head_dim_;
-  a.ids = dev_index_[li];
-  a.num_tokens = host_tokens;
-  a.num_cols = n_cols_;
-  a.ids_stride = n_cols_;
-  a.out = out_[li];
-  a.max_blocks = opt_.unpack_blocks;
-  RETURN_IF_ERROR(CudaStatus(kernels::LaunchLookup(a, unpack_), "unpack kernel"));
+  if (!stream_unpack) {
+    RETURN_IF_ERROR(CudaStatus(kernels::LaunchLookup(unpack_args(0, host_tokens), unpack_), "unpack kernel"));
+  }
   if (uva_tokens > 0) RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(unpack_, uva_done_[li], 0), "join uva share"));
   return CudaStatus(cudaEventRecord(done_[li], unpack_), "record layer event");
 }

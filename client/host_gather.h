@@ -72,8 +72,16 @@ struct HostGatherOptions {
   int32_t spin_us = -1;        // ENGRAM_HOST_GATHER_SPIN_US: idle gather threads spin this long before sleeping (200)
   int32_t dispatch_spin_us = -1;  // ENGRAM_HOST_GATHER_DISPATCH_SPIN_US: the same for the dispatcher thread after a
                                   // batch (0)
+  int32_t pass_spin_us = -1;  // ENGRAM_HOST_GATHER_PASS_SPIN_US: the dispatcher spins this long for a pass of the
+                              // threads to finish before it sleeps (200; a pass longer than that then also pays the
+                              // dispatcher's wake-up before the unpack is launched)
   int32_t prewake = -1;        // ENGRAM_HOST_GATHER_PREWAKE=1: Prefetch wakes the gather threads itself, so that
                                // their wake-up overlaps the dispatcher's (0)
+  int32_t issue_min_rows = -1;  // ENGRAM_HOST_GATHER_ISSUE_MIN_ROWS: with copy_issuer, a copy waits until this many
+                                // finished rows are contiguous (the last copy takes the rest): small chunks for the
+                                // threads, large copies for the copy engine (0)
+  int32_t stream_unpack = -1;   // ENGRAM_HOST_GATHER_STREAM_UNPACK=1: with copy_issuer and fused (every row), each copy
+                                // is unpacked as it lands (its tokens' index copied with it), not all at the end (0)
 };
 
 // The options with every -1 field resolved (environment, then built-in default).
@@ -134,6 +142,7 @@ class HostGather {
   size_t sort_bytes_ = 0;
   std::vector<cudaEvent_t> uva_done_;
   cudaEvent_t main_ready_ = nullptr;
+  cudaEvent_t group_copied_ = nullptr;  // stream_unpack: the last group's copies (re-recorded per group)
   std::vector<cudaEvent_t> copied_, done_;
   std::vector<uint8_t*> pinned_rows_;   // [max_items, rb] per layer
   std::vector<int32_t*> pinned_index_;  // [max_items] per layer

@@ -72,8 +72,9 @@ int64_t NowNs() {
 
 }  // namespace
 
-GatherPool::GatherPool(int threads, std::vector<int> cpus, int spin_us)
-    : spin_ns_(std::max<int64_t>(spin_us, 0) * 1000) {
+GatherPool::GatherPool(int threads, std::vector<int> cpus, int spin_us, int caller_spin_us)
+    : spin_ns_(std::max<int64_t>(spin_us, 0) * 1000),
+      caller_spin_ns_(caller_spin_us < 0 ? spin_ns_ : int64_t{caller_spin_us} * 1000) {
   threads = std::max(threads, 1);
   for (int w = 0; w < threads; ++w) {
     workers_.emplace_back([this, w] { Loop(w); });
@@ -102,7 +103,7 @@ void GatherPool::Run(const std::function<void(int)>& fn, const std::function<voi
   signal_.fetch_add(1, std::memory_order_release);
   signal_.notify_all();
   if (caller) caller();
-  const int64_t until = NowNs() + spin_ns_;
+  const int64_t until = NowNs() + caller_spin_ns_;
   while (running_.load(std::memory_order_acquire) != 0 && NowNs() < until) CpuRelax();
   for (int32_t r = running_.load(std::memory_order_acquire); r != 0; r = running_.load(std::memory_order_acquire)) {
     running_.wait(r, std::memory_order_acquire);

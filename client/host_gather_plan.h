@@ -48,7 +48,8 @@ class GatherPool {
   // `threads` >= 1 workers; `cpus` (may be empty) pins worker i to cpus[i % cpus.size()]. Pinning failures are
   // ignored (the worker runs unpinned). Idle workers spin `spin_us` microseconds before they sleep (a batch runs
   // several short passes back to back; a sleeping worker costs a futex wake-up).
-  GatherPool(int threads, std::vector<int> cpus = {}, int spin_us = 200);
+  // The calling thread of Run spins `caller_spin_us` (default: spin_us) for the pass to finish before it sleeps.
+  GatherPool(int threads, std::vector<int> cpus = {}, int spin_us = 200, int caller_spin_us = -1);
   ~GatherPool();
   GatherPool(const GatherPool&) = delete;
   GatherPool& operator=(const GatherPool&) = delete;
@@ -63,7 +64,7 @@ class GatherPool {
  private:
   void Loop(int worker);
   std::vector<std::thread> workers_;
-  const int64_t spin_ns_;
+  const int64_t spin_ns_, caller_spin_ns_;
   // Workers sleep on signal_ (a futex word: Run and Wake bump it); generation_ numbers the jobs.
   std::atomic<uint32_t> signal_{0};
   std::atomic<uint64_t> generation_{0};

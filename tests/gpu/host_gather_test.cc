@@ -71,9 +71,10 @@ struct Fixture {
 
 // The copy pipeline's variants (HostGatherOptions: prefetch distance, non-temporal stores, fused plan, copy issuer,
 // wake-up): each must serve the same rows. Explicit values, so the environment's knobs do not change what runs.
-struct PipelineVariant {
+struct PipelineVariant {  // today's settings unless named
   const char* name;
-  int32_t prefetch, nt, fused, issuer, spin, dspin, prewake;
+  int32_t prefetch = 16, nt = 0, fused = 0, issuer = 0, spin = 200, dspin = 0, prewake = 0, issue_min = 0,
+          sunpack = 0, pass_spin = 200;
   HostGatherOptions Options() const {
     HostGatherOptions o;
     o.prefetch_rows = prefetch;
@@ -83,13 +84,24 @@ struct PipelineVariant {
     o.spin_us = spin;
     o.dispatch_spin_us = dspin;
     o.prewake = prewake;
+    o.issue_min_rows = issue_min;
+    o.stream_unpack = sunpack;
+    o.pass_spin_us = pass_spin;
     return o;
   }
 };
 const PipelineVariant kPipelineVariants[] = {
-    {"today", 16, 0, 0, 0, 200, 0, 0},          {"no prefetch", 0, 0, 0, 0, 0, 0, 0},
-    {"non-temporal", 16, 1, 0, 0, 200, 0, 0},   {"fused", 8, 0, 1, 0, 200, 0, 0},
-    {"issuer", 32, 0, 0, 1, 200, 0, 0},         {"all", 16, 1, 1, 1, 200, 200, 1},
+    {.name = "today"},
+    {.name = "no prefetch, no spin", .prefetch = 0, .spin = 0},
+    {.name = "non-temporal", .nt = 1},
+    {.name = "fused, pass spin", .prefetch = 8, .fused = 1, .pass_spin = 20000},
+    {.name = "issuer", .prefetch = 32, .issuer = 1},
+    {.name = "all", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1},
+    {.name = "all, copies >= 700 rows", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,
+     .issue_min = 700},
+    {.name = "all + streamed unpack", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1, .issue_min = 500,
+     .sunpack = 1},
+    {.name = "streamed unpack, fused issuer only", .fused = 1, .issuer = 1, .sunpack = 1},
 };
 
 TEST(GpuHostGatherTest, RowsEqualTheCpuReferenceBitForBit) {
@@ -184,7 +196,7 @@ TEST(GpuHostGatherTest, SplitBatchesEqualTheCpuReferenceBitForBit) {
   }
   cudaStream_t main_stream;
   CUDA_OK(cudaStreamCreateWithFlags(&main_stream, cudaStreamNonBlocking));
-  for (const PipelineVariant* v : {&kPipelineVariants[0], &kPipelineVariants[5]}) {
+  for (const PipelineVariant* v : {&kPipelineVariants[0], &kPipelineVariants[5], &kPipelineVariants[7]}) {
     for (bool dedup : {false, true}) {
       HostGatherOptions opt = v->Options();
       opt.threads = 3;
