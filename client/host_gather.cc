@@ -244,37 +244,51 @@ absl::Status HostGather::RunLayer(int32_t l) {
   RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(copied_[li]), "previous copies"));
   if (uva_ok_) RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(uva_done_[li]), "previous uva share"));
   RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(copy_, done_[li], 0), "previous unpack"));
-  if (uva_tokens > 0) {
-    // Its ids, packed after the host part's index in the pinned buffer, then to the device; the GPU starts at once.
-    int32_t* packed = pinned_index_[li] + host_items;
-    const int32_t* src = ids_ + static_cast<int64_t>(l) * n_cols_;
-    const int P = pool_->threads();
-    pool_->Run([&](int w) {
-      const Range r = SplitRange(uva_tokens, P, w);
-      for (int64_t t = r.begin; t < r.end; ++t) {
-        std::memcpy(packed + t * n_cols_, src + (host_tokens + t) * stride_, static_cast<size_t>(n_cols_) * 4);
+  // The UVA share: its ids packed after the host part's index in the pinned buffer, then to the device; the GPU
+  // starts at once. `serial`: packed by this thread alone (it runs while the threads gather, with copy_issuer).
+  auto launch_uva = [&](bool serial) -> absl::Status {
+    if (uva_tokens > 0) {
+      int32_t* packed = pinned_index_[li] + host_items;
+      const int32_t* src = ids_ + static_cast<int64_t>(l) * n_cols_;
+      auto pack = [&](int64_t t_begin, int64_t t_end) {
+        for (int64_t t = t_begin; t < t_end; ++t) {
+          std::memcpy(packed + t * n_cols_, src + (host_tokens + t) * stride_, static_cast<size_t>(n_cols_) * 4);
+        }
+      };
+      if (serial) {
+        pack(0, uva_tokens);
+      } else {
+        const int P = pool_->threads();
+        pool_->Run([&](int w) {
+          const Range r = SplitRange(uva_tokens, P, w);
+          pack(r.begin, r.end);
+        });
       }
-    });
-    RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(uva_, done_[li], 0), "uva waits for previous unpack"));
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dev_index_[li] + host_items, packed, static_cast<size_t>(uva_items) * 4,
-                                               cudaMemcpyHostToDevice, uva_),
-                               "uva ids copy"));
-    kernels::LookupArgs u;
-    u.records = layer.device_records;
-    u.row_begin = layer.row_begin;
-    u.row_end = layer.row_end;
-    u.head_dim = head_dim_;
-    u.ids = dev_index_[li] + host_items;
-    u.num_tokens = uva_tokens;
-    u.num_cols = n_cols_;
-    u.ids_stride = n_cols_;
-    u.out = out_[li] + host_items * head_dim_;
-    u.sort_scratch = sort_scratch_;
-    u.sort_scratch_bytes = sort_bytes_;
-    u.max_blocks = opt_.uva_blocks;
-    RETURN_IF_ERROR(CudaStatus(kernels::LaunchLookup(u, uva_), "uva share lookup"));
-  }
-  if (uva_ok_) RETURN_IF_ERROR(CudaStatus(cudaEventRecord(uva_done_[li], uva_), "record uva event"));
+      RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(uva_, done_[li], 0), "uva waits for previous unpack"));
+      RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dev_index_[li] + host_items, packed,
+                                                 static_cast<size_t>(uva_items) * 4, cudaMemcpyHostToDevice, uva_),
+                                 "uva ids copy"));
+      kernels::LookupArgs u;
+      u.records = layer.device_records;
+      u.row_begin = layer.row_begin;
+      u.row_end = layer.row_end;
+      u.head_dim = head_dim_;
+      u.ids = dev_index_[li] + host_items;
+      u.num_tokens = uva_tokens;
+      u.num_cols = n_cols_;
+      u.ids_stride = n_cols_;
+      u.out = out_[li] + host_items * head_dim_;
+      u.sort_scratch = sort_scratch_;
+      u.sort_scratch_bytes = sort_bytes_;
+      u.max_blocks = opt_.uva_blocks;
+      RETURN_IF_ERROR(CudaStatus(kernels::LaunchLookup(u, uva_), "uva share lookup"));
+    }
+    if (uva_ok_) RETURN_IF_ERROR(CudaStatus(cudaEventRecord(uva_done_[li], uva_), "record uva event"));
+    return absl::OkStatus();
+  };
+  // With copy_issuer the share is launched by this thread at the start of the gather pass (no pass of its own).
+  const bool uva_in_pass = opt_.copy_issuer > 0;
+  if (!uva_in_pass) RETURN_IF_ERROR(launch_uva(false));
   GatherPlan& plan = plans_[li];
   // Fused: no planning pass; each thread plans the chunk it is about to gather (identity plan, item order).
   const bool fused = opt_.fused > 0 && !opt_.dedup;
@@ -342,6 +356,7 @@ absl::Status HostGather::RunLayer(int32_t l) {
   };
   std::atomic<int64_t> next{0};
   std::atomic<int> failed{0};
+  absl::Status uva_status;
   if (opt_.copy_issuer > 0) {
     // The threads only gather; this thread hands each run of finished chunks (in order) to the copy engine.
     for (int64_t c = 0; c < n_chunks; ++c) chunk_done_[static_cast<size_t>(c)].store(0, std::memory_order_relaxed);
@@ -353,6 +368,7 @@ absl::Status HostGather::RunLayer(int32_t l) {
           }
         },
         [&] {
+          uva_status = launch_uva(true);
           int64_t issued = 0;
           while (issued < n_chunks) {
             int64_t e = issued;
@@ -378,6 +394,7 @@ absl::Status HostGather::RunLayer(int32_t l) {
       }
     });
   }
+  RETURN_IF_ERROR(uva_status);
   if (failed.load() != 0) return absl::InternalError("host gather: a chunk copy failed to enqueue");
   if (fused && !stream_unpack) RETURN_IF_ERROR(copy_index());
   RETURN_IF_ERROR(CudaStatus(cudaEventRecord(copied_[li], copy_), "record copy event"));
