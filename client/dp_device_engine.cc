@@ -19,16 +19,16 @@
 namespace engram::client {
 namespace {
 
-// ENGRAM_DP_A2A: the all-to-all form (agreed group-wide: rank 0's); unset or unknown: kDefaultA2aForm.
-constexpr int32_t kA2aPipelined = 0, kA2aSequential = 1, kA2aGraph = 2;
-constexpr int32_t kDefaultA2aForm = kA2aGraph;
+// ENGRAM_DP_A2A: the all-to-all form (agreed group-wide: rank 0's). Unset (or unknown): auto, the CUDA-graph form
+// for group slots up to ENGRAM_DP_GRAPH_MAX_SLOT (also rank 0's), the pipelined form enqueued call by call above.
+constexpr int32_t kA2aPipelined = 0, kA2aSequential = 1, kA2aGraph = 2, kA2aAuto = 3;
 
 int32_t A2aForm(const char* v) {
   const std::string s = v == nullptr ? "" : v;
   if (s == "sequential") return kA2aSequential;
   if (s == "pipelined") return kA2aPipelined;
   if (s == "graph") return kA2aGraph;
-  return kDefaultA2aForm;
+  return kA2aAuto;
 }
 
 int64_t EnvInt(const char* name, int64_t fallback) {
@@ -200,7 +200,9 @@ class DpDeviceEngine final : public LookupEngine {
         on_gpu ? 1 : 0,
         static_cast<int32_t>(std::clamp<int64_t>(EnvInt("ENGRAM_DP_PEER_MAX_SLOT", kDefaultPeerMaxSlot), 0, INT32_MAX)),
         static_cast<int32_t>(std::clamp<int64_t>(chunk_kib, 0, INT32_MAX)),
-        A2aForm(a2a)};
+        A2aForm(a2a),
+        static_cast<int32_t>(
+            std::clamp<int64_t>(EnvInt("ENGRAM_DP_GRAPH_MAX_SLOT", DpExchangeShape::kDefaultGraphMaxSlot), 0, INT32_MAX))};
     auto agreed = e->AllGatherInts(comm, static_cast<int32_t>(plan.edp), mine);
     if (!agreed.ok()) {
       if (nccl_comm == nullptr) nccl->CommAbort(comm);  // formed here, not yet owned by an exchange
@@ -211,8 +213,10 @@ class DpDeviceEngine final : public LookupEngine {
     for (int64_t m = 0; m < plan.edp; ++m) all_on_gpu = all_on_gpu && all[static_cast<size_t>(m) * mine.size()] == 1;
     const int32_t peer_max_slot = all[1];
     shape.chunk_bytes = int64_t{all[2]} << 10;
-    shape.sequential = all[3] == kA2aSequential;
-    shape.graph = all[3] == kA2aGraph;
+    // The form from group-wide facts only (rank 0's knobs, the group slot): every member takes the same.
+    const int32_t form = all[3] == kA2aAuto ? (g.slot <= all[4] ? kA2aGraph : kA2aPipelined) : all[3];
+    shape.sequential = form == kA2aSequential;
+    shape.graph = form == kA2aGraph;
     std::vector<ShardLayer> shard;
     for (int64_t l = 0; l < L; ++l) {
       const auto& li = table.layers()[static_cast<size_t>(l)];

@@ -7,9 +7,10 @@
 // read the other members' shards over NVLink instead when every member's shard is in
 // GPU memory (cpu_offload false); the choice depends on group-wide facts only, so every member takes the same path.
 // The knobs that decide a step's collectives (ENGRAM_DP_PEER_MAX_SLOT, ENGRAM_DP_CHUNK_KIB: the all-to-all path's
-// chunk of records, 0 = one chunk; ENGRAM_DP_A2A=graph (default): the pipelined step captured once per shape into a
-// CUDA graph and replayed, =pipelined: enqueued call by call, =sequential: the unpipelined all-to-all) are rank 0's,
-// agreed with the shard kinds in one all-gather when the group forms. Under the caller's own stream capture the graph
+// chunk of records, 0 = one chunk; ENGRAM_DP_A2A=graph: the pipelined step captured once per shape into a CUDA graph
+// and replayed, =pipelined: enqueued call by call, =sequential: the unpipelined all-to-all, unset: graph for group
+// slots up to ENGRAM_DP_GRAPH_MAX_SLOT (default DpExchangeShape::kDefaultGraphMaxSlot), pipelined above) are rank
+// 0's, agreed with the shard kinds in one all-gather when the group forms. Under the caller's own stream capture the graph
 // form enqueues the pipelined step into the caller's graph instead (no nested instantiate).
 // A watchdog thread aborts the communicator when the group breaks (engramd: a member left; or this lease ended)
 // or a step does not finish within ENGRAM_DP_STEP_TIMEOUT_MS, so no member hangs in a collective; every later call

@@ -10,7 +10,7 @@
 //                  when Prefetch returns. CUDA: enqueued on the engine's side stream (the host never waits): small
 //                  slots read the other members' shards over NVLink; larger ones run the all-to-all path of
 //                  client/dp_nccl_transport.h (ids only to the member owning the columns, own columns read in
-//                  place, records packed / sent / unpacked chunk by chunk, by default replayed as one CUDA graph).
+//                  place, records packed / sent / unpacked chunk by chunk; for small slots replayed as one CUDA graph).
 //   Wait(l)        the step's status; on CUDA it also joins the step into the engine's stream (an event), so work
 //                  queued after it sees the rows.
 //   Lookup(l, ...) one layer's step, the same collective for that layer alone (bf16 or packed records).

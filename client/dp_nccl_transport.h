@@ -92,6 +92,12 @@ struct DpExchangeShape {
   // of host time each: a non-blocking communicator launches every group from a new thread), so few large chunks win:
   // 32 MiB (one chunk at 4096 tokens per rank, two at 8192) measured best, 218 / 362 us against 16 MiB's 277 / 400.
   static constexpr int64_t kDefaultDpChunkBytes = int64_t{32} << 20;
+  // The product's form choice (client/dp_device_engine.cc, ENGRAM_DP_GRAPH_MAX_SLOT): the CUDA-graph form for group
+  // slots up to this, the pipelined form enqueued call by call above. bench_dp on 2 x H200 (RESULTS.md, 2026-11-30
+  // s3, graph run): graph 33-40 us at 1-64 tokens per rank and 64 us at 512 (pipelined: 112-144 us), but 245 / 410 us
+  // at 4096 / 8192 against the pipelined form's 217 / 366 (every NCCL kernel in the graph costs more GPU time; more
+  // chunks make it worse). 2048: between the measured 512 (graph wins 2.2x) and 4096 (pipelined wins 1.13x).
+  static constexpr int32_t kDefaultGraphMaxSlot = 2048;
 };
 
 class DpNcclExchange {
