@@ -15,7 +15,7 @@ from conftest import REPO
 
 WORKER = textwrap.dedent("""
     import json, sys, numpy as np, engram
-    ckpt, sock, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    ckpt, sock, rank, result = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     t = engram.attach(ckpt, dp_size=2, dp_rank=rank, socket=sock, embedding_across_dp=True,
                       dp_shared_memory=False, backend="cpu")
     assert t.mode == "DP_SHARDED", (t.mode, t.reasons)
@@ -27,22 +27,26 @@ WORKER = textwrap.dedent("""
     e.wait(0)
     rows = np.array(e.staging(0)[:T])  # [T, n_cols, head_dim] bf16 bits
     filled = [int(c) for c in range(lay.n_cols) if np.any(rows[:, c, :] != 0)]
-    print(json.dumps({"n_cols": lay.n_cols, "owned": list(lay.owned_cols), "cols": [lay.col_begin, lay.col_end],
-                      "staging": list(lay.staging_cols), "filled": filled}), flush=True)
+    # To a file: the library's log lines share stdout with this process.
+    with open(result, "w") as f:
+        json.dump({"n_cols": lay.n_cols, "owned": list(lay.owned_cols), "cols": [lay.col_begin, lay.col_end],
+                   "staging": list(lay.staging_cols), "filled": filled}, f)
     e.close()
     t.close()
 """)
 
 
-def test_a_dp_sharded_layout_reports_owned_and_staging_columns(daemon, checkpoint):
+def test_a_dp_sharded_layout_reports_owned_and_staging_columns(daemon, checkpoint, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, checkpoint, daemon.socket, str(r)], env=env,
+    results = [str(tmp_path / f"layout{r}.json") for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, checkpoint, daemon.socket, str(r), results[r]], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=120) for p in procs]
     got = []
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, (out, err[-2000:])
-        got.append(json.loads([line for line in out.splitlines() if line.startswith("{")][-1]))
+    for p, (out, err), result in zip(procs, outs, results):
+        assert p.returncode == 0, (out[-2000:], err[-2000:])
+        with open(result) as f:
+            got.append(json.load(f))
     n = got[0]["n_cols"]
     half = n // 2
     # Each rank holds its DP shard; col_begin/col_end keep meaning the held columns (backward compatible).
