@@ -235,10 +235,13 @@ absl::StatusOr<SegmentHeader> HeaderOfOpenFile(const std::string& path, int fd, 
     return absl::FailedPreconditionError(absl::StrCat(path, ": segment format ", h.version, ", this build reads ",
                                                       kSegmentVersion));
   }
-  // The records end at most one 2 MiB page before the end of the file (the padding).
+  // The descriptor lies between the header and the records, which start on a 2 MiB page and end at most one 2 MiB
+  // page before the end of the file (the padding). Every bound is checked without a sum that could wrap: a lying
+  // desc_bytes near 2^64 must not pass as small and send the checksum past the mapping.
   if (h.total_bytes != static_cast<uint64_t>(st.st_size) || h.desc_offset != kHeaderBytes ||
-      h.data_offset < h.desc_offset + h.desc_bytes || h.data_offset > h.total_bytes ||
-      h.data_bytes > h.total_bytes - h.data_offset || h.total_bytes - h.data_offset - h.data_bytes >= kDataAlign) {
+      h.data_offset > h.total_bytes || h.data_offset < h.desc_offset || h.data_offset % kDataAlign != 0 ||
+      h.desc_bytes > h.data_offset - h.desc_offset || h.data_bytes > h.total_bytes - h.data_offset ||
+      h.total_bytes - h.data_offset - h.data_bytes >= kDataAlign) {
     return absl::DataLossError(absl::StrCat(path, ": header sizes disagree with the file (", st.st_size, " bytes)"));
   }
   return h;

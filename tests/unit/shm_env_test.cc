@@ -7,10 +7,13 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstddef>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "shm/capacity.h"
@@ -184,6 +187,34 @@ TEST(SegmentHeaderTest, RefusesTruncatedForeignAndLyingFiles) {
   testing::WriteFile(dir / "desc", desc);
   EXPECT_TRUE(ReadSegmentHeader(dir / "desc").ok());
   EXPECT_EQ(SegmentReader::Open(dir / "desc").status().code(), absl::StatusCode::kDataLoss);
+}
+
+// Header sizes that only a wrapping sum would accept: a desc_bytes near 2^64 (desc_offset + desc_bytes wraps to a
+// small number), a descriptor running into the records, records not on a 2 MiB page. Each is DataLoss from the
+// header reader and from SegmentReader (which otherwise hashed desc_bytes bytes past its mapping: SIGSEGV).
+TEST(SegmentHeaderTest, SizesThatWrapOrOverlapAreRefusedBeforeAnythingIsRead) {
+  TempDir dir;
+  auto w = MustCreate(dir.path(), 0x78, Env::Default());
+  ASSERT_TRUE(w->Finish(0).ok());
+  const std::string bytes = testing::ReadFile(w->path());
+  auto with = [&](const std::string& name, size_t field, uint64_t v) {
+    std::string b = bytes;
+    std::memcpy(b.data() + field, &v, 8);
+    testing::WriteFile(dir / name, b);
+    return dir / name;
+  };
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"wrapping desc_bytes", with("wrap", offsetof(SegmentHeader, desc_bytes), ~uint64_t{0} - kHeaderBytes + 1)},
+      {"desc_bytes into the records",
+       with("overlap", offsetof(SegmentHeader, desc_bytes), SegmentDataOffset(0) - kHeaderBytes + 1)},
+      {"unaligned data_offset", with("unaligned", offsetof(SegmentHeader, data_offset), kHeaderBytes + 64)},
+  };
+  for (const auto& [what, path] : cases) {
+    EXPECT_EQ(ReadSegmentHeader(path).status().code(), absl::StatusCode::kDataLoss) << what;
+    auto r = SegmentReader::Open(path);
+    ASSERT_FALSE(r.ok()) << what;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << what << ": " << r.status();
+  }
 }
 
 TEST(SegmentHeaderTest, SymlinksAndFifosAreRefusedWithoutHanging) {
