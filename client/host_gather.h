@@ -63,7 +63,8 @@ struct HostGatherOptions {
   // How the batch reaches the copy engine (issue 14: the gap between the pipeline and the CPU gather ceiling). Each
   // field left at -1 is taken from its environment variable when set, else from the built-in default (today's
   // behaviour, until bench_kernels' "host gather variant" lines say otherwise); HostGather::options() shows the result.
-  int32_t prefetch_rows = -1;  // ENGRAM_HOST_GATHER_PREFETCH: rows prefetched ahead in each thread's list (16; 0 = none)
+  int32_t prefetch_rows = -1;  // ENGRAM_HOST_GATHER_PREFETCH: rows prefetched ahead in each thread's list (16;
+                               // 0 = none)
   int32_t stream_stores = -1;  // ENGRAM_HOST_GATHER_NT=1: non-temporal stores into the pinned staging (0)
   int32_t fused = -1;          // ENGRAM_HOST_GATHER_FUSED=1: without de-duplication, each thread plans its own chunk
                                // (ids -> rows, index) right before gathering it: one pass, not two (0)

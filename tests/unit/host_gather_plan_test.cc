@@ -197,7 +197,9 @@ TEST(HostGatherPlanTest, EveryCopyVariantCopiesRecordsAndSkipsNoRow) {
     std::vector<uint8_t> table(static_cast<size_t>(rows * rb));
     for (auto& b : table) b = static_cast<uint8_t>(rng());
     std::vector<uint32_t> order;
-    for (int k = 0; k < 200; ++k) order.push_back(rng() % 7 == 0 ? GatherPlan::kNoRow : static_cast<uint32_t>(rng() % rows));
+    for (int k = 0; k < 200; ++k) {
+      order.push_back(rng() % 7 == 0 ? GatherPlan::kNoRow : static_cast<uint32_t>(rng() % rows));
+    }
     for (const int ahead : {0, 1, 8, 16, 64}) {
       for (const bool nt : {false, true}) {
         for (const size_t shift : {size_t{0}, size_t{8}, size_t{13}}) {
