@@ -119,6 +119,7 @@ TEST(GpuHostGatherTest, RowsEqualTheCpuReferenceBitForBit) {
   CUDA_OK(cudaStreamCreateWithFlags(&main_stream, cudaStreamNonBlocking));
   for (const PipelineVariant& v : kPipelineVariants) {
     for (int threads : {1, 4}) {
+      if (threads == 1 && &v != &kPipelineVariants[0]) continue;  // one thread: today's pipeline only (test time)
       for (bool dedup : {true, false}) {
         HostGatherOptions opt = v.Options();
         opt.threads = threads;
