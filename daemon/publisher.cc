@@ -7,6 +7,7 @@
 #include <functional>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -115,7 +116,14 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   reinterpret_cast<SegmentHeader*>(base)->desc_checksum = XXH3_64bits(final_desc.data(), final_desc.size());
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (auto f = (*writer)->Finish(seconds); !f.ok()) return f;
-  if (drop == "after" || drop == "1") std::thread(ShardCacheDropper(ckpt, RowsOf(desc))).detach();
+  if (drop == "after" || drop == "1") {
+    std::function<void()> dropper = ShardCacheDropper(ckpt, RowsOf(desc));
+    try {
+      std::thread(dropper).detach();
+    } catch (const std::system_error&) {
+      dropper();  // no thread to be had (EAGAIN): dropped here, slower, but never an exception out of the publish
+    }
+  }
   return PublishResult{(*writer)->path(), reopened->total_bytes, seconds};
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <functional>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -49,8 +50,17 @@ absl::Status RunJobs(const std::vector<Job>& jobs, int threads, const std::funct
       }
     }
   };
+  // A thread the system refuses (EAGAIN: RLIMIT_NPROC, no memory for its stack) is one worker fewer, never an
+  // exception out of here (in engramd's publish loop that was std::terminate); with none started the caller works.
   std::vector<std::thread> pool;
-  for (int t = 0; t < std::max(1, threads); ++t) pool.emplace_back(worker);
+  for (int t = 0; t < std::max(1, threads); ++t) {
+    try {
+      pool.emplace_back(worker);
+    } catch (const std::system_error&) {
+      break;
+    }
+  }
+  if (pool.empty()) worker();
   for (auto& th : pool) th.join();
   return first_error;
 }

@@ -6,6 +6,8 @@
 // before it), and a segment published into a hugetlbfs mount is readable, verifiable and retirable (skipped where
 // no such mount has free 2 MiB pages; ENGRAM_TEST_HUGETLBFS_DIR names one).
 #include <fcntl.h>
+#include <pthread.h>
+#include <sys/resource.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -181,6 +183,35 @@ TEST_F(PublishReserveTest, APopulateFailureFailsThePublishAsOutOfRoomAndLeavesNo
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
   EXPECT_TRUE(ListSegments(shm).empty());
+}
+
+// A process that cannot start threads (pthread_create EAGAIN: RLIMIT_NPROC, or no address space for a stack, made
+// here with a 2 GiB default stack under a 1 GiB address-space margin) still publishes: the fill runs on the calling
+// thread and the cache drop after READY runs inline. Before, std::thread's std::system_error escaped Publish (in
+// engramd's publish loop: std::terminate, the daemon gone). In a forked child: the limits stay there.
+TEST_F(PublishReserveTest, APublishWhereNoThreadCanStartStillSucceeds) {
+  const std::string shm = dir_ / "shm";
+  std::filesystem::create_directories(shm);
+  auto child = [&] {
+    std::ifstream statm("/proc/self/statm");
+    uint64_t vm_pages = 0;
+    statm >> vm_pages;
+    const rlim_t limit = static_cast<rlim_t>(vm_pages * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)) +
+                                             (uint64_t{1} << 30));
+    struct rlimit rl {limit, limit};
+    if (::setrlimit(RLIMIT_AS, &rl) != 0) std::_Exit(3);
+    pthread_attr_t attr;
+    ::pthread_attr_init(&attr);
+    ::pthread_attr_setstacksize(&attr, size_t{2} << 30);
+    if (::pthread_setattr_default_np(&attr) != 0) std::_Exit(4);
+    pthread_t t;
+    if (::pthread_create(&t, nullptr, [](void*) -> void* { return nullptr; }, nullptr) == 0) std::_Exit(5);
+    ::unsetenv("ENGRAM_PUBLISH_DROP_CACHE");  // the default: dropped after READY
+    auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 4);
+    if (!r.ok()) std::_Exit(6);
+    std::_Exit(daemon::VerifyChecksums(r->path, 4).ok() ? 0 : 7);
+  };
+  EXPECT_EXIT(child(), ::testing::ExitedWithCode(0), "");
 }
 
 // A hugetlbfs directory this process may write, with free 2 MiB pages; "" if none.
