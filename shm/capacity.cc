@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdint>
 #include <cstring>
 #include <cstdlib>
 #include <fstream>
@@ -77,7 +78,9 @@ HugePool ReadHugePool(uint64_t page_bytes) {
 
 void ApplyHugetlbfsLimits(uint64_t vfs_blocks, uint64_t vfs_bavail, const HugePool& pool, ShmCapacity& c) {
   const uint64_t pool_free = pool.available_pages * pool.page_bytes;
-  if (vfs_blocks == 0) {  // no size= on the mount: the pool is the limit
+  // No size= on the mount: the pool is the limit. The kernel reports 0 blocks without a subpool, and 2^64-1 (its
+  // -1, "no maximum") where min_size= alone made one; a count whose bytes do not fit in 64 bits is no limit either.
+  if (vfs_blocks == 0 || pool.page_bytes == 0 || vfs_blocks > UINT64_MAX / pool.page_bytes) {
     c.total_bytes = pool.total_pages * pool.page_bytes;
     c.free_bytes = pool_free;
     return;

@@ -278,6 +278,17 @@ TEST(ShmCapacityTest, HugetlbfsRoomIsTheSizeLimitCappedByThePool) {
   EXPECT_EQ(c.free_bytes, 0u);
 }
 
+// A hugetlbfs mount with min_size= and no size= has a subpool whose maximum is -1: statvfs reports 2^64-1 blocks and
+// 2^64-1-used free ones. That is no limit (the pool is), not 2^64-1 pages times 2 MiB wrapped to a near-2^64 total.
+TEST(ShmCapacityTest, HugetlbfsMinSizeWithoutSizeIsThePoolNotAWrappedProduct) {
+  const uint64_t mib2 = uint64_t{2} << 20;
+  HugePool pool{mib2, 100, 40};
+  ShmCapacity c;
+  ApplyHugetlbfsLimits(~uint64_t{0}, ~uint64_t{0} - 3, pool, c);
+  EXPECT_EQ(c.total_bytes, 100 * mib2);
+  EXPECT_EQ(c.free_bytes, 40 * mib2);
+}
+
 // The pool of the default huge page size agrees with /proc/meminfo's HugePages_Total (a second reader).
 TEST(ShmCapacityTest, HugePoolOfTheDefaultSizeMatchesMeminfo) {
   std::ifstream in("/proc/meminfo");
