@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -108,8 +109,17 @@ absl::StatusOr<std::unique_ptr<HostRegistration>> HostRegistration::Register(con
   if (threads == 1) {
     worker(false);
   } else {
+    // A thread the system refuses (EAGAIN: RLIMIT_NPROC, no memory for a stack) is one worker fewer, never an
+    // exception out of here (a half-built pool of joinable threads was std::terminate); none: the caller registers.
     std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) pool.emplace_back(worker, true);
+    for (int t = 0; t < threads; ++t) {
+      try {
+        pool.emplace_back(worker, true);
+      } catch (const std::system_error&) {
+        break;
+      }
+    }
+    if (pool.empty()) worker(false);
     for (auto& th : pool) th.join();
   }
   // Every registered chunk belongs to r (its destructor unregisters them); the lowest failure is the one reported.

@@ -4,9 +4,13 @@
 // lookup reads through that mapping equal the independent row oracle (tools/row_oracle.h). Exits 77 (ctest skip)
 // without a GPU; a CUDA error fails.
 #include <cuda_runtime_api.h>
+#include <pthread.h>
 
+#include <exception>
 #include <filesystem>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "client/cuda_backend.h"
 #include "client/device_engine.h"
@@ -114,6 +118,52 @@ TEST(GpuClientTest, ChunkedRegistrationRollsBackOnFailure) {
   auto good = client::HostRegistration::Register(p, bytes, chunk, &failed);
   ASSERT_TRUE(good.ok()) << good.status();
   EXPECT_GT((*good)->seconds(), 0.0);
+}
+
+// The threaded form (RegisterOptions::threads): a failing chunk still rolls back every chunk any worker registered
+// (the whole range registers again afterwards) and names the chunk that failed; where no worker thread can start
+// (pthread_create refused: here a default stack larger than the address space) the caller registers alone, where
+// std::thread's exception escaped before (a half-built pool of joinable threads is std::terminate).
+TEST(GpuClientTest, ThreadedRegistrationRollsBackAndSurvivesRefusedThreads) {
+  REQUIRE_GPU();
+  const size_t bytes = size_t{20} << 20, chunk = size_t{2} << 20;
+  std::vector<uint8_t> buf(bytes + 4096);
+  uint8_t* p = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 4095) & ~uintptr_t{4095});
+  client::RegisterOptions o;
+  o.chunk_bytes = chunk;
+  o.threads = 4;
+  o.fail_at_chunk = 3;
+  int failed = -1;
+  auto bad = client::HostRegistration::Register(p, bytes, o, &failed);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(failed, 3);
+  EXPECT_NE(bad.status().message().find("chunk 3"), std::string::npos) << bad.status();
+  o.fail_at_chunk = -1;
+  {
+    auto good = client::HostRegistration::Register(p, bytes, o, &failed);
+    ASSERT_TRUE(good.ok()) << good.status() << " (a chunk of the failed registration stayed registered)";
+    EXPECT_EQ((*good)->chunks(), bytes / chunk);
+  }
+  pthread_attr_t saved, huge;
+  ASSERT_EQ(::pthread_getattr_default_np(&saved), 0);
+  ::pthread_attr_init(&huge);
+  ASSERT_EQ(::pthread_attr_setstacksize(&huge, size_t{1} << 62), 0);
+  ASSERT_EQ(::pthread_setattr_default_np(&huge), 0);
+  pthread_t t;
+  const bool refused = ::pthread_create(&t, nullptr, [](void*) -> void* { return nullptr; }, nullptr) != 0;
+  if (!refused) ::pthread_join(t, nullptr);
+  absl::StatusOr<std::unique_ptr<client::HostRegistration>> alone = absl::UnknownError("not run");
+  try {
+    alone = client::HostRegistration::Register(p, bytes, o, &failed);
+  } catch (const std::exception& e) {
+    alone = absl::InternalError(std::string("exception out of Register: ") + e.what());
+  }
+  ::pthread_setattr_default_np(&saved);
+  ::pthread_attr_destroy(&huge);
+  ::pthread_attr_destroy(&saved);
+  ASSERT_TRUE(refused) << "the huge default stack did not make pthread_create fail";
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  EXPECT_EQ((*alone)->chunks(), bytes / chunk);
 }
 
 // A real engramd publishes into this test's own shm directory; a DP 2 replica attaches, maps the segment read-only
