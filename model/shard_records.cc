@@ -89,7 +89,9 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
   const std::vector<Job> jobs = MakeJobs(layers, &hashes);
   // Sub-chunks small enough to stay in cache: the pread lands in a cache-resident buffer, the repack reads it from
   // there and the checksum reads the fresh records from there too.
-  const int64_t kSubRows = fill.sub_rows > 0 ? fill.sub_rows : 1024;
+  // At most a job's rows (a larger step buys nothing and its buffer could not be allocated: an exception, and in
+  // engramd std::terminate, from ENGRAM_PUBLISH_SUB_ROWS=1e12).
+  const int64_t kSubRows = fill.sub_rows > 0 ? std::min(fill.sub_rows, kChecksumChunkRows) : 1024;
   absl::Status st = RunJobs(jobs, threads, [&](const Job& j) -> absl::Status {
     const LayerRows& l = layers[j.entry];
     const EngramTensors& t = tensors[j.entry];

@@ -33,7 +33,7 @@ struct ShardFillOptions {
   // two copies). A publish does it once after READY instead (ShardCacheDropper): evicting 16 GiB of cache pages costs
   // about 2 s of kernel time, which inside the fill was most of a huge-page publish.
   bool drop_cache = true;
-  // Rows per read-pack-hash step (the buffer stays in cache); <= 0 means the default.
+  // Rows per read-pack-hash step (the buffer stays in cache); <= 0 means the default, at most kChecksumChunkRows.
   int64_t sub_rows = 1024;
 };
 

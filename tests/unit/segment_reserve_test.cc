@@ -16,6 +16,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -212,6 +213,24 @@ TEST_F(PublishReserveTest, APublishWhereNoThreadCanStartStillSucceeds) {
     std::_Exit(daemon::VerifyChecksums(r->path, 4).ok() ? 0 : 7);
   };
   EXPECT_EXIT(child(), ::testing::ExitedWithCode(0), "");
+}
+
+// ENGRAM_PUBLISH_SUB_ROWS is a diagnosis knob read from the environment: a value far beyond a job's rows is capped
+// (its buffer of rows x head_dim bytes could not be allocated: std::bad_alloc out of Publish, std::terminate in
+// engramd's publish loop), and the segment is the same as with the default step.
+TEST_F(PublishReserveTest, AHugeSubRowsKnobIsCappedNotAnAllocationFailure) {
+  const std::string shm = dir_ / "shm";
+  std::filesystem::create_directories(shm);
+  ::setenv("ENGRAM_PUBLISH_SUB_ROWS", "1000000000000", 1);
+  absl::StatusOr<daemon::PublishResult> r = absl::UnknownError("not run");
+  try {
+    r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2);
+  } catch (const std::exception& e) {
+    r = absl::InternalError(std::string("exception out of Publish: ") + e.what());
+  }
+  ::unsetenv("ENGRAM_PUBLISH_SUB_ROWS");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(daemon::VerifyChecksums(r->path, 2).ok());
 }
 
 // A hugetlbfs directory this process may write, with free 2 MiB pages; "" if none.
