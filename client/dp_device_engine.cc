@@ -297,6 +297,8 @@ class DpDeviceEngine final : public LookupEngine {
     if (failed_.ok()) {
       failed_ = st;
       exchange_->Abort(std::string(st.message()));
+      // The others learn it from engramd at once instead of at their step timeout.
+      group_->Leave(absl::StrCat("its DP engine failed a step: ", st.message()));
     }
     return failed_;
   }

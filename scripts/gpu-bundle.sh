@@ -31,11 +31,12 @@ case "${1:-kernels}" in
   daemon) bins=("$build/bench/bench_daemon" "$build/daemon/engramd") ;;
   client) bins=("$build/tests/gpu_client_test" "$build/daemon/engramd" "$build/tools/engramctl"
                 "$build/tools/engram-replica" "$build/tools/engram-mkckpt") ;;
-  # Every GPU test (the gpu ctest label), with what they start: engramd, the replica, engramctl, engram-mkckpt.
+  # Every GPU test (the gpu ctest label), with what they start: engramd, the replica, engramctl, engram-mkckpt;
+  # and bench_kernels, so one run can check the final tree and measure the lookup paths.
   tests) bins=("$build/tests/gpu_kernels_test" "$build/tests/gpu_prefetch_test" "$build/tests/uva_lookup_helper"
                "$build/tests/gpu_client_test" "$build/tests/gpu_host_gather_test" "$build/tests/gpu_dp_test"
                "$build/daemon/engramd" "$build/tools/engramctl" "$build/tools/engram-replica"
-               "$build/tools/engram-mkckpt") ;;
+               "$build/tools/engram-mkckpt" "$build/bench/bench_kernels") ;;
   # The Python package: libengram_c.so with engramd/engramctl/engram-mkckpt, the python/ tree, its tests and
   # bench/decode_step.py, run with the GPU machine's own python3, torch, CuPy, NumPy (run.sh python).
   python) bins=("$build/client/libengram_c.so" "$build/daemon/engramd" "$build/tools/engramctl"
