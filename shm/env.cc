@@ -25,6 +25,13 @@ void* PosixEnv::Mmap(void* addr, size_t len, int prot, int flags, int fd, off_t 
 }
 int PosixEnv::Munmap(void* addr, size_t len) { return ::munmap(addr, len); }
 int PosixEnv::Madvise(void* addr, size_t len, int advice) { return ::madvise(addr, len, advice); }
+size_t PosixEnv::PageBytes() {
+  static const size_t page = [] {
+    const long v = ::sysconf(_SC_PAGESIZE);
+    return v > 0 ? static_cast<size_t>(v) : size_t{4096};
+  }();
+  return page;
+}
 int PosixEnv::Mprotect(void* addr, size_t len, int prot) { return ::mprotect(addr, len, prot); }
 int PosixEnv::Mlock(const void* addr, size_t len) { return ::mlock(addr, len); }
 int PosixEnv::Munlock(const void* addr, size_t len) { return ::munlock(addr, len); }

@@ -40,6 +40,9 @@ class Env {
   virtual int Mprotect(void* addr, size_t len, int prot) = 0;
   virtual int Mlock(const void* addr, size_t len) = 0;
   virtual int Munlock(const void* addr, size_t len) = 0;
+  // The system's base page (sysconf(_SC_PAGESIZE): 4 KiB, or 16/64 KiB on some aarch64 kernels): madvise ranges
+  // start on one, and a tmpfs reports it as its block size.
+  virtual size_t PageBytes() = 0;
 };
 
 // The system calls themselves. Derive from it to override one call in a test.
@@ -60,6 +63,7 @@ class PosixEnv : public Env {
   int Mprotect(void* addr, size_t len, int prot) override;
   int Mlock(const void* addr, size_t len) override;
   int Munlock(const void* addr, size_t len) override;
+  size_t PageBytes() override;
 };
 
 // Repeats `call` while it fails with EINTR (for calls whose result is -1 + errno).

@@ -94,8 +94,10 @@ uint64_t SegmentFileBytes(uint64_t desc_bytes, uint64_t data_bytes) {
 
 absl::Status PopulateForWrite(uint8_t* p, uint64_t n, Env* env) {
   if (n == 0) return absl::OkStatus();
-  const uintptr_t b = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{4095};
-  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + n + 4095) & ~uintptr_t{4095};
+  // Whole system pages: madvise refuses a start off one (EINVAL), and a 64 KiB-page kernel's pages are not 4 KiB.
+  const uintptr_t pg = static_cast<uintptr_t>(std::max<size_t>(env->PageBytes(), 4096));
+  const uintptr_t b = reinterpret_cast<uintptr_t>(p) & ~(pg - 1);
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + n + pg - 1) & ~(pg - 1);
   int r;
   do {
     r = env->Madvise(reinterpret_cast<void*>(b), e - b, MADV_POPULATE_WRITE);
@@ -145,9 +147,10 @@ absl::StatusOr<std::unique_ptr<SegmentWriter>> SegmentWriter::Create(const std::
     return err;
   };
   if (reserve == SegmentReserve::kAuto) {
-    // hugetlbfs reports its huge page as the filesystem block size (a tmpfs reports 4 KiB, huge pages or not).
+    // hugetlbfs reports its huge page as the filesystem block size; a tmpfs reports the system's page, huge pages
+    // or not (4 KiB, or 64 KiB on a 64 KiB-page aarch64 kernel: not hugetlbfs).
     struct statvfs vfs {};
-    const bool hugetlbfs = env->Statvfs(dir.c_str(), &vfs) == 0 && vfs.f_bsize > 4096;
+    const bool hugetlbfs = env->Statvfs(dir.c_str(), &vfs) == 0 && vfs.f_bsize > std::max<size_t>(env->PageBytes(), 4096);
     reserve = hugetlbfs ? SegmentReserve::kWriters : SegmentReserve::kWhole;
   }
   // kWriters: the header pages and the last page (which sets the size); the data's pages are populated by the filler.
@@ -163,7 +166,7 @@ absl::StatusOr<std::unique_ptr<SegmentWriter>> SegmentWriter::Create(const std::
   env->Madvise(p, total, MADV_HUGEPAGE);  // honoured where the mount gives huge pages; harmless elsewhere
   if (writers) {
     // The header's page is reserved: this only asks whether the kernel has MADV_POPULATE_WRITE.
-    if (env->Madvise(p, 4096, MADV_POPULATE_WRITE) == 0) {
+    if (env->Madvise(p, std::max<size_t>(env->PageBytes(), 4096), MADV_POPULATE_WRITE) == 0) {
       w->populate_ = true;
     } else if ((err = reserve_range(0, total)) != 0) {
       env->Munmap(p, total);

@@ -120,7 +120,7 @@ class SegmentWriter {
   bool finished_ = false;
 };
 
-// Populates [p, p + n) of a shared writable mapping for writing (MADV_POPULATE_WRITE, widened to whole 4 KiB pages):
+// Populates [p, p + n) of a shared writable mapping for writing (MADV_POPULATE_WRITE, widened to whole system pages):
 // OK, or ResourceExhausted when the mount (or the hugetlb pool) has no room, instead of a SIGBUS on the write.
 absl::Status PopulateForWrite(uint8_t* p, uint64_t n, Env* env = Env::Default());
 

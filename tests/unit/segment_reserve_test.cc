@@ -14,6 +14,7 @@
 #include <sys/vfs.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -65,6 +66,38 @@ class PopulateEnv : public PosixEnv {
 };
 
 constexpr uint64_t kData = (uint64_t{5} << 20) + 3 * 264;
+
+// A 64 KiB-page kernel (aarch64, e.g. a Grace host) as far as the segment code can tell: the system page is 64 KiB,
+// a tmpfs reports it as its block size, and madvise refuses a range that does not start on one (EINVAL), measured
+// from the segment's mapping (on such a kernel every mapping starts on a 64 KiB page). MADV_POPULATE_WRITE is
+// otherwise a no-op here (a tmpfs with room: the writes fault their pages in).
+class BigPageEnv : public PosixEnv {
+ public:
+  static constexpr size_t kPage = 65536;
+  std::atomic<uintptr_t> base{0};
+  std::atomic<int> populates{0}, misaligned{0};
+  size_t PageBytes() override { return kPage; }
+  int Statvfs(const char* path, struct statvfs* out) override {
+    const int r = PosixEnv::Statvfs(path, out);
+    out->f_bsize = kPage;
+    return r;
+  }
+  void* Mmap(void* addr, size_t len, int prot, int flags, int fd, off_t offset) override {
+    void* p = PosixEnv::Mmap(addr, len, prot, flags, fd, offset);
+    if (p != MAP_FAILED) base = reinterpret_cast<uintptr_t>(p);
+    return p;
+  }
+  int Madvise(void* addr, size_t len, int advice) override {
+    if (advice != MADV_POPULATE_WRITE) return PosixEnv::Madvise(addr, len, advice);
+    ++populates;
+    if ((reinterpret_cast<uintptr_t>(addr) - base.load()) % kPage != 0) {
+      ++misaligned;
+      errno = EINVAL;
+      return -1;
+    }
+    return 0;
+  }
+};
 
 TEST(SegmentReserveTest, WritersReserveOnlyTheHeaderAndTheLastPageThenPopulateWhatTheyWrite) {
   TempDir dir;
@@ -184,6 +217,36 @@ TEST_F(PublishReserveTest, APopulateFailureFailsThePublishAsOutOfRoomAndLeavesNo
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
   EXPECT_TRUE(ListSegments(shm).empty());
+}
+
+// On a 64 KiB-page kernel a tmpfs's block size is its (base) page, not a huge page: kAuto reserves the whole file
+// there (it took it for hugetlbfs); and a forced kWriters publish populates whole 64 KiB pages (it widened each range
+// to 4 KiB only, and madvise refused every start off a 64 KiB page: every publish failed with EINVAL).
+TEST_F(PublishReserveTest, On64KiBPageKernelsTmpfsIsNotHugetlbfsAndPopulatesWholePages) {
+  const std::string shm = dir_ / "shm";
+  std::filesystem::create_directories(shm);
+  {
+    BigPageEnv env;
+    auto w = SegmentWriter::Create(shm, 0x56, 1, 0, "desc", kData, 1, 1, &env, SegmentReserve::kAuto);
+    ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_FALSE((*w)->populate_data()) << "a 64 KiB-page tmpfs was taken for hugetlbfs";
+  }
+  {
+    BigPageEnv env;
+    auto w = SegmentWriter::Create(shm, 0x57, 1, 0, "desc", kData, 1, 1, &env, SegmentReserve::kWriters);
+    ASSERT_TRUE(w.ok()) << w.status();
+    ASSERT_TRUE((*w)->populate_data());
+    const absl::Status st = PopulateForWrite((*w)->data() + 70000, 5000, &env);
+    EXPECT_TRUE(st.ok()) << st;
+  }
+  BigPageEnv env;
+  ::setenv("ENGRAM_PUBLISH_RESERVE", "writers", 1);
+  auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2, nullptr, &env);
+  ::unsetenv("ENGRAM_PUBLISH_RESERVE");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_GT(env.populates.load(), 1);
+  EXPECT_EQ(env.misaligned.load(), 0);
+  EXPECT_TRUE(daemon::VerifyChecksums(r->path, 2).ok());
 }
 
 // A process that cannot start threads (pthread_create EAGAIN: RLIMIT_NPROC, or no address space for a stack, made
