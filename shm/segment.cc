@@ -323,6 +323,12 @@ absl::StatusOr<std::unique_ptr<SegmentReader>> SegmentReader::OpenDescriptor(int
   r->dev_ = st.st_dev;
   r->ino_ = st.st_ino;
   const SegmentHeader& mh = r->header();
+  // The mapping's header is the one every later access uses: it must be the header just validated (the file could
+  // have been rewritten between the read and the map), or a lying size would reach past the mapping.
+  if (mh.desc_offset != h->desc_offset || mh.desc_bytes != h->desc_bytes || mh.data_offset != h->data_offset ||
+      mh.data_bytes != h->data_bytes || mh.total_bytes != h->total_bytes) {
+    return absl::DataLossError(absl::StrCat(name, ": header changed while it was opened"));
+  }
   if (XXH3_64bits(r->base_ + mh.desc_offset, mh.desc_bytes) != mh.desc_checksum) {
     return absl::DataLossError(absl::StrCat(name, ": descriptor checksum mismatch"));
   }

@@ -217,6 +217,35 @@ TEST(SegmentHeaderTest, SizesThatWrapOrOverlapAreRefusedBeforeAnythingIsRead) {
   }
 }
 
+// The header SegmentReader validated (read with pread) and the one in its mapping must be the same: here the file's
+// desc_bytes is rewritten between the two (an Env whose Mmap writes first). The reader used the mapping's sizes
+// unchecked before, and hashed a near-2^64 descriptor past its mapping.
+class RewriteBeforeMapEnv : public PosixEnv {
+ public:
+  uint64_t desc_bytes = 0;
+  void* Mmap(void* addr, size_t len, int prot, int flags, int fd, off_t offset) override {
+    const int w = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+    if (w >= 0) {
+      (void)!::pwrite(w, &desc_bytes, 8, offsetof(SegmentHeader, desc_bytes));
+      ::close(w);
+    }
+    return PosixEnv::Mmap(addr, len, prot, flags, fd, offset);
+  }
+  std::string path;
+};
+
+TEST(SegmentHeaderTest, AHeaderRewrittenBetweenValidationAndMappingIsRefused) {
+  TempDir dir;
+  auto w = MustCreate(dir.path(), 0x79, Env::Default());
+  ASSERT_TRUE(w->Finish(0).ok());
+  RewriteBeforeMapEnv env;
+  env.path = w->path();
+  env.desc_bytes = ~uint64_t{0} - kHeaderBytes + 1;
+  auto r = SegmentReader::Open(w->path(), &env);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+}
+
 TEST(SegmentHeaderTest, SymlinksAndFifosAreRefusedWithoutHanging) {
   TempDir dir;
   auto w = MustCreate(dir.path(), 0x88, Env::Default());
