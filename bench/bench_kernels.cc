@@ -419,18 +419,18 @@ int main(int argc, char** argv) {
       }
     }
     // Host-gather variants side by side (issue 14: what separates the pipeline from the CPU gather ceiling): every
-    // HostGatherOptions knob of the copy pipeline, each alone and together, against today's settings; every row, 0 and
+    // HostGatherOptions knob of the copy pipeline, each alone and together, against the earlier settings; every row, 0 and
     // the engine's UVA share; fresh ids per call. "b2b" = batches back to back (threads and dispatcher may still be
     // spinning); "idle" = 2 ms without work before each batch (everything asleep: a serving engine's case).
     {
-      struct HgVariant {  // today's settings unless named
+      struct HgVariant {  // the settings before session 3's defaults unless named
         const char* name;
         int32_t prefetch = 16, nt = 0, fused = 0, issuer = 0, spin = 200, dspin = 0, prewake = 0;
         int64_t min_chunk = 1024, max_chunk = 8192;
         int32_t issue_min = 0, sunpack = 0, pass_spin = 200;
       };
       const HgVariant hv[] = {
-          {.name = "today (pf16)"},
+          {.name = "before (pf16)"},
           {.name = "pf0", .prefetch = 0},
           {.name = "pf8", .prefetch = 8},
           {.name = "pf32", .prefetch = 32},
@@ -448,7 +448,7 @@ int main(int argc, char** argv) {
            .min_chunk = 256},
           {.name = "all, chunks 512-4096", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,
            .min_chunk = 512, .max_chunk = 4096},
-          {.name = "all, chunks 256-1024, copies >= 4096", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200,
+          {.name = "default: all, chunks 256-1024, copies >= 4096", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200,
            .prewake = 1, .min_chunk = 256, .max_chunk = 1024, .issue_min = 4096},
           {.name = "all + streamed unpack", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,
            .sunpack = 1},

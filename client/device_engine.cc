@@ -20,7 +20,9 @@ namespace {
 // layer, random rows of a 16 GiB table, fresh ids per batch), whether the host-gather path (the engine's
 // configuration: every row, a share of the tokens on the UVA row-order kernel) beat the UVA path. A batch takes
 // the choice of the nearest measured size (on a log scale).
-constexpr PathPoint kDefaultPathTable[] = {{6144, false}, {24576, false}, {196608, true}, {1048560, false}};
+// 1536 items (64 decode tokens x 24 columns) stays on UVA: 14 us in a graph, below the host path's ~90 us fixed cost.
+constexpr PathPoint kDefaultPathTable[] = {
+    {1536, false}, {6144, true}, {24576, true}, {196608, true}, {1048560, false}};
 
 // ENGRAM_HOST_GATHER_MIN_ITEMS=N: host gather from N items (a plain threshold, a single point marked `threshold`);
 // else the table bench_kernels writes (ENGRAM_LOOKUP_PATH_TABLE: lines "ITEMS host|uva"); else the measured default.

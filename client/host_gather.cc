@@ -16,6 +16,9 @@ namespace engram::client {
 
 using kernels::CudaStatus;
 
+// The built-in defaults are bench_kernels' fastest "host gather variant" at 196K rows with the engine's UVA share
+// (2 x H200 run of 2026-11-30, session 3: "all, chunks 256-1024, copies >= 4096": non-temporal stores, fused
+// plan + gather, the dispatcher issuing merged copies of >= 4096 rows, pre-wake, dispatcher spin 200 us).
 HostGatherOptions ResolveHostGatherOptions(HostGatherOptions o) {
   auto resolve = [](int32_t* field, const char* env, int32_t fallback) {
     if (*field >= 0) return;
@@ -23,14 +26,14 @@ HostGatherOptions ResolveHostGatherOptions(HostGatherOptions o) {
     *field = v != nullptr && *v != '\0' ? std::max(0, std::atoi(v)) : fallback;
   };
   resolve(&o.prefetch_rows, "ENGRAM_HOST_GATHER_PREFETCH", 16);
-  resolve(&o.stream_stores, "ENGRAM_HOST_GATHER_NT", 0);
-  resolve(&o.fused, "ENGRAM_HOST_GATHER_FUSED", 0);
-  resolve(&o.copy_issuer, "ENGRAM_HOST_GATHER_ISSUER", 0);
+  resolve(&o.stream_stores, "ENGRAM_HOST_GATHER_NT", 1);
+  resolve(&o.fused, "ENGRAM_HOST_GATHER_FUSED", 1);
+  resolve(&o.copy_issuer, "ENGRAM_HOST_GATHER_ISSUER", 1);
   resolve(&o.spin_us, "ENGRAM_HOST_GATHER_SPIN_US", 200);
-  resolve(&o.dispatch_spin_us, "ENGRAM_HOST_GATHER_DISPATCH_SPIN_US", 0);
+  resolve(&o.dispatch_spin_us, "ENGRAM_HOST_GATHER_DISPATCH_SPIN_US", 200);
   resolve(&o.pass_spin_us, "ENGRAM_HOST_GATHER_PASS_SPIN_US", 200);
-  resolve(&o.prewake, "ENGRAM_HOST_GATHER_PREWAKE", 0);
-  resolve(&o.issue_min_rows, "ENGRAM_HOST_GATHER_ISSUE_MIN_ROWS", 0);
+  resolve(&o.prewake, "ENGRAM_HOST_GATHER_PREWAKE", 1);
+  resolve(&o.issue_min_rows, "ENGRAM_HOST_GATHER_ISSUE_MIN_ROWS", 4096);
   resolve(&o.stream_unpack, "ENGRAM_HOST_GATHER_STREAM_UNPACK", 0);
   return o;
 }

@@ -51,7 +51,7 @@ struct HostGatherOptions {
   std::vector<int> cpus;      // CPU affinity of the gather threads (worker i on cpus[i % n]); empty = unpinned
   bool dedup = true;          // fetch each distinct row of a batch once
   int32_t unpack_blocks = 0;  // grid of the GPU unpack; 0 = the whole GPU (it reads HBM only, briefly)
-  int64_t min_chunk_rows = 1024, max_chunk_rows = 8192;
+  int64_t min_chunk_rows = 256, max_chunk_rows = 1024;  // rows a gather thread takes at a time
   // Share of each batch's tokens gathered by the UVA row-order kernel concurrently (0 = none; needs every layer's
   // device_records); batches below uva_min_items items per layer are not split.
   double uva_share = 0;
@@ -61,26 +61,26 @@ struct HostGatherOptions {
   int32_t uva_blocks = 8;
 
   // How the batch reaches the copy engine (issue 14: the gap between the pipeline and the CPU gather ceiling). Each
-  // field left at -1 is taken from its environment variable when set, else from the built-in default (today's
-  // behaviour, until bench_kernels' "host gather variant" lines say otherwise); HostGather::options() shows the result.
+  // field left at -1 is taken from its environment variable when set, else from the built-in default (in brackets:
+  // chosen from bench_kernels' "host gather variant" lines, bench/RESULTS.md); HostGather::options() shows the result.
   int32_t prefetch_rows = -1;  // ENGRAM_HOST_GATHER_PREFETCH: rows prefetched ahead in each thread's list (16;
                                // 0 = none)
-  int32_t stream_stores = -1;  // ENGRAM_HOST_GATHER_NT=1: non-temporal stores into the pinned staging (0)
+  int32_t stream_stores = -1;  // ENGRAM_HOST_GATHER_NT=1: non-temporal stores into the pinned staging (1)
   int32_t fused = -1;          // ENGRAM_HOST_GATHER_FUSED=1: without de-duplication, each thread plans its own chunk
-                               // (ids -> rows, index) right before gathering it: one pass, not two (0)
+                               // (ids -> rows, index) right before gathering it: one pass, not two (1)
   int32_t copy_issuer = -1;    // ENGRAM_HOST_GATHER_ISSUER=1: the dispatcher thread enqueues the chunk copies (runs
-                               // of finished chunks merged into one copy); the gather threads never call CUDA (0)
+                               // of finished chunks merged into one copy); the gather threads never call CUDA (1)
   int32_t spin_us = -1;        // ENGRAM_HOST_GATHER_SPIN_US: idle gather threads spin this long before sleeping (200)
   int32_t dispatch_spin_us = -1;  // ENGRAM_HOST_GATHER_DISPATCH_SPIN_US: the same for the dispatcher thread after a
-                                  // batch (0)
+                                  // batch (200)
   int32_t pass_spin_us = -1;  // ENGRAM_HOST_GATHER_PASS_SPIN_US: the dispatcher spins this long for a pass of the
                               // threads to finish before it sleeps (200; a pass longer than that then also pays the
                               // dispatcher's wake-up before the unpack is launched)
   int32_t prewake = -1;        // ENGRAM_HOST_GATHER_PREWAKE=1: Prefetch wakes the gather threads itself, so that
-                               // their wake-up overlaps the dispatcher's (0)
+                               // their wake-up overlaps the dispatcher's (1)
   int32_t issue_min_rows = -1;  // ENGRAM_HOST_GATHER_ISSUE_MIN_ROWS: with copy_issuer, a copy waits until this many
                                 // finished rows are contiguous (the last copy takes the rest): small chunks for the
-                                // threads, large copies for the copy engine (0)
+                                // threads, large copies for the copy engine (4096)
   int32_t stream_unpack = -1;   // ENGRAM_HOST_GATHER_STREAM_UNPACK=1: with copy_issuer and fused (every row), each copy
                                 // is unpacked as it lands (its tokens' index copied with it), not all at the end (0)
 };
