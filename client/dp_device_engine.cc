@@ -91,6 +91,11 @@ class DpDeviceEngine final : public LookupEngine {
         return Fail(absl::InvalidArgumentError("prefetch: hash id pointer"));
       }
       if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
+        // d_ids_ may still be read by the previous Prefetch's exchange on the side stream (two Prefetch calls without
+        // a Wait between them): the copy waits for that step's end (a no-op before the first step).
+        if (cudaStreamWaitEvent(stream_, prefetched_event_, 0) != cudaSuccess) {
+          return Fail(absl::InternalError("prefetch: order after the previous step"));
+        }
         if (cudaMemcpyAsync(d_ids_, hash_ids, static_cast<size_t>(T) * L * cols_ * 4, cudaMemcpyHostToDevice,
                             stream_) != cudaSuccess) {
           return Fail(absl::InternalError("prefetch: hash ids to the device"));
