@@ -74,8 +74,10 @@ absl::StatusOr<std::unique_ptr<TableImpl>> OpenSharedTable(const Grant& g, int f
   for (size_t l = 0; l < g.layers.size(); ++l) {  // data offsets count from the start of the records
     const GrantedLayer& gl = g.layers[l];
     const uint64_t rows = static_cast<uint64_t>(gl.row_end - gl.row_begin);
-    if (gl.row_begin != shard.row_begin[l] || gl.row_end != shard.row_end[l] ||
-        gl.data_offset + rows * static_cast<uint64_t>(layout.record_bytes()) > r.header().data_bytes) {
+    const uint64_t data_bytes = r.header().data_bytes, layer_bytes = rows * static_cast<uint64_t>(layout.record_bytes());
+    // Compared without adding: an offset near 2^64 must not wrap past the check.
+    if (gl.row_begin != shard.row_begin[l] || gl.row_end != shard.row_end[l] || gl.data_offset > data_bytes ||
+        layer_bytes > data_bytes - gl.data_offset) {
       return absl::FailedPreconditionError(
           absl::StrCat("the granted segment's layer ", l, " does not cover this shard's rows inside the file"));
     }
