@@ -34,6 +34,7 @@ static_assert(ENGRAM_REASON_SHM_MISSING == static_cast<int>(engram::client::Reas
 struct engram_table {
   std::unique_ptr<engram::client::Table> table;
   std::string mode, backend;
+  int64_t staging_col_begin = 0, staging_col_end = 0;  // the TP shard's columns (an engine's staging fills them)
 };
 
 namespace {
@@ -121,6 +122,15 @@ int engram_attach(const char* socket, int timeout_ms, const engram_attach_reques
   t->table = std::move(*table);
   t->mode = engram::client::ModeName(t->table->mode());
   t->backend = engram::client::BackendName(t->table->backend());
+  // A DP_SHARDED table owns a DP shard of the TP shard's columns; its engines' staging holds the whole TP shard's.
+  t->staging_col_begin = t->table->col_begin();
+  t->staging_col_end = t->table->col_end();
+  if (t->table->mode() == engram::client::Mode::kDpSharded) {
+    if (auto tp = t->table->layout().Shard(r.tp_size, r.tp_rank); tp.ok()) {
+      t->staging_col_begin = tp->col_begin;
+      t->staging_col_end = tp->col_end;
+    }
+  }
   *out = t;
   return 0;
 }
@@ -221,6 +231,15 @@ int engram_table_col_range(const engram_table* t, int* col_begin, int* col_end) 
   }
   *col_begin = static_cast<int>(t->table->col_begin());
   *col_end = static_cast<int>(t->table->col_end());
+  return 0;
+}
+
+int engram_table_staging_col_range(const engram_table* t, int* col_begin, int* col_end) {
+  if (t == nullptr || col_begin == nullptr || col_end == nullptr) {
+    return static_cast<int>(absl::StatusCode::kInvalidArgument);
+  }
+  *col_begin = static_cast<int>(t->staging_col_begin);
+  *col_end = static_cast<int>(t->staging_col_end);
   return 0;
 }
 

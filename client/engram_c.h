@@ -88,7 +88,10 @@ int64_t engram_table_layer_id(const engram_table* t, int layer);    /* backbone 
  * `cols` values: columns [0, cols) of num_cols). Return 0, or INVALID_ARGUMENT for a bad layer / null output. */
 int engram_table_layer_rows(const engram_table* t, int layer, int64_t* row_begin, int64_t* row_end);
 int engram_table_column_rows(const engram_table* t, int layer, int64_t* rows, int cols);
-int engram_table_col_range(const engram_table* t, int* col_begin, int* col_end); /* the columns this TP shard owns */
+int engram_table_col_range(const engram_table* t, int* col_begin, int* col_end); /* the columns this table owns */
+/* The columns an engine's staging fills: the TP shard's. Equal to col_range except on a DP_SHARDED table, which owns
+ * only its DP shard of them (a TP rank's wkv product runs over these). */
+int engram_table_staging_col_range(const engram_table* t, int* col_begin, int* col_end);
 int engram_table_max_ngram(const engram_table* t);
 int engram_table_record_bytes(const engram_table* t);
 int engram_table_hidden_size(const engram_table* t);

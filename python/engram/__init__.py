@@ -63,7 +63,7 @@ class Layout(namedtuple("Layout", "layers n_cols col_begin col_end head_dim reco
 
 def _tp_columns(n_cols, tp_size, tp_rank):
     # The TP shard's hash columns as SPEC 5 splits them (model/layout.cc Layout::Shard): contiguous parts of
-    # ceil(n_cols / tp_size) columns. Used only for a DP_SHARDED table, whose library range is the DP shard inside it.
+    # ceil(n_cols / tp_size) columns. The cross-check of the library's staging columns (a second computation).
     part = -(-n_cols // tp_size)
     return tp_rank * part, min((tp_rank + 1) * part, n_cols)
 
@@ -151,13 +151,15 @@ class Table:
             layers.append(LayerLayout(L.engram_table_layer_id(h, i), b.value, e.value, tuple(rows)))
         cb, ce = ctypes.c_int(), ctypes.c_int()
         _check_rc(L.engram_table_col_range(h, ctypes.byref(cb), ctypes.byref(ce)), "column range")
-        sb, se = cb.value, ce.value  # outside DP_SHARDED the staging holds exactly the owned columns
-        if self.mode == "DP_SHARDED":
-            sb, se = _tp_columns(n_cols, *tp)
-            if not sb <= cb.value < ce.value <= se:
-                self._free()
-                raise EngramError(13, f"internal: the DP shard [{cb.value}, {ce.value}) is not inside TP rank "
-                                      f"{tp[1]} of {tp[0]}'s columns [{sb}, {se})")
+        # The staging's columns come from the library; SPEC 5's TP split, recomputed here, must agree with them.
+        stb, ste = ctypes.c_int(), ctypes.c_int()
+        _check_rc(L.engram_table_staging_col_range(h, ctypes.byref(stb), ctypes.byref(ste)), "staging columns")
+        sb, se = stb.value, ste.value
+        want = _tp_columns(n_cols, *tp) if self.mode == "DP_SHARDED" else (cb.value, ce.value)
+        if (sb, se) != want or not sb <= cb.value <= ce.value <= se:
+            self._free()
+            raise EngramError(13, f"internal: staging columns [{sb}, {se}) disagree with TP rank {tp[1]} of {tp[0]} "
+                                  f"({want}) or do not hold the owned columns [{cb.value}, {ce.value})")
         self.layout = Layout(tuple(layers), n_cols, cb.value, ce.value, L.engram_table_head_dim(h),
                              L.engram_table_record_bytes(h), L.engram_table_max_ngram(h),
                              L.engram_table_hidden_size(h), L.engram_table_hc_mult(h),

@@ -98,6 +98,7 @@ _sig("engram_table_layer_id", _c.c_int64, _P, _c.c_int)
 _sig("engram_table_layer_rows", _c.c_int, _P, _c.c_int, _c.POINTER(_c.c_int64), _c.POINTER(_c.c_int64))
 _sig("engram_table_column_rows", _c.c_int, _P, _c.c_int, _c.POINTER(_c.c_int64), _c.c_int)
 _sig("engram_table_col_range", _c.c_int, _P, _c.POINTER(_c.c_int), _c.POINTER(_c.c_int))
+_sig("engram_table_staging_col_range", _c.c_int, _P, _c.POINTER(_c.c_int), _c.POINTER(_c.c_int))
 
 _sig("engram_engine_create", _c.c_int, _P, _c.c_int32, _u, _c.POINTER(_P), *_errbuf)
 _sig("engram_engine_free", None, _P)

@@ -43,6 +43,13 @@ int main(int argc, char** argv) {
   CHECK(saw_unavailable);
   const int L = engram_table_num_layers(t), C = engram_table_num_cols(t), D = engram_table_head_dim(t);
   CHECK(L > 0 && C > 0 && D > 0);
+  {
+    /* A private table of the whole TP shard owns every column its staging fills: both ranges are [0, C). */
+    int cb = -1, ce = -1, sb = -1, se = -1;
+    CHECK(engram_table_col_range(t, &cb, &ce) == 0 && engram_table_staging_col_range(t, &sb, &se) == 0);
+    CHECK(cb == 0 && ce == C && sb == 0 && se == C);
+    CHECK(engram_table_staging_col_range(t, NULL, &se) != 0);
+  }
   enum { T = 7 };
   int32_t tokens[T] = {1, 2, 3, 4, 5, 300, 2};
   int32_t* ids = calloc((size_t)(T * L * C), sizeof(int32_t));
