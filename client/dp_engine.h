@@ -16,9 +16,10 @@
 //   Lookup(l, ...) one layer's step, the same collective for that layer alone (bf16 or packed records).
 // Buffers are fixed at creation (sized from the group slot). Any failure of a step (a member left, the lease
 // ended, the step timeout, a bad argument on one member) aborts the step on every member and poisons the engine:
-// every later call returns the same error. Transport: the host region (client/dp_host_transport.h) on the CPU
-// backend; NCCL (and NVLink peer reads) on the CUDA backend (client/dp_device_engine.h). One thread drives an
-// engine; the Table must outlive it.
+// every later call returns the same error, and the member leaves the group (GroupLeave: the others stop at once,
+// told who left and why); destroying the engine leaves it too, after which its session may join a new group.
+// Transport: the host region (client/dp_host_transport.h) on the CPU backend; NCCL (and NVLink peer reads) on the
+// CUDA backend (client/dp_device_engine.h). One thread drives an engine; the Table must outlive it.
 #pragma once
 
 #include <memory>
