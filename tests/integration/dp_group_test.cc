@@ -336,6 +336,20 @@ TEST_F(DpGroupTest, MalformedGroupRequestsAreRefusedWithoutHarm) {
     j.set_name("../../etc\n\x01");
     cases.push_back({"hostile name", true, true, j, grpc::StatusCode::INVALID_ARGUMENT, "name"});
   }
+  // Sessions are separate streams: a second member's join may reach the daemon first unless the test waits until
+  // the first member holds its place (a forming group with one member).
+  auto first_member_in = [&] {
+    return WaitFor(
+        [&] {
+          json g = Groups();
+          if (!g.is_array()) return false;
+          for (const auto& x : g) {
+            if (x["state"] == "FORMING" && x["members"].size() == 1) return true;
+          }
+          return false;
+        },
+        std::chrono::seconds(30));
+  };
   for (const auto& c : cases) {
     RawSession s(stub.get(), hello(0, c.across));
     ASSERT_TRUE(s.answered()) << c.what;
@@ -358,6 +372,7 @@ TEST_F(DpGroupTest, MalformedGroupRequestsAreRefusedWithoutHarm) {
     RawSession a(stub.get(), hello(0, true));
     a.Outcome(engram::v1::DP_SHARDED);
     a.Join(good(0));
+    ASSERT_TRUE(first_member_in()) << Groups().dump();
     RawSession b(stub.get(), hello(0, true));
     b.Outcome(engram::v1::DP_SHARDED);
     b.Join(good(0));
@@ -372,6 +387,7 @@ TEST_F(DpGroupTest, MalformedGroupRequestsAreRefusedWithoutHarm) {
     RawSession a(stub.get(), hello(0, true));
     a.Outcome(engram::v1::DP_SHARDED);
     a.Join(good(0));
+    ASSERT_TRUE(first_member_in()) << Groups().dump();
     RawSession b(stub.get(), hello(1, true));
     b.Outcome(engram::v1::DP_SHARDED);
     auto j = good(1);
