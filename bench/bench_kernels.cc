@@ -1,4 +1,4 @@
-// bench_kernels: the GPU kernels against ceilings measured in the same run (../shared/MEASURED.md says which).
+// bench_kernels: the GPU kernels against ceilings measured in the same run.
 //   ceilings   H2D cudaMemcpy from pinned memory (PCIe), D2D copy (HBM, bytes read + written)
 //   lookup     from a shared /dev/shm segment through UVA (default 16 GiB), 196K and 1M rows; latency for
 //              1/2/4/64 tokens x 24 columns; from HBM, 1M rows
