@@ -10,6 +10,7 @@
 #include <vector>
 #include <thread>
 
+#include "base/utf8.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "client/fd_channel.h"
@@ -407,9 +408,7 @@ absl::Status Session::LeaveGroup(uint64_t join_id, const std::string& group, uin
   auto* l = m.mutable_group_leave();
   l->set_group(group);
   l->set_generation(generation);
-  size_t n = std::min<size_t>(reason.size(), 512);  // the daemon's bound, cut at a UTF-8 boundary
-  while (n < reason.size() && n > 0 && (static_cast<unsigned char>(reason[n]) & 0xC0) == 0x80) --n;
-  l->set_reason(reason.substr(0, n));
+  l->set_reason(Utf8Prefix(reason, 512));  // the daemon's bound
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (join_id == 0 || impl_->join_id != join_id) return absl::OkStatus();  // lost with the lease, or left already
   impl_->on_group = nullptr;

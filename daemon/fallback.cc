@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "base/utf8.h"
 #include "absl/strings/str_format.h"
 
 namespace engram::daemon {
@@ -28,10 +29,7 @@ std::string ReasonName(FallbackReason code) { return engram::v1::FallbackReason_
 std::string ModeName(engram::v1::Mode mode) { return engram::v1::Mode_Name(mode); }
 
 std::string EchoOf(const std::string& s, size_t max) {
-  if (s.size() <= max) return s;
-  size_t n = max;
-  while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;
-  return s.substr(0, n) + "...";
+  return s.size() <= max ? s : Utf8Prefix(s, max) + "...";
 }
 
 int DpGroupSize(const engram::v1::Hello& h) {

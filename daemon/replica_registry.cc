@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "base/utf8.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -18,14 +19,6 @@ std::string ReasonsText(const std::vector<engram::v1::Reason>& reasons) {
   std::vector<std::string> names;
   for (const auto& r : reasons) names.push_back(ReasonName(r.code()));
   return absl::StrJoin(names, ",");
-}
-
-// `s` cut to at most `max` bytes without splitting a UTF-8 sequence.
-std::string TruncateUtf8(const std::string& s, size_t max) {
-  if (s.size() <= max) return s;
-  size_t n = max;
-  while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;
-  return s.substr(0, n);
 }
 
 }  // namespace
@@ -67,11 +60,11 @@ absl::Status ValidateOutcome(const engram::v1::Outcome& o, engram::v1::Outcome* 
   }
   if (o.backend() != "cuda" && o.backend() != "cpu") {
     return absl::InvalidArgumentError(
-        absl::StrCat("outcome: backend '", TruncateUtf8(o.backend(), 64), "' is neither \"cuda\" nor \"cpu\""));
+        absl::StrCat("outcome: backend '", Utf8Prefix(o.backend(), 64), "' is neither \"cuda\" nor \"cpu\""));
   }
   *clean = o;
   for (auto& r : *clean->mutable_reasons()) {
-    if (r.hint().size() > kMaxHintBytes) r.set_hint(TruncateUtf8(r.hint(), kMaxHintBytes));
+    if (r.hint().size() > kMaxHintBytes) r.set_hint(Utf8Prefix(r.hint(), kMaxHintBytes));
   }
   return absl::OkStatus();
 }

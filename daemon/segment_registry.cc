@@ -9,6 +9,7 @@
 #include <cstring>
 #include <set>
 
+#include "base/utf8.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -81,10 +82,7 @@ absl::StatusOr<bool> OursOrClear(const std::string& path) {
 }
 
 std::string Bounded(const std::string& s, size_t max) {
-  if (s.size() <= max) return s;
-  size_t n = max;
-  while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;
-  return s.substr(0, n) + "...";
+  return s.size() <= max ? s : Utf8Prefix(s, max) + "...";
 }
 
 std::shared_ptr<const engram::v1::SegmentDescriptor> ReadDescriptor(const std::string& path) {

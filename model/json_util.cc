@@ -4,6 +4,7 @@
 #include <limits>
 #include <new>
 
+#include "base/utf8.h"
 #include "absl/strings/str_cat.h"
 
 namespace engram {
@@ -66,10 +67,7 @@ absl::StatusOr<json> ParseUntrustedJson(absl::string_view text, absl::string_vie
 
 std::string TextExcerpt(absl::string_view s, size_t max_chars) {
   if (s.size() <= max_chars) return std::string(s);
-  size_t cut = max_chars;
-  // Back up to a code point boundary (never split a UTF-8 sequence: messages must stay valid UTF-8).
-  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;
-  return absl::StrCat(s.substr(0, cut), "... (", s.size(), " bytes)");
+  return absl::StrCat(Utf8Prefix(std::string_view(s.data(), s.size()), max_chars), "... (", s.size(), " bytes)");
 }
 
 std::string JsonExcerpt(const json& v, size_t max_chars) {
