@@ -102,8 +102,6 @@ class SegmentWriter {
   // True when the data's pages are not reserved yet (kWriters granted): the filler must populate each range before
   // writing it (PopulateForWrite) to get ENOSPC as an error.
   bool populate_data() const { return populate_; }
-  // The mount's page size for this file (4096, or the huge page size of a hugetlbfs / huge=always tmpfs mount).
-  uint64_t page_bytes() const { return page_; }
   void SetLoading();
   // Marks READY (after an msync of the data) and keeps the file.
   absl::Status Finish(double load_seconds);
@@ -115,7 +113,7 @@ class SegmentWriter {
   std::string path_;
   uint8_t* base_ = nullptr;
   uint64_t size_ = 0;
-  uint64_t page_ = 4096;
+  uint64_t page_ = 4096;  // the mount's page size for this file (4096, or a hugetlbfs / huge=always tmpfs page)
   bool populate_ = false;
   bool finished_ = false;
 };
