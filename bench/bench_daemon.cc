@@ -143,7 +143,7 @@ int main(int argc, char** argv) {
 
   if (!mounts.empty()) {
     // Per mount: ceilings, then publish variants. The checkpoint (read once above) stays cached
-    // (ENGRAM_PUBLISH_DROP_CACHE=0) until the last variant of the last mount, which runs the product's default
+    // (PublishTuning::DropCache::kKeep) until the last variant of the last mount, which runs the product's default
     // (dropping the cache behind the reader).
     std::unique_ptr<uint8_t[]> src_mem(new uint8_t[bytes]);  // filled in parallel, not zeroed by one thread
     uint8_t* const src = src_mem.get();
@@ -158,20 +158,27 @@ int main(int argc, char** argv) {
       }
       for (auto& th : pool) th.join();
     }
+    using Tuning = engram::daemon::PublishTuning;
+    using engram::SegmentReserve;
+    const auto tuning = [](SegmentReserve reserve, Tuning::DropCache drop, int64_t sub_rows) {
+      Tuning t;
+      t.reserve = reserve;
+      t.drop_cache = drop;
+      t.sub_rows = sub_rows;
+      return t;
+    };
     struct Variant {
       std::string name;
-      const char* reserve;   // ENGRAM_PUBLISH_RESERVE
-      const char* drop;      // ENGRAM_PUBLISH_DROP_CACHE
-      const char* sub_rows;  // ENGRAM_PUBLISH_SUB_ROWS
+      Tuning tuning;
       int threads;
     };
+    const Tuning writers = tuning(SegmentReserve::kWriters, Tuning::DropCache::kKeep, 1024);
     std::vector<Variant> variants = {
-        {"populate by the filling threads (kWriters: the default on hugetlbfs)", "writers", "0", "1024", threads},
-        {"fallocate first (kWhole: the default on tmpfs)", "whole", "0", "1024", threads},
-        {"populate, 4096-row steps", "writers", "0", "4096", threads}};
-    if (threads2 > 0) {
-      variants.push_back({"populate, " + std::to_string(threads2) + " threads", "writers", "0", "1024", threads2});
-    }
+        {"populate by the filling threads (kWriters: the default on hugetlbfs)", writers, threads},
+        {"fallocate first (kWhole: the default on tmpfs)",
+         tuning(SegmentReserve::kWhole, Tuning::DropCache::kKeep, 1024), threads},
+        {"populate, 4096-row steps", tuning(SegmentReserve::kWriters, Tuning::DropCache::kKeep, 4096), threads}};
+    if (threads2 > 0) variants.push_back({"populate, " + std::to_string(threads2) + " threads", writers, threads2});
     for (size_t m = 0; m < mounts.size(); ++m) {
       const auto& [label, dir_root] = mounts[m];
       const std::string dir = dir_root + "/engram-bench-" + std::to_string(::getpid());
@@ -185,13 +192,11 @@ int main(int argc, char** argv) {
                   first_touch > 0 ? falloc / first_touch : 0.0);
       std::vector<Variant> vs = variants;
       if (m + 1 == mounts.size()) {
-        vs.push_back({"product default (reserve auto; cache dropped after READY)", "auto", "after", "1024", threads});
+        vs.push_back({"product default (reserve auto; cache dropped after READY)", Tuning{}, threads});
       }
       for (const Variant& v : vs) {
-        ::setenv("ENGRAM_PUBLISH_RESERVE", v.reserve, 1);
-        ::setenv("ENGRAM_PUBLISH_DROP_CACHE", v.drop, 1);
-        ::setenv("ENGRAM_PUBLISH_SUB_ROWS", v.sub_rows, 1);
-        auto r = engram::daemon::Publish(**ckpt, *layout, map, 1, 0, dir, 1, 1, v.threads);
+        auto r = engram::daemon::Publish(**ckpt, *layout, map, 1, 0, dir, 1, 1, v.threads, nullptr,
+                                         engram::Env::Default(), v.tuning);
         if (!r.ok()) {
           std::printf("[%s] publish, %s: FAILED: %s\n", label.c_str(), v.name.c_str(),
                       std::string(r.status().message()).c_str());
@@ -205,9 +210,6 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
         ::unlink(r->path.c_str());
       }
-      ::unsetenv("ENGRAM_PUBLISH_RESERVE");
-      ::unsetenv("ENGRAM_PUBLISH_DROP_CACHE");
-      ::unsetenv("ENGRAM_PUBLISH_SUB_ROWS");
       std::filesystem::remove_all(dir);
     }
     if (only_mounts) {

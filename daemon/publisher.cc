@@ -29,6 +29,23 @@ std::vector<LayerRows> RowsOf(const engram::v1::SegmentDescriptor& d) {
 
 }  // namespace
 
+PublishTuning PublishTuning::FromEnv() {
+  PublishTuning t;
+  const char* reserve = std::getenv("ENGRAM_PUBLISH_RESERVE");
+  const std::string r = reserve == nullptr ? "" : reserve;
+  if (r == "whole") t.reserve = SegmentReserve::kWhole;
+  if (r == "writers") t.reserve = SegmentReserve::kWriters;
+  const char* drop = std::getenv("ENGRAM_PUBLISH_DROP_CACHE");
+  const std::string d = drop == nullptr ? "after" : drop;
+  if (d == "inline") {
+    t.drop_cache = DropCache::kInline;
+  } else if (d != "after" && d != "1") {
+    t.drop_cache = DropCache::kKeep;
+  }
+  if (const char* v = std::getenv("ENGRAM_PUBLISH_SUB_ROWS"); v != nullptr) t.sub_rows = std::atoll(v);
+  return t;
+}
+
 engram::v1::SegmentDescriptor MakeDescriptor(const Checkpoint& ckpt, const Layout& layout, const TokenMap& map,
                                              const ShardRange& shard, uint64_t fingerprint) {
   const EngramConfig& c = layout.config();
@@ -67,7 +84,7 @@ engram::v1::SegmentDescriptor MakeDescriptor(const Checkpoint& ckpt, const Layou
 absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layout, const TokenMap& map,
                                       int64_t tp_size, int64_t tp_rank, const std::string& shm_dir,
                                       uint64_t instance_id, uint64_t epoch, int threads,
-                                      std::atomic<uint64_t>* rows_done, Env* env) {
+                                      std::atomic<uint64_t>* rows_done, Env* env, const PublishTuning& tuning) {
   const auto t0 = std::chrono::steady_clock::now();
   auto shard = layout.Shard(tp_size, tp_rank);
   if (!shard.ok()) return shard.status();
@@ -79,14 +96,10 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   // (fixed64 fields serialise to the same size whatever their value).
   for (auto& l : *desc.mutable_layers()) l.set_checksum(~uint64_t{0});
   // On hugetlbfs the data's pages are populated by the filling threads (in parallel, next to their writes), not
-  // zeroed up front by one thread in fallocate; a tmpfs is reserved whole (SegmentReserve::kAuto).
-  // ENGRAM_PUBLISH_RESERVE=whole|writers forces one (diagnosis).
-  const std::string reserve_env = std::getenv("ENGRAM_PUBLISH_RESERVE") ? std::getenv("ENGRAM_PUBLISH_RESERVE") : "";
-  const SegmentReserve reserve = reserve_env == "whole"     ? SegmentReserve::kWhole
-                                 : reserve_env == "writers" ? SegmentReserve::kWriters
-                                                            : SegmentReserve::kAuto;
+  // zeroed up front by one thread in fallocate; a tmpfs is reserved whole (SegmentReserve::kAuto; tuning may force
+  // one).
   auto writer = SegmentWriter::Create(shm_dir, fingerprint, tp_size, tp_rank, desc.SerializeAsString(), data_bytes,
-                                      instance_id, epoch, env, reserve);
+                                      instance_id, epoch, env, tuning.reserve);
   if (!writer.ok()) return writer.status();
   (*writer)->SetLoading();
   uint8_t* data = (*writer)->data();
@@ -96,12 +109,9 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
     fill.before_write = [env](uint8_t* p, uint64_t n) { return PopulateForWrite(p, n, env); };
   }
   // The checkpoint's pages leave the page cache after READY, on a thread of their own (not job by job inside the
-  // fill, where the eviction cost ~2 s per 16 GiB). ENGRAM_PUBLISH_DROP_CACHE=0 keeps them (diagnosis),
-  // =inline drops them job by job as before.
-  const char* drop_env = std::getenv("ENGRAM_PUBLISH_DROP_CACHE");
-  const std::string drop = drop_env == nullptr ? "after" : drop_env;
-  fill.drop_cache = drop == "inline";
-  if (const char* v = std::getenv("ENGRAM_PUBLISH_SUB_ROWS"); v != nullptr) fill.sub_rows = std::atoll(v);
+  // fill, where the eviction cost ~2 s per 16 GiB), unless tuning keeps them or drops them inline as before.
+  fill.drop_cache = tuning.drop_cache == PublishTuning::DropCache::kInline;
+  if (tuning.sub_rows) fill.sub_rows = *tuning.sub_rows;
   std::vector<uint64_t> checksums;
   absl::Status st = ReadShardRecords(ckpt, RowsOf(desc), data, threads, &checksums, rows_done, fill);
   if (!st.ok()) return st;  // the writer's destructor removes the partial segment
@@ -116,7 +126,7 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   reinterpret_cast<SegmentHeader*>(base)->desc_checksum = XXH3_64bits(final_desc.data(), final_desc.size());
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (auto f = (*writer)->Finish(seconds); !f.ok()) return f;
-  if (drop == "after" || drop == "1") {
+  if (tuning.drop_cache == PublishTuning::DropCache::kAfterReady) {
     std::function<void()> dropper = ShardCacheDropper(ckpt, RowsOf(desc));
     try {
       std::thread(dropper).detach();

@@ -9,19 +9,19 @@
 // hugetlb pool is an error from the fill, never SIGBUS). The segment file is 0600, the daemon's (shm/segment.h).
 // The checkpoint's table pages are dropped from the page cache once the segment is READY, by a detached thread (so
 // that a publish does not keep two copies, and READY does not wait for ~2 s of eviction per 16 GiB).
-// Diagnosis knobs (environment, read per call): ENGRAM_PUBLISH_RESERVE=whole|writers forces a SegmentReserve;
-// ENGRAM_PUBLISH_DROP_CACHE=0 keeps the checkpoint's pages cached, =inline drops them job by job inside the fill (the
-// old way); ENGRAM_PUBLISH_SUB_ROWS=N rows per read-pack-hash step (default 1024).
+// Diagnosis knobs: PublishTuning below (from the environment unless the caller passes one).
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "engram/v1/engram.pb.h"
 #include "model/checkpoint.h"
 #include "shm/env.h"
+#include "shm/segment.h"
 #include "model/layout.h"
 #include "model/token_map.h"
 
@@ -38,11 +38,29 @@ struct PublishResult {
 engram::v1::SegmentDescriptor MakeDescriptor(const Checkpoint& ckpt, const Layout& layout, const TokenMap& map,
                                              const ShardRange& shard, uint64_t fingerprint);
 
+// A publish's diagnosis knobs; the defaults are the product's. FromEnv reads them from the environment:
+//   ENGRAM_PUBLISH_RESERVE=whole|writers forces a SegmentReserve (else kAuto: populated by the filling threads on
+//     hugetlbfs, reserved whole on tmpfs);
+//   ENGRAM_PUBLISH_DROP_CACHE: unset, "after" or "1" drops the checkpoint's pages from the page cache after READY
+//     (a detached thread), "inline" drops them job by job inside the fill (the old way), anything else ("0") keeps
+//     them;
+//   ENGRAM_PUBLISH_SUB_ROWS=N rows per read-pack-hash step (unset: ShardFillOptions' default, 1024).
+struct PublishTuning {
+  enum class DropCache { kAfterReady, kInline, kKeep };
+  SegmentReserve reserve = SegmentReserve::kAuto;
+  DropCache drop_cache = DropCache::kAfterReady;
+  std::optional<int64_t> sub_rows;  // unset: ShardFillOptions' default
+
+  static PublishTuning FromEnv();
+};
+
+// `tuning`: read from the environment at each call unless given (bench_daemon passes its variants).
 absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layout, const TokenMap& map,
                                       int64_t tp_size, int64_t tp_rank, const std::string& shm_dir,
                                       uint64_t instance_id, uint64_t epoch, int threads,
                                       std::atomic<uint64_t>* rows_done = nullptr,
-                                      Env* env = Env::Default());
+                                      Env* env = Env::Default(),
+                                      const PublishTuning& tuning = PublishTuning::FromEnv());
 
 // Recomputes a READY segment's per-layer checksums from its records and compares them with the descriptor's.
 // `rows_done` reports progress. OK when all match; DataLoss naming the layer otherwise.

@@ -219,6 +219,54 @@ TEST_F(PublishReserveTest, APopulateFailureFailsThePublishAsOutOfRoomAndLeavesNo
   EXPECT_TRUE(ListSegments(shm).empty());
 }
 
+// The same forced kWriters, passed in (daemon::PublishTuning) with the environment unset: the populate failure shows
+// that Publish used it (kAuto would reserve this tmpfs whole and succeed).
+TEST_F(PublishReserveTest, AnExplicitTuningIsUsedWithoutTheEnvironment) {
+  const std::string shm = dir_ / "shm";
+  std::filesystem::create_directories(shm);
+  ::unsetenv("ENGRAM_PUBLISH_RESERVE");
+  PopulateEnv env;
+  env.populate_errno = ENOMEM;
+  daemon::PublishTuning tuning;
+  tuning.reserve = SegmentReserve::kWriters;
+  auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2, nullptr, &env, tuning);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+}
+
+// PublishTuning::FromEnv: each diagnosis knob's values, and the product's defaults when none is set.
+TEST(PublishTuningTest, FromEnvReadsEachKnob) {
+  using Drop = daemon::PublishTuning::DropCache;
+  const auto unset_all = [] {
+    for (const char* k : {"ENGRAM_PUBLISH_RESERVE", "ENGRAM_PUBLISH_DROP_CACHE", "ENGRAM_PUBLISH_SUB_ROWS"}) {
+      ::unsetenv(k);
+    }
+  };
+  unset_all();
+  daemon::PublishTuning t = daemon::PublishTuning::FromEnv();
+  EXPECT_EQ(t.reserve, SegmentReserve::kAuto);
+  EXPECT_EQ(t.drop_cache, Drop::kAfterReady);
+  EXPECT_FALSE(t.sub_rows.has_value());
+  ::setenv("ENGRAM_PUBLISH_RESERVE", "whole", 1);
+  ::setenv("ENGRAM_PUBLISH_DROP_CACHE", "inline", 1);
+  ::setenv("ENGRAM_PUBLISH_SUB_ROWS", "4096", 1);
+  t = daemon::PublishTuning::FromEnv();
+  EXPECT_EQ(t.reserve, SegmentReserve::kWhole);
+  EXPECT_EQ(t.drop_cache, Drop::kInline);
+  EXPECT_EQ(t.sub_rows.value_or(0), 4096);
+  ::setenv("ENGRAM_PUBLISH_RESERVE", "writers", 1);
+  ::setenv("ENGRAM_PUBLISH_DROP_CACHE", "0", 1);
+  EXPECT_EQ(daemon::PublishTuning::FromEnv().reserve, SegmentReserve::kWriters);
+  EXPECT_EQ(daemon::PublishTuning::FromEnv().drop_cache, Drop::kKeep);
+  ::setenv("ENGRAM_PUBLISH_RESERVE", "bogus", 1);
+  ::setenv("ENGRAM_PUBLISH_DROP_CACHE", "1", 1);
+  EXPECT_EQ(daemon::PublishTuning::FromEnv().reserve, SegmentReserve::kAuto);
+  EXPECT_EQ(daemon::PublishTuning::FromEnv().drop_cache, Drop::kAfterReady);
+  ::setenv("ENGRAM_PUBLISH_DROP_CACHE", "after", 1);
+  EXPECT_EQ(daemon::PublishTuning::FromEnv().drop_cache, Drop::kAfterReady);
+  unset_all();
+}
+
 // On a 64 KiB-page kernel a tmpfs's block size is its (base) page, not a huge page: kAuto reserves the whole file
 // there (it took it for hugetlbfs); and a forced kWriters publish populates whole 64 KiB pages (it widened each range
 // to 4 KiB only, and madvise refused every start off a 64 KiB page: every publish failed with EINVAL).
