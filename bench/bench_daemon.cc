@@ -12,6 +12,7 @@
 //            same mount with the same threads. With --only-mounts 1 nothing else runs.
 //            --threads2 N adds a first-touch copy and a publish with N threads.
 // Usage: bench_daemon [--gib N] [--threads N] [--engramd PATH] [--shm LABEL:DIR]... [--threads2 N] [--only-mounts 1]
+// --threads defaults to engramd's publish workers (daemon/publisher.h DefaultPublishThreads).
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
@@ -94,7 +95,7 @@ double Median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   double gib = 2;
-  int threads = static_cast<int>(std::min(16u, std::max(1u, std::thread::hardware_concurrency())));
+  int threads = engram::daemon::DefaultPublishThreads();  // engramd's default (--threads 0)
   std::string engramd = std::filesystem::path(argv[0]).parent_path().string() + "/../daemon/engramd";
   std::vector<std::pair<std::string, std::string>> mounts;
   bool only_mounts = false;

@@ -1,5 +1,6 @@
 #include "daemon/publisher.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -28,6 +29,10 @@ std::vector<LayerRows> RowsOf(const engram::v1::SegmentDescriptor& d) {
 }
 
 }  // namespace
+
+int DefaultPublishThreads() {
+  return static_cast<int>(std::min(32u, std::max(1u, std::thread::hardware_concurrency())));
+}
 
 PublishTuning PublishTuning::FromEnv() {
   PublishTuning t;

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <random>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -13,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "daemon/fallback.h"
+#include "daemon/publisher.h"
 #include "daemon/status_report.h"
 #include "spdlog/spdlog.h"
 
@@ -23,10 +23,7 @@ uint64_t DaemonState::NewInstanceId() {
   return (uint64_t{rd()} << 32) ^ rd() ^ static_cast<uint64_t>(::getpid());
 }
 
-int DaemonState::WorkerThreads(int requested) {
-  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-  return requested > 0 ? requested : static_cast<int>(std::min(32u, hw));  // bench_daemon: 32 threads publish 24 GiB/s on huge pages
-}
+int DaemonState::WorkerThreads(int requested) { return requested > 0 ? requested : DefaultPublishThreads(); }
 
 DaemonState::DaemonState(Options opts)
     : opts_(std::move(opts)),

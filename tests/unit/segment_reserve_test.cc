@@ -14,6 +14,7 @@
 #include <sys/vfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "daemon/publisher.h"
@@ -265,6 +267,12 @@ TEST(PublishTuningTest, FromEnvReadsEachKnob) {
   ::setenv("ENGRAM_PUBLISH_DROP_CACHE", "after", 1);
   EXPECT_EQ(daemon::PublishTuning::FromEnv().drop_cache, Drop::kAfterReady);
   unset_all();
+}
+
+// engramd's default publish workers (--threads 0), which bench_daemon takes too: the hardware's threads, at most 32.
+TEST(PublishTuningTest, DefaultPublishThreadsIsTheHardwaresAtMost32) {
+  const int hw = static_cast<int>(std::thread::hardware_concurrency());
+  EXPECT_EQ(daemon::DefaultPublishThreads(), std::clamp(hw, 1, 32));
 }
 
 // On a 64 KiB-page kernel a tmpfs's block size is its (base) page, not a huge page: kAuto reserves the whole file
