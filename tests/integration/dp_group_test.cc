@@ -12,7 +12,6 @@
 // are not the session's to make are refused without harm.
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
-#include <sys/stat.h>
 
 #include <filesystem>
 #include <set>
@@ -42,8 +41,7 @@ using testing::WaitFor;
 class DpGroupTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    shm_ = dir_ / "shm";
-    ::mkdir(shm_.c_str(), 0755);
+    shm_ = testing::MakeShm(dir_);
     ckpt_ = testing::MakeCheckpoint(dir_, 6);
     daemon_ = std::make_unique<Daemon>(dir_, std::vector<std::string>{"--checkpoint", ckpt_, "--shm-dir", shm_});
     ASSERT_TRUE(daemon_->WaitReady()) << daemon_->Log();
@@ -423,16 +421,6 @@ TEST_F(DpGroupTest, MalformedGroupRequestsAreRefusedWithoutHarm) {
 
 // --- Group lifecycle: leaving, giving up, rejoining, and the host region's name ---------------------------------
 
-// Every JSON line of a helper's output.
-std::vector<json> JsonLines(const std::string& out) {
-  std::vector<json> lines;
-  std::istringstream ss(out);
-  for (std::string line; std::getline(ss, line);) {
-    if (!line.empty() && line[0] == '{') lines.push_back(json::parse(line, nullptr, false));
-  }
-  return lines;
-}
-
 // The host-transport regions in /dev/shm that process `pid` created (their names start /engram-dp-<pid>-).
 std::vector<std::string> RegionsOf(pid_t pid) {
   std::vector<std::string> found;
@@ -527,7 +515,7 @@ TEST_F(DpLifecycleTest, ALeavingMemberBreaksTheGroupAndItsSessionJoinsAgain) {
   Touch("go0");
   Touch("go1");
   for (Process* p : {&m0, &m1}) EXPECT_EQ(p->Wait(std::chrono::seconds(90)), 0) << p->Output();
-  const auto l0 = JsonLines(m0.Output()), l1 = JsonLines(m1.Output());
+  const auto l0 = testing::JsonLines(m0.Output()), l1 = testing::JsonLines(m1.Output());
   ASSERT_EQ(l0.size(), 9u) << m0.Output();
   ASSERT_EQ(l1.size(), 8u) << m1.Output();
   EXPECT_EQ(l0[0]["engine"], "ok");
@@ -595,7 +583,7 @@ TEST_F(DpLifecycleTest, AMemberThatGivesUpFormingEndsTheOthersWait) {
   EXPECT_NE(error.find("gave up waiting for the group to form"), std::string::npos) << error;
   ASSERT_TRUE(WaitFor([&] { return m1.Output().find("holding") != std::string::npos; }, std::chrono::seconds(60)))
       << m1.Output();
-  const auto lines = JsonLines(m1.Output());
+  const auto lines = testing::JsonLines(m1.Output());
   ASSERT_GE(lines.size(), 2u) << m1.Output();
   for (size_t i = 0; i < 2; ++i) {
     ASSERT_TRUE(lines[i].contains("engine_error")) << lines[i].dump();

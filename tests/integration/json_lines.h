@@ -4,6 +4,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "nlohmann/json.hpp"
 
@@ -20,6 +21,17 @@ inline nlohmann::json JsonLine(const std::string& out, bool last) {
     if (!last) break;
   }
   return found;
+}
+
+// Every line of `out` that is a JSON object, in order; a line that does not parse is a discarded value
+// (is_discarded()), never an exception.
+inline std::vector<nlohmann::json> JsonLines(const std::string& out) {
+  std::vector<nlohmann::json> lines;
+  std::istringstream ss(out);
+  for (std::string line; std::getline(ss, line);) {
+    if (!line.empty() && line[0] == '{') lines.push_back(nlohmann::json::parse(line, nullptr, false));
+  }
+  return lines;
 }
 
 // The "reasons" array of a decision as a set.

@@ -32,6 +32,7 @@
 #include "model/layout.h"
 #include "model/token_map.h"
 #include "model/tokenizer.h"
+#include "shm/capacity.h"
 #include "shm/env.h"
 #include "shm/segment.h"
 #include "tests/test_util.h"
@@ -352,23 +353,20 @@ TEST_F(PublishReserveTest, AHugeSubRowsKnobIsCappedNotAnAllocationFailure) {
   EXPECT_TRUE(daemon::VerifyChecksums(r->path, 2).ok());
 }
 
-// A hugetlbfs directory this process may write, with free 2 MiB pages; "" if none.
+// A hugetlbfs directory this process may write, with free 2 MiB pages in the pool (shm/capacity.h ReadHugePool, the
+// daemon's own reader); "" if none.
 std::string HugetlbfsDir() {
   if (const char* d = std::getenv("ENGRAM_TEST_HUGETLBFS_DIR"); d != nullptr && *d != '\0') return d;
-  long free_pages = 0, page_kb = 0;
-  std::ifstream mi("/proc/meminfo");
-  for (std::string line; std::getline(mi, line);) {
-    if (line.rfind("HugePages_Free:", 0) == 0) free_pages = std::atol(line.c_str() + 15);
-    if (line.rfind("Hugepagesize:", 0) == 0) page_kb = std::atol(line.c_str() + 13);
-  }
-  if (free_pages < 8 || page_kb != 2048) return "";
+  constexpr uint64_t kHugePage = uint64_t{2} << 20;
+  if (ReadHugePool(kHugePage).available_pages < 8) return "";
   std::ifstream mounts("/proc/mounts");
   for (std::string line; std::getline(mounts, line);) {
     std::istringstream f(line);
     std::string dev, mnt, type, opts;
     f >> dev >> mnt >> type >> opts;
-    if (type != "hugetlbfs" || opts.find("pagesize=1") != std::string::npos) continue;
-    if (::access(mnt.c_str(), W_OK) == 0) return mnt;
+    if (type != "hugetlbfs" || ::access(mnt.c_str(), W_OK) != 0) continue;
+    struct statfs sfs {};
+    if (::statfs(mnt.c_str(), &sfs) == 0 && static_cast<uint64_t>(sfs.f_bsize) == kHugePage) return mnt;
   }
   return "";
 }
