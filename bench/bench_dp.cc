@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -176,9 +177,18 @@ int main(int argc, char** argv) {
       }
     }
     auto comm = DpNcclExchange::InitComm(id, kMembers, g, nullptr, std::chrono::seconds(120));
+    // As the engine does (ENGRAM_DP_NCCL_BLOCKING, default 1): the steps on a blocking twin of the communicator.
+    const char* blocking_env = std::getenv("ENGRAM_DP_NCCL_BLOCKING");
+    if (comm.ok() && (blocking_env == nullptr || std::atoi(blocking_env) != 0)) {
+      comm = DpNcclExchange::BlockingTwin(*comm, g, nullptr, std::chrono::seconds(120));
+    }
     if (!comm.ok()) {
       std::fprintf(stderr, "comm: %s\n", std::string(comm.status().message()).c_str());
       ::_exit(1);
+    }
+    if (g == 0) {
+      std::printf("NCCL communicator for the steps: %s\n",
+                  blocking_env == nullptr || std::atoi(blocking_env) != 0 ? "blocking twin" : "non-blocking");
     }
     const int maxT = *std::max_element(tokens.begin(), tokens.end());
     int32_t *ids = nullptr, *uva_ids = nullptr;

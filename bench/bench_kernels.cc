@@ -1,6 +1,7 @@
 // bench_kernels: the GPU kernels against ceilings measured in the same run.
 //   ceilings   H2D cudaMemcpy from pinned memory (PCIe), D2D copy (HBM, bytes read + written)
-//   lookup     from a shared /dev/shm segment through UVA (default 16 GiB), 196K and 1M rows; latency for
+//   lookup     from a shared segment through UVA (default 16 GiB in /dev/shm; ENGRAM_BENCH_SHM_DIR names another
+//              directory, e.g. a huge=always tmpfs: the page kind engramd's --shm-dir gives), 196K and 1M rows; latency for
 //              1/2/4/64 tokens x 24 columns; from HBM, 1M rows
 //   gate       T = 4096, 8192, D = 5120, hc_mult = 4
 //   hash       T = 8192, V4.1-Flash layout (2 layers)
@@ -111,7 +112,9 @@ int main(int argc, char** argv) {
   const int64_t D = 256, rb = 264;
   const size_t seg_bytes = static_cast<size_t>(table_gib * (1ull << 30)) / rb * rb;
   const int64_t rows = static_cast<int64_t>(seg_bytes / rb);
-  const std::string path = "/dev/shm/engram-bench-" + std::to_string(::getpid());
+  const char* shm_dir_env = std::getenv("ENGRAM_BENCH_SHM_DIR");
+  const std::string shm_dir = shm_dir_env != nullptr && *shm_dir_env != '\0' ? shm_dir_env : "/dev/shm";
+  const std::string path = shm_dir + "/engram-bench-" + std::to_string(::getpid());
   int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
   if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(seg_bytes)) != 0) {
     std::perror("segment");
@@ -128,9 +131,16 @@ int main(int argc, char** argv) {
   const double reg_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   void* dseg = nullptr;
   CUDA_CHECK(cudaHostGetDevicePointer(&dseg, seg, 0));
-  std::printf("segment  %.1f GiB in /dev/shm: first-touch fill %.2f s (%.1f GiB/s, %d threads), "
-              "cudaHostRegister %.2f s\n", seg_bytes / 1073741824.0, fill_s, seg_bytes / 1073741824.0 / fill_s,
-              threads, reg_s);
+  std::printf("segment  %.1f GiB in %s: first-touch fill %.2f s (%.1f GiB/s, %d threads), "
+              "cudaHostRegister %.2f s\n", seg_bytes / 1073741824.0, shm_dir.c_str(), fill_s,
+              seg_bytes / 1073741824.0 / fill_s, threads, reg_s);
+  if (FILE* mi = std::fopen("/proc/meminfo", "r")) {  // how much of the segment landed on huge pages
+    char line[256];
+    while (std::fgets(line, sizeof(line), mi) != nullptr) {
+      if (std::strncmp(line, "ShmemHugePages:", 15) == 0) std::printf("segment  host %s", line);
+    }
+    std::fclose(mi);
+  }
 
   std::mt19937_64 rng(7);
   const int C = 24;

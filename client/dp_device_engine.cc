@@ -207,7 +207,8 @@ class DpDeviceEngine final : public LookupEngine {
         static_cast<int32_t>(std::clamp<int64_t>(chunk_kib, 0, INT32_MAX)),
         A2aForm(a2a),
         static_cast<int32_t>(
-            std::clamp<int64_t>(EnvInt("ENGRAM_DP_GRAPH_MAX_SLOT", DpExchangeShape::kDefaultGraphMaxSlot), 0, INT32_MAX))};
+            std::clamp<int64_t>(EnvInt("ENGRAM_DP_GRAPH_MAX_SLOT", DpExchangeShape::kDefaultGraphMaxSlot), 0, INT32_MAX)),
+        EnvInt("ENGRAM_DP_NCCL_BLOCKING", 1) != 0 ? 1 : 0};
     auto agreed = e->AllGatherInts(comm, static_cast<int32_t>(plan.edp), mine);
     if (!agreed.ok()) {
       if (nccl_comm == nullptr) nccl->CommAbort(comm);  // formed here, not yet owned by an exchange
@@ -222,6 +223,18 @@ class DpDeviceEngine final : public LookupEngine {
     const int32_t form = all[3] == kA2aAuto ? (g.slot <= all[4] ? kA2aGraph : kA2aPipelined) : all[3];
     shape.sequential = form == kA2aSequential;
     shape.graph = form == kA2aGraph;
+    // The steps run on a blocking twin of a communicator formed here (rank 0's choice, so every member splits or
+    // none does); the engine's own communicator is used as it is.
+    bool blocking = false;
+    if (nccl_comm == nullptr && all[5] != 0) {
+      auto twin = DpNcclExchange::BlockingTwin(comm, me, broken, DpFormTimeout());
+      if (twin.ok()) {
+        comm = *twin;
+        blocking = true;
+      } else if (!absl::IsUnimplemented(twin.status())) {
+        return twin.status();  // both communicators aborted
+      }
+    }
     std::vector<ShardLayer> shard;
     for (int64_t l = 0; l < L; ++l) {
       const auto& li = table.layers()[static_cast<size_t>(l)];
@@ -246,9 +259,10 @@ class DpDeviceEngine final : public LookupEngine {
     }
     e->watchdog_ = std::thread([raw = e.get()] { raw->Watch(); });
     spdlog::info("engram: event=dp_group_formed transport=nccl group={} members={} edp_rank={} slot={} path={} "
-                 "a2a={} chunks={} exchange_bytes={}",
+                 "a2a={} nccl={} chunks={} exchange_bytes={}",
                  g.group, g.members.size(), me, g.slot, e->peer_ ? "nvlink-peer" : "all-to-all",
                  shape.sequential ? "sequential" : shape.graph ? "graph" : "pipelined",
+                 nccl_comm != nullptr ? "engine's" : blocking ? "blocking" : "non-blocking",
                  e->exchange_->chunks(static_cast<int32_t>(L)),
                  e->exchange_->device_bytes());
     return std::unique_ptr<LookupEngine>(std::move(e));
@@ -269,31 +283,28 @@ class DpDeviceEngine final : public LookupEngine {
     if (cudaMemcpy(d, mine.data(), k * 4, cudaMemcpyHostToDevice) != cudaSuccess) {
       result = absl::InternalError("cudaMemcpy");
     }
+    const auto deadline = std::chrono::steady_clock::now() + DpFormTimeout();
+    const DpNcclExchange::BrokenFn broken = [this] { return group_->Broken(); };
     if (result.ok()) {
-      const ncclResult_t r = nccl->AllGather(d, d + k, k, ncclInt32, comm, stream_);
-      ncclResult_t st = r;
-      const auto deadline = std::chrono::steady_clock::now() + DpFormTimeout();
-      while (st == ncclInProgress || (st == ncclSuccess && r == ncclInProgress)) {
-        nccl->CommGetAsyncError(comm, &st);
-        if (st == ncclSuccess) break;
-        std::optional<std::string> why = group_->Broken();
-        if (!why && std::chrono::steady_clock::now() > deadline) why = "the group's first all-gather did not complete";
-        if (why) {
-          st = ncclSuccess;
-          result = absl::AbortedError(*why);
-          break;
-        }
-        std::this_thread::yield();
-      }
-      if (result.ok() && st != ncclSuccess) {
-        result = absl::InternalError(absl::StrCat("all-gather: ", nccl->GetErrorString(st)));
-      }
+      result = DpNcclExchange::Poll(comm, nccl->AllGather(d, d + k, k, ncclInt32, comm, stream_), broken, deadline,
+                                    "the group's first all-gather");
     }
-    if (result.ok() && (cudaStreamSynchronize(stream_) != cudaSuccess ||
-                        cudaMemcpy(got.data(), d + k, got.size() * 4, cudaMemcpyDeviceToHost) != cudaSuccess)) {
+    // Its kernels wait for every member: poll them too (a member that dies now must not hang this one).
+    while (result.ok()) {
+      const cudaError_t q = cudaStreamQuery(stream_);
+      if (q == cudaSuccess) break;
+      std::optional<std::string> why = broken();
+      if (!why && q != cudaErrorNotReady) why = absl::StrCat("all-gather: ", cudaGetErrorString(q));
+      if (!why && std::chrono::steady_clock::now() > deadline) why = "the group's first all-gather did not complete";
+      if (why) result = absl::AbortedError(*why);
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    if (result.ok() && cudaMemcpy(got.data(), d + k, got.size() * 4, cudaMemcpyDeviceToHost) != cudaSuccess) {
       result = absl::InternalError("all-gather: copy back");
     }
-    cudaFree(d);
+    // cudaFree waits for the device: with the all-gather still waiting for a member (the caller aborts the
+    // communicator next), the 4-int buffer is left behind instead.
+    if (result.ok() || cudaStreamQuery(stream_) != cudaErrorNotReady) cudaFree(d);
     if (!result.ok()) return result;
     return got;
   }

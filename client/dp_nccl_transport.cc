@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/status_macros.h"
 #include "kernels/dp_kernels.h"
 #include "kernels/engram_kernels.h"
 
@@ -53,6 +54,7 @@ absl::StatusOr<const NcclApi*> NcclApi::Get() {
                     Load(lib, "ncclGetErrorString", &a->GetErrorString) && Load(lib, "ncclGetVersion", &get_version);
     if (!ok) return absl::UnavailableError("libnccl.so.2 lacks an entry point this build needs (NCCL >= 2.14)");
     get_version(&a->version);
+    Load(lib, "ncclCommSplit", &a->CommSplit);  // optional: without it the steps keep the non-blocking communicator
     return a;
   }();
   return api;
@@ -95,24 +97,54 @@ absl::Status DpNcclExchange::Cuda(cudaError_t e, const char* what) {
   return absl::InternalError(absl::StrCat("DP exchange: ", what, ": ", cudaGetErrorString(e)));
 }
 
-absl::Status DpNcclExchange::Wait(ncclResult_t r, const char* what) {
+absl::Status DpNcclExchange::Poll(ncclComm_t comm, ncclResult_t r, const BrokenFn& stop,
+                                  std::chrono::steady_clock::time_point deadline, const char* what) {
+  ASSIGN_OR_RETURN(const NcclApi* n, NcclApi::Get());
   if (r != ncclSuccess && r != ncclInProgress) {
-    return absl::InternalError(absl::StrCat("DP exchange: ", what, ": ", nccl_->GetErrorString(r)));
+    return absl::InternalError(absl::StrCat("DP exchange: ", what, ": ", n->GetErrorString(r)));
   }
-  const auto deadline = std::chrono::steady_clock::now() + timeout_;
   while (true) {
     ncclResult_t st = ncclSuccess;
-    nccl_->CommGetAsyncError(comm_, &st);
+    n->CommGetAsyncError(comm, &st);
     if (st == ncclSuccess) return absl::OkStatus();
     if (st != ncclInProgress) {
-      return absl::InternalError(absl::StrCat("DP exchange: ", what, ": ", nccl_->GetErrorString(st)));
+      return absl::InternalError(absl::StrCat("DP exchange: ", what, ": ", n->GetErrorString(st)));
     }
-    if (aborted_) return absl::AbortedError("the DP exchange was aborted");
+    if (std::optional<std::string> why = stop ? stop() : std::nullopt) return absl::AbortedError(*why);
     if (std::chrono::steady_clock::now() > deadline) {
       return absl::DeadlineExceededError(absl::StrCat("DP exchange: ", what, " did not complete in time"));
     }
     std::this_thread::yield();
   }
+}
+
+absl::Status DpNcclExchange::Wait(ncclResult_t r, const char* what) {
+  if (r == ncclSuccess) return absl::OkStatus();  // a blocking communicator: enqueued
+  return Poll(comm_, r, [this]() -> std::optional<std::string> {
+    if (aborted_) return "the DP exchange was aborted";
+    return std::nullopt;
+  }, std::chrono::steady_clock::now() + timeout_, what);
+}
+
+absl::StatusOr<ncclComm_t> DpNcclExchange::BlockingTwin(ncclComm_t comm, int32_t me, const BrokenFn& broken,
+                                                        std::chrono::milliseconds timeout) {
+  ASSIGN_OR_RETURN(const NcclApi* n, NcclApi::Get());
+  if (n->CommSplit == nullptr) return absl::UnimplementedError("this NCCL has no ncclCommSplit");
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 1;
+  ncclComm_t twin = nullptr;
+  const ncclResult_t r = n->CommSplit(comm, 0, me, &twin, &cfg);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  absl::Status st = Poll(comm, r, broken, deadline, "the blocking communicator");
+  if (st.ok() && twin != nullptr) st = Poll(twin, ncclSuccess, broken, deadline, "the blocking communicator");
+  if (st.ok() && twin == nullptr) st = absl::InternalError("DP exchange: ncclCommSplit gave no communicator");
+  if (!st.ok()) {
+    if (twin != nullptr) n->CommAbort(twin);
+    n->CommAbort(comm);
+    return st;
+  }
+  n->CommAbort(comm);  // local: the twin owns its own resources (no split sharing)
+  return twin;
 }
 
 absl::StatusOr<std::unique_ptr<DpNcclExchange>> DpNcclExchange::Create(const DpExchangeShape& shape, ncclComm_t comm,

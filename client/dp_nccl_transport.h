@@ -28,9 +28,11 @@
 // The path is chosen from the group slot, so every member takes the same one. A step is enqueued on the stream the
 // caller passes, into fixed buffers sized at creation; side streams fork from it and join back into it through
 // events, so work queued on that stream after Step sees the rows, and nothing synchronises the host (CUDA-graph
-// friendly). The communicator is non-blocking (ncclConfig_t.blocking = 0): every call is polled with a deadline and
-// an abort check, and Abort() (any thread) calls ncclCommAbort, which ends kernels stuck waiting for a member that
-// died. Either the engine's own communicator (not owned) or one formed here from an ncclUniqueId.
+// friendly). A communicator formed here is formed non-blocking (ncclConfig_t.blocking = 0: a member that never comes
+// cannot hang the others) and then, by default, split into a blocking twin for the steps (BlockingTwin; a
+// non-blocking one costs a host thread per NCCL group); every call is polled with a deadline and an abort check, and
+// Abort() (any thread) calls ncclCommAbort, which ends kernels stuck waiting for a member that died. Either the
+// engine's own communicator (not owned, used as it is) or one formed here from an ncclUniqueId.
 // Thread-compatible, except Abort() and aborted(), which are thread-safe.
 #pragma once
 
@@ -58,6 +60,7 @@ struct NcclApi {
   ncclResult_t (*CommAbort)(ncclComm_t);
   ncclResult_t (*CommDestroy)(ncclComm_t);
   ncclResult_t (*CommFinalize)(ncclComm_t);
+  ncclResult_t (*CommSplit)(ncclComm_t, int, int, ncclComm_t*, ncclConfig_t*) = nullptr;  // NCCL >= 2.18; optional
   ncclResult_t (*AllGather)(const void*, void*, size_t, ncclDataType_t, ncclComm_t, cudaStream_t);
   ncclResult_t (*Send)(const void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
   ncclResult_t (*Recv)(void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
@@ -106,6 +109,19 @@ class DpNcclExchange {
   // A communicator formed from `id` (rank shape.me of shape.members), polled until ready or `timeout`/`broken`.
   static absl::StatusOr<ncclComm_t> InitComm(const ncclUniqueId& id, int32_t members, int32_t me,
                                              const BrokenFn& broken, std::chrono::milliseconds timeout);
+  // The steps' communicator: a blocking twin of the non-blocking `comm` InitComm formed (ncclCommSplit, every member
+  // calls it, polled like InitComm). A non-blocking communicator launches every NCCL group from a new host thread
+  // (50-75 us per group on the H200 machines); a blocking one enqueues inline. Forming stays abortable (the split
+  // runs on the non-blocking parent); once formed, a step's NCCL calls only enqueue kernels (the peers are
+  // connected by the engine's first step), and a member that dies leaves those kernels waiting, which Abort ends as
+  // before. On success `comm` is released and the twin returned; on failure both are aborted. Unimplemented when
+  // this NCCL has no ncclCommSplit (the caller keeps `comm`).
+  static absl::StatusOr<ncclComm_t> BlockingTwin(ncclComm_t comm, int32_t me, const BrokenFn& broken,
+                                                 std::chrono::milliseconds timeout);
+  // Polls `comm` after an NCCL call that returned `r` until the call is done (ncclSuccess), failed, `stop` names a
+  // reason, or `deadline` passes. For a blocking communicator this returns at once.
+  static absl::Status Poll(ncclComm_t comm, ncclResult_t r, const BrokenFn& stop,
+                           std::chrono::steady_clock::time_point deadline, const char* what);
   // `shard`: this rank's records per layer; `own_comm`: destroy (or abort) the communicator with the exchange.
   static absl::StatusOr<std::unique_ptr<DpNcclExchange>> Create(const DpExchangeShape& shape, ncclComm_t comm,
                                                                 bool own_comm, cudaStream_t stream,

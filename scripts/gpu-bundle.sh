@@ -32,11 +32,11 @@ case "${1:-kernels}" in
   client) bins=("$build/tests/gpu_client_test" "$build/daemon/engramd" "$build/tools/engramctl"
                 "$build/tools/engram-replica" "$build/tools/engram-mkckpt") ;;
   # Every GPU test (the gpu ctest label), with what they start: engramd, the replica, engramctl, engram-mkckpt;
-  # and bench_kernels, so one run can check the final tree and measure the lookup paths.
+  # and bench_kernels and bench_dp, so one run can check the final tree and measure the lookup paths and the DP step.
   tests) bins=("$build/tests/gpu_kernels_test" "$build/tests/gpu_prefetch_test" "$build/tests/uva_lookup_helper"
                "$build/tests/gpu_client_test" "$build/tests/gpu_host_gather_test" "$build/tests/gpu_dp_test"
                "$build/daemon/engramd" "$build/tools/engramctl" "$build/tools/engram-replica"
-               "$build/tools/engram-mkckpt" "$build/bench/bench_kernels") ;;
+               "$build/tools/engram-mkckpt" "$build/bench/bench_kernels" "$build/bench/bench_dp") ;;
   # The Python package: libengram_c.so with engramd/engramctl/engram-mkckpt, the python/ tree, its tests and
   # bench/decode_step.py, run with the GPU machine's own python3, torch, CuPy, NumPy (run.sh python).
   python) bins=("$build/client/libengram_c.so" "$build/daemon/engramd" "$build/tools/engramctl"
@@ -181,6 +181,15 @@ if [ "$what" = hostgather ]; then
   done
   ENGRAM_LOOKUP_PATH_TABLE=$out/lookup_paths.txt "$here/bin/bench_kernels" "$here/data/configs/v41-flash.json" \
     "${ENGRAM_TABLE_GIB:-16}" 2>&1 | tee "$out/bench_kernels.log" || rc=1
+  # The same on a huge=always tmpfs this run mounts (a segment on 2 MiB pages, as engramd --shm-dir on such a mount
+  # publishes it): ENGRAM_HG_HUGE=0 skips it.
+  if [ "${ENGRAM_HG_HUGE:-1}" = 1 ]; then
+    hp=$(mktemp -d /mnt/engram-hg.XXXXXX)
+    mount -t tmpfs -o size=$(( ${ENGRAM_TABLE_GIB:-16} + 2 ))G,huge=always tmpfs "$hp" &&
+      ENGRAM_BENCH_SHM_DIR=$hp ENGRAM_LOOKUP_PATH_TABLE=$out/lookup_paths-huge.txt "$here/bin/bench_kernels" \
+        "$here/data/configs/v41-flash.json" "${ENGRAM_TABLE_GIB:-16}" 2>&1 | tee "$out/bench_kernels-huge.log" || rc=1
+    umount "$hp"; rmdir "$hp"
+  fi
 fi
 if [ "$what" = daemon ]; then
   "$here/bin/bench_daemon" --gib "${ENGRAM_PUBLISH_GIB:-16}" --engramd "$here/bin/engramd" 2>&1 | tee "$out/bench_daemon.log" || rc=1
