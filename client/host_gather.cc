@@ -1,13 +1,13 @@
 #include "client/host_gather.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "base/spin.h"
 #include "base/status_macros.h"
 #include "kernels/device_layout.h"
 #include "kernels/engram_kernels.h"
@@ -37,16 +37,6 @@ HostGatherOptions ResolveHostGatherOptions(HostGatherOptions o) {
   resolve(&o.stream_unpack, "ENGRAM_HOST_GATHER_STREAM_UNPACK", 0);
   return o;
 }
-
-namespace {
-
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<HostGather>> HostGather::Create(std::vector<HostLayer> layers,
                                                                std::vector<uint16_t*> out, int32_t max_tokens,
@@ -206,10 +196,8 @@ absl::Status HostGather::Sync() {
 void HostGather::Dispatch() {
   cudaSetDevice(device_);
   for (;;) {
-    if (opt_.dispatch_spin_us > 0) {  // the next batch often follows at once (a prefill's layers, a benchmark)
-      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(opt_.dispatch_spin_us);
-      while (!pending_flag_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until) CpuRelax();
-    }
+    // The next batch often follows at once (a prefill's layers, a benchmark).
+    SpinUntil([&] { return pending_flag_.load(std::memory_order_acquire); }, int64_t{opt_.dispatch_spin_us} * 1000);
     {
       std::unique_lock<std::mutex> l(mu_);
       cv_.wait(l, [&] { return stop_ || pending_; });

@@ -4,7 +4,6 @@
 #include <sched.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 
 #if defined(__x86_64__)
@@ -12,6 +11,7 @@
 #endif
 
 #include "absl/strings/str_cat.h"
+#include "base/spin.h"
 
 namespace engram::client {
 
@@ -57,21 +57,6 @@ Range SplitRange(int64_t n, int parts, int part) {
   return {begin, begin + base + (part < extra ? 1 : 0)};
 }
 
-namespace {
-
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-}  // namespace
-
 GatherPool::GatherPool(int threads, std::vector<int> cpus, int spin_us, int caller_spin_us)
     : spin_ns_(std::max<int64_t>(spin_us, 0) * 1000),
       caller_spin_ns_(caller_spin_us < 0 ? spin_ns_ : int64_t{caller_spin_us} * 1000) {
@@ -103,8 +88,7 @@ void GatherPool::Run(const std::function<void(int)>& fn, const std::function<voi
   signal_.fetch_add(1, std::memory_order_release);
   signal_.notify_all();
   if (caller) caller();
-  const int64_t until = NowNs() + caller_spin_ns_;
-  while (running_.load(std::memory_order_acquire) != 0 && NowNs() < until) CpuRelax();
+  SpinUntil([&] { return running_.load(std::memory_order_acquire) == 0; }, caller_spin_ns_);
   for (int32_t r = running_.load(std::memory_order_acquire); r != 0; r = running_.load(std::memory_order_acquire)) {
     running_.wait(r, std::memory_order_acquire);
   }
@@ -123,11 +107,11 @@ void GatherPool::Loop(int worker) {
     const uint32_t sig = signal_.load(std::memory_order_acquire);
     if (stop_.load(std::memory_order_acquire)) return;
     if (generation_.load(std::memory_order_acquire) == seen) {
-      const int64_t until = NowNs() + spin_ns_;
-      while (generation_.load(std::memory_order_acquire) == seen && !stop_.load(std::memory_order_relaxed) &&
-             NowNs() < until) {
-        CpuRelax();
-      }
+      SpinUntil(
+          [&] {
+            return generation_.load(std::memory_order_acquire) != seen || stop_.load(std::memory_order_relaxed);
+          },
+          spin_ns_);
       if (generation_.load(std::memory_order_acquire) == seen && !stop_.load(std::memory_order_acquire)) {
         signal_.wait(sig, std::memory_order_acquire);
       }
