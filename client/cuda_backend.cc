@@ -6,10 +6,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <system_error>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "base/worker_threads.h"
 
 namespace engram::client {
 namespace {
@@ -109,18 +108,7 @@ absl::StatusOr<std::unique_ptr<HostRegistration>> HostRegistration::Register(con
   if (threads == 1) {
     worker(false);
   } else {
-    // A thread the system refuses (EAGAIN: RLIMIT_NPROC, no memory for a stack) is one worker fewer, never an
-    // exception out of here (a half-built pool of joinable threads was std::terminate); none: the caller registers.
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) {
-      try {
-        pool.emplace_back(worker, true);
-      } catch (const std::system_error&) {
-        break;
-      }
-    }
-    if (pool.empty()) worker(false);
-    for (auto& th : pool) th.join();
+    RunWorkers(threads, worker);  // a refused thread is one worker fewer; none started: the caller registers
   }
   // Every registered chunk belongs to r (its destructor unregisters them); the lowest failure is the one reported.
   size_t bad = n_chunks;

@@ -3,10 +3,9 @@
 #include <algorithm>
 #include <functional>
 #include <mutex>
-#include <system_error>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "base/worker_threads.h"
 #include "model/reference.h"
 #include "xxhash.h"
 
@@ -50,18 +49,8 @@ absl::Status RunJobs(const std::vector<Job>& jobs, int threads, const std::funct
       }
     }
   };
-  // A thread the system refuses (EAGAIN: RLIMIT_NPROC, no memory for its stack) is one worker fewer, never an
-  // exception out of here (in engramd's publish loop that was std::terminate); with none started the caller works.
-  std::vector<std::thread> pool;
-  for (int t = 0; t < std::max(1, threads); ++t) {
-    try {
-      pool.emplace_back(worker);
-    } catch (const std::system_error&) {
-      break;
-    }
-  }
-  if (pool.empty()) worker();
-  for (auto& th : pool) th.join();
+  // A refused thread is one worker fewer, never an exception (in engramd's publish loop that was std::terminate).
+  RunWorkers(threads, [&](bool /*own_thread*/) { worker(); });
   return first_error;
 }
 

@@ -1,7 +1,8 @@
-// Helpers shared by engram's tests: temporary directories, file I/O, test-data paths and running the project's
-// binaries as real processes. Test-only; not thread-safe.
+// Helpers shared by engram's tests: temporary directories, file I/O, test-data paths, running the project's
+// binaries as real processes, and a process whose threads cannot start. Test-only; not thread-safe.
 #pragma once
 
+#include <pthread.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -76,5 +77,36 @@ inline CommandResult RunCmd(const std::string& cmd) {
   r.err = ReadFile(err_path);
   return r;
 }
+
+// While alive, no new thread of this process can start: the default stack is set larger than any address space, so
+// pthread_create fails (what RLIMIT_NPROC or an exhausted address space do to std::thread). refused(): a probe
+// thread was refused, i.e. the setting took. The default thread attributes are restored on destruction.
+class RefusedThreads {
+ public:
+  RefusedThreads() {
+    saved_ok_ = ::pthread_getattr_default_np(&saved_) == 0;
+    ::pthread_attr_init(&huge_);
+    if (saved_ok_ && ::pthread_attr_setstacksize(&huge_, size_t{1} << 62) == 0 &&
+        ::pthread_setattr_default_np(&huge_) == 0) {
+      pthread_t t;
+      refused_ = ::pthread_create(&t, nullptr, [](void*) -> void* { return nullptr; }, nullptr) != 0;
+      if (!refused_) ::pthread_join(t, nullptr);
+    }
+  }
+  ~RefusedThreads() {
+    if (saved_ok_) {
+      ::pthread_setattr_default_np(&saved_);
+      ::pthread_attr_destroy(&saved_);
+    }
+    ::pthread_attr_destroy(&huge_);
+  }
+  RefusedThreads(const RefusedThreads&) = delete;
+  RefusedThreads& operator=(const RefusedThreads&) = delete;
+  bool refused() const { return refused_; }
+
+ private:
+  pthread_attr_t saved_{}, huge_{};
+  bool saved_ok_ = false, refused_ = false;
+};
 
 }  // namespace engram::testing

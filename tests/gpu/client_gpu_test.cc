@@ -144,23 +144,17 @@ TEST(GpuClientTest, ThreadedRegistrationRollsBackAndSurvivesRefusedThreads) {
     ASSERT_TRUE(good.ok()) << good.status() << " (a chunk of the failed registration stayed registered)";
     EXPECT_EQ((*good)->chunks(), bytes / chunk);
   }
-  pthread_attr_t saved, huge;
-  ASSERT_EQ(::pthread_getattr_default_np(&saved), 0);
-  ::pthread_attr_init(&huge);
-  ASSERT_EQ(::pthread_attr_setstacksize(&huge, size_t{1} << 62), 0);
-  ASSERT_EQ(::pthread_setattr_default_np(&huge), 0);
-  pthread_t t;
-  const bool refused = ::pthread_create(&t, nullptr, [](void*) -> void* { return nullptr; }, nullptr) != 0;
-  if (!refused) ::pthread_join(t, nullptr);
   absl::StatusOr<std::unique_ptr<client::HostRegistration>> alone = absl::UnknownError("not run");
-  try {
-    alone = client::HostRegistration::Register(p, bytes, o, &failed);
-  } catch (const std::exception& e) {
-    alone = absl::InternalError(std::string("exception out of Register: ") + e.what());
+  bool refused = false;
+  {
+    testing::RefusedThreads no_threads;
+    refused = no_threads.refused();
+    try {
+      alone = client::HostRegistration::Register(p, bytes, o, &failed);
+    } catch (const std::exception& e) {
+      alone = absl::InternalError(std::string("exception out of Register: ") + e.what());
+    }
   }
-  ::pthread_setattr_default_np(&saved);
-  ::pthread_attr_destroy(&huge);
-  ::pthread_attr_destroy(&saved);
   ASSERT_TRUE(refused) << "the huge default stack did not make pthread_create fail";
   ASSERT_TRUE(alone.ok()) << alone.status();
   EXPECT_EQ((*alone)->chunks(), bytes / chunk);
