@@ -81,7 +81,7 @@ absl::Status GroupRegistry::Join(const std::string& lease_id, const engram::v1::
     if (it != groups_.end() && it->second.status.state() == "BROKEN") {
       // A new member under the key of a broken group starts a new group; the broken one stays in the history.
       for (const auto& m : it->second.members) {
-        if (!m.left) lease_group_.erase(m.lease_id);
+        if (!m.info.left()) lease_group_.erase(m.lease_id);
       }
       RetireLocked(it);
       it = groups_.end();
@@ -207,7 +207,7 @@ void GroupRegistry::DepartLocked(const std::string& key, const std::string& leas
   if (it == groups_.end()) return;
   Group& g = it->second;
   auto self = std::find_if(g.members.begin(), g.members.end(), [&](const Member& m) { return m.lease_id == lease_id; });
-  if (self == g.members.end() || self->left) return;
+  if (self == g.members.end() || self->info.left()) return;
   const std::string state = g.status.state();
   if (state == "FORMING" && !breaks_forming) {
     // Its session ended before the group formed: another process may take its edp rank.
@@ -216,7 +216,6 @@ void GroupRegistry::DepartLocked(const std::string& key, const std::string& leas
     if (g.members.empty()) groups_.erase(it);
     return;
   }
-  self->left = true;
   self->notify = nullptr;
   self->info.set_left(true);
   self->info.set_left_reason(reason);
@@ -238,12 +237,12 @@ void GroupRegistry::DepartLocked(const std::string& key, const std::string& leas
     u->set_left_dp_rank(gone.info.dp_rank());
     u->set_generation(g.generation);
     for (auto& m : g.members) {
-      if (!m.left) Enqueue(g, m, msg, out);
+      if (!m.info.left()) Enqueue(g, m, msg, out);
     }
     spdlog::warn("event=group_broken group={} left_pid={} left_dp_rank={} reason=\"{}\"", key, gone.peer.pid,
                  gone.info.dp_rank(), reason);
   }
-  if (std::all_of(g.members.begin(), g.members.end(), [](const Member& m) { return m.left; })) RetireLocked(it);
+  if (std::all_of(g.members.begin(), g.members.end(), [](const Member& m) { return m.info.left(); })) RetireLocked(it);
 }
 
 void GroupRegistry::Leave(const std::string& lease_id) {
@@ -287,18 +286,15 @@ absl::StatusOr<engram::v1::GroupLeft> GroupRegistry::LeaveGroup(const std::strin
       return absl::NotFoundError(absl::StrCat("group leave: there is no group ", EchoOf(leave.group()),
                                               " (this session is a member of ", key, ")"));
     }
-    auto it = groups_.find(key);
-    if (it == groups_.end()) {  // not reached: a session's group lives while it is a member
-      lease_group_.erase(lg);
-      return absl::FailedPreconditionError("group leave: this session's group is gone");
-    }
-    if (leave.generation() != 0 && leave.generation() != it->second.generation) {
+    // A session's group lives while it is a member (lease_group_ loses the lease before the group goes).
+    const Group& g = groups_.find(key)->second;
+    if (leave.generation() != 0 && leave.generation() != g.generation) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "group leave: generation %d of group %s is not this session's (it is a member of generation %d)",
-          leave.generation(), key, it->second.generation));
+          leave.generation(), key, g.generation));
     }
     left.set_group(key);
-    left.set_generation(it->second.generation);
+    left.set_generation(g.generation);
     spdlog::info("event=group_leave group={} lease={} reason=\"{}\"", key, lease_id, reason);
     DepartLocked(key, lease_id, reason, /*breaks_forming=*/true, &out);
   }

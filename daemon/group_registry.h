@@ -72,10 +72,9 @@ class GroupRegistry {
   struct Member {
     std::string lease_id;
     PeerInfo peer;
-    engram::v1::GroupMember info;
+    engram::v1::GroupMember info;  // info.left(): it departed (the group keeps it for status)
     Notify notify;
     uint64_t join_id = 0;  // echoed in its updates
-    bool left = false;
   };
   // A group's updates reach each member in the order they were decided (FORMED before BROKEN): every decision that
   // sends takes a ticket under the registry's lock, and its updates are sent when the group's earlier tickets were.
