@@ -178,8 +178,7 @@ class Table:
 
     def close(self):
         self._closed = True
-        if not any(e._h for e in list(self._engines)):
-            self._free()
+        _free_if_unused(self, [e for e in list(self._engines) if e._h])
 
     def _free(self):
         if self._h:
@@ -245,6 +244,7 @@ class Engine:
         self._h = h
         self._closed = False
         self._views = weakref.WeakSet()  # staging views handed out (each keeps this engine alive)
+        self._staging = {}  # layer -> its staging view, built at first use, dropped at close()
         table._engines.add(self)
         self._prefetched = None  # keeps the hash ids alive while the side stream reads them
 
@@ -351,9 +351,16 @@ class Engine:
     def staging(self, layer):
         """The staging buffer of `layer`: bf16 [max_tokens, n_cols, head_dim] at a fixed address for the engine's
         life (a torch bfloat16 tensor on CUDA; NumPy uint16 bits on the CPU backend). A view: valid while the
-        Engine lives."""
+        Engine lives. The same object at every call (built at first use; the torch ops call this each step)."""
         self._layer(layer)
-        ptr = _lib.lib.engram_engine_staging(self._live(), int(layer))
+        live = self._live()
+        s = self._staging.get(layer)
+        if s is None:
+            s = self._staging[layer] = self._staging_view(live, layer)
+        return s
+
+    def _staging_view(self, live, layer):
+        ptr = _lib.lib.engram_engine_staging(live, int(layer))
         if not ptr:
             raise EngramError(13, f"no staging buffer for layer {layer}")
         shape = (self.max_tokens, self.layout.n_cols, self.layout.head_dim)
@@ -409,22 +416,28 @@ class Engine:
         """Ends its use (every call raises ValueError afterwards); the engine is freed at once when no staging view
         of it is alive, else when the last one goes."""
         self._closed = True
-        if not len(self._views):
-            self._free()
+        self._staging = {}  # the cached views: an array the caller still holds keeps the engine until it goes
+        _free_if_unused(self, self._views)
 
     def _free(self):
         if getattr(self, "_h", None):
             _lib.lib.engram_engine_free(self._h)
             self._h = None
-            table = self.table
-            if table._closed and not any(e._h for e in list(table._engines) if e is not self):
-                table._free()
+            _free_if_unused(self.table, [e for e in list(self.table._engines) if e._h], leaving=self)
 
     def __del__(self):
         try:
             self._free()
         except Exception:
             pass
+
+
+def _free_if_unused(owner, users, leaving=None):
+    """The one rule that frees what the library owns: `owner` (a Table or an Engine) is freed once it is closed
+    and none of `users` (its live engines, or the staging views of an engine) is left but `leaving`, the one going
+    now."""
+    if owner._closed and not any(u is not leaving for u in list(users)):
+        owner._free()
 
 
 def _ascontiguous(x):
@@ -442,9 +455,9 @@ class _View:
 
     def __del__(self):
         o = getattr(self, "_owner", None)
-        if o is not None and o._closed and not any(v is not self for v in list(o._views)):
+        if o is not None:
             try:
-                o._free()
+                _free_if_unused(o, o._views, leaving=self)
             except Exception:
                 pass
 

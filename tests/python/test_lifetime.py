@@ -40,6 +40,20 @@ def test_a_closed_engine_raises_and_its_views_stay_readable(checkpoint, tmp_path
     assert e._h is None, "freed once its last view went"
 
 
+def test_staging_views_are_built_once_and_dropped_at_close(checkpoint, tmp_path):
+    t = _attach(checkpoint, tmp_path)
+    e = t.engine(64)
+    s0 = e.staging(0)
+    assert e.staging(0) is s0, "a new view per call (the torch ops call staging() each step)"
+    if len(t.layout.layers) > 1:
+        assert e.staging(1) is not s0 and e.staging(1).ctypes.data != s0.ctypes.data
+    del s0
+    e.close()
+    assert e._h is None, "the engine's own cached views kept it alive after close()"
+    t.close()
+    assert t._h is None
+
+
 def test_closing_the_table_under_a_live_engine_defers_the_free(checkpoint, tmp_path):
     with _attach(checkpoint, tmp_path) as t:
         e = t.engine(64)
