@@ -1,6 +1,7 @@
 #include "model/shard_records.h"
 
 #include <algorithm>
+#include <cstring>
 #include <functional>
 #include <mutex>
 
@@ -85,7 +86,7 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
     const LayerRows& l = layers[j.entry];
     const EngramTensors& t = tensors[j.entry];
     thread_local std::vector<uint8_t> weight_buf, scale_buf;
-    weight_buf.resize(static_cast<size_t>(kSubRows * D));
+    weight_buf.resize(fill.direct_read ? 0 : static_cast<size_t>(kSubRows * D));
     scale_buf.resize(static_cast<size_t>(kSubRows * S));
     XXH3_state_t* hash = XXH3_createState();
     XXH3_64bits_reset(hash);
@@ -95,15 +96,25 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
     for (int64_t done = 0; done < j.rows && r.ok(); done += kSubRows) {
       const int64_t n = std::min(kSubRows, j.rows - done);
       const int64_t row = first_global + done;
-      r = t.embed_weight.file->ReadRange(*t.embed_weight.info, static_cast<uint64_t>(row * D), weight_buf.data(),
-                                         static_cast<uint64_t>(n * D));
+      uint8_t* const rec = out + done * rb;
+      if (fill.before_write) r = fill.before_write(rec, static_cast<uint64_t>(n * rb));
       if (r.ok()) {
         r = t.embed_scale.file->ReadRange(*t.embed_scale.info, static_cast<uint64_t>(row * S), scale_buf.data(),
                                           static_cast<uint64_t>(n * S));
       }
-      if (r.ok() && fill.before_write) r = fill.before_write(out + done * rb, static_cast<uint64_t>(n * rb));
+      if (r.ok() && fill.direct_read) {
+        r = t.embed_weight.file->ReadRows(*t.embed_weight.info, static_cast<uint64_t>(row * D),
+                                          static_cast<uint64_t>(D), static_cast<uint64_t>(n), rec,
+                                          static_cast<uint64_t>(rb));
+        if (!r.ok()) break;
+        for (int64_t i = 0; i < n; ++i) std::memcpy(rec + i * rb + D, scale_buf.data() + i * S, static_cast<size_t>(S));
+      } else if (r.ok()) {
+        r = t.embed_weight.file->ReadRange(*t.embed_weight.info, static_cast<uint64_t>(row * D), weight_buf.data(),
+                                           static_cast<uint64_t>(n * D));
+        if (!r.ok()) break;
+        PackRecords(weight_buf.data(), scale_buf.data(), n, D, rec);
+      }
       if (!r.ok()) break;
-      PackRecords(weight_buf.data(), scale_buf.data(), n, D, out + done * rb);
       XXH3_64bits_update(hash, out + done * rb, static_cast<size_t>(n * rb));
     }
     hashes[j.entry][j.chunk] = XXH3_64bits_digest(hash);

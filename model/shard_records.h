@@ -35,6 +35,10 @@ struct ShardFillOptions {
   bool drop_cache = true;
   // Rows per read-pack-hash step (the buffer stays in cache); <= 0 means the default, at most kChecksumChunkRows.
   int64_t sub_rows = 1024;
+  // The weights are read straight into their records (SafetensorsFile::ReadRows: the page cache copied once, into
+  // place); only the scales pass through the cache-resident buffer. false: both tensors are read into the buffer and
+  // packed from there (one more pass over every byte; kept to measure against).
+  bool direct_read = true;
 };
 
 // Fills the records; `checksums` (may be null) receives one per LayerRows entry.

@@ -70,9 +70,23 @@ TEST_P(RowOracleTest, OracleEqualsFormulaAndProductionReaderEqualsOracle) {
     const int64_t layer_id = oracle->layer_ids()[l];
     const int64_t rows = (*ckpt)->config().num_embeddings[l];
     ASSERT_GT(rows, 2);
-    // The whole layer through the production reader, with two threads.
+    // The whole layer through the production reader, with two threads: weights read into place (the default, and
+    // in 37-row steps that end mid-chunk) and read-then-packed (ShardFillOptions::direct_read false) give the same
+    // bytes and the same checksums.
     std::vector<uint8_t> table(static_cast<size_t>(rows * rb), 0xEE);
-    ASSERT_TRUE(ReadShardRecords(**ckpt, {{static_cast<int64_t>(l), 0, rows, 0}}, table.data(), 2, nullptr).ok());
+    std::vector<uint64_t> sums;
+    ASSERT_TRUE(ReadShardRecords(**ckpt, {{static_cast<int64_t>(l), 0, rows, 0}}, table.data(), 2, &sums).ok());
+    for (bool direct : {true, false}) {
+      ShardFillOptions fill;
+      fill.direct_read = direct;
+      fill.sub_rows = direct ? 37 : 1024;
+      std::vector<uint8_t> other(table.size(), 0x11);
+      std::vector<uint64_t> other_sums;
+      ASSERT_TRUE(ReadShardRecords(**ckpt, {{static_cast<int64_t>(l), 0, rows, 0}}, other.data(), 2, &other_sums,
+                                   nullptr, fill).ok());
+      EXPECT_TRUE(other == table) << "direct_read " << direct << " gave other bytes";
+      EXPECT_EQ(other_sums, sums) << "direct_read " << direct;
+    }
     std::vector<int64_t> sample = {0, 1, rows - 1};
     for (int i = 0; i < 40; ++i) sample.push_back(static_cast<int64_t>(rng() % static_cast<uint64_t>(rows)));
     for (int64_t row : sample) {

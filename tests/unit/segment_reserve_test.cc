@@ -241,7 +241,8 @@ TEST_F(PublishReserveTest, AnExplicitTuningIsUsedWithoutTheEnvironment) {
 TEST(PublishTuningTest, FromEnvReadsEachKnob) {
   using Drop = daemon::PublishTuning::DropCache;
   const auto unset_all = [] {
-    for (const char* k : {"ENGRAM_PUBLISH_RESERVE", "ENGRAM_PUBLISH_DROP_CACHE", "ENGRAM_PUBLISH_SUB_ROWS"}) {
+    for (const char* k : {"ENGRAM_PUBLISH_RESERVE", "ENGRAM_PUBLISH_DROP_CACHE", "ENGRAM_PUBLISH_SUB_ROWS",
+                          "ENGRAM_PUBLISH_DIRECT_READ"}) {
       ::unsetenv(k);
     }
   };
@@ -250,6 +251,11 @@ TEST(PublishTuningTest, FromEnvReadsEachKnob) {
   EXPECT_EQ(t.reserve, SegmentReserve::kAuto);
   EXPECT_EQ(t.drop_cache, Drop::kAfterReady);
   EXPECT_FALSE(t.sub_rows.has_value());
+  EXPECT_TRUE(t.direct_read);
+  ::setenv("ENGRAM_PUBLISH_DIRECT_READ", "0", 1);
+  EXPECT_FALSE(daemon::PublishTuning::FromEnv().direct_read);
+  ::setenv("ENGRAM_PUBLISH_DIRECT_READ", "1", 1);
+  EXPECT_TRUE(daemon::PublishTuning::FromEnv().direct_read);
   ::setenv("ENGRAM_PUBLISH_RESERVE", "whole", 1);
   ::setenv("ENGRAM_PUBLISH_DROP_CACHE", "inline", 1);
   ::setenv("ENGRAM_PUBLISH_SUB_ROWS", "4096", 1);
