@@ -180,13 +180,13 @@ int main(int argc, char** argv) {
          tuning(SegmentReserve::kWhole, Tuning::DropCache::kKeep, 1024), threads},
         {"populate, 4096-row steps", tuning(SegmentReserve::kWriters, Tuning::DropCache::kKeep, 4096), threads}};
     {
-      // The fill before ShardFillOptions::direct_read: weights read into a buffer, then packed (one pass more).
-      Tuning before = Tuning{};
-      before.drop_cache = Tuning::DropCache::kKeep;
-      before.direct_read = false;
-      variants.push_back({"reserve auto, weights read then packed (before direct reads)", before, threads});
-      Tuning direct = Tuning{};
-      direct.drop_cache = Tuning::DropCache::kKeep;
+      // The default fill (weights read into a buffer, then packed) against ShardFillOptions::direct_read.
+      Tuning packed = Tuning{};
+      packed.drop_cache = Tuning::DropCache::kKeep;
+      packed.direct_read = false;
+      variants.push_back({"reserve auto, weights read then packed (default)", packed, threads});
+      Tuning direct = packed;
+      direct.direct_read = true;
       variants.push_back({"reserve auto, weights read into place (direct reads)", direct, threads});
     }
     if (threads2 > 0) variants.push_back({"populate, " + std::to_string(threads2) + " threads", writers, threads2});

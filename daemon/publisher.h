@@ -49,13 +49,13 @@ int DefaultPublishThreads();
 //     (a detached thread), "inline" drops them job by job inside the fill (the old way), anything else ("0") keeps
 //     them;
 //   ENGRAM_PUBLISH_SUB_ROWS=N rows per read-pack-hash step (unset: ShardFillOptions' default, 1024).
-//   ENGRAM_PUBLISH_DIRECT_READ=0 reads the weights into a buffer and packs them (the fill before direct reads).
+//   ENGRAM_PUBLISH_DIRECT_READ=1 reads the weights straight into their records (ShardFillOptions::direct_read).
 struct PublishTuning {
   enum class DropCache { kAfterReady, kInline, kKeep };
   SegmentReserve reserve = SegmentReserve::kAuto;
   DropCache drop_cache = DropCache::kAfterReady;
   std::optional<int64_t> sub_rows;  // unset: ShardFillOptions' default
-  bool direct_read = true;          // ShardFillOptions::direct_read (ENGRAM_PUBLISH_DIRECT_READ=0: off)
+  bool direct_read = false;         // ShardFillOptions::direct_read (ENGRAM_PUBLISH_DIRECT_READ=1: on)
 
   static PublishTuning FromEnv();
 };

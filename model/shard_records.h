@@ -35,10 +35,12 @@ struct ShardFillOptions {
   bool drop_cache = true;
   // Rows per read-pack-hash step (the buffer stays in cache); <= 0 means the default, at most kChecksumChunkRows.
   int64_t sub_rows = 1024;
-  // The weights are read straight into their records (SafetensorsFile::ReadRows: the page cache copied once, into
-  // place); only the scales pass through the cache-resident buffer. false: both tensors are read into the buffer and
-  // packed from there (one more pass over every byte; kept to measure against).
-  bool direct_read = true;
+  // true: the weights are read straight into their records (SafetensorsFile::ReadRows: the page cache copied once,
+  // into place); only the scales pass through the cache-resident buffer. false (default): both tensors are read into
+  // the buffer and packed from there. Measured on the H200 host (bench_daemon, RESULTS.md session 4): +1-2% on huge
+  // pages, -14% on 4 KiB /dev/shm (the kernel's copy takes the segment's page faults one 4 KiB page at a time), so
+  // it stays off; ENGRAM_PUBLISH_DIRECT_READ=1 turns it on for a publish.
+  bool direct_read = false;
 };
 
 // Fills the records; `checksums` (may be null) receives one per LayerRows entry.

@@ -70,9 +70,9 @@ TEST_P(RowOracleTest, OracleEqualsFormulaAndProductionReaderEqualsOracle) {
     const int64_t layer_id = oracle->layer_ids()[l];
     const int64_t rows = (*ckpt)->config().num_embeddings[l];
     ASSERT_GT(rows, 2);
-    // The whole layer through the production reader, with two threads: weights read into place (the default, and
-    // in 37-row steps that end mid-chunk) and read-then-packed (ShardFillOptions::direct_read false) give the same
-    // bytes and the same checksums.
+    // The whole layer through the production reader, with two threads: read-then-packed (the default) and weights
+    // read into place (ShardFillOptions::direct_read, in 37-row steps that end mid-chunk) give the same bytes and
+    // the same checksums.
     std::vector<uint8_t> table(static_cast<size_t>(rows * rb), 0xEE);
     std::vector<uint64_t> sums;
     ASSERT_TRUE(ReadShardRecords(**ckpt, {{static_cast<int64_t>(l), 0, rows, 0}}, table.data(), 2, &sums).ok());

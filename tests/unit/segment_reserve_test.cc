@@ -251,11 +251,11 @@ TEST(PublishTuningTest, FromEnvReadsEachKnob) {
   EXPECT_EQ(t.reserve, SegmentReserve::kAuto);
   EXPECT_EQ(t.drop_cache, Drop::kAfterReady);
   EXPECT_FALSE(t.sub_rows.has_value());
-  EXPECT_TRUE(t.direct_read);
-  ::setenv("ENGRAM_PUBLISH_DIRECT_READ", "0", 1);
-  EXPECT_FALSE(daemon::PublishTuning::FromEnv().direct_read);
+  EXPECT_FALSE(t.direct_read);
   ::setenv("ENGRAM_PUBLISH_DIRECT_READ", "1", 1);
   EXPECT_TRUE(daemon::PublishTuning::FromEnv().direct_read);
+  ::setenv("ENGRAM_PUBLISH_DIRECT_READ", "0", 1);
+  EXPECT_FALSE(daemon::PublishTuning::FromEnv().direct_read);
   ::setenv("ENGRAM_PUBLISH_RESERVE", "whole", 1);
   ::setenv("ENGRAM_PUBLISH_DROP_CACHE", "inline", 1);
   ::setenv("ENGRAM_PUBLISH_SUB_ROWS", "4096", 1);
