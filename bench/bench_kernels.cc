@@ -335,12 +335,7 @@ int main(int argc, char** argv) {
     std::printf("host gather: %d threads (default share of %d cores); engine default: dedup %d, UVA share %.2f\n",
                 hg[0]->threads(), cores, engram::client::kEngineHostGatherDedup ? 1 : 0,
                 engram::client::kEngineHostGatherUvaShare);
-    std::printf("host gather: engine UVA share %.2f below %lld items per layer, %.2f from there\n",
-                engram::client::kEngineHostGatherUvaShare,
-                static_cast<long long>(engram::client::kEngineHostGatherUvaShareLargeFrom),
-                engram::client::kEngineHostGatherUvaShareLarge);
-    // Every row: the engine's share and its neighbours; de-duplicated: 0.4 (its best in earlier runs).
-    const std::vector<double> shares_every = {0.0, 0.15, 0.2, 0.25, 0.3, 0.4}, shares_dedup = {0.0, 0.4};
+    const double shares[] = {0.25, 0.4, 0.55};
     for (double repeat : {0.0, 0.45}) {
       for (int64_t n_rows : {int64_t{6144}, int64_t{24576}, int64_t{196608}, int64_t{1} << 20}) {
         const int64_t items = n_rows / C * C;
@@ -371,7 +366,8 @@ int main(int argc, char** argv) {
         double host_best = 1e30, host_engine = 1e30;
         std::string host_what;
         for (int dd = 0; dd < 2; ++dd) {
-          for (double share : dd == 0 ? shares_every : shares_dedup) {
+          for (double share : {0.0, shares[0], shares[1], shares[2]}) {
+            if (dd == 1 && share != 0.0 && share != shares[1]) continue;
             auto& g = *hg[dd];
             g.set_uva_share(share);
             const double ms = MedianMs([&] {
@@ -386,7 +382,7 @@ int main(int argc, char** argv) {
               host_best = ms;
               host_what = what;
             }
-            if ((dd == 1) == engram::client::kEngineHostGatherDedup && share == engram::client::EngineHostGatherUvaShare(items)) {
+            if ((dd == 1) == engram::client::kEngineHostGatherDedup && share == engram::client::kEngineHostGatherUvaShare) {
               host_engine = ms;
             }
           }
@@ -417,7 +413,7 @@ int main(int argc, char** argv) {
           auto g = engram::client::HostGather::Create({{seg, 0, rows, static_cast<const uint8_t*>(dseg)}}, {d_out},
                                                       static_cast<int32_t>(max_items / C), C, static_cast<int32_t>(D), o);
           if (!g.ok()) return 1;
-          for (double share : {0.0, engram::client::EngineHostGatherUvaShare(items)}) {
+          for (double share : {0.0, engram::client::kEngineHostGatherUvaShare}) {
             (*g)->set_uva_share(share);
             const double ms = MedianMs([&] {
               if (!(*g)->Prefetch(ids.data() + (k++ % sets) * items, static_cast<int32_t>(items / C), C, s).ok() ||
@@ -535,7 +531,7 @@ int main(int argc, char** argv) {
         for (size_t si = 0; si < 3; ++si) {
           const int64_t items = sizes[si] / C * C;
           for (int sh = 0; sh < 2; ++sh) {
-            const double share = sh == 0 ? 0.0 : engram::client::EngineHostGatherUvaShare(items);
+            const double share = sh == 0 ? 0.0 : engram::client::kEngineHostGatherUvaShare;
             (*g)->set_uva_share(share);
             const double b2b = time_batches(**g, size_ids[si], items, 0);
             const double idle = time_batches(**g, size_ids[si], items, 2000);
@@ -553,7 +549,7 @@ int main(int argc, char** argv) {
         const int64_t items = sizes[bi / 2] / C * C;
         std::printf("host gather variants, %7lld rows, share %.2f: fastest b2b %s (%.3f ms, %.3f of H2D), fastest idle "
                     "%s (%.3f ms, %.3f of H2D)\n", static_cast<long long>(items),
-                    bi % 2 == 0 ? 0.0 : engram::client::EngineHostGatherUvaShare(items), best_b2b[bi].what.c_str(),
+                    bi % 2 == 0 ? 0.0 : engram::client::kEngineHostGatherUvaShare, best_b2b[bi].what.c_str(),
                     best_b2b[bi].ms, items * rb / best_b2b[bi].ms / 1e6 / h2d, best_idle[bi].what.c_str(),
                     best_idle[bi].ms, items * rb / best_idle[bi].ms / 1e6 / h2d);
       }
@@ -682,7 +678,7 @@ int main(int argc, char** argv) {
     }
     // The host-gather path beside the same busy main stream: CPU threads and copy engines, the unpack on the GPU
     // (and, with the engine's UVA share, the row-order kernel on part of the tokens).
-    for (double share : {0.0, engram::client::EngineHostGatherUvaShare(int64_t{T} * 24)}) {
+    for (double share : {0.0, engram::client::kEngineHostGatherUvaShare}) {
       uint16_t *o0 = nullptr, *o1 = nullptr;
       CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&o0), size_t{T} * 24 * D * 2));
       CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&o1), size_t{T} * 24 * D * 2));

@@ -92,22 +92,17 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
     e->host_options_.dedup = std::strcmp(v, "1") == 0;
   }
   e->host_options_.uva_share = kEngineHostGatherUvaShare;
-  e->host_options_.uva_share_large = kEngineHostGatherUvaShareLarge;
-  e->host_options_.uva_large_from_items = kEngineHostGatherUvaShareLargeFrom;
   if (const char* v = std::getenv("ENGRAM_HOST_GATHER_UVA_SHARE"); v != nullptr && *v != '\0') {
-    e->host_options_.uva_share = std::clamp(std::atof(v), 0.0, 1.0);  // one share for every size
-    e->host_options_.uva_share_large = -1;
+    e->host_options_.uva_share = std::clamp(std::atof(v), 0.0, 1.0);
   }
   const bool host_records = table.layers().empty() || table.records(0) != nullptr;
   std::string table_text;
   for (const auto& p : e->path_table_) table_text += absl::StrCat(table_text.empty() ? "" : ",", p.items, ":", p.threshold ? "host_from" : p.host ? "host" : "uva");
   spdlog::info("engram: event=lookup_engine backend=cuda lookup_path={} path_table={} host_gather_threads={} "
-               "host_gather_dedup={} host_gather_uva_share={:.2f} host_gather_uva_share_from_{}={:.2f} host_records={} (uva under "
-               "CUDA graph capture and for device ids)",
+               "host_gather_dedup={} host_gather_uva_share={:.2f} host_records={} (uva under CUDA graph capture and for device "
+               "ids)",
                LookupPathName(e->path_), table_text, e->host_options_.threads, e->host_options_.dedup,
-               e->host_options_.uva_share, e->host_options_.uva_large_from_items,
-               e->host_options_.uva_share_large >= 0 ? e->host_options_.uva_share_large : e->host_options_.uva_share,
-               host_records);
+               e->host_options_.uva_share, host_records);
   return e;
 }
 

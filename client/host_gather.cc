@@ -224,10 +224,9 @@ absl::Status HostGather::RunLayer(int32_t l) {
   const int64_t items = static_cast<int64_t>(tokens_) * n_cols_;
   // The split: tokens [host_tokens, tokens_) go to the UVA row-order gather, the rest to the CPU threads.
   int32_t uva_tokens = 0;
-  const double share =
-      opt_.uva_share_large >= 0 && items >= opt_.uva_large_from_items ? opt_.uva_share_large : opt_.uva_share;
-  if (uva_ok_ && share > 0 && items >= std::max<int64_t>(opt_.uva_min_items, 1)) {
-    uva_tokens = static_cast<int32_t>(std::clamp<double>(std::llround(tokens_ * std::min(share, 1.0)), 0, tokens_));
+  if (uva_ok_ && opt_.uva_share > 0 && items >= std::max<int64_t>(opt_.uva_min_items, 1)) {
+    uva_tokens = static_cast<int32_t>(
+        std::clamp<double>(std::llround(tokens_ * std::min(opt_.uva_share, 1.0)), 0, tokens_));
   }
   const int32_t host_tokens = tokens_ - uva_tokens;
   const int64_t host_items = static_cast<int64_t>(host_tokens) * n_cols_, uva_items = items - host_items;

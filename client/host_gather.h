@@ -41,17 +41,10 @@ namespace engram::client {
 
 // The engine's defaults (client/device_engine.cc; bench_kernels measures them and writes the automatic choice's
 // table for them), measured on the H200 (bench/RESULTS.md, 2026-11-30): de-duplication off (it costs more than
-// it saves even at 45% repeats); a share of the tokens on the UVA row-order kernel: 0.3 for batches below 64K items
-// per layer, 0.2 from there (session 4, two runs side by side with 0.15-0.4: 24K items 0.487 / 0.495 of H2D at 0.3
-// against 0.485 / 0.477 at 0.25; 196K 0.688 / 0.689 at 0.2 against 0.681 / 0.672).
+// it saves even at 45% repeats), a quarter of the tokens on the UVA row-order kernel (the best share at 196K rows,
+// the size where the engine takes this path).
 inline constexpr bool kEngineHostGatherDedup = false;
-inline constexpr double kEngineHostGatherUvaShare = 0.3;
-inline constexpr double kEngineHostGatherUvaShareLarge = 0.2;
-inline constexpr int64_t kEngineHostGatherUvaShareLargeFrom = 65536;
-// The engine's share for a batch of `items` (token, column) items per layer.
-inline double EngineHostGatherUvaShare(int64_t items) {
-  return items >= kEngineHostGatherUvaShareLargeFrom ? kEngineHostGatherUvaShareLarge : kEngineHostGatherUvaShare;
-}
+inline constexpr double kEngineHostGatherUvaShare = 0.25;
 
 struct HostGatherOptions {
   int threads = 0;            // gather threads; 0 = DefaultGatherThreads(the machine's cores)
@@ -63,9 +56,6 @@ struct HostGatherOptions {
   // device_records); batches below uva_min_items items per layer are not split.
   double uva_share = 0;
   int64_t uva_min_items = 0;
-  // From uva_large_from items per layer on, uva_share_large replaces uva_share (< 0: no second share).
-  double uva_share_large = -1;
-  int64_t uva_large_from_items = 0;
   // Grid of the UVA share's kernel: few blocks, so that it disturbs the main stream little (the row-order gather
   // is as fast on 8 blocks of 8 rows per warp as on 16-32 at these sizes).
   int32_t uva_blocks = 8;
@@ -123,10 +113,7 @@ class HostGather {
 
   int threads() const { return pool_->threads(); }
   // The UVA share of later batches (clamped to [0, 1]; ignored without device records). Call between batches.
-  void set_uva_share(double share) {  // one share for every batch size
-    opt_.uva_share = share;
-    opt_.uva_share_large = -1;
-  }
+  void set_uva_share(double share) { opt_.uva_share = share; }
   const HostGatherOptions& options() const { return opt_; }  // as resolved by Create
   int32_t n_layers() const { return static_cast<int32_t>(layers_.size()); }
   cudaEvent_t layer_event(int32_t layer) const { return done_[static_cast<size_t>(layer)]; }

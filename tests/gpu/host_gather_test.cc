@@ -239,62 +239,6 @@ TEST(GpuHostGatherTest, SplitBatchesEqualTheCpuReferenceBitForBit) {
   for (auto& h : f.host) CUDA_OK(cudaHostUnregister(h.data()));
 }
 
-// The engine's two shares (HostGatherOptions::uva_share_large from uva_large_from_items items per layer): a batch
-// below the threshold splits by uva_share, one at or above it by uva_share_large; rows bit-exact either way;
-// set_uva_share puts back one share for every size.
-TEST(GpuHostGatherTest, LargeBatchesTakeTheSecondShare) {
-  REQUIRE_GPU();
-  std::mt19937_64 rng(std::random_device{}());
-  Fixture f(rng);
-  for (int l = 0; l < Fixture::kL; ++l) {  // the UVA share reads the same records through their device mapping
-    auto& h = f.host[static_cast<size_t>(l)];
-    CUDA_OK(cudaHostRegister(h.data(), h.size(), cudaHostRegisterMapped | cudaHostRegisterReadOnly));
-    void* d = nullptr;
-    CUDA_OK(cudaHostGetDevicePointer(&d, h.data(), 0));
-    f.layers[static_cast<size_t>(l)].device_records = static_cast<const uint8_t*>(d);
-  }
-  const int32_t max_tokens = 256;
-  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> out;
-  std::vector<uint16_t*> out_ptrs;
-  for (int l = 0; l < Fixture::kL; ++l) {
-    out.push_back(std::make_unique<DeviceBuffer<uint16_t>>(static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD));
-    out_ptrs.push_back(out.back()->get());
-  }
-  HostGatherOptions opt;
-  opt.threads = 2;
-  opt.dedup = false;
-  opt.uva_share = 0.25;
-  opt.uva_share_large = 0.5;
-  opt.uva_large_from_items = int64_t{100} * Fixture::kC;
-  auto g = HostGather::Create(f.layers, out_ptrs, max_tokens, Fixture::kC, static_cast<int32_t>(Fixture::kD), opt);
-  ASSERT_TRUE(g.ok()) << g.status();
-  cudaStream_t s;
-  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  struct Case {
-    int32_t T;
-    double share;
-    bool one_share;
-  } cases[] = {{80, 0.25, false}, {100, 0.5, false}, {max_tokens, 0.5, false}, {max_tokens, 0.25, true}};
-  for (const Case& c : cases) {
-    SCOPED_TRACE(::testing::Message() << "T " << c.T << " one share " << c.one_share);
-    if (c.one_share) (*g)->set_uva_share(0.25);
-    const std::vector<int32_t> ids = f.Ids(rng, c.T);
-    ASSERT_TRUE((*g)->Prefetch(ids.data(), c.T, Fixture::kL * Fixture::kC, s).ok());
-    for (int l = 0; l < Fixture::kL; ++l) {
-      ASSERT_TRUE((*g)->Wait(l, s).ok());
-      std::vector<uint16_t> got(static_cast<size_t>(c.T) * Fixture::kC * Fixture::kD);
-      CUDA_OK(cudaMemcpyAsync(got.data(), out_ptrs[static_cast<size_t>(l)], got.size() * 2, cudaMemcpyDeviceToHost, s));
-      CUDA_OK(cudaStreamSynchronize(s));
-      EXPECT_TRUE(got == f.Expected(ids, c.T, l)) << "layer " << l;
-      EXPECT_EQ((*g)->stats(l).uva_items, std::llround(c.T * c.share) * Fixture::kC) << "layer " << l;
-    }
-  }
-  ASSERT_TRUE((*g)->Sync().ok());
-  g->reset();
-  CUDA_OK(cudaStreamDestroy(s));
-  for (auto& h : f.host) CUDA_OK(cudaHostUnregister(h.data()));
-}
-
 TEST(GpuHostGatherTest, RefusesCaptureAndBadInputs) {
   REQUIRE_GPU();
   std::mt19937_64 rng(5);
