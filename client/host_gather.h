@@ -42,7 +42,8 @@ namespace engram::client {
 // The engine's defaults (client/device_engine.cc; bench_kernels measures them and writes the automatic choice's
 // table for them), measured on the H200 (bench/RESULTS.md, 2026-11-30): de-duplication off (it costs more than
 // it saves even at 45% repeats), a quarter of the tokens on the UVA row-order kernel (the best share at 196K rows,
-// the size where the engine takes this path).
+// the size where the engine takes this path; session 4 measured 0.15-0.4 side by side in four runs: 0.2 and 0.3
+// won some runs by 1-3% and lost others by as much, so a per-size share was tried and reverted).
 inline constexpr bool kEngineHostGatherDedup = false;
 inline constexpr double kEngineHostGatherUvaShare = 0.25;
 
