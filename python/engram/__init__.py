@@ -244,7 +244,6 @@ class Engine:
         self._h = h
         self._closed = False
         self._views = weakref.WeakSet()  # staging views handed out (each keeps this engine alive)
-        self._staging = {}  # layer -> its staging view, built at first use, dropped at close()
         table._engines.add(self)
         self._prefetched = None  # keeps the hash ids alive while the side stream reads them
 
@@ -351,16 +350,10 @@ class Engine:
     def staging(self, layer):
         """The staging buffer of `layer`: bf16 [max_tokens, n_cols, head_dim] at a fixed address for the engine's
         life (a torch bfloat16 tensor on CUDA; NumPy uint16 bits on the CPU backend). A view: valid while the
-        Engine lives. The same object at every call (built at first use; the torch ops call this each step)."""
+        Engine lives. A new view at every call (cheap); not cached in the engine, since a view keeps its engine
+        alive and an engine holding its views would be a cycle through torch that Python's collector cannot see."""
         self._layer(layer)
-        live = self._live()
-        s = self._staging.get(layer)
-        if s is None:
-            s = self._staging[layer] = self._staging_view(live, layer)
-        return s
-
-    def _staging_view(self, live, layer):
-        ptr = _lib.lib.engram_engine_staging(live, int(layer))
+        ptr = _lib.lib.engram_engine_staging(self._live(), int(layer))
         if not ptr:
             raise EngramError(13, f"no staging buffer for layer {layer}")
         shape = (self.max_tokens, self.layout.n_cols, self.layout.head_dim)
@@ -416,7 +409,6 @@ class Engine:
         """Ends its use (every call raises ValueError afterwards); the engine is freed at once when no staging view
         of it is alive, else when the last one goes."""
         self._closed = True
-        self._staging = {}  # the cached views: an array the caller still holds keeps the engine until it goes
         _free_if_unused(self, self._views)
 
     def _free(self):

@@ -6,6 +6,7 @@ import gc
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import numpy as np
 import pytest
@@ -40,18 +41,19 @@ def test_a_closed_engine_raises_and_its_views_stay_readable(checkpoint, tmp_path
     assert e._h is None, "freed once its last view went"
 
 
-def test_staging_views_are_built_once_and_dropped_at_close(checkpoint, tmp_path):
+def test_a_dropped_engine_is_freed_after_staging(checkpoint, tmp_path):
+    # An engine dropped without close() goes once nothing the caller holds reaches it, staging() called or not (a
+    # view cached in the engine made a cycle Engine -> view -> _View owner -> Engine that the collector cannot see:
+    # ndarrays are not GC-tracked, and a torch tensor holds its array interface owner from C++).
     t = _attach(checkpoint, tmp_path)
     e = t.engine(64)
-    s0 = e.staging(0)
-    assert e.staging(0) is s0, "a new view per call (the torch ops call staging() each step)"
-    if len(t.layout.layers) > 1:
-        assert e.staging(1) is not s0 and e.staging(1).ctypes.data != s0.ctypes.data
-    del s0
-    e.close()
-    assert e._h is None, "the engine's own cached views kept it alive after close()"
+    e.staging(0)
+    gone = weakref.ref(e)
+    del e
+    gc.collect()
+    assert gone() is None, "the engine outlived every reference the caller had"
     t.close()
-    assert t._h is None
+    assert t._h is None, "the table stayed mapped: a leaked engine still holds it"
 
 
 def test_closing_the_table_under_a_live_engine_defers_the_free(checkpoint, tmp_path):
