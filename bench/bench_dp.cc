@@ -177,9 +177,10 @@ int main(int argc, char** argv) {
       }
     }
     auto comm = DpNcclExchange::InitComm(id, kMembers, g, nullptr, std::chrono::seconds(120));
-    // As the engine does (ENGRAM_DP_NCCL_BLOCKING, default 1): the steps on a blocking twin of the communicator.
+    // As the engine does (ENGRAM_DP_NCCL_BLOCKING, default 0): =1 runs the steps on a blocking twin.
     const char* blocking_env = std::getenv("ENGRAM_DP_NCCL_BLOCKING");
-    if (comm.ok() && (blocking_env == nullptr || std::atoi(blocking_env) != 0)) {
+    const bool blocking = blocking_env != nullptr && std::atoi(blocking_env) != 0;
+    if (comm.ok() && blocking) {
       comm = DpNcclExchange::BlockingTwin(*comm, g, nullptr, std::chrono::seconds(120));
     }
     if (!comm.ok()) {
@@ -187,8 +188,7 @@ int main(int argc, char** argv) {
       ::_exit(1);
     }
     if (g == 0) {
-      std::printf("NCCL communicator for the steps: %s\n",
-                  blocking_env == nullptr || std::atoi(blocking_env) != 0 ? "blocking twin" : "non-blocking");
+      std::printf("NCCL communicator for the steps: %s\n", blocking ? "blocking twin" : "non-blocking");
     }
     const int maxT = *std::max_element(tokens.begin(), tokens.end());
     int32_t *ids = nullptr, *uva_ids = nullptr;

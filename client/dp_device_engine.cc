@@ -208,7 +208,8 @@ class DpDeviceEngine final : public LookupEngine {
         A2aForm(a2a),
         static_cast<int32_t>(
             std::clamp<int64_t>(EnvInt("ENGRAM_DP_GRAPH_MAX_SLOT", DpExchangeShape::kDefaultGraphMaxSlot), 0, INT32_MAX)),
-        EnvInt("ENGRAM_DP_NCCL_BLOCKING", 1) != 0 ? 1 : 0};
+        EnvInt("ENGRAM_DP_NCCL_BLOCKING", 0) != 0 ? 1 : 0,
+        DpNcclExchange::SplitSupported() ? 1 : 0};
     auto agreed = e->AllGatherInts(comm, static_cast<int32_t>(plan.edp), mine);
     if (!agreed.ok()) {
       if (nccl_comm == nullptr) nccl->CommAbort(comm);  // formed here, not yet owned by an exchange
@@ -223,10 +224,12 @@ class DpDeviceEngine final : public LookupEngine {
     const int32_t form = all[3] == kA2aAuto ? (g.slot <= all[4] ? kA2aGraph : kA2aPipelined) : all[3];
     shape.sequential = form == kA2aSequential;
     shape.graph = form == kA2aGraph;
-    // The steps run on a blocking twin of a communicator formed here (rank 0's choice, so every member splits or
-    // none does); the engine's own communicator is used as it is.
+    // Opt-in: the steps on a blocking twin of a communicator formed here (rank 0's choice, and only when every
+    // member can split: so every member splits or none does); the engine's own communicator is used as it is.
     bool blocking = false;
-    if (nccl_comm == nullptr && all[5] != 0) {
+    bool all_split = true;
+    for (int64_t m = 0; m < plan.edp; ++m) all_split = all_split && all[static_cast<size_t>(m) * mine.size() + 6] == 1;
+    if (nccl_comm == nullptr && all[5] != 0 && all_split) {
       auto twin = DpNcclExchange::BlockingTwin(comm, me, broken, DpFormTimeout());
       if (twin.ok()) {
         comm = *twin;
@@ -289,21 +292,13 @@ class DpDeviceEngine final : public LookupEngine {
       result = DpNcclExchange::Poll(comm, nccl->AllGather(d, d + k, k, ncclInt32, comm, stream_), broken, deadline,
                                     "the group's first all-gather");
     }
-    // Its kernels wait for every member: poll them too (a member that dies now must not hang this one).
-    while (result.ok()) {
-      const cudaError_t q = cudaStreamQuery(stream_);
-      if (q == cudaSuccess) break;
-      std::optional<std::string> why = broken();
-      if (!why && q != cudaErrorNotReady) why = absl::StrCat("all-gather: ", cudaGetErrorString(q));
-      if (!why && std::chrono::steady_clock::now() > deadline) why = "the group's first all-gather did not complete";
-      if (why) result = absl::AbortedError(*why);
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
+    // Its kernels wait for every member: polled too (a member that dies now must not hang this one).
+    if (result.ok()) result = DpNcclExchange::WaitStream(stream_, broken, deadline, "the group's first all-gather");
     if (result.ok() && cudaMemcpy(got.data(), d + k, got.size() * 4, cudaMemcpyDeviceToHost) != cudaSuccess) {
       result = absl::InternalError("all-gather: copy back");
     }
     // cudaFree waits for the device: with the all-gather still waiting for a member (the caller aborts the
-    // communicator next), the 4-int buffer is left behind instead.
+    // communicator next), the small buffer ((n + 1) x mine.size() ints) is left behind instead.
     if (result.ok() || cudaStreamQuery(stream_) != cudaErrorNotReady) cudaFree(d);
     if (!result.ok()) return result;
     return got;

@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <thread>
@@ -118,12 +119,33 @@ absl::Status DpNcclExchange::Poll(ncclComm_t comm, ncclResult_t r, const BrokenF
   }
 }
 
+absl::Status DpNcclExchange::WaitStream(cudaStream_t stream, const BrokenFn& stop,
+                                        std::chrono::steady_clock::time_point deadline, const char* what) {
+  while (true) {
+    const cudaError_t q = cudaStreamQuery(stream);
+    if (q == cudaSuccess) return absl::OkStatus();
+    if (q != cudaErrorNotReady) return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(q)));
+    if (std::optional<std::string> why = stop ? stop() : std::nullopt) return absl::AbortedError(*why);
+    if (std::chrono::steady_clock::now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(what, " did not complete in time"));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
 absl::Status DpNcclExchange::Wait(ncclResult_t r, const char* what) {
-  if (r == ncclSuccess) return absl::OkStatus();  // a blocking communicator: enqueued
   return Poll(comm_, r, [this]() -> std::optional<std::string> {
     if (aborted_) return "the DP exchange was aborted";
     return std::nullopt;
   }, std::chrono::steady_clock::now() + timeout_, what);
+}
+
+bool DpNcclExchange::SplitSupported() {
+  auto api = NcclApi::Get();
+  if (!api.ok() || (*api)->CommSplit == nullptr) return false;
+  // NCCL_COMM_SPLIT_SHARE_RESOURCES=1 overrides the config: the twin would share (and die with) its parent.
+  const char* share = std::getenv("NCCL_COMM_SPLIT_SHARE_RESOURCES");
+  return share == nullptr || std::atoi(share) == 0;
 }
 
 absl::StatusOr<ncclComm_t> DpNcclExchange::BlockingTwin(ncclComm_t comm, int32_t me, const BrokenFn& broken,
@@ -132,6 +154,7 @@ absl::StatusOr<ncclComm_t> DpNcclExchange::BlockingTwin(ncclComm_t comm, int32_t
   if (n->CommSplit == nullptr) return absl::UnimplementedError("this NCCL has no ncclCommSplit");
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 1;
+  cfg.splitShare = 0;  // the twin must outlive its parent's abort
   ncclComm_t twin = nullptr;
   const ncclResult_t r = n->CommSplit(comm, 0, me, &twin, &cfg);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -139,11 +162,11 @@ absl::StatusOr<ncclComm_t> DpNcclExchange::BlockingTwin(ncclComm_t comm, int32_t
   if (st.ok() && twin != nullptr) st = Poll(twin, ncclSuccess, broken, deadline, "the blocking communicator");
   if (st.ok() && twin == nullptr) st = absl::InternalError("DP exchange: ncclCommSplit gave no communicator");
   if (!st.ok()) {
+    n->CommAbort(comm);  // first: an interrupted split hands its child over only when the parent's abort joins it
     if (twin != nullptr) n->CommAbort(twin);
-    n->CommAbort(comm);
     return st;
   }
-  n->CommAbort(comm);  // local: the twin owns its own resources (no split sharing)
+  n->CommAbort(comm);  // local: the twin owns its own resources (splitShare 0; SplitSupported refuses the env override)
   return twin;
 }
 
@@ -156,6 +179,7 @@ absl::StatusOr<std::unique_ptr<DpNcclExchange>> DpNcclExchange::Create(const DpE
   if (shape.members < 1 || shape.me < 0 || shape.me >= shape.members || shape.slot < 1 || shape.layers < 1 ||
       static_cast<int32_t>(shape.col_begin.size()) != shape.members ||
       static_cast<int32_t>(shard.size()) != shape.layers) {
+    if (own_comm && comm != nullptr) (*api)->CommAbort(comm);  // owned from here on, even when refused
     return absl::InvalidArgumentError("DP exchange: inconsistent shape");
   }
   std::unique_ptr<DpNcclExchange> x(new DpNcclExchange());
@@ -275,7 +299,8 @@ void DpNcclExchange::Abort(const std::string& why) {
   abort_reason_ = why;
   // A graph in flight is freed when it completes (the abort ends its NCCL kernels); NCCL's abort waits for that.
   DropGraphs();
-  if (comm_ != nullptr) nccl_->CommAbort(comm_);
+  // The engine's own communicator is the engine's to abort: a failed step must not free it under the caller.
+  if (comm_ != nullptr && own_comm_) nccl_->CommAbort(comm_);
 }
 
 void DpNcclExchange::DropGraphs() {
@@ -370,13 +395,19 @@ absl::Status DpNcclExchange::ExchangePeerShards(const void* alloc_base) {
                                    comm_, stream_),
                   "all-gather of the peer handles");
   }
-  if (result.ok()) result = Cuda(cudaStreamSynchronize(stream_), "peer handles");
+  if (result.ok()) {  // its kernels wait for every member: polled, so that a member gone now cannot hang this one
+    result = WaitStream(stream_, [this]() -> std::optional<std::string> {
+      if (aborted_) return "the DP exchange was aborted";
+      return broken_ ? broken_() : std::nullopt;
+    }, std::chrono::steady_clock::now() + timeout_, "DP exchange: all-gather of the peer handles");
+  }
   if (result.ok()) {
     result = Cuda(cudaMemcpy(all.data(), static_cast<uint8_t*>(d) + sizeof(PeerExport), sizeof(PeerExport) * n,
                              cudaMemcpyDeviceToHost),
                   "copy back");
   }
-  cudaFree(d);
+  // cudaFree waits for the device: with the all-gather still waiting for a member, the buffer is left behind.
+  if (result.ok() || cudaStreamQuery(stream_) != cudaErrorNotReady) cudaFree(d);
   if (!result.ok()) return result;
   std::vector<std::vector<ShardLayer>> peers(n);
   for (size_t s = 0; s < n; ++s) {

@@ -28,11 +28,11 @@
 // The path is chosen from the group slot, so every member takes the same one. A step is enqueued on the stream the
 // caller passes, into fixed buffers sized at creation; side streams fork from it and join back into it through
 // events, so work queued on that stream after Step sees the rows, and nothing synchronises the host (CUDA-graph
-// friendly). A communicator formed here is formed non-blocking (ncclConfig_t.blocking = 0: a member that never comes
-// cannot hang the others) and then, by default, split into a blocking twin for the steps (BlockingTwin; a
-// non-blocking one costs a host thread per NCCL group); every call is polled with a deadline and an abort check, and
-// Abort() (any thread) calls ncclCommAbort, which ends kernels stuck waiting for a member that died. Either the
-// engine's own communicator (not owned, used as it is) or one formed here from an ncclUniqueId.
+// friendly). A communicator formed here is non-blocking (ncclConfig_t.blocking = 0: a member that never comes cannot
+// hang the others): every NCCL call is polled with a deadline and an abort check, waits for collective kernels are
+// polled too, and Abort() (any thread) calls ncclCommAbort, which ends kernels stuck waiting for a member that died.
+// BlockingTwin (opt-in) trades that for less host time per step. Either the engine's own communicator (not owned:
+// used as it is, never split, never aborted here) or one formed here from an ncclUniqueId.
 // Thread-compatible, except Abort() and aborted(), which are thread-safe.
 #pragma once
 
@@ -109,15 +109,23 @@ class DpNcclExchange {
   // A communicator formed from `id` (rank shape.me of shape.members), polled until ready or `timeout`/`broken`.
   static absl::StatusOr<ncclComm_t> InitComm(const ncclUniqueId& id, int32_t members, int32_t me,
                                              const BrokenFn& broken, std::chrono::milliseconds timeout);
-  // The steps' communicator: a blocking twin of the non-blocking `comm` InitComm formed (ncclCommSplit, every member
-  // calls it, polled like InitComm). A non-blocking communicator launches every NCCL group from a new host thread
-  // (50-75 us per group on the H200 machines); a blocking one enqueues inline. Forming stays abortable (the split
-  // runs on the non-blocking parent); once formed, a step's NCCL calls only enqueue kernels (the peers are
-  // connected by the engine's first step), and a member that dies leaves those kernels waiting, which Abort ends as
-  // before. On success `comm` is released and the twin returned; on failure both are aborted. Unimplemented when
-  // this NCCL has no ncclCommSplit (the caller keeps `comm`).
+  // Opt-in (ENGRAM_DP_NCCL_BLOCKING=1, off by default): a blocking twin of the non-blocking `comm` InitComm formed
+  // (ncclCommSplit, every member calls it, polled like InitComm) for the steps. A non-blocking communicator launches
+  // every NCCL group from a new host thread (50-150 us of host time per group on the H200 machines); a blocking one
+  // enqueues inline (bench_dp: 13 us). The price, why it is not the default: on a blocking communicator NCCL
+  // connects the peers lazily inside the first collectives on the calling thread, and a launch can block behind a
+  // stalled peer, so a member that stops (or dies before its first step) can hold the others inside an NCCL call
+  // where no deadline or Abort reaches them (Abort needs the lock the step holds). On success `comm` is released and
+  // the twin returned; on failure both are aborted. Unimplemented when !SplitSupported() (the caller keeps `comm`).
   static absl::StatusOr<ncclComm_t> BlockingTwin(ncclComm_t comm, int32_t me, const BrokenFn& broken,
                                                  std::chrono::milliseconds timeout);
+  // This process can split a twin that does not share its parent's resources (ncclCommSplit present and
+  // NCCL_COMM_SPLIT_SHARE_RESOURCES not set): a fact the members agree on before any of them splits.
+  static bool SplitSupported();
+  // Polls `stream` until its work is done, `stop` names a reason or `deadline` passes (kernels of a collective wait
+  // for every member: never an unbounded synchronize).
+  static absl::Status WaitStream(cudaStream_t stream, const BrokenFn& stop,
+                                 std::chrono::steady_clock::time_point deadline, const char* what);
   // Polls `comm` after an NCCL call that returned `r` until the call is done (ncclSuccess), failed, `stop` names a
   // reason, or `deadline` passes. For a blocking communicator this returns at once.
   static absl::Status Poll(ncclComm_t comm, ncclResult_t r, const BrokenFn& stop,

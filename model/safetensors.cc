@@ -212,7 +212,9 @@ absl::Status SafetensorsFile::ReadRange(const TensorInfo& tensor, uint64_t offse
 
 absl::Status SafetensorsFile::ReadRows(const TensorInfo& tensor, uint64_t offset, uint64_t row_bytes, uint64_t rows,
                                        void* dst, uint64_t dst_stride) const {
-  if (row_bytes == 0 || rows == 0) return absl::OkStatus();
+  if (row_bytes == 0 || rows == 0) {  // nothing to read: the same answer as ReadRange(tensor, offset, ., 0)
+    return ReadRange(tensor, offset, dst, 0);
+  }
   if (dst_stride < row_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(path_, ": tensor `", tensor.name, "`: rows of ", row_bytes,
                                                    " bytes cannot land ", dst_stride, " bytes apart"));

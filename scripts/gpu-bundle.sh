@@ -185,10 +185,14 @@ if [ "$what" = hostgather ]; then
   # publishes it): ENGRAM_HG_HUGE=0 skips it.
   if [ "${ENGRAM_HG_HUGE:-1}" = 1 ]; then
     hp=$(mktemp -d /mnt/engram-hg.XXXXXX)
-    mount -t tmpfs -o size=$(( ${ENGRAM_TABLE_GIB:-16} + 2 ))G,huge=always tmpfs "$hp" &&
+    if mount -t tmpfs -o size=$(( ${ENGRAM_TABLE_GIB:-16} + 2 ))G,huge=always tmpfs "$hp"; then
       ENGRAM_BENCH_SHM_DIR=$hp ENGRAM_LOOKUP_PATH_TABLE=$out/lookup_paths-huge.txt "$here/bin/bench_kernels" \
         "$here/data/configs/v41-flash.json" "${ENGRAM_TABLE_GIB:-16}" 2>&1 | tee "$out/bench_kernels-huge.log" || rc=1
-    umount "$hp"; rmdir "$hp"
+      umount "$hp"
+    else
+      echo "no huge=always tmpfs could be mounted: the huge-page run is skipped" | tee "$out/bench_kernels-huge.log"; rc=1
+    fi
+    rmdir "$hp"
   fi
 fi
 if [ "$what" = daemon ]; then

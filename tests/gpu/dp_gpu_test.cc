@@ -4,15 +4,18 @@
 // sequential form) or read each other's shards over NVLink (the peer path, forced with ENGRAM_DP_PEER_MAX_SLOT), and
 // check every sampled row against the checkpoint through the independent row oracle: T = 1, 3, 127, 4096, 8192
 // tokens on rank 0 and about two thirds of that on rank 1. The shards live in GPU memory (cpu_offload false); one
-// case keeps them in pinned host memory (read through UVA) with a rank that has no tokens, on every all-to-all form.
+// case keeps them in pinned host memory (read through UVA) with a rank that has no tokens, on every all-to-all form;
+// one kills or stops a member in the middle of its steps.
 // Own main(): exits 77 (ctest: skipped) without two GPUs.
 #include <cuda_runtime_api.h>
 #include <stdlib.h>
+#include <signal.h>
 #include <sys/stat.h>
 
 #include <cstdio>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -140,6 +143,52 @@ TEST_F(DpGpuTest, PinnedHostShardsAndARankWithoutTokens) {
     const std::string log = testing::ReadFile(dir_ / (tag + "-r1.log"));
     for (const std::string& want : c.log_has) EXPECT_NE(log.find(want), std::string::npos) << tag << log;
   }
+  UnsetCase();
+}
+
+// A member that goes away in the middle of its steps, on the NCCL transport: SIGKILL (its lease ends: the daemon
+// breaks the group and the other's next step fails naming it) and SIGSTOP (alive, silent: the other's step times
+// out, ENGRAM_DP_STEP_TIMEOUT_MS, and its collectives are aborted). Both for the all-to-all (pipelined) and the
+// peer paths; the survivor exits 1 with an error, never hangs (the waits below bound a hang; no timing assertion).
+TEST_F(DpGpuTest, AMemberThatGoesAwayFailsTheOtherWithAnError) {
+  struct FaultCase {
+    const char* name;
+    int sig;
+    PathCase path;
+  } cases[] = {
+      {"kill-a2a", SIGKILL, {"a2a", "0", nullptr, "pipelined", {}}},
+      {"kill-peer", SIGKILL, {"peer", "1000000", nullptr, nullptr, {}}},
+      {"stop-a2a", SIGSTOP, {"a2a", "0", nullptr, "pipelined", {}}},
+  };
+  ::setenv("ENGRAM_DP_STEP_TIMEOUT_MS", "5000", 1);
+  for (const FaultCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    SetCase(c.path);
+    std::vector<Process> ps;
+    for (int r = 0; r < 2; ++r) {
+      ps.emplace_back(std::vector<std::string>{BinPath("engram-replica"), "--socket", dir_ / "d.sock", "--checkpoint",
+                                               ckpt_, "--embedding-across-dp", "--dp-shared-memory", "false",
+                                               "--cpu-offload", "false", "--dp-size", "2", "--dp-rank",
+                                               std::to_string(r), "--device", std::to_string(r), "--tokens", "512",
+                                               "--batches", "1000000000", "--verify", "0"},
+                      dir_ / (std::string(c.name) + "-r" + std::to_string(r) + ".log"));
+    }
+    ASSERT_TRUE(testing::WaitFor([&] { return ps[0].Output().find("dp_group_formed") != std::string::npos &&
+                                              ps[1].Output().find("dp_group_formed") != std::string::npos; },
+                                 std::chrono::seconds(120)))
+        << ps[0].Output() << ps[1].Output();
+    std::this_thread::sleep_for(std::chrono::seconds(2));  // both are stepping
+    ps[1].Signal(c.sig);
+    const int code = ps[0].Wait(std::chrono::seconds(120));
+    const std::string out = ps[0].Output();
+    EXPECT_EQ(code, 1) << "the survivor did not fail: " << out;
+    json j = testing::JsonLine(out, true);
+    EXPECT_TRUE(j.contains("error")) << out;
+    std::printf("%s: survivor exit %d: %s\n", c.name, code, j.dump().c_str());
+    if (c.sig == SIGSTOP) ps[1].Signal(SIGKILL);
+    ps[1].Wait(std::chrono::seconds(30));
+  }
+  ::unsetenv("ENGRAM_DP_STEP_TIMEOUT_MS");
   UnsetCase();
 }
 
