@@ -247,9 +247,18 @@ class DpDeviceEngine final : public LookupEngine {
                                                           std::move(shard), broken, DpStepTimeout()));
     // Peer reads for small slots, when every member's shard is in GPU memory: all members decide alike, since the
     // facts (slot, every member's shard kind, the agreed threshold) are the group's.
+    // Every member leaves ExchangePeerShards with the same answer: where the GPUs cannot map each other's memory the
+    // whole group takes the all-to-all path instead.
     if (g.slot <= peer_max_slot && all_on_gpu) {
-      RETURN_IF_ERROR(e->exchange_->ExchangePeerShards(table.device_records(0)));
-      e->peer_ = true;
+      const absl::Status peer = e->exchange_->ExchangePeerShards(table.device_records(0));
+      if (peer.ok()) {
+        e->peer_ = true;
+      } else if (absl::IsFailedPrecondition(peer)) {
+        spdlog::warn("engram: event=dp_peer_reads_unavailable group={} reason=\"{}\" (the group uses the all-to-all "
+                     "path)", g.group, std::string(peer.message()));
+      } else {
+        return peer;
+      }
     }
     for (cudaEvent_t* ev : {&e->event_, &e->ids_ready_, &e->prefetched_event_}) {
       if (cudaEventCreateWithFlags(ev, cudaEventDisableTiming) != cudaSuccess) {
@@ -277,30 +286,11 @@ class DpDeviceEngine final : public LookupEngine {
   // Every member's `mine` (the same length on each), member m's at [m * mine.size(), ...): one all-gather through
   // the communicator, polled with the group's broken check.
   absl::StatusOr<std::vector<int32_t>> AllGatherInts(ncclComm_t comm, int32_t n, const std::vector<int32_t>& mine) {
-    ASSIGN_OR_RETURN(const NcclApi* nccl, NcclApi::Get());
-    const size_t k = mine.size();
-    int32_t* d = nullptr;
-    if (cudaMalloc(&d, (static_cast<size_t>(n) + 1) * k * 4) != cudaSuccess) return absl::InternalError("cudaMalloc");
-    std::vector<int32_t> got(static_cast<size_t>(n) * k);
-    absl::Status result;
-    if (cudaMemcpy(d, mine.data(), k * 4, cudaMemcpyHostToDevice) != cudaSuccess) {
-      result = absl::InternalError("cudaMemcpy");
-    }
-    const auto deadline = std::chrono::steady_clock::now() + DpFormTimeout();
-    const DpNcclExchange::BrokenFn broken = [this] { return group_->Broken(); };
-    if (result.ok()) {
-      result = DpNcclExchange::Poll(comm, nccl->AllGather(d, d + k, k, ncclInt32, comm, stream_), broken, deadline,
-                                    "the group's first all-gather");
-    }
-    // Its kernels wait for every member: polled too (a member that dies now must not hang this one).
-    if (result.ok()) result = DpNcclExchange::WaitStream(stream_, broken, deadline, "the group's first all-gather");
-    if (result.ok() && cudaMemcpy(got.data(), d + k, got.size() * 4, cudaMemcpyDeviceToHost) != cudaSuccess) {
-      result = absl::InternalError("all-gather: copy back");
-    }
-    // cudaFree waits for the device: with the all-gather still waiting for a member (the caller aborts the
-    // communicator next), the small buffer ((n + 1) x mine.size() ints) is left behind instead.
-    if (result.ok() || cudaStreamQuery(stream_) != cudaErrorNotReady) cudaFree(d);
-    if (!result.ok()) return result;
+    std::vector<int32_t> got(static_cast<size_t>(n) * mine.size());
+    RETURN_IF_ERROR(DpNcclExchange::AllGather(comm, stream_, n, mine.data(), mine.size() * 4, got.data(),
+                                              [this] { return group_->Broken(); },
+                                              std::chrono::steady_clock::now() + DpFormTimeout(),
+                                              "the group's first all-gather"));
     return got;
   }
 

@@ -3,9 +3,10 @@
 // after the work queued on the engine's stream (the hash ids), and Wait(l) joins it back into the engine's stream with
 // an event (the host never waits); Lookup runs it on the engine's stream. Hash and Gate are the DeviceEngine's. The
 // communicator is the engine's own (DpEngineOptions::nccl_comm, not owned) or one formed from the ncclUniqueId that
-// the group's rank 0 sent through engramd. Small group slots (<= ENGRAM_DP_PEER_MAX_SLOT, default kDefaultPeerMaxSlot)
-// read the other members' shards over NVLink instead when every member's shard is in
-// GPU memory (cpu_offload false); the choice depends on group-wide facts only, so every member takes the same path.
+// the group's rank 0 sent through engramd. Group slots up to ENGRAM_DP_PEER_MAX_SLOT (default kDefaultPeerMaxSlot: no
+// limit) read the other members' shards over NVLink instead when every member's shard is in GPU memory (cpu_offload
+// false) and every member can map the others' (else all fall back to the all-to-all); the choice depends on
+// group-wide facts only, so every member takes the same path.
 // The knobs that decide a step's collectives (ENGRAM_DP_PEER_MAX_SLOT, ENGRAM_DP_CHUNK_KIB: the all-to-all path's
 // chunk of records, 0 = one chunk; ENGRAM_DP_A2A=graph: the pipelined step captured once per shape into a CUDA graph
 // and replayed, =pipelined: enqueued call by call, =sequential: the unpipelined all-to-all, unset: graph for group
@@ -19,6 +20,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <climits>
 #include <memory>
 
 #include "absl/status/statusor.h"
@@ -29,7 +31,10 @@
 
 namespace engram::client {
 
-inline constexpr int32_t kDefaultPeerMaxSlot = 8192;  // bench_dp, 2 x H200 (RESULTS.md): peer reads win up to 8192
+// bench_dp, 2 x H200 (RESULTS.md, session 4): peer reads win at every slot measured, 1-16384 tokens per rank
+// (6 us at 1 token; 384 us at 16384 against the all-to-all's 669 and the NCCL ceiling's 375): no limit by default.
+// Where the GPUs cannot map each other's memory the group agrees on the all-to-all path instead.
+inline constexpr int32_t kDefaultPeerMaxSlot = INT32_MAX;
 
 absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpDeviceEngine(const Table& table, int32_t max_tokens,
                                                                    cudaStream_t stream, Session& session,

@@ -22,6 +22,7 @@ constexpr int kMaxPeerLayers = 16;
 // What a member exports for peer reads: its shard allocation and where each layer lies in it.
 struct PeerExport {
   cudaIpcMemHandle_t handle;
+  int32_t ok;  // 1: `handle` is valid
   int64_t offset[kMaxPeerLayers];
   int64_t row_begin[kMaxPeerLayers];
   int64_t row_end[kMaxPeerLayers];
@@ -372,12 +373,52 @@ std::optional<std::string> DpNcclExchange::aborted() const {
   return abort_reason_;
 }
 
+absl::Status DpNcclExchange::AllGather(ncclComm_t comm, cudaStream_t stream, int32_t members, const void* mine,
+                                       size_t bytes, void* all, const BrokenFn& stop,
+                                       std::chrono::steady_clock::time_point deadline, const char* what,
+                                       std::recursive_mutex* mu) {
+  ASSIGN_OR_RETURN(const NcclApi* n, NcclApi::Get());
+  const size_t total = bytes * static_cast<size_t>(members);
+  void* d = nullptr;
+  if (cudaMalloc(&d, bytes + total) != cudaSuccess) return absl::InternalError(absl::StrCat(what, ": cudaMalloc"));
+  absl::Status result;
+  if (cudaMemcpy(d, mine, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+    result = absl::InternalError(absl::StrCat(what, ": copy in"));
+  }
+  if (result.ok()) {
+    std::unique_lock<std::recursive_mutex> lock;
+    if (mu != nullptr) lock = std::unique_lock<std::recursive_mutex>(*mu);
+    result = Poll(comm, n->AllGather(d, static_cast<uint8_t*>(d) + bytes, bytes, ncclUint8, comm, stream), stop,
+                  deadline, what);
+  }
+  // Its kernels wait for every member: polled too (a member gone now must not hang this one).
+  if (result.ok()) result = WaitStream(stream, stop, deadline, what);
+  if (result.ok() && cudaMemcpy(all, static_cast<uint8_t*>(d) + bytes, total, cudaMemcpyDeviceToHost) != cudaSuccess) {
+    result = absl::InternalError(absl::StrCat(what, ": copy back"));
+  }
+  // cudaFree waits for the device: with the all-gather still waiting for a member (the caller aborts the
+  // communicator next), the small buffer is left behind instead.
+  if (result.ok() || cudaStreamQuery(stream) != cudaErrorNotReady) cudaFree(d);
+  return result;
+}
+
 absl::Status DpNcclExchange::ExchangePeerShards(const void* alloc_base) {
   if (shape_.layers > kMaxPeerLayers) return absl::UnimplementedError("peer reads: too many layers");
+  const BrokenFn stop = [this]() -> std::optional<std::string> {
+    if (aborted_) return "the DP exchange was aborted";
+    return broken_ ? broken_() : std::nullopt;
+  };
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  // Test-only fault point (ENGRAM_DP_FAULT=peer-open; unset in production): this member cannot map the others.
+  const char* fault = std::getenv("ENGRAM_DP_FAULT");
+  const bool fail_open = fault != nullptr && std::strcmp(fault, "peer-open") == 0;
+  // 1. Every member's export, with whether it could make one (a local failure still takes part in the all-gather).
   PeerExport mine{};
-  if (auto st = Cuda(cudaIpcGetMemHandle(&mine.handle, const_cast<void*>(alloc_base)), "cudaIpcGetMemHandle");
-      !st.ok()) {
-    return st;
+  std::string why;
+  if (cudaError_t e = cudaIpcGetMemHandle(&mine.handle, const_cast<void*>(alloc_base)); e != cudaSuccess) {
+    why = absl::StrCat("cudaIpcGetMemHandle: ", cudaGetErrorString(e));
+  } else {
+    mine.ok = 1;
   }
   for (int32_t l = 0; l < shape_.layers; ++l) {
     mine.offset[l] = shard_[static_cast<size_t>(l)].records - static_cast<const uint8_t*>(alloc_base);
@@ -385,47 +426,50 @@ absl::Status DpNcclExchange::ExchangePeerShards(const void* alloc_base) {
     mine.row_end[l] = shard_[static_cast<size_t>(l)].row_end;
   }
   const size_t n = static_cast<size_t>(shape_.members);
-  void* d = nullptr;
-  if (auto st = Cuda(cudaMalloc(&d, sizeof(PeerExport) * (n + 1)), "cudaMalloc"); !st.ok()) return st;
   std::vector<PeerExport> all(n);
-  absl::Status result = Cuda(cudaMemcpy(d, &mine, sizeof(mine), cudaMemcpyHostToDevice), "copy");
-  if (result.ok()) {
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    result = Wait(nccl_->AllGather(d, static_cast<uint8_t*>(d) + sizeof(PeerExport), sizeof(PeerExport), ncclUint8,
-                                   comm_, stream_),
-                  "all-gather of the peer handles");
-  }
-  if (result.ok()) {  // its kernels wait for every member: polled, so that a member gone now cannot hang this one
-    result = WaitStream(stream_, [this]() -> std::optional<std::string> {
-      if (aborted_) return "the DP exchange was aborted";
-      return broken_ ? broken_() : std::nullopt;
-    }, std::chrono::steady_clock::now() + timeout_, "DP exchange: all-gather of the peer handles");
-  }
-  if (result.ok()) {
-    result = Cuda(cudaMemcpy(all.data(), static_cast<uint8_t*>(d) + sizeof(PeerExport), sizeof(PeerExport) * n,
-                             cudaMemcpyDeviceToHost),
-                  "copy back");
-  }
-  // cudaFree waits for the device: with the all-gather still waiting for a member, the buffer is left behind.
-  if (result.ok() || cudaStreamQuery(stream_) != cudaErrorNotReady) cudaFree(d);
-  if (!result.ok()) return result;
+  RETURN_IF_ERROR(AllGather(comm_, stream_, shape_.members, &mine, sizeof(mine), all.data(), stop, deadline,
+                            "DP exchange: all-gather of the peer handles", &mu_));
+  // 2. Map the others' shards (only if every member exported one).
+  bool exported = true;
+  for (const PeerExport& x : all) exported = exported && x.ok == 1;
   std::vector<std::vector<ShardLayer>> peers(n);
-  for (size_t s = 0; s < n; ++s) {
+  std::vector<void*> opened;
+  int32_t mapped = exported ? 1 : 0;
+  if (!exported && why.empty()) why = "a member could not export its shard";
+  for (size_t s = 0; s < n && mapped == 1; ++s) {
     const uint8_t* base = static_cast<const uint8_t*>(alloc_base);
     if (static_cast<int32_t>(s) != shape_.me) {
       void* p = nullptr;
-      if (auto st = Cuda(cudaIpcOpenMemHandle(&p, all[s].handle, cudaIpcMemLazyEnablePeerAccess),
-                         "cudaIpcOpenMemHandle of a peer's shard (the GPUs must see each other)");
-          !st.ok()) {
-        return st;
+      const cudaError_t e = fail_open ? cudaErrorPeerAccessUnsupported
+                                      : cudaIpcOpenMemHandle(&p, all[s].handle, cudaIpcMemLazyEnablePeerAccess);
+      if (e != cudaSuccess) {
+        why = absl::StrCat("cudaIpcOpenMemHandle of dp member ", s, "'s shard: ", cudaGetErrorString(e));
+        mapped = 0;
+        break;
       }
-      ipc_opened_.push_back(p);
+      opened.push_back(p);
       base = static_cast<const uint8_t*>(p);
     }
     for (int32_t l = 0; l < shape_.layers; ++l) {
       peers[s].push_back({base + all[s].offset[l], all[s].row_begin[l], all[s].row_end[l]});
     }
   }
+  // 3. The group takes the peer path only if every member mapped every other one.
+  std::vector<int32_t> every(n);
+  RETURN_IF_ERROR(AllGather(comm_, stream_, shape_.members, &mapped, sizeof(mapped), every.data(), stop, deadline,
+                            "DP exchange: all-gather of the peer mappings", &mu_));
+  bool all_mapped = true;
+  for (size_t s = 0; s < n; ++s) {
+    if (every[s] != 1 && all_mapped) {
+      all_mapped = false;
+      if (mapped == 1) why = absl::StrCat("dp member ", s, " could not map the others' shards");
+    }
+  }
+  if (!all_mapped) {
+    for (void* p : opened) cudaIpcCloseMemHandle(p);
+    return absl::FailedPreconditionError(absl::StrCat("peer reads are not possible in this group: ", why));
+  }
+  ipc_opened_.insert(ipc_opened_.end(), opened.begin(), opened.end());
   peers_ = std::move(peers);
   return absl::OkStatus();
 }

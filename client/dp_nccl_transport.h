@@ -140,8 +140,15 @@ class DpNcclExchange {
   // Peer reads: `peers[s][l]` are member s's shard layers as this GPU can address them (its own for s == me).
   void SetPeerShards(std::vector<std::vector<ShardLayer>> peers) { peers_ = std::move(peers); }
   // The collective form of SetPeerShards between processes: every member exports its shard's allocation (CUDA
-  // IPC; `alloc_base` is the cudaMalloc base holding every layer) and maps the others'. A collective.
+  // IPC; `alloc_base` is the cudaMalloc base holding every layer) and maps the others'. A collective that every
+  // member leaves with the same answer: FailedPrecondition (naming why) when any member could not export or map (GPUs
+  // that cannot reach each other's memory), and nothing mapped then; other errors are the collective's own.
   absl::Status ExchangePeerShards(const void* alloc_base);
+  // One all-gather of `bytes` per member through `comm` on `stream` into `all` (members x bytes), polled (the call
+  // and its kernels) with `stop` and `deadline`; `mu`, when given, is held around the NCCL call.
+  static absl::Status AllGather(ncclComm_t comm, cudaStream_t stream, int32_t members, const void* mine, size_t bytes,
+                                void* all, const BrokenFn& stop, std::chrono::steady_clock::time_point deadline,
+                                const char* what, std::recursive_mutex* mu = nullptr);
   bool has_peers() const { return !peers_.empty(); }
   const ShardLayer& peer_shard(int32_t member, int32_t layer) const {
     return peers_[static_cast<size_t>(member)][static_cast<size_t>(layer)];

@@ -46,14 +46,20 @@ class DpGpuTest : public ::testing::Test {
                                  std::chrono::seconds(60)));
   }
   // One group of two replicas, one per GPU; returns each replica's last JSON line.
-  std::vector<json> RunPair(int t0, int t1, const std::string& extra, const std::string& tag) {
+  // `env1`: one NAME=VALUE in rank 1's environment only (a fault point).
+  std::vector<json> RunPair(int t0, int t1, const std::string& extra, const std::string& tag,
+                            const std::string& env1 = "") {
     std::vector<Process> ps;
     const int tokens[2] = {t0, t1};
     for (int r = 0; r < 2; ++r) {
-      std::vector<std::string> argv = {BinPath("engram-replica"), "--socket", dir_ / "d.sock", "--checkpoint", ckpt_,
+      std::vector<std::string> argv;
+      if (r == 1 && !env1.empty()) argv = {"/usr/bin/env", env1};
+      for (const std::string& a : std::vector<std::string>{BinPath("engram-replica"), "--socket", dir_ / "d.sock", "--checkpoint", ckpt_,
                                        "--embedding-across-dp", "--dp-shared-memory", "false", "--dp-size", "2",
                                        "--dp-rank", std::to_string(r), "--device", std::to_string(r), "--tokens",
-                                       std::to_string(tokens[r]), "--batches", "2", "--verify", "3000"};
+                                       std::to_string(tokens[r]), "--batches", "2", "--verify", "3000"}) {
+        argv.push_back(a);
+      }
       std::istringstream ss(extra);
       for (std::string w; ss >> w;) argv.push_back(w);
       ps.emplace_back(argv, dir_ / (tag + "-r" + std::to_string(r) + ".log"));
@@ -142,6 +148,25 @@ TEST_F(DpGpuTest, PinnedHostShardsAndARankWithoutTokens) {
     }
     const std::string log = testing::ReadFile(dir_ / (tag + "-r1.log"));
     for (const std::string& want : c.log_has) EXPECT_NE(log.find(want), std::string::npos) << tag << log;
+  }
+  UnsetCase();
+}
+
+// GPUs that cannot map each other's memory (fault point ENGRAM_DP_FAULT=peer-open on rank 1 only: its
+// cudaIpcOpenMemHandle fails): the whole group agrees on the all-to-all path instead of failing or splitting up, and
+// the rows are still the checkpoint's.
+TEST_F(DpGpuTest, APeerThatCannotMapTheOthersMovesTheGroupToTheAllToAll) {
+  SetCase({"peer", "1000000", nullptr, nullptr, {}});
+  for (const json& j : RunPair(300, 200, "--cpu-offload false", "no-peer", "ENGRAM_DP_FAULT=peer-open")) {
+    EXPECT_EQ(j["mode"], "DP_SHARDED") << j.dump();
+    EXPECT_EQ(j["mismatches"], 0) << j.dump();
+    EXPECT_GT(j["verified"].get<int64_t>(), 0) << j.dump();
+  }
+  for (int r = 0; r < 2; ++r) {
+    const std::string log = testing::ReadFile(dir_ / ("no-peer-r" + std::to_string(r) + ".log"));
+    EXPECT_NE(log.find("dp_peer_reads_unavailable"), std::string::npos) << "rank " << r << ": " << log;
+    EXPECT_NE(log.find("path=all-to-all"), std::string::npos) << "rank " << r << ": " << log;
+    EXPECT_EQ(log.find("path=nvlink-peer"), std::string::npos) << "rank " << r << ": " << log;
   }
   UnsetCase();
 }
