@@ -187,6 +187,15 @@ const TensorInfo* SafetensorsFile::Find(const std::string& name) const {
   return it == tensors_.end() ? nullptr : &it->second;
 }
 
+absl::Status SafetensorsFile::ReadFailed(const TensorInfo& tensor, uint64_t at, ssize_t r) const {
+  if (r < 0) {
+    return absl::DataLossError(absl::StrCat(path_, ": tensor `", tensor.name, "`: read error at byte ", at, ": ",
+                                            std::strerror(errno)));
+  }
+  return absl::DataLossError(absl::StrCat(path_, ": tensor `", tensor.name, "`: file ends at byte ", at,
+                                          " (truncated since it was opened?)"));
+}
+
 absl::Status SafetensorsFile::ReadRange(const TensorInfo& tensor, uint64_t offset, void* dst, uint64_t n) const {
   if (offset > tensor.bytes() || n > tensor.bytes() - offset) {
     return absl::OutOfRangeError(absl::StrCat(path_, ": tensor `", tensor.name, "`: read of ", n, " bytes at ",
@@ -197,14 +206,7 @@ absl::Status SafetensorsFile::ReadRange(const TensorInfo& tensor, uint64_t offse
   while (done < n) {
     ssize_t r = ::pread(fd_, out + done, n - done, static_cast<off_t>(tensor.begin + offset + done));
     if (r < 0 && errno == EINTR) continue;
-    if (r < 0) {
-      return absl::DataLossError(absl::StrCat(path_, ": tensor `", tensor.name, "`: read error at byte ",
-                                              tensor.begin + offset + done, ": ", std::strerror(errno)));
-    }
-    if (r == 0) {
-      return absl::DataLossError(absl::StrCat(path_, ": tensor `", tensor.name, "`: file ends at byte ",
-                                              tensor.begin + offset + done, " (truncated since it was opened?)"));
-    }
+    if (r <= 0) return ReadFailed(tensor, tensor.begin + offset + done, r);
     done += static_cast<uint64_t>(r);
   }
   return absl::OkStatus();
@@ -239,14 +241,7 @@ absl::Status SafetensorsFile::ReadRows(const TensorInfo& tensor, uint64_t offset
     }
     const ssize_t r = ::preadv(fd_, iov.data(), static_cast<int>(k), static_cast<off_t>(tensor.begin + offset + done));
     if (r < 0 && errno == EINTR) continue;
-    if (r < 0) {
-      return absl::DataLossError(absl::StrCat(path_, ": tensor `", tensor.name, "`: read error at byte ",
-                                              tensor.begin + offset + done, ": ", std::strerror(errno)));
-    }
-    if (r == 0) {
-      return absl::DataLossError(absl::StrCat(path_, ": tensor `", tensor.name, "`: file ends at byte ",
-                                              tensor.begin + offset + done, " (truncated since it was opened?)"));
-    }
+    if (r <= 0) return ReadFailed(tensor, tensor.begin + offset + done, r);
     done += static_cast<uint64_t>(r);
   }
   return absl::OkStatus();

@@ -10,6 +10,8 @@
 // Thread-safety: after Open, all methods are const and safe to call concurrently (reads use pread on a shared fd).
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -58,6 +60,8 @@ class SafetensorsFile {
 
  private:
   SafetensorsFile() = default;
+  // The error of a read that returned `r` <= 0 at file byte `at` (errno for r < 0).
+  absl::Status ReadFailed(const TensorInfo& tensor, uint64_t at, ssize_t r) const;
   std::string path_;
   int fd_ = -1;
   uint64_t file_size_ = 0;
