@@ -296,6 +296,16 @@ class DpDeviceEngine final : public LookupEngine {
 
   absl::Status Fail(absl::Status st) {
     if (failed_.ok()) {
+      // A collective that fails because a member died usually races engramd's word on it (NCCL sees the closed
+      // socket first): wait briefly for the group's reason, so that the error names the member that left.
+      if (st.code() == absl::StatusCode::kInternal || st.code() == absl::StatusCode::kDeadlineExceeded) {
+        std::optional<std::string> why = group_->Broken();
+        for (int i = 0; !why && i < 50; ++i) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          why = group_->Broken();
+        }
+        if (why) st = absl::Status(st.code(), absl::StrCat(st.message(), " (", *why, ")"));
+      }
       failed_ = st;
       exchange_->Abort(std::string(st.message()));
       // The others learn it from engramd at once instead of at their step timeout.

@@ -295,9 +295,15 @@ DpNcclExchange::~DpNcclExchange() {
 }
 
 void DpNcclExchange::Abort(const std::string& why) {
-  if (aborted_.exchange(true)) return;
+  {
+    // The reason before the flag, under their own lock: a reader that sees aborted_ sees why (it read an empty
+    // reason when it took mu_ between the flag and the reason).
+    std::lock_guard<std::mutex> reason_lock(reason_mu_);
+    if (aborted_) return;
+    abort_reason_ = why;
+    aborted_ = true;
+  }
   std::lock_guard<std::recursive_mutex> lock(mu_);  // the engine thread leaves its NCCL polling once aborted_ is set
-  abort_reason_ = why;
   // A graph in flight is freed when it completes (the abort ends its NCCL kernels); NCCL's abort waits for that.
   DropGraphs();
   // The engine's own communicator is the engine's to abort: a failed step must not free it under the caller.
@@ -369,7 +375,7 @@ absl::Status DpNcclExchange::StepGraph(const int32_t* ids, int64_t token_stride,
 
 std::optional<std::string> DpNcclExchange::aborted() const {
   if (!aborted_) return std::nullopt;
-  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(reason_mu_);
   return abort_reason_;
 }
 

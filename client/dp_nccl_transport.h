@@ -232,7 +232,8 @@ class DpNcclExchange {
   // the graph form holds it across the capture of the pipelined step, which takes it for its NCCL calls).
   mutable std::recursive_mutex mu_;
   std::atomic<bool> aborted_{false};
-  std::string abort_reason_;     // guarded by mu_
+  std::string abort_reason_;     // guarded by reason_mu_, set before aborted_
+  mutable std::mutex reason_mu_;
 };
 
 }  // namespace engram::client
