@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kernels/dp_kernels.h"
+#include "kernels/engram_kernels.h"
 #include "model/fp8.h"
 
 namespace engram::kernels {
@@ -15,13 +16,6 @@ namespace {
 
 constexpr int kWarpsPerBlock = 8;
 constexpr int kRows = 4;  // rows in flight per warp (their loads are issued before the first use)
-
-int SmCount() {
-  int dev = 0, sms = 1;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  return std::max(sms, 1);
-}
 
 // 8 e4m3 bytes of a record (8-byte aligned or not).
 __device__ __forceinline__ uint64_t LoadWord(const uint8_t* p, bool aligned) {
@@ -290,7 +284,7 @@ cudaError_t LaunchPeerGather(const PeerGatherArgs& a, cudaStream_t stream) {
   }
   const int64_t items = static_cast<int64_t>(a.num_tokens) * a.layers * (a.col_begin[a.members] - a.col_begin[0]);
   if (items == 0) return cudaSuccess;
-  const int64_t cap = a.max_blocks > 0 ? int64_t{a.max_blocks} : int64_t{SmCount()} * 8;
+  const int64_t cap = a.max_blocks > 0 ? int64_t{a.max_blocks} : int64_t{DeviceSmCount()} * 8;
   const int64_t blocks = std::min<int64_t>((items + kWarpsPerBlock * kRows - 1) / (kWarpsPerBlock * kRows), cap);
   return LaunchRows(WordsPerLane(a.head_dim), blocks, stream, PeerGatherKernel<1>, PeerGatherKernel<2>,
                     PeerGatherKernel<4>, a, items, aligned);
