@@ -9,6 +9,7 @@
 // ENGRAM_GPU_QUICK=1 shrinks the batches (compute-sanitizer).
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <random>
 #include <set>
@@ -104,6 +105,31 @@ const PipelineVariant kPipelineVariants[] = {
     {.name = "streamed unpack, fused issuer only", .fused = 1, .issuer = 1, .sunpack = 1},
 };
 
+// One batch end to end: poisons the outputs on `s` first (the unpack must be ordered after it), prefetches `ids` (T
+// tokens), and checks each layer (last first when `reverse`) bit for bit against the CPU reference; `each(l)` then
+// checks that layer's stats.
+void CheckBatch(HostGather& g, const Fixture& f, const std::vector<uint16_t*>& outs, int32_t max_tokens,
+                const std::vector<int32_t>& ids, int32_t T, cudaStream_t s, bool reverse,
+                const std::function<void(int)>& each) {
+  for (auto* p : outs) {
+    CUDA_OK(cudaMemsetAsync(p, 0xAB, static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD * 2, s));
+  }
+  ASSERT_TRUE(g.Prefetch(ids.data(), T, Fixture::kL * Fixture::kC, s).ok());
+  for (int i = 0; i < Fixture::kL; ++i) {
+    const int l = reverse ? Fixture::kL - 1 - i : i;
+    ASSERT_TRUE(g.Wait(l, s).ok());
+    std::vector<uint16_t> got(static_cast<size_t>(T) * Fixture::kC * Fixture::kD);
+    CUDA_OK(cudaMemcpyAsync(got.data(), outs[static_cast<size_t>(l)], got.size() * 2, cudaMemcpyDeviceToHost, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    const std::vector<uint16_t> want = f.Expected(ids, T, l);
+    ASSERT_EQ(got.size(), want.size());
+    size_t bad = 0;
+    for (size_t k = 0; k < got.size(); ++k) bad += got[k] != want[k];
+    ASSERT_EQ(bad, 0u) << "layer " << l << ": " << bad << " bf16 values differ";
+    each(l);
+  }
+}
+
 TEST(GpuHostGatherTest, RowsEqualTheCpuReferenceBitForBit) {
   REQUIRE_GPU();
   std::mt19937_64 rng(std::random_device{}());
@@ -134,23 +160,8 @@ TEST(GpuHostGatherTest, RowsEqualTheCpuReferenceBitForBit) {
         for (int32_t T : {max_tokens, 1, 0, 77, max_tokens}) {
           SCOPED_TRACE(::testing::Message() << v.name << " threads " << threads << " dedup " << dedup << " T " << T);
           const std::vector<int32_t> ids = f.Ids(rng, T);
-          // Poison the outputs on the main stream first: the unpack must be ordered after it.
-          for (auto* p : out_ptrs) {
-            CUDA_OK(cudaMemsetAsync(p, 0xAB, static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD * 2,
-                                    main_stream));
-          }
-          ASSERT_TRUE((*g)->Prefetch(ids.data(), T, Fixture::kL * Fixture::kC, main_stream).ok());
-          for (int l = Fixture::kL - 1; l >= 0; --l) {
-            ASSERT_TRUE((*g)->Wait(l, main_stream).ok());
-            std::vector<uint16_t> got(static_cast<size_t>(T) * Fixture::kC * Fixture::kD);
-            CUDA_OK(cudaMemcpyAsync(got.data(), out_ptrs[static_cast<size_t>(l)], got.size() * 2,
-                                    cudaMemcpyDeviceToHost, main_stream));
-            CUDA_OK(cudaStreamSynchronize(main_stream));
-            const std::vector<uint16_t> want = f.Expected(ids, T, l);
-            ASSERT_EQ(got.size(), want.size());
-            size_t bad = 0;
-            for (size_t i = 0; i < got.size(); ++i) bad += got[i] != want[i];
-            ASSERT_EQ(bad, 0u) << "layer " << l << ": " << bad << " bf16 values differ";
+          ASSERT_NO_FATAL_FAILURE(CheckBatch(**g, f, out_ptrs, max_tokens, ids, T, main_stream, /*reverse=*/true,
+                                             [&](int l) {
             const auto st = (*g)->stats(l);
             EXPECT_EQ(st.items, static_cast<int64_t>(T) * Fixture::kC);
             if (dedup) {  // exactly the distinct owned rows of this layer (oracle: std::set)
@@ -166,7 +177,7 @@ TEST(GpuHostGatherTest, RowsEqualTheCpuReferenceBitForBit) {
             if (!dedup) {
               EXPECT_EQ(st.rows_moved, st.items);
             }
-          }
+          }));
         }
       }
     }
@@ -210,26 +221,13 @@ TEST(GpuHostGatherTest, SplitBatchesEqualTheCpuReferenceBitForBit) {
         for (int32_t T : {max_tokens, 1, 0, 77, max_tokens}) {
           SCOPED_TRACE(::testing::Message() << v->name << " dedup " << dedup << " share " << share << " T " << T);
           const std::vector<int32_t> ids = f.Ids(rng, T);
-          for (auto* p : out_ptrs) {
-            CUDA_OK(cudaMemsetAsync(p, 0xAB, static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD * 2,
-                                    main_stream));
-          }
-          ASSERT_TRUE((*g)->Prefetch(ids.data(), T, Fixture::kL * Fixture::kC, main_stream).ok());
-          for (int l = 0; l < Fixture::kL; ++l) {
-            ASSERT_TRUE((*g)->Wait(l, main_stream).ok());
-            std::vector<uint16_t> got(static_cast<size_t>(T) * Fixture::kC * Fixture::kD);
-            CUDA_OK(cudaMemcpyAsync(got.data(), out_ptrs[static_cast<size_t>(l)], got.size() * 2,
-                                    cudaMemcpyDeviceToHost, main_stream));
-            CUDA_OK(cudaStreamSynchronize(main_stream));
-            const std::vector<uint16_t> want = f.Expected(ids, T, l);
-            size_t bad = 0;
-            for (size_t i = 0; i < got.size(); ++i) bad += got[i] != want[i];
-            ASSERT_EQ(bad, 0u) << "layer " << l << ": " << bad << " bf16 values differ";
+          ASSERT_NO_FATAL_FAILURE(CheckBatch(**g, f, out_ptrs, max_tokens, ids, T, main_stream, /*reverse=*/false,
+                                             [&](int l) {
             const auto st = (*g)->stats(l);
             const int64_t uva_tokens = std::llround(T * share);
             EXPECT_EQ(st.uva_items, uva_tokens * Fixture::kC);
             if (!dedup) EXPECT_EQ(st.rows_moved, st.items);
-          }
+          }));
         }
       }
       ASSERT_TRUE((*g)->Sync().ok());

@@ -55,6 +55,25 @@ struct Inbox {
   }
 };
 
+// A member whose stream blocks: its first notification (each one, with `every`) waits until Open(); Entered() says
+// whether the first one arrived (within 30 s).
+struct BlockedMember {
+  std::promise<void> latch, entered;
+  std::shared_future<void> open = latch.get_future().share();
+  GroupRegistry::Notify notify(bool every) {
+    return [this, every, first = std::make_shared<bool>(true)](const ServerMessage&) {
+      const bool was_first = *first;
+      if (was_first) {
+        *first = false;
+        entered.set_value();
+      }
+      if (every || was_first) open.wait();
+    };
+  }
+  bool Entered() { return entered.get_future().wait_for(std::chrono::seconds(30)) == std::future_status::ready; }
+  void Open() { latch.set_value(); }
+};
+
 engram::v1::GroupLeave MakeLeave(const std::string& reason, const std::string& group = "", uint64_t gen = 0) {
   engram::v1::GroupLeave l;
   l.set_reason(reason);
@@ -172,23 +191,14 @@ TEST(GroupRegistryTest, RefusedLeavesChangeNothing) {
 // lock, Groups() would wait for the latch.
 TEST(GroupRegistryTest, ABlockedMemberDoesNotStallTheRegistry) {
   GroupRegistry r;
-  std::promise<void> latch;
-  std::shared_future<void> open = latch.get_future().share();
-  std::promise<void> entered;
-  auto blocking = [open, &entered, first = std::make_shared<bool>(true)](const ServerMessage&) {
-    if (*first) {
-      *first = false;
-      entered.set_value();
-    }
-    open.wait();
-  };
+  BlockedMember a;
   Inbox b;
-  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerInfo(100, 1, 1), MakeJoin(0), blocking).ok());
+  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerInfo(100, 1, 1), MakeJoin(0), a.notify(/*every=*/true)).ok());
   // b's join forms the group and notifies a: that call blocks in a's notification.
   auto forming = std::async(std::launch::async, [&] {
     return r.Join("lease-b", MakeHello(1), PeerInfo(101, 1, 1), MakeJoin(1), b.notify());
   });
-  ASSERT_EQ(entered.get_future().wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  ASSERT_TRUE(a.Entered());
   // Meanwhile the registry serves everyone else.
   auto others = std::async(std::launch::async, [&] {
     Inbox c, d;
@@ -202,7 +212,7 @@ TEST(GroupRegistryTest, ABlockedMemberDoesNotStallTheRegistry) {
     return ok && r.Groups().size() == 2 && c.all().size() == 2;
   });
   const bool served = others.wait_for(std::chrono::seconds(30)) == std::future_status::ready;
-  latch.set_value();  // let the blocked call finish whatever happened
+  a.Open();  // let the blocked call finish whatever happened
   ASSERT_TRUE(served) << "the registry stalled behind a blocked member's notification";
   EXPECT_TRUE(others.get());
   EXPECT_TRUE(forming.get().ok());
@@ -215,26 +225,18 @@ TEST(GroupRegistryTest, ABlockedMemberDoesNotStallTheRegistry) {
 // group, e.g. the host region's name it must clean up).
 TEST(GroupRegistryTest, AMemberGetsFormedBeforeBroken) {
   GroupRegistry r;
-  std::promise<void> latch, entered;
-  std::shared_future<void> open = latch.get_future().share();
-  auto blocking = [open, &entered, first = std::make_shared<bool>(true)](const ServerMessage&) {
-    if (*first) {
-      *first = false;
-      entered.set_value();
-      open.wait();
-    }
-  };
+  BlockedMember a;
   Inbox b;
-  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerInfo(100, 1, 1), MakeJoin(0), blocking).ok());
+  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerInfo(100, 1, 1), MakeJoin(0), a.notify(/*every=*/false)).ok());
   auto forming = std::async(std::launch::async, [&] {
     return r.Join("lease-b", MakeHello(1), PeerInfo(101, 1, 1), MakeJoin(1), b.notify());
   });
-  ASSERT_EQ(entered.get_future().wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  ASSERT_TRUE(a.Entered());
   auto leaving = std::async(std::launch::async, [&] { r.Leave("lease-a"); });
   // The leave's BROKEN waits for the FORMED still being sent (give it a moment to overtake if it could; whether
   // it does is what the order below checks, not how long anything took).
   (void)leaving.wait_for(std::chrono::seconds(2));
-  latch.set_value();
+  a.Open();
   ASSERT_EQ(leaving.wait_for(std::chrono::seconds(30)), std::future_status::ready);
   EXPECT_TRUE(forming.get().ok());
   const auto got = b.all();
