@@ -114,6 +114,8 @@ int main(int argc, char** argv) {
   const int64_t rows = static_cast<int64_t>(seg_bytes / rb);
   const char* shm_dir_env = std::getenv("ENGRAM_BENCH_SHM_DIR");
   const std::string shm_dir = shm_dir_env != nullptr && *shm_dir_env != '\0' ? shm_dir_env : "/dev/shm";
+  // ENGRAM_BENCH_HG_VARIANTS_ONLY=1: the ceilings, then only the host-gather variants (a short run for tuning).
+  const bool variants_only = std::getenv("ENGRAM_BENCH_HG_VARIANTS_ONLY") != nullptr;
   const std::string path = shm_dir + "/engram-bench-" + std::to_string(::getpid());
   int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
   if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(seg_bytes)) != 0) {
@@ -172,6 +174,19 @@ int main(int argc, char** argv) {
     for (auto& id : ids) id = static_cast<int32_t>(rng() % static_cast<uint64_t>(table_rows));
     CUDA_CHECK(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
   };
+  const engram::kernels::LookupTuning default_tuning = engram::kernels::GetLookupTuning();
+  auto tune = [&](int64_t sort_min_items, int variant, bool sort_only, int blocks = -1) {
+    engram::kernels::LookupTuning t = default_tuning;
+    t.sort_min_items = sort_min_items;
+    t.sort_variant = variant;
+    t.sort_only = sort_only;
+    if (blocks >= 0) t.sort_blocks = blocks;
+    engram::kernels::SetLookupTuning(t);
+  };
+  // Fresh ids per call: consecutive calls take consecutive batches of the random ids in d_ids (up to 16), so that a
+  // small batch's rows are not still in L2 and the TLBs from the call before (a repeated batch flatters them).
+  auto batches = [&](int64_t items) { return static_cast<int>(std::min<int64_t>(16, max_items / items)); };
+  if (!variants_only) {
   std::printf("\n%-44s %-12s %-12s %s\n", "lookup", "time", "GB/s rec.", "vs ceiling");
   for (int64_t n_rows : {int64_t{196608}, int64_t{1} << 20}) {
     for (bool packed : {false, true}) {
@@ -198,18 +213,6 @@ int main(int argc, char** argv) {
   // The kernel's own row-order gather (radix sort of (row, item) pairs in scratch), random ids: its stages (the sort
   // alone, then sort + gather, the scatter and dequantisation being fused into the gather) and its variants (how
   // the sorted positions are spread over the grid, rows in flight per warp).
-  const engram::kernels::LookupTuning default_tuning = engram::kernels::GetLookupTuning();
-  auto tune = [&](int64_t sort_min_items, int variant, bool sort_only, int blocks = -1) {
-    engram::kernels::LookupTuning t = default_tuning;
-    t.sort_min_items = sort_min_items;
-    t.sort_variant = variant;
-    t.sort_only = sort_only;
-    if (blocks >= 0) t.sort_blocks = blocks;
-    engram::kernels::SetLookupTuning(t);
-  };
-  // Fresh ids per call: consecutive calls take consecutive batches of the random ids in d_ids (up to 16), so that a
-  // small batch's rows are not still in L2 and the TLBs from the call before (a repeated batch flatters them).
-  auto batches = [&](int64_t items) { return static_cast<int>(std::min<int64_t>(16, max_items / items)); };
   {
     const size_t scratch_bytes = engram::kernels::LookupSortScratchBytes(max_items);
     void* scratch = nullptr;
@@ -292,6 +295,7 @@ int main(int argc, char** argv) {
                 tokens, footprint_rows * rb / 1048576.0, ms * 1e3, graph_ms * 1e3, bar);
   }
   }
+  }  // !variants_only
   // --- Every lookup path, bf16 out, against the same run's H2D ceiling (issue 14) --------------------------------
   {
     const size_t scratch_bytes = engram::kernels::LookupSortScratchBytes(max_items);
@@ -335,6 +339,7 @@ int main(int argc, char** argv) {
     std::printf("host gather: %d threads (default share of %d cores); engine default: dedup %d, UVA share %.2f\n",
                 hg[0]->threads(), cores, engram::client::kEngineHostGatherDedup ? 1 : 0,
                 engram::client::kEngineHostGatherUvaShare);
+    if (!variants_only) {
     // Every row: the engine's share and its neighbours; de-duplicated: 0.4 (its best in earlier runs).
     const std::vector<double> shares_every = {0.0, 0.15, 0.2, 0.25, 0.3, 0.4}, shares_dedup = {0.0, 0.4};
     for (double repeat : {0.0, 0.45}) {
@@ -428,6 +433,7 @@ int main(int argc, char** argv) {
         }
       }
     }
+    }  // !variants_only
     // Host-gather variants side by side (issue 14: what separates the pipeline from the CPU gather ceiling): every
     // HostGatherOptions knob of the copy pipeline, each alone and together, against the earlier settings; every row, 0 and
     // the engine's UVA share; fresh ids per call. "b2b" = batches back to back (threads and dispatcher may still be
@@ -438,6 +444,7 @@ int main(int argc, char** argv) {
         int32_t prefetch = 16, nt = 0, fused = 0, issuer = 0, spin = 200, dspin = 0, prewake = 0;
         int64_t min_chunk = 1024, max_chunk = 8192;
         int32_t issue_min = 0, sunpack = 0, pass_spin = 200;
+        int threads = 0;  // 0: the default share of the cores
       };
       const HgVariant hv[] = {
           {.name = "before (pf16)"},
@@ -460,6 +467,23 @@ int main(int argc, char** argv) {
            .min_chunk = 512, .max_chunk = 4096},
           {.name = "default: all, chunks 256-1024, copies >= 4096", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200,
            .prewake = 1, .min_chunk = 256, .max_chunk = 1024, .issue_min = 4096},
+          // Session 5: copy sizes and thread counts around the default.
+          {.name = "default, copies >= 2048", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,
+           .min_chunk = 256, .max_chunk = 1024, .issue_min = 2048},
+          {.name = "default, copies >= 8192", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,
+           .min_chunk = 256, .max_chunk = 1024, .issue_min = 8192},
+          {.name = "default, copies >= 16384", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,
+           .min_chunk = 256, .max_chunk = 1024, .issue_min = 16384},
+          {.name = "default, chunks 256-512", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,
+           .min_chunk = 256, .max_chunk = 512, .issue_min = 4096},
+          {.name = "default, 24 threads", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,
+           .min_chunk = 256, .max_chunk = 1024, .issue_min = 4096, .threads = 24},
+          {.name = "default, 30 threads", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,
+           .min_chunk = 256, .max_chunk = 1024, .issue_min = 4096, .threads = 30},
+          {.name = "default, 24 threads, copies >= 8192", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200,
+           .prewake = 1, .min_chunk = 256, .max_chunk = 1024, .issue_min = 8192, .threads = 24},
+          {.name = "default again (drift check)", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,
+           .min_chunk = 256, .max_chunk = 1024, .issue_min = 4096},
           {.name = "all + streamed unpack", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,
            .sunpack = 1},
           {.name = "all + streamed unpack, chunks 256-2048, >= 4096", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200,
@@ -511,7 +535,7 @@ int main(int argc, char** argv) {
       std::vector<BestHg> best_b2b(6), best_idle(6);
       for (const HgVariant& v : hv) {
         engram::client::HostGatherOptions o;
-        o.threads = default_threads;
+        o.threads = v.threads > 0 ? std::min(v.threads, cores) : default_threads;
         o.dedup = false;
         o.prefetch_rows = v.prefetch;
         o.stream_stores = v.nt;
@@ -555,6 +579,12 @@ int main(int argc, char** argv) {
       }
       cudaEventDestroy(ea);
       cudaEventDestroy(eb);
+    }
+    if (variants_only) {
+      CUDA_CHECK(cudaHostUnregister(seg));
+      ::munmap(seg, seg_bytes);
+      ::unlink(path.c_str());
+      return 0;
     }
     // The automatic choice's table: per size, did the host-gather path (engine configuration) beat the UVA path?
     std::printf("automatic choice table (ENGRAM_LOOKUP_PATH_TABLE format):\n");

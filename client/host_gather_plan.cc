@@ -6,12 +6,9 @@
 #include <algorithm>
 #include <cstring>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "absl/strings/str_cat.h"
 #include "base/spin.h"
+#include "base/stream_copy.h"
 
 namespace engram::client {
 
@@ -308,45 +305,6 @@ inline void PrefetchLines(const uint8_t* p, int64_t n) {
   for (uintptr_t a = first; a <= last; a += 64) __builtin_prefetch(reinterpret_cast<const void*>(a));
 }
 
-// Copies n bytes with non-temporal stores where the destination's alignment allows them (8-byte movnti, 16-byte
-// movntdq), plain stores for any unaligned remainder. Not fenced: the caller fences once after many rows.
-inline void CopyStreaming(uint8_t* d, const uint8_t* s, int64_t n) {
-#if defined(__x86_64__)
-  if ((reinterpret_cast<uintptr_t>(d) & 7) != 0) {
-    std::memcpy(d, s, static_cast<size_t>(n));
-    return;
-  }
-  if ((reinterpret_cast<uintptr_t>(d) & 15) != 0 && n >= 8) {
-    long long v;
-    std::memcpy(&v, s, 8);
-    _mm_stream_si64(reinterpret_cast<long long*>(d), v);
-    d += 8, s += 8, n -= 8;
-  }
-  for (; n >= 64; d += 64, s += 64, n -= 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
-    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
-  }
-  for (; n >= 16; d += 16, s += 16, n -= 16) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-  }
-  if (n >= 8) {
-    long long v;
-    std::memcpy(&v, s, 8);
-    _mm_stream_si64(reinterpret_cast<long long*>(d), v);
-    d += 8, s += 8, n -= 8;
-  }
-  if (n > 0) std::memcpy(d, s, static_cast<size_t>(n));
-#else
-  std::memcpy(d, s, static_cast<size_t>(n));
-#endif
-}
-
 }  // namespace
 
 void GatherRecords(const uint8_t* records, int64_t rb, const uint32_t* rows, int64_t begin, int64_t end,
@@ -363,12 +321,10 @@ void GatherRecords(const uint8_t* records, int64_t rb, const uint32_t* rows, int
     }
     if (rows[k] == GatherPlan::kNoRow) continue;
     const uint8_t* src = records + static_cast<int64_t>(rows[k]) * rb;
-    if (how.stream_stores) CopyStreaming(dst + k * rb, src, rb);
+    if (how.stream_stores) StreamCopy(dst + k * rb, src, rb);
     else std::memcpy(dst + k * rb, src, static_cast<size_t>(rb));
   }
-#if defined(__x86_64__)
-  if (how.stream_stores) _mm_sfence();
-#endif
+  if (how.stream_stores) StreamFence();
 }
 
 }  // namespace engram::client

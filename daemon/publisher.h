@@ -56,6 +56,8 @@ struct PublishTuning {
   DropCache drop_cache = DropCache::kAfterReady;
   std::optional<int64_t> sub_rows;  // unset: ShardFillOptions' default
   bool direct_read = false;         // ShardFillOptions::direct_read (ENGRAM_PUBLISH_DIRECT_READ=1: on)
+  bool stream_stores = true;        // ShardFillOptions::stream_stores (ENGRAM_PUBLISH_NT=0: off); on since session 5:
+                                    // 0.50 s vs 0.54 s per 16 GiB on a huge-page tmpfs (bench/RESULTS.md)
 
   static PublishTuning FromEnv();
 };

@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "base/stream_copy.h"
 #include "base/worker_threads.h"
 #include "model/reference.h"
 #include "xxhash.h"
@@ -85,9 +86,11 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
   absl::Status st = RunJobs(jobs, threads, [&](const Job& j) -> absl::Status {
     const LayerRows& l = layers[j.entry];
     const EngramTensors& t = tensors[j.entry];
-    thread_local std::vector<uint8_t> weight_buf, scale_buf;
+    thread_local std::vector<uint8_t> weight_buf, scale_buf, pack_buf;
+    const bool stream = fill.stream_stores && !fill.direct_read;
     weight_buf.resize(fill.direct_read ? 0 : static_cast<size_t>(kSubRows * D));
     scale_buf.resize(static_cast<size_t>(kSubRows * S));
+    pack_buf.resize(stream ? static_cast<size_t>(kSubRows * rb) : 0);
     XXH3_state_t* hash = XXH3_createState();
     XXH3_64bits_reset(hash);
     uint8_t* out = dst + l.dst_offset + static_cast<uint64_t>(j.first_row * rb);
@@ -112,11 +115,19 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
         r = t.embed_weight.file->ReadRange(*t.embed_weight.info, static_cast<uint64_t>(row * D), weight_buf.data(),
                                            static_cast<uint64_t>(n * D));
         if (!r.ok()) break;
+        if (stream) {
+          // Packed and hashed in the cache, then streamed out.
+          PackRecords(weight_buf.data(), scale_buf.data(), n, D, pack_buf.data());
+          XXH3_64bits_update(hash, pack_buf.data(), static_cast<size_t>(n * rb));
+          StreamCopy(rec, pack_buf.data(), n * rb);
+          continue;
+        }
         PackRecords(weight_buf.data(), scale_buf.data(), n, D, rec);
       }
       if (!r.ok()) break;
       XXH3_64bits_update(hash, out + done * rb, static_cast<size_t>(n * rb));
     }
+    if (stream) StreamFence();  // this job's records are in memory before it is counted done
     hashes[j.entry][j.chunk] = XXH3_64bits_digest(hash);
     XXH3_freeState(hash);
     if (!r.ok()) return r;

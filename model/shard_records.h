@@ -41,6 +41,10 @@ struct ShardFillOptions {
   // pages, -14% on 4 KiB /dev/shm (the kernel's copy takes the segment's page faults one 4 KiB page at a time), so
   // it stays off; ENGRAM_PUBLISH_DIRECT_READ=1 turns it on for a publish.
   bool direct_read = false;
+  // true: the records are packed into a cache-resident buffer, hashed there and written to dst with non-temporal
+  // stores (base/stream_copy.h): the segment's fresh lines are not read before they are written (no
+  // read-for-ownership) nor kept in the cache. Ignored with direct_read (the kernel's copy writes the weights).
+  bool stream_stores = false;
 };
 
 // Fills the records; `checksums` (may be null) receives one per LayerRows entry.

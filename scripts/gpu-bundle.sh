@@ -51,6 +51,8 @@ case "${1:-kernels}" in
   register) bins=("$build/bench/bench_register" "$build/bench/bench_daemon" "$build/daemon/engramd") ;;
   *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon|client|tests|python|dp|hostgather|register]" >&2; exit 2 ;;
 esac
+# ENGRAM_BUNDLE_EXTRA="bench/bench_daemon ...": more binaries of the build directory in the same bundle (built already).
+for x in ${ENGRAM_BUNDLE_EXTRA:-}; do bins+=("$build/$x"); done
 for b in "${bins[@]}"; do
   cp "$b" "$out/bin/"
   # Everything ldd resolves except the C library family and the driver (the GPU machine has its own).

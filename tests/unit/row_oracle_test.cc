@@ -2,6 +2,7 @@
 // the production shard reader (model/shard_records.h) against the oracle: a reader that drops or shifts the scale
 // bytes, or reads the wrong row, fails here. Also the oracle's own error paths and its bf16 dequantisation against
 // hand-computed constants.
+#include <algorithm>
 #include <gtest/gtest.h>
 
 #include <random>
@@ -70,22 +71,33 @@ TEST_P(RowOracleTest, OracleEqualsFormulaAndProductionReaderEqualsOracle) {
     const int64_t layer_id = oracle->layer_ids()[l];
     const int64_t rows = (*ckpt)->config().num_embeddings[l];
     ASSERT_GT(rows, 2);
-    // The whole layer through the production reader, with two threads: read-then-packed (the default) and weights
-    // read into place (ShardFillOptions::direct_read, in 37-row steps that end mid-chunk) give the same bytes and
-    // the same checksums.
+    // The whole layer through the production reader, with two threads: read-then-packed (the default), weights
+    // read into place (ShardFillOptions::direct_read, in 37-row steps that end mid-chunk) and packed in the cache
+    // then streamed out (stream_stores, 37-row steps, into a destination 5 bytes off alignment, and 1024-row steps)
+    // give the same bytes and the same checksums, and write nothing outside the records.
     std::vector<uint8_t> table(static_cast<size_t>(rows * rb), 0xEE);
     std::vector<uint64_t> sums;
     ASSERT_TRUE(ReadShardRecords(**ckpt, {{static_cast<int64_t>(l), 0, rows, 0}}, table.data(), 2, &sums).ok());
-    for (bool direct : {true, false}) {
+    struct Fill {
+      const char* name;
+      bool direct, stream;
+      int64_t sub_rows, offset;
+    };
+    for (const Fill& f : {Fill{"direct_read", true, false, 37, 0}, Fill{"packed", false, false, 1024, 0},
+                          Fill{"stream_stores", false, true, 37, 5}, Fill{"stream_stores", false, true, 1024, 0}}) {
       ShardFillOptions fill;
-      fill.direct_read = direct;
-      fill.sub_rows = direct ? 37 : 1024;
-      std::vector<uint8_t> other(table.size(), 0x11);
+      fill.direct_read = f.direct;
+      fill.stream_stores = f.stream;
+      fill.sub_rows = f.sub_rows;
+      std::vector<uint8_t> other(table.size() + 16, 0x11);
       std::vector<uint64_t> other_sums;
-      ASSERT_TRUE(ReadShardRecords(**ckpt, {{static_cast<int64_t>(l), 0, rows, 0}}, other.data(), 2, &other_sums,
-                                   nullptr, fill).ok());
-      EXPECT_TRUE(other == table) << "direct_read " << direct << " gave other bytes";
-      EXPECT_EQ(other_sums, sums) << "direct_read " << direct;
+      ASSERT_TRUE(ReadShardRecords(**ckpt, {{static_cast<int64_t>(l), 0, rows, 0}}, other.data() + f.offset, 2,
+                                   &other_sums, nullptr, fill).ok());
+      const auto first = other.begin() + f.offset, last = first + static_cast<int64_t>(table.size());
+      EXPECT_TRUE(std::equal(first, last, table.begin())) << f.name << " " << f.sub_rows << " gave other bytes";
+      EXPECT_EQ(other_sums, sums) << f.name << " " << f.sub_rows;
+      EXPECT_TRUE(std::all_of(other.begin(), first, [](uint8_t b) { return b == 0x11; })) << f.name;
+      EXPECT_TRUE(std::all_of(last, other.end(), [](uint8_t b) { return b == 0x11; })) << f.name;
     }
     std::vector<int64_t> sample = {0, 1, rows - 1};
     for (int i = 0; i < 40; ++i) sample.push_back(static_cast<int64_t>(rng() % static_cast<uint64_t>(rows)));

@@ -242,7 +242,7 @@ TEST(PublishTuningTest, FromEnvReadsEachKnob) {
   using Drop = daemon::PublishTuning::DropCache;
   const auto unset_all = [] {
     for (const char* k : {"ENGRAM_PUBLISH_RESERVE", "ENGRAM_PUBLISH_DROP_CACHE", "ENGRAM_PUBLISH_SUB_ROWS",
-                          "ENGRAM_PUBLISH_DIRECT_READ"}) {
+                          "ENGRAM_PUBLISH_DIRECT_READ", "ENGRAM_PUBLISH_NT"}) {
       ::unsetenv(k);
     }
   };
@@ -252,6 +252,11 @@ TEST(PublishTuningTest, FromEnvReadsEachKnob) {
   EXPECT_EQ(t.drop_cache, Drop::kAfterReady);
   EXPECT_FALSE(t.sub_rows.has_value());
   EXPECT_FALSE(t.direct_read);
+  EXPECT_TRUE(t.stream_stores);
+  ::setenv("ENGRAM_PUBLISH_NT", "0", 1);
+  EXPECT_FALSE(daemon::PublishTuning::FromEnv().stream_stores);
+  ::setenv("ENGRAM_PUBLISH_NT", "1", 1);
+  EXPECT_TRUE(daemon::PublishTuning::FromEnv().stream_stores);
   ::setenv("ENGRAM_PUBLISH_DIRECT_READ", "1", 1);
   EXPECT_TRUE(daemon::PublishTuning::FromEnv().direct_read);
   ::setenv("ENGRAM_PUBLISH_DIRECT_READ", "0", 1);
