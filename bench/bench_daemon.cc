@@ -187,16 +187,17 @@ int main(int argc, char** argv) {
       Tuning packed = Tuning{};
       packed.drop_cache = Tuning::DropCache::kKeep;
       packed.direct_read = false;
-      variants.push_back({"reserve auto, packed, non-temporal stores (default)", packed, threads});
+      variants.push_back({"reserve auto, packed, non-temporal stores on huge pages (default)", packed, threads});
+      Tuning always = packed;
+      always.stream_stores = 1;
+      variants.push_back({"reserve auto, packed, non-temporal stores on any page (ENGRAM_PUBLISH_NT=1)", always,
+                          threads});
       Tuning plain = packed;
-      plain.stream_stores = false;
+      plain.stream_stores = 0;
       variants.push_back({"reserve auto, packed, plain stores (ENGRAM_PUBLISH_NT=0)", plain, threads});
       Tuning direct = plain;
       direct.direct_read = true;
       variants.push_back({"reserve auto, weights read into place (direct reads)", direct, threads});
-      Tuning nt256 = packed;
-      nt256.sub_rows = 256;
-      variants.push_back({"reserve auto, packed, non-temporal stores, 256-row steps", nt256, threads});
     }
     if (threads2 > 0) variants.push_back({"populate, " + std::to_string(threads2) + " threads", writers, threads2});
     for (size_t m = 0; m < mounts.size(); ++m) {

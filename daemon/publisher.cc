@@ -49,8 +49,14 @@ PublishTuning PublishTuning::FromEnv() {
   }
   if (const char* v = std::getenv("ENGRAM_PUBLISH_SUB_ROWS"); v != nullptr) t.sub_rows = std::atoll(v);
   if (const char* v = std::getenv("ENGRAM_PUBLISH_DIRECT_READ"); v != nullptr) t.direct_read = std::atoi(v) != 0;
-  if (const char* v = std::getenv("ENGRAM_PUBLISH_NT"); v != nullptr) t.stream_stores = std::atoi(v) != 0;
+  if (const char* v = std::getenv("ENGRAM_PUBLISH_NT"); v != nullptr && *v != '\0') {
+    t.stream_stores = std::clamp(std::atoi(v), -1, 1);
+  }
   return t;
+}
+
+bool PublishStreamsStores(int setting, uint64_t page_bytes) {
+  return setting > 0 || (setting < 0 && page_bytes >= (uint64_t{2} << 20));
 }
 
 engram::v1::SegmentDescriptor MakeDescriptor(const Checkpoint& ckpt, const Layout& layout, const TokenMap& map,
@@ -120,7 +126,7 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   fill.drop_cache = tuning.drop_cache == PublishTuning::DropCache::kInline;
   if (tuning.sub_rows) fill.sub_rows = *tuning.sub_rows;
   fill.direct_read = tuning.direct_read;
-  fill.stream_stores = tuning.stream_stores;
+  fill.stream_stores = PublishStreamsStores(tuning.stream_stores, (*writer)->page_bytes());
   std::vector<uint64_t> checksums;
   absl::Status st = ReadShardRecords(ckpt, RowsOf(desc), data, threads, &checksums, rows_done, fill);
   if (!st.ok()) return st;  // the writer's destructor removes the partial segment

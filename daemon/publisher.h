@@ -56,11 +56,17 @@ struct PublishTuning {
   DropCache drop_cache = DropCache::kAfterReady;
   std::optional<int64_t> sub_rows;  // unset: ShardFillOptions' default
   bool direct_read = false;         // ShardFillOptions::direct_read (ENGRAM_PUBLISH_DIRECT_READ=1: on)
-  bool stream_stores = true;        // ShardFillOptions::stream_stores (ENGRAM_PUBLISH_NT=0: off); on since session 5:
-                                    // 0.50 s vs 0.54 s per 16 GiB on a huge-page tmpfs (bench/RESULTS.md)
+  // ShardFillOptions::stream_stores: -1 (default) where the segment's pages are huge, 0 never, 1 always
+  // (ENGRAM_PUBLISH_NT=-1|0|1). Measured (bench/RESULTS.md, session 5): 0.52 s vs 0.58 s per 16 GiB on a huge-page
+  // tmpfs, but 3.43 s vs 2.55 s on 4 KiB /dev/shm (a page fault every 4 KiB in the middle of streamed lines).
+  int stream_stores = -1;
 
   static PublishTuning FromEnv();
 };
+
+// Whether a publish into a segment of `page_bytes` pages streams its stores, for PublishTuning::stream_stores
+// `setting` (-1: only on pages of 2 MiB or more).
+bool PublishStreamsStores(int setting, uint64_t page_bytes);
 
 // `tuning`: read from the environment at each call unless given (bench_daemon passes its variants).
 absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layout, const TokenMap& map,

@@ -102,6 +102,8 @@ class SegmentWriter {
   // True when the data's pages are not reserved yet (kWriters granted): the filler must populate each range before
   // writing it (PopulateForWrite) to get ENOSPC as an error.
   bool populate_data() const { return populate_; }
+  // The mount's page size for this file: 4096, or a hugetlbfs / huge=always tmpfs page (2 MiB on x86-64).
+  uint64_t page_bytes() const { return page_; }
   void SetLoading();
   // Marks READY (after an msync of the data) and keeps the file.
   absl::Status Finish(double load_seconds);
