@@ -14,6 +14,7 @@
 #include "base/status_macros.h"
 #include "client/device_engine.h"
 #include "client/dp_nccl_transport.h"
+#include "client/dp_step_watch.h"
 #include "spdlog/spdlog.h"
 
 namespace engram::client {
@@ -47,7 +48,10 @@ class DpDeviceEngine final : public LookupEngine {
     }
     stop_ = true;
     if (watchdog_.joinable()) watchdog_.join();
-    for (cudaEvent_t e : {event_, ids_ready_, prefetched_event_}) {
+    for (cudaEvent_t e : {ids_ready_, prefetched_event_}) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    for (cudaEvent_t e : step_events_) {
       if (e != nullptr) cudaEventDestroy(e);
     }
     if (side_ != nullptr) cudaStreamDestroy(side_);
@@ -260,8 +264,13 @@ class DpDeviceEngine final : public LookupEngine {
         return peer;
       }
     }
-    for (cudaEvent_t* ev : {&e->event_, &e->ids_ready_, &e->prefetched_event_}) {
+    for (cudaEvent_t* ev : {&e->ids_ready_, &e->prefetched_event_}) {
       if (cudaEventCreateWithFlags(ev, cudaEventDisableTiming) != cudaSuccess) {
+        return absl::InternalError("cudaEventCreate failed");
+      }
+    }
+    for (cudaEvent_t& ev : e->step_events_) {
+      if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
         return absl::InternalError("cudaEventCreate failed");
       }
     }
@@ -328,9 +337,14 @@ class DpDeviceEngine final : public LookupEngine {
       return Fail(st);
     }
     std::lock_guard<std::mutex> lock(mu_);
-    cudaEventRecord(event_, stream);  // the step's end, for the watchdog
-    pending_since_ = std::chrono::steady_clock::now();
-    pending_ = true;
+    // The step's end, for the watchdog: one event per queued step (a full ring moves its newest event instead).
+    if (queued_ < kStepEvents) {
+      cudaEventRecord(step_events_[(oldest_ + queued_) % kStepEvents], stream);
+      ++queued_;
+      watch_.Enqueued(StepWatch::Clock::now());
+    } else {
+      cudaEventRecord(step_events_[(oldest_ + queued_ - 1) % kStepEvents], stream);
+    }
     return absl::OkStatus();
   }
 
@@ -345,18 +359,24 @@ class DpDeviceEngine final : public LookupEngine {
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
       std::optional<std::string> why = group_->Broken();
       std::lock_guard<std::mutex> lock(mu_);
-      if (pending_ && cudaEventQuery(event_) != cudaErrorNotReady) pending_ = false;
-      if (why && !broken_at) broken_at = std::chrono::steady_clock::now();
-      const auto now = std::chrono::steady_clock::now();
-      if (why && (!pending_ || now - *broken_at > std::chrono::milliseconds(1000))) {
-        aborted_in_flight_ = pending_;
+      const auto now = StepWatch::Clock::now();
+      while (queued_ > 0 && cudaEventQuery(step_events_[oldest_]) != cudaErrorNotReady) {
+        oldest_ = (oldest_ + 1) % kStepEvents;
+        --queued_;
+        watch_.Finished(now);
+      }
+      const bool pending = queued_ > 0;
+      if (why && !broken_at) broken_at = now;
+      if (why && (!pending || now - *broken_at > std::chrono::milliseconds(1000))) {
+        aborted_in_flight_ = pending;
         abort_reason_ = *why;
         exchange_->Abort(*why);
         return;
       }
-      if (pending_ && now - pending_since_ > timeout) {
+      // No queued step has finished for the timeout (enqueueing more does not restart it: client/dp_step_watch.h).
+      if (watch_.Overdue(now)) {
         aborted_in_flight_ = true;
-        abort_reason_ = absl::StrCat("a DP step did not finish within ", timeout.count(),
+        abort_reason_ = absl::StrCat("no queued DP step finished within ", timeout.count(),
                                      " ms (a member stalled; ENGRAM_DP_STEP_TIMEOUT_MS)");
         exchange_->Abort(abort_reason_);
         return;
@@ -379,12 +399,13 @@ class DpDeviceEngine final : public LookupEngine {
   bool peer_ = false;
   absl::Status failed_;
   absl::Status prefetched_ = absl::FailedPreconditionError("wait before any prefetch");
-  std::mutex mu_;  // event_, pending_*
-  cudaEvent_t event_ = nullptr;
-  bool pending_ = false;
+  std::mutex mu_;  // the step events, watch_, aborted_in_flight_, abort_reason_
+  static constexpr int kStepEvents = 64;
+  cudaEvent_t step_events_[kStepEvents] = {};  // a ring: queued_ steps' ends from oldest_ on
+  int oldest_ = 0, queued_ = 0;
+  StepWatch watch_{DpStepTimeout()};
   bool aborted_in_flight_ = false;  // the abort cut a queued step short
   std::string abort_reason_;
-  std::chrono::steady_clock::time_point pending_since_;
   std::atomic<bool> stop_{false};
   std::thread watchdog_;
 };
