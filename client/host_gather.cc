@@ -1,6 +1,7 @@
 #include "client/host_gather.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -347,6 +348,7 @@ absl::Status HostGather::RunLayer(int32_t l) {
   };
   std::atomic<int64_t> next{0};
   std::atomic<int> failed{0};
+  const auto pass_start = std::chrono::steady_clock::now();
   absl::Status uva_status;
   if (opt_.copy_issuer > 0) {
     // The threads only gather; this thread hands each run of finished chunks (in order) to the copy engine.
@@ -385,6 +387,8 @@ absl::Status HostGather::RunLayer(int32_t l) {
       }
     });
   }
+  stats_[li].gather_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - pass_start).count();
   RETURN_IF_ERROR(uva_status);
   if (failed.load() != 0) return absl::InternalError("host gather: a chunk copy failed to enqueue");
   if (fused && !stream_unpack) RETURN_IF_ERROR(copy_index());
