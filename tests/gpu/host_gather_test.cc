@@ -164,6 +164,8 @@ TEST(GpuHostGatherTest, RowsEqualTheCpuReferenceBitForBit) {
                                              [&](int l) {
             const auto st = (*g)->stats(l);
             EXPECT_EQ(st.items, static_cast<int64_t>(T) * Fixture::kC);
+            EXPECT_GE(st.gather_ms, 0.0);
+            if (T > 0) EXPECT_GT(st.gather_ms, 0.0) << "the gather pass's host time is measured";
             if (dedup) {  // exactly the distinct owned rows of this layer (oracle: std::set)
               std::set<int32_t> distinct;
               for (int32_t tok = 0; tok < T; ++tok) {
