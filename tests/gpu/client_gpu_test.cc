@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "client/cuda_backend.h"
@@ -118,6 +119,26 @@ TEST(GpuClientTest, ChunkedRegistrationRollsBackOnFailure) {
   auto good = client::HostRegistration::Register(p, bytes, chunk, &failed);
   ASSERT_TRUE(good.ok()) << good.status();
   EXPECT_GT((*good)->seconds(), 0.0);
+}
+
+// A registration released on a thread that never touched CUDA (no current context: an engine closed from a
+// serving framework's worker thread) still unregisters its chunks: the same range registers again afterwards (it
+// would fail as already registered if the pages had stayed pinned). Session 4's review suspected a leak here; on
+// driver 580 cuMemHostUnregister needs no current context (this test passed with and without making the
+// registering context current first, bench/logs/2026-11-30-s5-gpu_client_test-registration*.log).
+TEST(GpuClientTest, RegistrationReleasedOnAThreadWithoutAContextUnregisters) {
+  REQUIRE_GPU();
+  const size_t bytes = size_t{8} << 20, chunk = size_t{2} << 20;
+  std::vector<uint8_t> buf(bytes + 4096);
+  uint8_t* p = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 4095) & ~uintptr_t{4095});
+  int failed = -1;
+  auto first = client::HostRegistration::Register(p, bytes, chunk, &failed);
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::unique_ptr<client::HostRegistration> moved = std::move(*first);
+  std::thread([&] { moved.reset(); }).join();
+  auto again = client::HostRegistration::Register(p, bytes, chunk, &failed);
+  ASSERT_TRUE(again.ok()) << again.status() << " (the chunks released on the other thread stayed registered)";
+  EXPECT_EQ((*again)->chunks(), bytes / chunk);
 }
 
 // The threaded form (RegisterOptions::threads): a failing chunk still rolls back every chunk any worker registered
