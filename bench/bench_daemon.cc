@@ -43,7 +43,7 @@
 #include "spdlog/spdlog.h"
 #include "tools/synthetic.h"
 #include "xxhash.h"
-#if defined(__x86_64__) && __has_include(<xxh_x86dispatch.h>)
+#if defined(ENGRAM_XXH_DISPATCH)
 #define XXH_DISPATCH_DISABLE_REPLACE
 #include <xxh_x86dispatch.h>
 #define ENGRAM_BENCH_XXH_DISPATCH 1
@@ -116,6 +116,10 @@ void PrintHashRates() {
     return std::make_pair(buf.size() * static_cast<double>(reps) / 1073741824.0 / Since(t0), h);
   };
   const auto plain = rate(false), dispatched = rate(true);
+#ifndef ENGRAM_BENCH_XXH_DISPATCH
+  std::printf("XXH3 one thread, 270 KB in cache: %.1f GiB/s (this libxxhash has no runtime dispatch)\n", plain.first);
+  return;
+#endif
   std::printf("XXH3 one thread, 270 KB in cache: %.1f GiB/s as built, %.1f GiB/s through the runtime dispatch%s\n",
               plain.first, dispatched.first, plain.second == dispatched.second ? "" : " (HASHES DIFFER)");
 }
@@ -210,12 +214,11 @@ int main(int argc, char** argv) {
     };
     const Tuning writers = tuning(SegmentReserve::kWriters, Tuning::DropCache::kKeep, 1024);
     std::vector<Variant> variants = {
-        {"populate by the filling threads (kWriters: the default on hugetlbfs)", writers, threads},
-        {"fallocate first (kWhole: the default on tmpfs)",
+        {"populate by the filling threads (kWriters: the default on huge pages)", writers, threads},
+        {"fallocate first (kWhole: the default on 4 KiB pages)",
          tuning(SegmentReserve::kWhole, Tuning::DropCache::kKeep, 1024), threads},
         {"populate, 4096-row steps", tuning(SegmentReserve::kWriters, Tuning::DropCache::kKeep, 4096), threads}};
     {
-      // The default fill (weights read into a buffer, then packed) against ShardFillOptions::direct_read.
       // The default fill (records packed and hashed in the cache, then written with non-temporal stores: no
       // read-for-ownership of the segment's fresh lines, as the first-touch copy's memcpy streams its stores too)
       // against plain stores (before session 5) and ShardFillOptions::direct_read.

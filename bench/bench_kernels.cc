@@ -115,7 +115,8 @@ int main(int argc, char** argv) {
   const char* shm_dir_env = std::getenv("ENGRAM_BENCH_SHM_DIR");
   const std::string shm_dir = shm_dir_env != nullptr && *shm_dir_env != '\0' ? shm_dir_env : "/dev/shm";
   // ENGRAM_BENCH_HG_VARIANTS_ONLY=1: the ceilings, then only the host-gather variants (a short run for tuning).
-  const bool variants_only = std::getenv("ENGRAM_BENCH_HG_VARIANTS_ONLY") != nullptr;
+  const char* variants_env = std::getenv("ENGRAM_BENCH_HG_VARIANTS_ONLY");
+  const bool variants_only = variants_env != nullptr && std::string(variants_env) == "1";
   const std::string path = shm_dir + "/engram-bench-" + std::to_string(::getpid());
   int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
   if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(seg_bytes)) != 0) {
@@ -339,6 +340,10 @@ int main(int argc, char** argv) {
     std::printf("host gather: %d threads (default share of %d cores); engine default: dedup %d, UVA share %.2f\n",
                 hg[0]->threads(), cores, engram::client::kEngineHostGatherDedup ? 1 : 0,
                 engram::client::kEngineHostGatherUvaShare);
+    if (variants_only) {  // the variants below run alone (no idle engines' pools and buffers beside them)
+      hg[0].reset();
+      hg[1].reset();
+    }
     if (!variants_only) {
     // Every row: the engine's share and its neighbours; de-duplicated: 0.4 (its best in earlier runs).
     const std::vector<double> shares_every = {0.0, 0.15, 0.2, 0.25, 0.3, 0.4}, shares_dedup = {0.0, 0.4};
@@ -592,6 +597,7 @@ int main(int argc, char** argv) {
       cudaEventDestroy(eb);
     }
     if (variants_only) {
+      CUDA_CHECK(cudaFree(scratch));
       CUDA_CHECK(cudaHostUnregister(seg));
       ::munmap(seg, seg_bytes);
       ::unlink(path.c_str());

@@ -337,13 +337,12 @@ class DpDeviceEngine final : public LookupEngine {
       return Fail(st);
     }
     std::lock_guard<std::mutex> lock(mu_);
-    // The step's end, for the watchdog: one event per queued step (a full ring moves its newest event instead).
+    // The step's end, for the watchdog: one event per queued step. With the ring full (a host 64 steps ahead) the
+    // step is not tracked: the oldest ones are, and they overstay first if a member stalls.
     if (queued_ < kStepEvents) {
       cudaEventRecord(step_events_[(oldest_ + queued_) % kStepEvents], stream);
       ++queued_;
       watch_.Enqueued(StepWatch::Clock::now());
-    } else {
-      cudaEventRecord(step_events_[(oldest_ + queued_ - 1) % kStepEvents], stream);
     }
     return absl::OkStatus();
   }

@@ -122,7 +122,8 @@ class HostGather {
   struct LayerStats {
     int64_t items = 0, rows_moved = 0;  // rows_moved counts the UVA share's items too
     int64_t uva_items = 0;              // items served by the UVA share
-    double gather_ms = 0;               // host time of the threads' gather pass (plan, gather, copy issue)
+    double gather_ms = 0;               // host time of the threads' gather pass (the fused plan, the gather, the
+                                        // copy issue; a de-duplicating plan runs before it and is not counted)
   };
   LayerStats stats(int32_t layer) const { return stats_[static_cast<size_t>(layer)]; }
 

@@ -149,7 +149,8 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
       dropper();  // no thread to be had (EAGAIN): dropped here, slower, but never an exception out of the publish
     }
   }
-  return PublishResult{(*writer)->path(), reopened->total_bytes, seconds};
+  return PublishResult{(*writer)->path(), reopened->total_bytes, seconds, (*writer)->page_bytes(),
+                       (*writer)->populate_data(), fill.stream_stores};
 }
 
 absl::Status VerifyChecksums(const std::string& segment_path, int threads, std::atomic<uint64_t>* rows_done) {

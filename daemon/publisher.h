@@ -31,6 +31,9 @@ struct PublishResult {
   std::string path;
   uint64_t bytes = 0;
   double seconds = 0;
+  uint64_t page_bytes = 0;     // the segment's page size (SegmentWriter::page_bytes)
+  bool populated = false;      // pages populated by the filling threads (kWriters), not reserved whole
+  bool stream_stores = false;  // records written with non-temporal stores (PublishStreamsStores)
 };
 
 // The descriptor of shard (tp_size, tp_rank): layout, owned rows, token map, with data offsets inside the segment

@@ -10,9 +10,9 @@
 #include "base/worker_threads.h"
 #include "model/reference.h"
 #include "xxhash.h"
-#if defined(__x86_64__) && __has_include(<xxh_x86dispatch.h>)
+#if defined(ENGRAM_XXH_DISPATCH)
 // XXH3 through libxxhash's runtime dispatch (AVX2 / AVX-512 where the CPU has them; the same hashes): the publish
-// hashes every byte it writes, on the same cores that copy.
+// hashes every byte it writes, on the same cores that copy. Set by CMake where the dispatch links.
 #include <xxh_x86dispatch.h>
 #endif
 

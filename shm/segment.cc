@@ -148,10 +148,12 @@ absl::StatusOr<std::unique_ptr<SegmentWriter>> SegmentWriter::Create(const std::
   };
   if (reserve == SegmentReserve::kAuto) {
     // hugetlbfs reports its huge page as the filesystem block size; a tmpfs reports the system's page, huge pages
-    // or not (4 KiB, or 64 KiB on a 64 KiB-page aarch64 kernel: not hugetlbfs).
+    // or not (4 KiB, or 64 KiB on a 64 KiB-page aarch64 kernel: not hugetlbfs). A huge=always tmpfs reports its huge
+    // page as the file's block size (page_, from fstat above).
     struct statvfs vfs {};
     const bool hugetlbfs = env->Statvfs(dir.c_str(), &vfs) == 0 && vfs.f_bsize > std::max<size_t>(env->PageBytes(), 4096);
-    reserve = hugetlbfs ? SegmentReserve::kWriters : SegmentReserve::kWhole;
+    const bool huge_tmpfs = w->page_ >= (uint64_t{2} << 20);
+    reserve = hugetlbfs || huge_tmpfs ? SegmentReserve::kWriters : SegmentReserve::kWhole;
   }
   // kWriters: the header pages and the last page (which sets the size); the data's pages are populated by the filler.
   const bool writers = reserve == SegmentReserve::kWriters && total > data_offset + w->page_;

@@ -154,6 +154,38 @@ TEST(SegmentReserveTest, AutoReservesTheWholeFileOutsideHugetlbfs) {
   EXPECT_EQ(static_cast<uint64_t>(env.fallocates[0].second), SegmentFileBytes(4, kData));
 }
 
+// A huge=always tmpfs as the segment code sees it: the filesystem's block size is the base page (statvfs) but the
+// file's is a 2 MiB huge page (fstat).
+class HugeTmpfsEnv : public PopulateEnv {
+ public:
+  int Fstat(int fd, struct stat* st) override {
+    const int r = PopulateEnv::Fstat(fd, st);
+    st->st_blksize = 2 << 20;
+    return r;
+  }
+};
+
+// kAuto on a huge-page tmpfs: the filling threads populate their ranges (kWriters), only the header and the last
+// huge page are fallocated; a failed populate then fails the fill cleanly (as on hugetlbfs).
+TEST(SegmentReserveTest, AutoLetsTheWritersPopulateOnAHugePageTmpfs) {
+  TempDir dir;
+  struct statvfs vfs {};
+  ASSERT_EQ(::statvfs(dir.path().c_str(), &vfs), 0);
+  if (vfs.f_bsize > 4096) GTEST_SKIP() << dir.path() << " is on hugetlbfs";
+  HugeTmpfsEnv env;
+  auto w = SegmentWriter::Create(dir.path(), 0x57, 1, 0, "desc", kData, 1, 1, &env, SegmentReserve::kAuto);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ((*w)->page_bytes(), uint64_t{2} << 20);
+  EXPECT_TRUE((*w)->populate_data()) << "a huge-page tmpfs was reserved whole";
+  const uint64_t total = SegmentFileBytes(4, kData);
+  ASSERT_EQ(env.fallocates.size(), 2u);
+  EXPECT_EQ(env.fallocates[0].first, 0);
+  EXPECT_EQ(static_cast<uint64_t>(env.fallocates[0].second), SegmentDataOffset(4));
+  EXPECT_EQ(static_cast<uint64_t>(env.fallocates[1].first), total - (uint64_t{2} << 20));
+  env.populate_errno = ENOSPC;
+  EXPECT_EQ(PopulateForWrite((*w)->data(), 65536, &env).code(), absl::StatusCode::kResourceExhausted);
+}
+
 TEST(SegmentReserveTest, PopulateWithoutRoomIsResourceExhausted) {
   TempDir dir;
   PopulateEnv env;
@@ -249,6 +281,7 @@ TEST_F(PublishReserveTest, StreamedAndPlainStoresPublishTheSameRecords) {
     tuning.drop_cache = daemon::PublishTuning::DropCache::kKeep;
     auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 3, nullptr, Env::Default(), tuning);
     ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->stream_stores, nt == 1) << "the tuning reached the fill";
     EXPECT_TRUE(daemon::VerifyChecksums(r->path, 2).ok()) << "nt " << nt;
     std::ifstream f(r->path, std::ios::binary);
     data.emplace_back(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
@@ -261,6 +294,29 @@ TEST_F(PublishReserveTest, StreamedAndPlainStoresPublishTheSameRecords) {
   ASSERT_EQ(data[0].size(), data[1].size());
   ASSERT_LE(off + n, data[0].size());
   EXPECT_TRUE(data[0].compare(off, n, data[1], off, n) == 0) << "streamed stores changed the records";
+}
+
+// The defaults end to end: on a 4 KiB tmpfs the file is reserved whole and written with plain stores; on a huge-page
+// tmpfs (as the segment code sees one: HugeTmpfsEnv) the filling threads populate their pages and stream their stores.
+TEST_F(PublishReserveTest, DefaultsFollowThePageSize) {
+  struct statvfs vfs {};
+  ASSERT_EQ(::statvfs(dir_.path().c_str(), &vfs), 0);
+  if (vfs.f_bsize > 4096) GTEST_SKIP() << dir_.path() << " is on hugetlbfs";
+  daemon::PublishTuning tuning;  // the defaults, whatever the environment says
+  tuning.drop_cache = daemon::PublishTuning::DropCache::kKeep;
+  for (bool huge : {false, true}) {
+    const std::string shm = dir_ / (huge ? "shm-huge" : "shm-4k");
+    std::filesystem::create_directories(shm);
+    PopulateEnv small;
+    HugeTmpfsEnv big;
+    Env* env = huge ? static_cast<Env*>(&big) : static_cast<Env*>(&small);
+    auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2, nullptr, env, tuning);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->page_bytes, huge ? uint64_t{2} << 20 : uint64_t{4096});
+    EXPECT_EQ(r->populated, huge);
+    EXPECT_EQ(r->stream_stores, huge);
+    EXPECT_TRUE(daemon::VerifyChecksums(r->path, 2).ok()) << "huge " << huge;
+  }
 }
 
 // PublishTuning::FromEnv: each diagnosis knob's values, and the product's defaults when none is set.
