@@ -60,8 +60,9 @@ struct PublishTuning {
   std::optional<int64_t> sub_rows;  // unset: ShardFillOptions' default
   bool direct_read = false;         // ShardFillOptions::direct_read (ENGRAM_PUBLISH_DIRECT_READ=1: on)
   // ShardFillOptions::stream_stores: -1 (default) where the segment's pages are huge, 0 never, 1 always
-  // (ENGRAM_PUBLISH_NT=-1|0|1). Measured (bench/RESULTS.md, session 5): 0.52 s vs 0.58 s per 16 GiB on a huge-page
-  // tmpfs, but 3.43 s vs 2.55 s on 4 KiB /dev/shm (a page fault every 4 KiB in the middle of streamed lines).
+  // (ENGRAM_PUBLISH_NT=-1|0|1). Measured (bench/RESULTS.md, session 5): faster on huge pages in every run (huge tmpfs
+  // 0.74-0.79 vs 0.65-0.77 of the first-touch copy, hugetlbfs 0.86 vs 0.73); on 4 KiB /dev/shm two runs disagree
+  // (3.43 vs 2.55 s, 3.24 vs 4.05 s per 16 GiB), so plain stores stay there.
   int stream_stores = -1;
 
   static PublishTuning FromEnv();
