@@ -127,6 +127,8 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   if (tuning.sub_rows) fill.sub_rows = *tuning.sub_rows;
   fill.direct_read = tuning.direct_read;
   fill.stream_stores = PublishStreamsStores(tuning.stream_stores, (*writer)->page_bytes());
+  std::atomic<uint64_t> streamed{0};
+  fill.streamed_bytes = &streamed;
   std::vector<uint64_t> checksums;
   absl::Status st = ReadShardRecords(ckpt, RowsOf(desc), data, threads, &checksums, rows_done, fill);
   if (!st.ok()) return st;  // the writer's destructor removes the partial segment
@@ -150,7 +152,7 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
     }
   }
   return PublishResult{(*writer)->path(), reopened->total_bytes, seconds, (*writer)->page_bytes(),
-                       (*writer)->populate_data(), fill.stream_stores};
+                       (*writer)->populate_data(), fill.stream_stores, streamed.load()};
 }
 
 absl::Status VerifyChecksums(const std::string& segment_path, int threads, std::atomic<uint64_t>* rows_done) {

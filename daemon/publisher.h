@@ -34,6 +34,7 @@ struct PublishResult {
   uint64_t page_bytes = 0;     // the segment's page size (SegmentWriter::page_bytes)
   bool populated = false;      // pages populated by the filling threads (kWriters), not reserved whole
   bool stream_stores = false;  // records written with non-temporal stores (PublishStreamsStores)
+  uint64_t streamed_bytes = 0;  // of the records, the bytes the fill wrote with them (all or none)
 };
 
 // The descriptor of shard (tp_size, tp_rank): layout, owned rows, token map, with data offsets inside the segment

@@ -125,6 +125,9 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
           PackRecords(weight_buf.data(), scale_buf.data(), n, D, pack_buf.data());
           XXH3_64bits_update(hash, pack_buf.data(), static_cast<size_t>(n * rb));
           StreamCopy(rec, pack_buf.data(), n * rb);
+          if (fill.streamed_bytes) {
+            fill.streamed_bytes->fetch_add(static_cast<uint64_t>(n * rb), std::memory_order_relaxed);
+          }
           continue;
         }
         PackRecords(weight_buf.data(), scale_buf.data(), n, D, rec);

@@ -45,6 +45,8 @@ struct ShardFillOptions {
   // stores (base/stream_copy.h): the segment's fresh lines are not read before they are written (no
   // read-for-ownership) nor kept in the cache. Ignored with direct_read (the kernel's copy writes the weights).
   bool stream_stores = false;
+  // If set, receives the bytes written with streamed stores (what a publish reports as PublishResult::streamed_bytes).
+  std::atomic<uint64_t>* streamed_bytes = nullptr;
 };
 
 // Fills the records; `checksums` (may be null) receives one per LayerRows entry.

@@ -282,6 +282,14 @@ TEST_F(PublishReserveTest, StreamedAndPlainStoresPublishTheSameRecords) {
     auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 3, nullptr, Env::Default(), tuning);
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->stream_stores, nt == 1) << "the tuning reached the fill";
+    auto shard = layout_->Shard(1, 0);
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    uint64_t records = 0;
+    for (size_t l = 0; l < shard->row_end.size(); ++l) {
+      records += static_cast<uint64_t>(shard->row_end[l] - shard->row_begin[l]);
+    }
+    records *= static_cast<uint64_t>(ckpt_->config().record_bytes());
+    EXPECT_EQ(r->streamed_bytes, nt == 1 ? records : 0) << "every record streamed, or none";
     EXPECT_TRUE(daemon::VerifyChecksums(r->path, 2).ok()) << "nt " << nt;
     std::ifstream f(r->path, std::ios::binary);
     data.emplace_back(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
@@ -315,6 +323,7 @@ TEST_F(PublishReserveTest, DefaultsFollowThePageSize) {
     EXPECT_EQ(r->page_bytes, huge ? uint64_t{2} << 20 : uint64_t{4096});
     EXPECT_EQ(r->populated, huge);
     EXPECT_EQ(r->stream_stores, huge);
+    EXPECT_EQ(r->streamed_bytes > 0, huge);
     EXPECT_TRUE(daemon::VerifyChecksums(r->path, 2).ok()) << "huge " << huge;
   }
 }
