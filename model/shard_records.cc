@@ -101,52 +101,50 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
     uint8_t* out = dst + l.dst_offset + static_cast<uint64_t>(j.first_row * rb);
     const int64_t first_global = l.row_begin + j.first_row;
     absl::Status r;
-    for (int64_t done = 0; done < j.rows && r.ok(); done += kSubRows) {
+    uint64_t streamed = 0;
+    for (int64_t done = 0; done < j.rows; done += kSubRows) {  // every failure breaks out
       const int64_t n = std::min(kSubRows, j.rows - done);
       const int64_t row = first_global + done;
+      const size_t bytes = static_cast<size_t>(n * rb);
       uint8_t* const rec = out + done * rb;
-      if (fill.before_write) r = fill.before_write(rec, static_cast<uint64_t>(n * rb));
+      if (fill.before_write) r = fill.before_write(rec, bytes);
       if (r.ok()) {
         r = t.embed_scale.file->ReadRange(*t.embed_scale.info, static_cast<uint64_t>(row * S), scale_buf.data(),
                                           static_cast<uint64_t>(n * S));
       }
-      if (r.ok() && fill.direct_read) {
+      if (!r.ok()) break;
+      // The records of this step are assembled at `packed`: in place, or (streamed) in the cache-resident buffer,
+      // hashed there and then written out with non-temporal stores.
+      uint8_t* const packed = stream ? pack_buf.data() : rec;
+      if (fill.direct_read) {
         r = t.embed_weight.file->ReadRows(*t.embed_weight.info, static_cast<uint64_t>(row * D),
                                           static_cast<uint64_t>(D), static_cast<uint64_t>(n), rec,
                                           static_cast<uint64_t>(rb));
         if (!r.ok()) break;
         for (int64_t i = 0; i < n; ++i) std::memcpy(rec + i * rb + D, scale_buf.data() + i * S, static_cast<size_t>(S));
-      } else if (r.ok()) {
+      } else {
         r = t.embed_weight.file->ReadRange(*t.embed_weight.info, static_cast<uint64_t>(row * D), weight_buf.data(),
                                            static_cast<uint64_t>(n * D));
         if (!r.ok()) break;
-        if (stream) {
-          // Packed and hashed in the cache, then streamed out.
-          PackRecords(weight_buf.data(), scale_buf.data(), n, D, pack_buf.data());
-          XXH3_64bits_update(hash, pack_buf.data(), static_cast<size_t>(n * rb));
-          StreamCopy(rec, pack_buf.data(), n * rb);
-          if (fill.streamed_bytes) {
-            fill.streamed_bytes->fetch_add(static_cast<uint64_t>(n * rb), std::memory_order_relaxed);
-          }
-          continue;
-        }
-        PackRecords(weight_buf.data(), scale_buf.data(), n, D, rec);
+        PackRecords(weight_buf.data(), scale_buf.data(), n, D, packed);
       }
-      if (!r.ok()) break;
-      XXH3_64bits_update(hash, out + done * rb, static_cast<size_t>(n * rb));
+      XXH3_64bits_update(hash, packed, bytes);
+      if (stream) {
+        StreamCopy(rec, packed, static_cast<int64_t>(bytes));
+        streamed += bytes;
+      }
     }
     if (stream) StreamFence();  // this job's records are in memory before it is counted done
+    if (fill.streamed_bytes) fill.streamed_bytes->fetch_add(streamed, std::memory_order_relaxed);
     hashes[j.entry][j.chunk] = XXH3_64bits_digest(hash);
     XXH3_freeState(hash);
     if (!r.ok()) return r;
-    if (!fill.drop_cache) {
-      if (rows_done) rows_done->fetch_add(static_cast<uint64_t>(j.rows), std::memory_order_relaxed);
-      return absl::OkStatus();
+    if (fill.drop_cache) {
+      t.embed_weight.file->DropCache(*t.embed_weight.info, static_cast<uint64_t>(first_global * D),
+                                     static_cast<uint64_t>(j.rows * D));
+      t.embed_scale.file->DropCache(*t.embed_scale.info, static_cast<uint64_t>(first_global * S),
+                                    static_cast<uint64_t>(j.rows * S));
     }
-    t.embed_weight.file->DropCache(*t.embed_weight.info, static_cast<uint64_t>(first_global * D),
-                                   static_cast<uint64_t>(j.rows * D));
-    t.embed_scale.file->DropCache(*t.embed_scale.info, static_cast<uint64_t>(first_global * S),
-                                  static_cast<uint64_t>(j.rows * S));
     if (rows_done) rows_done->fetch_add(static_cast<uint64_t>(j.rows), std::memory_order_relaxed);
     return absl::OkStatus();
   });
