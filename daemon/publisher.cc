@@ -55,9 +55,7 @@ PublishTuning PublishTuning::FromEnv() {
   return t;
 }
 
-bool PublishStreamsStores(int setting, uint64_t page_bytes) {
-  return setting > 0 || (setting < 0 && page_bytes >= (uint64_t{2} << 20));
-}
+bool PublishStreamsStores(int setting, bool huge_pages) { return setting > 0 || (setting < 0 && huge_pages); }
 
 engram::v1::SegmentDescriptor MakeDescriptor(const Checkpoint& ckpt, const Layout& layout, const TokenMap& map,
                                              const ShardRange& shard, uint64_t fingerprint) {
@@ -126,7 +124,7 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   fill.drop_cache = tuning.drop_cache == PublishTuning::DropCache::kInline;
   if (tuning.sub_rows) fill.sub_rows = *tuning.sub_rows;
   fill.direct_read = tuning.direct_read;
-  fill.stream_stores = PublishStreamsStores(tuning.stream_stores, (*writer)->page_bytes());
+  fill.stream_stores = PublishStreamsStores(tuning.stream_stores, (*writer)->huge_pages());
   std::atomic<uint64_t> streamed{0};
   fill.streamed_bytes = &streamed;
   std::vector<uint64_t> checksums;
@@ -152,7 +150,7 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
     }
   }
   return PublishResult{(*writer)->path(), reopened->total_bytes, seconds, (*writer)->page_bytes(),
-                       (*writer)->populate_data(), fill.stream_stores, streamed.load()};
+                       (*writer)->populate_data(), streamed.load()};
 }
 
 absl::Status VerifyChecksums(const std::string& segment_path, int threads, std::atomic<uint64_t>* rows_done) {

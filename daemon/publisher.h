@@ -33,8 +33,8 @@ struct PublishResult {
   double seconds = 0;
   uint64_t page_bytes = 0;     // the segment's page size (SegmentWriter::page_bytes)
   bool populated = false;      // pages populated by the filling threads (kWriters), not reserved whole
-  bool stream_stores = false;  // records written with non-temporal stores (PublishStreamsStores)
-  uint64_t streamed_bytes = 0;  // of the records, the bytes the fill wrote with them (all or none)
+  uint64_t streamed_bytes = 0;  // of the records, those written with non-temporal stores (PublishStreamsStores): all
+                                // or none
 };
 
 // The descriptor of shard (tp_size, tp_rank): layout, owned rows, token map, with data offsets inside the segment
@@ -69,9 +69,9 @@ struct PublishTuning {
   static PublishTuning FromEnv();
 };
 
-// Whether a publish into a segment of `page_bytes` pages streams its stores, for PublishTuning::stream_stores
-// `setting` (-1: only on pages of 2 MiB or more).
-bool PublishStreamsStores(int setting, uint64_t page_bytes);
+// Whether a publish streams its stores, for PublishTuning::stream_stores `setting` (-1: only into a segment on huge
+// pages, SegmentWriter::huge_pages).
+bool PublishStreamsStores(int setting, bool huge_pages);
 
 // `tuning`: read from the environment at each call unless given (bench_daemon passes its variants).
 absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layout, const TokenMap& map,

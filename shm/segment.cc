@@ -4,7 +4,6 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -130,9 +129,11 @@ absl::StatusOr<std::unique_ptr<SegmentWriter>> SegmentWriter::Create(const std::
     env->Unlink(w->path_.c_str());
     return st;
   };
-  // The mount's page: hugetlbfs (and a huge=always tmpfs) report their huge page size as the block size.
+  // The mount's page: hugetlbfs and a huge=always tmpfs report their huge page as the file's block size; a tmpfs
+  // otherwise reports the system's page (4 KiB, or 64 KiB on a 64 KiB-page aarch64 kernel: not huge).
   struct stat st {};
   if (env->Fstat(fd, &st) == 0 && st.st_blksize > 4096) w->page_ = static_cast<uint64_t>(st.st_blksize);
+  w->huge_ = w->page_ > std::max<uint64_t>(env->PageBytes(), 4096);
   if (total % w->page_ != 0) {
     return fail(absl::FailedPreconditionError(
         absl::StrCat(w->path_, ": the mount's page size (", w->page_, " bytes) does not divide the segment's ", total,
@@ -146,15 +147,7 @@ absl::StatusOr<std::unique_ptr<SegmentWriter>> SegmentWriter::Create(const std::
     } while (err == EINTR);
     return err;
   };
-  if (reserve == SegmentReserve::kAuto) {
-    // hugetlbfs reports its huge page as the filesystem block size; a tmpfs reports the system's page, huge pages
-    // or not (4 KiB, or 64 KiB on a 64 KiB-page aarch64 kernel: not hugetlbfs). A huge=always tmpfs reports its huge
-    // page as the file's block size (page_, from fstat above).
-    struct statvfs vfs {};
-    const bool hugetlbfs = env->Statvfs(dir.c_str(), &vfs) == 0 && vfs.f_bsize > std::max<size_t>(env->PageBytes(), 4096);
-    const bool huge_tmpfs = w->page_ >= (uint64_t{2} << 20);
-    reserve = hugetlbfs || huge_tmpfs ? SegmentReserve::kWriters : SegmentReserve::kWhole;
-  }
+  if (reserve == SegmentReserve::kAuto) reserve = w->huge_ ? SegmentReserve::kWriters : SegmentReserve::kWhole;
   // kWriters: the header pages and the last page (which sets the size); the data's pages are populated by the filler.
   const bool writers = reserve == SegmentReserve::kWriters && total > data_offset + w->page_;
   int err = writers ? reserve_range(0, data_offset) : reserve_range(0, total);

@@ -106,6 +106,9 @@ class SegmentWriter {
   bool populate_data() const { return populate_; }
   // The mount's page size for this file: 4096, or a hugetlbfs / huge=always tmpfs page (2 MiB on x86-64).
   uint64_t page_bytes() const { return page_; }
+  // The file's pages are larger than the system's (hugetlbfs, a huge=always tmpfs): what kAuto and the publish's
+  // streamed stores go by.
+  bool huge_pages() const { return huge_; }
   void SetLoading();
   // Marks READY (after an msync of the data) and keeps the file.
   absl::Status Finish(double load_seconds);
@@ -118,6 +121,7 @@ class SegmentWriter {
   uint8_t* base_ = nullptr;
   uint64_t size_ = 0;
   uint64_t page_ = 4096;  // the mount's page size for this file (4096, or a hugetlbfs / huge=always tmpfs page)
+  bool huge_ = false;     // page_ above the system page
   bool populate_ = false;
   bool finished_ = false;
 };
