@@ -352,7 +352,6 @@ class DpDeviceEngine final : public LookupEngine {
   // no reason to cut ours), then the communicator is aborted so nothing waits on the member that is gone.
   void Watch() {
     cudaSetDevice(device_);
-    const auto timeout = DpStepTimeout();
     std::optional<std::chrono::steady_clock::time_point> broken_at;
     while (!stop_) {
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -375,7 +374,7 @@ class DpDeviceEngine final : public LookupEngine {
       // No queued step has finished for the timeout (enqueueing more does not restart it: client/dp_step_watch.h).
       if (watch_.Overdue(now)) {
         aborted_in_flight_ = true;
-        abort_reason_ = absl::StrCat("no queued DP step finished within ", timeout.count(),
+        abort_reason_ = absl::StrCat("no queued DP step finished within ", watch_.timeout().count(),
                                      " ms (a member stalled; ENGRAM_DP_STEP_TIMEOUT_MS)");
         exchange_->Abort(abort_reason_);
         return;

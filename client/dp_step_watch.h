@@ -30,6 +30,7 @@ class StepWatch {
     since_ = now;
   }
   int64_t queued() const { return queued_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
   bool Overdue(Clock::time_point now) const { return queued_ > 0 && now - since_ > timeout_; }
 
  private:

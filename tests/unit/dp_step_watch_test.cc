@@ -11,6 +11,7 @@ const StepWatch::Clock::time_point t0{};
 
 TEST(StepWatchTest, NothingQueuedIsNeverOverdue) {
   StepWatch w(milliseconds(100));
+  EXPECT_EQ(w.timeout(), milliseconds(100));
   EXPECT_FALSE(w.Overdue(t0 + milliseconds(1000000)));
   w.Finished(t0);  // a spurious finish does not go below zero
   EXPECT_EQ(w.queued(), 0);
