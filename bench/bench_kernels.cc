@@ -336,15 +336,11 @@ int main(int argc, char** argv) {
       return std::move(*g);
     };
     const int default_threads = engram::client::DefaultGatherThreads(cores);
+    if (!variants_only) {  // (the variants below then run alone: no idle engines' pools and buffers beside them)
     std::unique_ptr<engram::client::HostGather> hg[2] = {make_hg(false, default_threads), make_hg(true, default_threads)};
     std::printf("host gather: %d threads (default share of %d cores); engine default: dedup %d, UVA share %.2f\n",
                 hg[0]->threads(), cores, engram::client::kEngineHostGatherDedup ? 1 : 0,
                 engram::client::kEngineHostGatherUvaShare);
-    if (variants_only) {  // the variants below run alone (no idle engines' pools and buffers beside them)
-      hg[0].reset();
-      hg[1].reset();
-    }
-    if (!variants_only) {
     // Every row: the engine's share and its neighbours; de-duplicated: 0.4 (its best in earlier runs).
     const std::vector<double> shares_every = {0.0, 0.15, 0.2, 0.25, 0.3, 0.4}, shares_dedup = {0.0, 0.4};
     for (double repeat : {0.0, 0.45}) {
