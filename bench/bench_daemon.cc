@@ -11,7 +11,10 @@
 //            reserve auto, cache dropped after READY), each as GiB/s and the ratio to the first-touch copy into the
 //            same mount with the same threads. With --only-mounts 1 nothing else runs.
 //            --threads2 N adds a first-touch copy and a publish with N threads.
+//   cold     the checkpoint not in the page cache: a sequential read of its files (the disk ceiling) and Publish()
+//            with 0, 1, 4 and 2 (the default) cold-cache readers (model/cold_prefetch.h). --only-cold 1: only this.
 // Usage: bench_daemon [--gib N] [--threads N] [--engramd PATH] [--shm LABEL:DIR]... [--threads2 N] [--only-mounts 1]
+//                     [--only-cold 1]
 // --threads defaults to engramd's publish workers (daemon/publisher.h DefaultPublishThreads).
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
@@ -122,6 +125,72 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Not cached: the checkpoint's pages dropped (fadvise) before each step. The disk ceiling is a plain read of every
+// file, one sequential reader per file in 8 MiB reads, timed before and after the publishes; then Publish() with the
+// cold-cache readers off (the workers read for themselves, the way before), and with 1, 2 (the default) and 4
+// readers, each as GiB/s of records and the ratio to the better disk read. The last publish (the default) stays for
+// the adopt step.
+void ColdPublishes(const engram::Checkpoint& ckpt, const engram::Layout& layout, const engram::TokenMap& map,
+                   const std::string& ckpt_dir, const std::string& shm, int threads, uint64_t bytes,
+                   uint64_t file_bytes) {
+  auto drop = [&] {
+    for (const auto& e : std::filesystem::directory_iterator(ckpt_dir)) {
+      int f = ::open(e.path().c_str(), O_RDONLY);
+      ::fdatasync(f);
+      ::posix_fadvise(f, 0, 0, POSIX_FADV_DONTNEED);
+      ::close(f);
+    }
+  };
+  auto disk_read = [&] {
+    drop();
+    const auto t0 = Clock::now();
+    std::vector<std::thread> readers;
+    for (const auto& e : std::filesystem::directory_iterator(ckpt_dir)) {
+      readers.emplace_back([f = e.path().string()] {
+        std::vector<char> buf(8 << 20);
+        int fd = ::open(f.c_str(), O_RDONLY);
+        while (::read(fd, buf.data(), buf.size()) > 0) {
+        }
+        ::close(fd);
+      });
+    }
+    for (auto& th : readers) th.join();
+    return file_bytes / 1073741824.0 / Since(t0);
+  };
+  const double disk_before = disk_read();
+  struct Run {
+    const char* name;
+    int readers;
+  };
+  std::vector<std::pair<const char*, double>> results;
+  const Run runs[] = {{"no cold readers (workers read, as before)", 0}, {"1 cold reader", 1},
+                      {"4 cold readers", 4}, {"2 cold readers (the default)", 2}};
+  for (size_t i = 0; i < std::size(runs); ++i) {
+    drop();
+    engram::daemon::PublishTuning tuning = engram::daemon::PublishTuning::FromEnv();
+    tuning.cold_readers = runs[i].readers;
+    auto r = engram::daemon::Publish(ckpt, layout, map, 1, 0, shm, 1, 1, threads, nullptr,
+                                     engram::Env::Default(), tuning);
+    if (!r.ok()) {
+      std::printf("cold     %s: FAILED: %s\n", runs[i].name, std::string(r.status().message()).c_str());
+      continue;
+    }
+    results.emplace_back(runs[i].name, bytes / 1073741824.0 / r->seconds);
+    std::printf("cold     publish not cached, %s: %.2f s, %.2f GiB read by the readers\n", runs[i].name, r->seconds,
+                r->prefetched_bytes / 1073741824.0);
+    std::fflush(stdout);
+    if (i + 1 < std::size(runs)) ::unlink(r->path.c_str());
+  }
+  const double disk_after = disk_read();
+  const double disk = std::max(disk_before, disk_after);
+  std::printf("cold     disk read of the checkpoint %.2f GiB/s (before) / %.2f GiB/s (after)\n", disk_before,
+              disk_after);
+  for (const auto& [name, g] : results) {
+    std::printf("cold     publish not cached, %s: %.2f GiB/s = %.2f of the disk\n", name, g, g / disk);
+  }
+  drop();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -130,6 +199,7 @@ int main(int argc, char** argv) {
   std::string engramd = std::filesystem::path(argv[0]).parent_path().string() + "/../daemon/engramd";
   std::vector<std::pair<std::string, std::string>> mounts;
   bool only_mounts = false;
+  bool only_cold = false;
   int threads2 = 0;  // a second thread count for the mounts' first-touch copy and publish (0: none)
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string a = argv[i];
@@ -140,6 +210,7 @@ int main(int argc, char** argv) {
     }
     if (a == "--threads2") threads2 = std::atoi(argv[i + 1]);
     if (a == "--only-mounts") only_mounts = std::atoi(argv[i + 1]) != 0;
+    if (a == "--only-cold") only_cold = std::atoi(argv[i + 1]) != 0;
     if (a == "--gib") gib = std::atof(argv[i + 1]);
     if (a == "--threads") threads = std::atoi(argv[i + 1]);
     if (a == "--engramd") engramd = argv[i + 1];
@@ -172,6 +243,12 @@ int main(int argc, char** argv) {
   auto tok = engram::Tokenizer::Load((*ckpt)->tokenizer_path());
   engram::TokenMap map = engram::TokenMap::Build(*tok);
   const size_t bytes = gen->table_bytes;
+  if (only_cold) {
+    ColdPublishes(**ckpt, *layout, map, spec.out_dir, shm, threads, bytes, gen->file_bytes);
+    std::filesystem::remove_all(work);
+    std::filesystem::remove_all(shm);
+    return 0;
+  }
 
   if (!mounts.empty()) {
     PrintHashRates();
@@ -320,43 +397,8 @@ int main(int argc, char** argv) {
               "(first run, partly cold cache: %.2f s)\n",
               bytes / 1073741824.0, publish->seconds, pub_gibs, pub_gibs / shm_gibs, pub_gibs / memcpy_gibs, cold_s);
 
-  // Not cached: drop the checkpoint's pages (fadvise), time a plain parallel read of the files (the disk ceiling),
-  // drop again, publish.
-  auto drop = [&] {
-    for (const auto& e : std::filesystem::directory_iterator(spec.out_dir)) {
-      int f = ::open(e.path().c_str(), O_RDONLY);
-      ::fdatasync(f);
-      ::posix_fadvise(f, 0, 0, POSIX_FADV_DONTNEED);
-      ::close(f);
-    }
-  };
   ::unlink(publish->path.c_str());
-  drop();
-  t0 = Clock::now();
-  {
-    std::vector<std::thread> readers;
-    std::atomic<uint64_t> total{0};
-    std::vector<std::string> files;
-    for (const auto& e : std::filesystem::directory_iterator(spec.out_dir)) files.push_back(e.path());
-    for (const auto& f : files) {
-      readers.emplace_back([&, f] {
-        std::vector<char> buf(8 << 20);
-        int fd2 = ::open(f.c_str(), O_RDONLY);
-        ssize_t n;
-        while ((n = ::read(fd2, buf.data(), buf.size())) > 0) total += static_cast<uint64_t>(n);
-        ::close(fd2);
-      });
-    }
-    for (auto& th : readers) th.join();
-  }
-  const double disk_gibs = gen->file_bytes / 1073741824.0 / Since(t0);
-  drop();
-  auto cold = engram::daemon::Publish(**ckpt, *layout, map, 1, 0, shm, 1, 1, threads);
-  if (cold.ok()) {
-    const double cold_gibs = bytes / 1073741824.0 / cold->seconds;
-    std::printf("cold     disk read of the checkpoint %.2f GiB/s; publish not cached %.2f GiB/s = %.2f of the disk\n",
-                disk_gibs, cold_gibs, cold_gibs / disk_gibs);
-  }
+  ColdPublishes(**ckpt, *layout, map, spec.out_dir, shm, threads, bytes, gen->file_bytes);
 
   // Adopt: a daemon start on the READY segment.
   engram::daemon::Options opts;

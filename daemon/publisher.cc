@@ -49,6 +49,9 @@ PublishTuning PublishTuning::FromEnv() {
   }
   if (const char* v = std::getenv("ENGRAM_PUBLISH_SUB_ROWS"); v != nullptr) t.sub_rows = std::atoll(v);
   if (const char* v = std::getenv("ENGRAM_PUBLISH_DIRECT_READ"); v != nullptr) t.direct_read = std::atoi(v) != 0;
+  if (const char* v = std::getenv("ENGRAM_PUBLISH_COLD_READERS"); v != nullptr && *v != '\0') {
+    t.cold_readers = std::clamp(std::atoi(v), 0, 64);
+  }
   if (const char* v = std::getenv("ENGRAM_PUBLISH_NT"); v != nullptr && *v != '\0') {
     t.stream_stores = std::clamp(std::atoi(v), -1, 1);
   }
@@ -127,6 +130,9 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   fill.stream_stores = PublishStreamsStores(tuning.stream_stores, (*writer)->huge_pages());
   std::atomic<uint64_t> streamed{0};
   fill.streamed_bytes = &streamed;
+  if (tuning.cold_readers) fill.cold_readers = *tuning.cold_readers;
+  std::atomic<uint64_t> prefetched{0};
+  fill.prefetched_bytes = &prefetched;
   std::vector<uint64_t> checksums;
   absl::Status st = ReadShardRecords(ckpt, RowsOf(desc), data, threads, &checksums, rows_done, fill);
   if (!st.ok()) return st;  // the writer's destructor removes the partial segment
@@ -150,7 +156,7 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
     }
   }
   return PublishResult{(*writer)->path(), reopened->total_bytes, seconds, (*writer)->page_bytes(),
-                       (*writer)->populate_data(), streamed.load()};
+                       (*writer)->populate_data(), streamed.load(), prefetched.load()};
 }
 
 absl::Status VerifyChecksums(const std::string& segment_path, int threads, std::atomic<uint64_t>* rows_done) {

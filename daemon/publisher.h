@@ -35,6 +35,8 @@ struct PublishResult {
   bool populated = false;      // pages populated by the filling threads (kWriters), not reserved whole
   uint64_t streamed_bytes = 0;  // of the records, those written with non-temporal stores (PublishStreamsStores): all
                                 // or none
+  uint64_t prefetched_bytes = 0;  // read from disk by the cold-cache readers (ShardFillOptions::cold_readers); 0 when
+                                  // the checkpoint was in the page cache
 };
 
 // The descriptor of shard (tp_size, tp_rank): layout, owned rows, token map, with data offsets inside the segment
@@ -54,6 +56,8 @@ int DefaultPublishThreads();
 //     them;
 //   ENGRAM_PUBLISH_SUB_ROWS=N rows per read-pack-hash step (unset: ShardFillOptions' default, 1024).
 //   ENGRAM_PUBLISH_DIRECT_READ=1 reads the weights straight into their records (ShardFillOptions::direct_read).
+//   ENGRAM_PUBLISH_COLD_READERS=N readers stream a checkpoint that is not in the page cache ahead of the workers
+//     (ShardFillOptions::cold_readers; 0: none).
 struct PublishTuning {
   enum class DropCache { kAfterReady, kInline, kKeep };
   SegmentReserve reserve = SegmentReserve::kAuto;
@@ -65,6 +69,7 @@ struct PublishTuning {
   // 0.74-0.79 vs 0.65-0.77 of the first-touch copy, hugetlbfs 0.86 vs 0.73); on 4 KiB /dev/shm two runs disagree
   // (3.43 vs 2.55 s, 3.24 vs 4.05 s per 16 GiB), so plain stores stay there.
   int stream_stores = -1;
+  std::optional<int> cold_readers;  // unset: ShardFillOptions' default
 
   static PublishTuning FromEnv();
 };

@@ -379,9 +379,9 @@ void SegmentRegistry::PublishLoop() {
         e->load_seconds = r->seconds;
         e->checksum = ChecksumState::kOk;
         spdlog::info("event=publish_done path={} bytes={} seconds={:.2f} gib_per_s={:.2f} page_bytes={} "
-                     "populated_by_writers={} streamed_bytes={}", path, r->bytes, r->seconds,
+                     "populated_by_writers={} streamed_bytes={} prefetched_bytes={}", path, r->bytes, r->seconds,
                      r->bytes / 1073741824.0 / std::max(r->seconds, 1e-9), r->page_bytes, r->populated,
-                     r->streamed_bytes);
+                     r->streamed_bytes, r->prefetched_bytes);
       } else {
         e->state = SegState::kFailed;
         e->too_small = r.status().code() == absl::StatusCode::kResourceExhausted;

@@ -57,6 +57,10 @@ class SafetensorsFile {
                         uint64_t dst_stride) const;
   // Advises the kernel that the range will not be needed again (drops page cache behind a streaming reader).
   void DropCache(const TensorInfo& tensor, uint64_t offset, uint64_t n) const;
+  // How many bytes of the range lie in pages that are in the page cache now (mincore over a read-only mapping of the
+  // range that is never touched: nothing is read or faulted in). Errors: a range outside the tensor, a failed
+  // mmap or mincore.
+  absl::StatusOr<uint64_t> ResidentBytes(const TensorInfo& tensor, uint64_t offset, uint64_t n) const;
 
  private:
   SafetensorsFile() = default;

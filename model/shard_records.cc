@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "base/stream_copy.h"
 #include "base/worker_threads.h"
+#include "model/cold_prefetch.h"
 #include "model/reference.h"
 #include "xxhash.h"
 #if defined(ENGRAM_XXH_DISPATCH)
@@ -40,14 +42,17 @@ std::vector<Job> MakeJobs(const std::vector<LayerRows>& layers, std::vector<std:
   return jobs;
 }
 
-// Runs fn over every job on `threads` workers; the first error wins and stops the rest.
-absl::Status RunJobs(const std::vector<Job>& jobs, int threads, const std::function<absl::Status(const Job&)>& fn) {
+// Runs fn over every job on `threads` workers; the first error wins and stops the rest. `before_job` (may be empty)
+// is called with a job's index by the worker that took it, before fn.
+absl::Status RunJobs(const std::vector<Job>& jobs, int threads, const std::function<absl::Status(const Job&)>& fn,
+                     const std::function<void(size_t)>& before_job = {}) {
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
   absl::Status first_error;
   std::mutex mu;
   auto worker = [&] {
     for (size_t i = next++; i < jobs.size() && !failed; i = next++) {
+      if (before_job) before_job(i);
       absl::Status st = fn(jobs[i]);
       if (!st.ok()) {
         std::lock_guard<std::mutex> lock(mu);
@@ -88,6 +93,23 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
   // At most a job's rows (a larger step buys nothing and its buffer could not be allocated: an exception, and in
   // engramd std::terminate, from ENGRAM_PUBLISH_SUB_ROWS=1e12).
   const int64_t kSubRows = fill.sub_rows > 0 ? std::min(fill.sub_rows, kChecksumChunkRows) : 1024;
+  // Not in the page cache: readers stream the jobs' ranges in order ahead of the workers (model/cold_prefetch.h).
+  std::unique_ptr<ColdPrefetch> prefetch;
+  if (fill.cold_readers > 0) {
+    std::vector<std::vector<PrefetchRange>> ranges;
+    for (const Job& j : jobs) {
+      const EngramTensors& t = tensors[j.entry];
+      const auto first = static_cast<uint64_t>(layers[j.entry].row_begin + j.first_row);
+      const auto rows = static_cast<uint64_t>(j.rows);
+      ranges.push_back({{t.embed_weight.file, t.embed_weight.info, first * D, rows * D},
+                        {t.embed_scale.file, t.embed_scale.info, first * S, rows * S}});
+    }
+    if (ColdPrefetch::WorthStarting(ranges)) {
+      prefetch = std::make_unique<ColdPrefetch>(std::move(ranges), fill.cold_readers, 2 * std::max(1, threads));
+    }
+  }
+  std::function<void(size_t)> before_job;
+  if (prefetch) before_job = [&](size_t j) { prefetch->WaitForJob(j); };
   absl::Status st = RunJobs(jobs, threads, [&](const Job& j) -> absl::Status {
     const LayerRows& l = layers[j.entry];
     const EngramTensors& t = tensors[j.entry];
@@ -147,7 +169,9 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
     }
     if (rows_done) rows_done->fetch_add(static_cast<uint64_t>(j.rows), std::memory_order_relaxed);
     return absl::OkStatus();
-  });
+  }, before_job);
+  if (prefetch && fill.prefetched_bytes) fill.prefetched_bytes->fetch_add(prefetch->bytes_read());
+  prefetch.reset();  // joins the readers
   if (!st.ok()) return st;
   if (checksums) {
     checksums->clear();

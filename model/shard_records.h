@@ -47,6 +47,11 @@ struct ShardFillOptions {
   bool stream_stores = false;
   // If set, receives the bytes written with streamed stores (what a publish reports as PublishResult::streamed_bytes).
   std::atomic<uint64_t>* streamed_bytes = nullptr;
+  // Readers that stream the checkpoint's ranges into the page cache in job order, ahead of the workers, when a sample
+  // of its pages shows them not cached (model/cold_prefetch.h); 0: the workers read on their own whatever the cache.
+  int cold_readers = 2;
+  // If set, receives the bytes those readers read (0 when the checkpoint was cached).
+  std::atomic<uint64_t>* prefetched_bytes = nullptr;
 };
 
 // Fills the records; `checksums` (may be null) receives one per LayerRows entry.

@@ -2,6 +2,7 @@
 // binaries as real processes, and a process whose threads cannot start. Test-only; not thread-safe.
 #pragma once
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -54,6 +55,18 @@ inline std::string ReadFile(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+// Writes every file directly in `dir` to disk and asks the kernel to drop its pages from the page cache (clean,
+// unmapped pages go; whether they did is the caller's check, e.g. SafetensorsFile::ResidentBytes).
+inline void DropPageCache(const std::string& dir) {
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const int fd = ::open(e.path().c_str(), O_RDONLY);
+    if (fd < 0) continue;
+    ::fdatasync(fd);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  }
 }
 
 struct CommandResult {

@@ -334,12 +334,43 @@ TEST_F(PublishReserveTest, DefaultsFollowThePageSize) {
   }
 }
 
+// A publish from a checkpoint that is not in the page cache streams it through the cold-cache readers, and reports
+// what they read (PublishResult::prefetched_bytes, engramd's publish_done log); with the readers tuned off (or the
+// checkpoint cached) they read nothing. Both segments pass their checksums.
+TEST_F(PublishReserveTest, AColdCheckpointIsReadByTheColdReadersUnlessTunedOff) {
+  for (int readers : {2, 0}) {
+    const std::string shm = dir_ / ("shm-cold" + std::to_string(readers));
+    std::filesystem::create_directories(shm);
+    engram::testing::DropPageCache(dir_ / "ck");
+    const EngramTensors t = ckpt_->engram(0);
+    auto resident = t.embed_weight.file->ResidentBytes(*t.embed_weight.info, 0, t.embed_weight.info->bytes());
+    ASSERT_TRUE(resident.ok()) << resident.status();
+    if (*resident == t.embed_weight.info->bytes()) GTEST_SKIP() << "the kernel kept the pages (DONTNEED ignored)";
+    daemon::PublishTuning tuning;
+    tuning.cold_readers = readers;
+    tuning.drop_cache = daemon::PublishTuning::DropCache::kKeep;
+    auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2, nullptr, Env::Default(), tuning);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->prefetched_bytes > 0, readers > 0) << readers << " readers";
+    EXPECT_LE(r->prefetched_bytes, r->bytes);
+    EXPECT_TRUE(daemon::VerifyChecksums(r->path, 2).ok()) << readers << " readers";
+  }
+  // Cached now (the publish above read it all): no reader reads.
+  const std::string shm = dir_ / "shm-warm";
+  std::filesystem::create_directories(shm);
+  daemon::PublishTuning tuning;
+  tuning.drop_cache = daemon::PublishTuning::DropCache::kKeep;
+  auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2, nullptr, Env::Default(), tuning);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->prefetched_bytes, 0u);
+}
+
 // PublishTuning::FromEnv: each diagnosis knob's values, and the product's defaults when none is set.
 TEST(PublishTuningTest, FromEnvReadsEachKnob) {
   using Drop = daemon::PublishTuning::DropCache;
   const auto unset_all = [] {
     for (const char* k : {"ENGRAM_PUBLISH_RESERVE", "ENGRAM_PUBLISH_DROP_CACHE", "ENGRAM_PUBLISH_SUB_ROWS",
-                          "ENGRAM_PUBLISH_DIRECT_READ", "ENGRAM_PUBLISH_NT"}) {
+                          "ENGRAM_PUBLISH_DIRECT_READ", "ENGRAM_PUBLISH_NT", "ENGRAM_PUBLISH_COLD_READERS"}) {
       ::unsetenv(k);
     }
   };
@@ -350,6 +381,13 @@ TEST(PublishTuningTest, FromEnvReadsEachKnob) {
   EXPECT_FALSE(t.sub_rows.has_value());
   EXPECT_FALSE(t.direct_read);
   EXPECT_EQ(t.stream_stores, -1);
+  EXPECT_FALSE(t.cold_readers.has_value());
+  ::setenv("ENGRAM_PUBLISH_COLD_READERS", "0", 1);
+  EXPECT_EQ(daemon::PublishTuning::FromEnv().cold_readers.value_or(-1), 0);
+  ::setenv("ENGRAM_PUBLISH_COLD_READERS", "4", 1);
+  EXPECT_EQ(daemon::PublishTuning::FromEnv().cold_readers.value_or(-1), 4);
+  ::setenv("ENGRAM_PUBLISH_COLD_READERS", "-3", 1);
+  EXPECT_EQ(daemon::PublishTuning::FromEnv().cold_readers.value_or(-1), 0);
   ::setenv("ENGRAM_PUBLISH_NT", "0", 1);
   EXPECT_EQ(daemon::PublishTuning::FromEnv().stream_stores, 0);
   ::setenv("ENGRAM_PUBLISH_NT", "1", 1);

@@ -1,0 +1,222 @@
+// The cold-cache fill (model/cold_prefetch.h) and the residency check it rests on (SafetensorsFile::ResidentBytes):
+// residency counted in the range's own bytes; a prefetch that makes a job's ranges resident before its worker goes
+// on; a fill from a dropped page cache that streams the table through the readers and gives the same records and
+// checksums as a fill with no readers (and rows equal to the independent row oracle's); a cached checkpoint that
+// starts no readers; a file truncated under a cold fill that is an error naming the file, not a hang.
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <random>
+#include <thread>
+
+#include "model/checkpoint.h"
+#include "model/cold_prefetch.h"
+#include "model/shard_records.h"
+#include "tests/test_util.h"
+#include "tools/row_oracle.h"
+#include "tools/synthetic.h"
+
+namespace engram {
+namespace {
+
+using engram::testing::TempDir;
+
+// Writes every file of the checkpoint to disk and asks the kernel to drop its pages; true when the tables' pages
+// did leave (the test's precondition: without it there is nothing cold to read).
+bool DropCheckpointCache(const std::string& dir, const Checkpoint& ckpt) {
+  engram::testing::DropPageCache(dir);
+  for (int64_t l = 0; l < ckpt.config().n_layers(); ++l) {
+    const EngramTensors t = ckpt.engram(l);
+    auto resident = t.embed_weight.file->ResidentBytes(*t.embed_weight.info, 0, t.embed_weight.info->bytes());
+    if (!resident.ok() || *resident > t.embed_weight.info->bytes() / 8) return false;
+  }
+  return true;
+}
+
+struct Fixture {
+  TempDir tmp;
+  std::shared_ptr<const Checkpoint> ckpt;
+  uint64_t seed = 11;
+};
+
+// ~40 MiB of tables over two files: several 64K-row jobs per layer, and weight ranges of more than one 8 MiB block.
+std::unique_ptr<Fixture> MakeCheckpoint() {
+  auto f = std::make_unique<Fixture>();
+  tools::SyntheticSpec spec;
+  spec.out_dir = f->tmp.path();
+  spec.table_mib = 40;
+  spec.seed = f->seed;
+  spec.shards = 2;
+  spec.threads = 2;
+  EXPECT_TRUE(tools::WriteSyntheticCheckpoint(spec).ok());
+  auto ckpt = Checkpoint::Open(f->tmp.path());
+  EXPECT_TRUE(ckpt.ok()) << ckpt.status();
+  if (ckpt.ok()) f->ckpt = *ckpt;
+  return f;
+}
+
+std::vector<LayerRows> AllRows(const Checkpoint& ckpt, int64_t record_bytes) {
+  std::vector<LayerRows> rows;
+  uint64_t offset = 0;
+  for (int64_t l = 0; l < ckpt.config().n_layers(); ++l) {
+    const int64_t n = ckpt.config().num_embeddings[static_cast<size_t>(l)];
+    rows.push_back({l, 0, n, offset});
+    offset += static_cast<uint64_t>(n * record_bytes);
+  }
+  return rows;
+}
+
+TEST(ResidentBytes, CountsTheRangesOwnBytesAndRefusesRangesOutsideTheTensor) {
+  auto f = MakeCheckpoint();
+  ASSERT_NE(f->ckpt, nullptr);
+  if (!DropCheckpointCache(f->tmp.path(), *f->ckpt)) GTEST_SKIP() << "the kernel kept the pages (DONTNEED ignored)";
+  const EngramTensors t = f->ckpt->engram(0);
+  const SafetensorsFile& file = *t.embed_weight.file;
+  const TensorInfo& w = *t.embed_weight.info;
+  auto cold = file.ResidentBytes(w, 100, 5000);
+  ASSERT_TRUE(cold.ok()) << cold.status();
+  EXPECT_LT(*cold, 5000u);
+  std::vector<uint8_t> buf(5000);
+  ASSERT_TRUE(file.ReadRange(w, 100, buf.data(), buf.size()).ok());
+  // Read: every byte of [100, 5100) is resident, and the count is of those bytes, not of the pages around them.
+  auto warm = file.ResidentBytes(w, 100, 5000);
+  ASSERT_TRUE(warm.ok()) << warm.status();
+  EXPECT_EQ(*warm, 5000u);
+  auto empty = file.ResidentBytes(w, 7, 0);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(*empty, 0u);
+  auto outside = file.ResidentBytes(w, w.bytes() - 10, 11);
+  EXPECT_EQ(outside.status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_NE(outside.status().message().find(w.name), std::string::npos) << outside.status();
+}
+
+TEST(ColdPrefetch, AJobsRangesAreResidentWhenItsWorkerGoesOn) {
+  auto f = MakeCheckpoint();
+  ASSERT_NE(f->ckpt, nullptr);
+  if (!DropCheckpointCache(f->tmp.path(), *f->ckpt)) GTEST_SKIP() << "the kernel kept the pages (DONTNEED ignored)";
+  // Jobs of 3 MiB + a little of the scales, over both layers, as the fill makes them.
+  std::vector<std::vector<PrefetchRange>> jobs;
+  for (int64_t l = 0; l < f->ckpt->config().n_layers(); ++l) {
+    const EngramTensors t = f->ckpt->engram(l);
+    const uint64_t wb = t.embed_weight.info->bytes(), sb = t.embed_scale.info->bytes();
+    for (uint64_t at = 0; at + (3 << 20) <= wb; at += 3 << 20) {
+      jobs.push_back({{t.embed_weight.file, t.embed_weight.info, at, 3 << 20},
+                      {t.embed_scale.file, t.embed_scale.info, at / 32, std::min<uint64_t>(1 << 10, sb - at / 32)}});
+    }
+  }
+  ASSERT_GT(jobs.size(), 6u);
+  EXPECT_TRUE(ColdPrefetch::WorthStarting(jobs));
+  const auto copy = jobs;
+  ColdPrefetch prefetch(std::move(jobs), 2, 2);
+  std::atomic<size_t> next{0};
+  std::atomic<int> not_resident{0};
+  auto worker = [&] {
+    for (size_t j = next++; j < copy.size(); j = next++) {
+      prefetch.WaitForJob(j);
+      for (const auto& r : copy[j]) {
+        auto resident = r.file->ResidentBytes(*r.tensor, r.offset, r.bytes);
+        if (!resident.ok() || *resident != r.bytes) ++not_resident;
+      }
+    }
+  };
+  std::thread a(worker), b(worker);
+  a.join();
+  b.join();
+  EXPECT_EQ(not_resident.load(), 0);
+  // Read by the readers: some of it (the kernel's own readahead behind their sequential reads makes some blocks
+  // resident before a reader gets to them, and those are skipped), never more than the jobs hold.
+  EXPECT_GT(prefetch.bytes_read(), 0u);
+  EXPECT_LE(prefetch.bytes_read(), copy.size() * ((3u << 20) + (1u << 10)));
+  EXPECT_FALSE(ColdPrefetch::WorthStarting(copy)) << "everything was read: a second fill would start no readers";
+}
+
+TEST(ColdPrefetch, AColdFillStreamsThroughTheReadersAndGivesTheSameRecords) {
+  auto f = MakeCheckpoint();
+  ASSERT_NE(f->ckpt, nullptr);
+  const Checkpoint& ckpt = *f->ckpt;
+  const int64_t D = ckpt.config().head_dim, rb = D + D / 32;
+  const std::vector<LayerRows> rows = AllRows(ckpt, rb);
+  const uint64_t total = rows.back().dst_offset + static_cast<uint64_t>(
+                             (rows.back().row_end - rows.back().row_begin) * rb);
+  ASSERT_GT(rows[0].row_end, kChecksumChunkRows) << "the test wants more than one job per layer";
+
+  // Reference: no readers, whatever the cache holds.
+  ShardFillOptions plain;
+  plain.cold_readers = 0;
+  plain.drop_cache = false;
+  std::vector<uint8_t> want(total, 0xAB);
+  std::vector<uint64_t> want_sums;
+  ASSERT_TRUE(ReadShardRecords(ckpt, rows, want.data(), 2, &want_sums, nullptr, plain).ok());
+
+  if (!DropCheckpointCache(f->tmp.path(), ckpt)) GTEST_SKIP() << "the kernel kept the pages (DONTNEED ignored)";
+  for (int readers : {1, 3}) {
+    ASSERT_TRUE(DropCheckpointCache(f->tmp.path(), ckpt));
+    ShardFillOptions cold;
+    cold.cold_readers = readers;
+    cold.drop_cache = false;
+    std::atomic<uint64_t> prefetched{0};
+    cold.prefetched_bytes = &prefetched;
+    std::vector<uint8_t> got(total, 0xCD);
+    std::vector<uint64_t> got_sums;
+    std::atomic<uint64_t> done{0};
+    ASSERT_TRUE(ReadShardRecords(ckpt, rows, got.data(), 2, &got_sums, &done, cold).ok());
+    EXPECT_TRUE(got == want) << readers << " readers: other bytes";
+    EXPECT_EQ(got_sums, want_sums);
+    EXPECT_EQ(done.load(), total / static_cast<uint64_t>(rb));
+    // The readers read (part of it: the kernel's readahead behind them fills some blocks first).
+    EXPECT_GT(prefetched.load(), 0u) << readers << " readers";
+    EXPECT_LE(prefetched.load(), total);
+  }
+  // Cached now: a fill starts no readers.
+  ShardFillOptions warm;
+  std::atomic<uint64_t> prefetched{0};
+  warm.prefetched_bytes = &prefetched;
+  warm.drop_cache = false;
+  std::vector<uint8_t> again(total);
+  ASSERT_TRUE(ReadShardRecords(ckpt, rows, again.data(), 2, nullptr, nullptr, warm).ok());
+  EXPECT_EQ(prefetched.load(), 0u);
+  EXPECT_TRUE(again == want);
+
+  // The rows against the independent oracle (its own reader of the files), sampled.
+  std::string error;
+  auto oracle = oracle::RowOracle::Open(f->tmp.path(), &error);
+  ASSERT_NE(oracle, nullptr) << error;
+  std::mt19937_64 rng(5);
+  for (int i = 0; i < 64; ++i) {
+    const size_t l = rng() % rows.size();
+    const int64_t row = static_cast<int64_t>(rng() % static_cast<uint64_t>(rows[l].row_end));
+    auto rec = oracle->RecordAt(static_cast<int64_t>(l), row, &error);
+    ASSERT_TRUE(rec.has_value()) << error;
+    const uint8_t* at = want.data() + rows[l].dst_offset + static_cast<uint64_t>(row * rb);
+    ASSERT_TRUE(std::equal(rec->begin(), rec->end(), at)) << "layer " << l << " row " << row;
+  }
+}
+
+TEST(ColdPrefetch, AFileTruncatedUnderAColdFillIsAnErrorNamingItNotAHang) {
+  auto f = MakeCheckpoint();
+  ASSERT_NE(f->ckpt, nullptr);
+  const Checkpoint& ckpt = *f->ckpt;
+  const int64_t D = ckpt.config().head_dim, rb = D + D / 32;
+  const std::vector<LayerRows> rows = AllRows(ckpt, rb);
+  if (!DropCheckpointCache(f->tmp.path(), ckpt)) GTEST_SKIP() << "the kernel kept the pages (DONTNEED ignored)";
+  // Layer 1's weights lose their second half after the checkpoint was opened.
+  const EngramTensors t = ckpt.engram(1);
+  const uint64_t cut = t.embed_weight.info->begin + t.embed_weight.info->bytes() / 2;
+  ASSERT_EQ(::truncate(t.embed_weight.file->path().c_str(), static_cast<off_t>(cut)), 0);
+  ShardFillOptions cold;
+  cold.cold_readers = 2;
+  cold.drop_cache = false;
+  const uint64_t total = rows.back().dst_offset + static_cast<uint64_t>(
+                             (rows.back().row_end - rows.back().row_begin) * rb);
+  std::vector<uint8_t> dst(total);
+  absl::Status st = ReadShardRecords(ckpt, rows, dst.data(), 2, nullptr, nullptr, cold);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_NE(st.message().find(t.embed_weight.file->path()), std::string::npos) << st;
+  EXPECT_NE(st.message().find("truncated"), std::string::npos) << st;
+}
+
+}  // namespace
+}  // namespace engram
