@@ -72,6 +72,33 @@ uint64_t Combine(const std::vector<uint64_t>& hashes) {
 
 }  // namespace
 
+std::unique_ptr<ColdPrefetch> StartColdPrefetch(const Checkpoint& ckpt, const std::vector<LayerRows>& layers,
+                                                int threads, int readers) {
+  if (readers <= 0) return nullptr;
+  const int64_t D = ckpt.config().head_dim, S = D / 32;
+  std::vector<std::vector<uint64_t>> hashes;
+  const std::vector<Job> jobs = MakeJobs(layers, &hashes);
+  std::vector<std::vector<PrefetchRange>> ranges;
+  uint64_t bytes = 0;
+  for (const Job& j : jobs) {
+    const LayerRows& l = layers[j.entry];
+    if (l.layer < 0 || l.layer >= ckpt.config().n_layers()) return nullptr;  // the fill reports it
+    const EngramTensors t = ckpt.engram(l.layer);
+    if (!t.embed_weight || !t.embed_scale) return nullptr;
+    const auto first = static_cast<uint64_t>(l.row_begin + j.first_row);
+    const auto rows = static_cast<uint64_t>(j.rows);
+    ranges.push_back({{t.embed_weight.file, t.embed_weight.info, first * D, rows * D},
+                      {t.embed_scale.file, t.embed_scale.info, first * S, rows * S}});
+    bytes += rows * static_cast<uint64_t>(D + S);
+  }
+  if (!ColdPrefetch::WorthStarting(ranges)) return nullptr;
+  // Ahead of the workers by kWindowBytes (at least two jobs per worker): room to read while the destination is
+  // still being reserved, bounded so that the page cache is not asked to hold a table.
+  const uint64_t per_job = std::max<uint64_t>(1, bytes / std::max<size_t>(1, jobs.size()));
+  const auto window = std::max<int64_t>(2 * std::max(1, threads), static_cast<int64_t>(kColdWindowBytes / per_job));
+  return std::make_unique<ColdPrefetch>(std::move(ranges), readers, window);
+}
+
 absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRows>& layers, uint8_t* dst,
                               int threads, std::vector<uint64_t>* checksums, std::atomic<uint64_t>* rows_done,
                               const ShardFillOptions& fill) {
@@ -93,20 +120,13 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
   // At most a job's rows (a larger step buys nothing and its buffer could not be allocated: an exception, and in
   // engramd std::terminate, from ENGRAM_PUBLISH_SUB_ROWS=1e12).
   const int64_t kSubRows = fill.sub_rows > 0 ? std::min(fill.sub_rows, kChecksumChunkRows) : 1024;
-  // Not in the page cache: readers stream the jobs' ranges in order ahead of the workers (model/cold_prefetch.h).
-  std::unique_ptr<ColdPrefetch> prefetch;
-  if (fill.cold_readers > 0) {
-    std::vector<std::vector<PrefetchRange>> ranges;
-    for (const Job& j : jobs) {
-      const EngramTensors& t = tensors[j.entry];
-      const auto first = static_cast<uint64_t>(layers[j.entry].row_begin + j.first_row);
-      const auto rows = static_cast<uint64_t>(j.rows);
-      ranges.push_back({{t.embed_weight.file, t.embed_weight.info, first * D, rows * D},
-                        {t.embed_scale.file, t.embed_scale.info, first * S, rows * S}});
-    }
-    if (ColdPrefetch::WorthStarting(ranges)) {
-      prefetch = std::make_unique<ColdPrefetch>(std::move(ranges), fill.cold_readers, 2 * std::max(1, threads));
-    }
+  // Not in the page cache: readers stream the jobs' ranges in order ahead of the workers (model/cold_prefetch.h),
+  // started by the caller (before it reserved dst) or here.
+  std::unique_ptr<ColdPrefetch> own_prefetch;
+  ColdPrefetch* prefetch = fill.cold_prefetch;
+  if (prefetch == nullptr && fill.cold_readers > 0) {
+    own_prefetch = StartColdPrefetch(ckpt, layers, threads, fill.cold_readers);
+    prefetch = own_prefetch.get();
   }
   std::function<void(size_t)> before_job;
   if (prefetch) before_job = [&](size_t j) { prefetch->WaitForJob(j); };
@@ -171,7 +191,7 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
     return absl::OkStatus();
   }, before_job);
   if (prefetch && fill.prefetched_bytes) fill.prefetched_bytes->fetch_add(prefetch->bytes_read());
-  prefetch.reset();  // joins the readers
+  own_prefetch.reset();  // joins the readers
   if (!st.ok()) return st;
   if (checksums) {
     checksums->clear();

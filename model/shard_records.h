@@ -9,10 +9,12 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "model/checkpoint.h"
+#include "model/cold_prefetch.h"
 
 namespace engram {
 
@@ -50,9 +52,20 @@ struct ShardFillOptions {
   // Readers that stream the checkpoint's ranges into the page cache in job order, ahead of the workers, when a sample
   // of its pages shows them not cached (model/cold_prefetch.h); 0: the workers read on their own whatever the cache.
   int cold_readers = 2;
+  // Readers the caller started already (StartColdPrefetch with the same layers and threads, e.g. before it reserved
+  // dst, so that the disk works meanwhile): used instead of cold_readers. Must outlive the call.
+  ColdPrefetch* cold_prefetch = nullptr;
   // If set, receives the bytes those readers read (0 when the checkpoint was cached).
   std::atomic<uint64_t>* prefetched_bytes = nullptr;
 };
+
+// How far the cold-cache readers may run ahead of the workers (at least two jobs per worker).
+inline constexpr uint64_t kColdWindowBytes = uint64_t{4} << 30;
+
+// The cold-cache readers for a fill of `layers` with `threads` workers: null when `readers` <= 0, when a sample of the
+// checkpoint's pages shows them cached, or when the layers are not valid (the fill itself reports that).
+std::unique_ptr<ColdPrefetch> StartColdPrefetch(const Checkpoint& ckpt, const std::vector<LayerRows>& layers,
+                                                int threads, int readers);
 
 // Fills the records; `checksums` (may be null) receives one per LayerRows entry.
 absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRows>& layers, uint8_t* dst,

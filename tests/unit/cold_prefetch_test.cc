@@ -194,6 +194,43 @@ TEST(ColdPrefetch, AColdFillStreamsThroughTheReadersAndGivesTheSameRecords) {
   }
 }
 
+// Readers started before the fill (as a publish starts them before it reserves the segment): null when there is
+// nothing to do (no readers asked, a cached checkpoint, rows of a layer the checkpoint lacks); otherwise the fill uses
+// them (even with its own cold_readers 0) and gives the same records as a fill without readers.
+TEST(ColdPrefetch, ReadersStartedBeforeTheFillAreTheOnesItUses) {
+  auto f = MakeCheckpoint();
+  ASSERT_NE(f->ckpt, nullptr);
+  const Checkpoint& ckpt = *f->ckpt;
+  const int64_t D = ckpt.config().head_dim, rb = D + D / 32;
+  const std::vector<LayerRows> rows = AllRows(ckpt, rb);
+  const uint64_t total = rows.back().dst_offset + static_cast<uint64_t>(
+                             (rows.back().row_end - rows.back().row_begin) * rb);
+  ShardFillOptions plain;
+  plain.cold_readers = 0;
+  plain.drop_cache = false;
+  std::vector<uint8_t> want(total);
+  std::vector<uint64_t> want_sums;
+  ASSERT_TRUE(ReadShardRecords(ckpt, rows, want.data(), 2, &want_sums, nullptr, plain).ok());
+  EXPECT_EQ(StartColdPrefetch(ckpt, rows, 2, 2), nullptr) << "cached: nothing to read";
+
+  if (!DropCheckpointCache(f->tmp.path(), ckpt)) GTEST_SKIP() << "the kernel kept the pages (DONTNEED ignored)";
+  EXPECT_EQ(StartColdPrefetch(ckpt, rows, 2, 0), nullptr);
+  EXPECT_EQ(StartColdPrefetch(ckpt, {{7, 0, 10, 0}}, 2, 2), nullptr);
+  std::unique_ptr<ColdPrefetch> prefetch = StartColdPrefetch(ckpt, rows, 2, 2);
+  ASSERT_NE(prefetch, nullptr);
+  ShardFillOptions fill = plain;
+  fill.cold_prefetch = prefetch.get();
+  std::atomic<uint64_t> prefetched{0};
+  fill.prefetched_bytes = &prefetched;
+  std::vector<uint8_t> got(total);
+  std::vector<uint64_t> got_sums;
+  ASSERT_TRUE(ReadShardRecords(ckpt, rows, got.data(), 2, &got_sums, nullptr, fill).ok());
+  EXPECT_TRUE(got == want);
+  EXPECT_EQ(got_sums, want_sums);
+  EXPECT_GT(prefetched.load(), 0u);
+  EXPECT_EQ(prefetched.load(), prefetch->bytes_read());
+}
+
 TEST(ColdPrefetch, AFileTruncatedUnderAColdFillIsAnErrorNamingItNotAHang) {
   auto f = MakeCheckpoint();
   ASSERT_NE(f->ckpt, nullptr);
