@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "model/shard_records.h"
 #include "shm/segment.h"
+#include "spdlog/spdlog.h"
 #include "xxhash.h"
 
 namespace engram::daemon {
@@ -141,6 +142,12 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   fill.prefetched_bytes = &prefetched;
   std::vector<uint64_t> checksums;
   absl::Status st = ReadShardRecords(ckpt, RowsOf(desc), data, threads, &checksums, rows_done, fill);
+  if (prefetch) {
+    if (auto why = prefetch->gave_up()) {
+      spdlog::warn("event=publish_cold_readers_stopped path={} detail=\"{}\" (the filling threads read the rest)",
+                   (*writer)->path(), *why);
+    }
+  }
   if (!st.ok()) return st;  // the writer's destructor removes the partial segment
   for (int l = 0; l < desc.layers_size(); ++l) desc.mutable_layers(l)->set_checksum(checksums[static_cast<size_t>(l)]);
   const std::string final_desc = desc.SerializeAsString();

@@ -1,7 +1,10 @@
 #include "model/cold_prefetch.h"
 
 #include <algorithm>
-#include <system_error>
+#include <exception>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
 
 namespace engram {
 
@@ -16,7 +19,9 @@ bool ColdPrefetch::WorthStarting(const std::vector<std::vector<PrefetchRange>>& 
     }
   }
   if (total == 0 || samples <= 0) return false;
-  constexpr uint64_t kProbeBytes = 256 << 10;
+  constexpr uint64_t kProbeBytes = 64 << 10;
+  std::vector<uint8_t> probe(kProbeBytes);
+  bool cold = false;
   size_t i = 0;
   uint64_t range_start = 0;  // of ranges[i] within the concatenation
   for (int s = 0; s < samples; ++s) {
@@ -25,14 +30,31 @@ bool ColdPrefetch::WorthStarting(const std::vector<std::vector<PrefetchRange>>& 
     const PrefetchRange& r = *ranges[i];
     const uint64_t offset = r.offset + (at - range_start);
     const uint64_t n = std::min(kProbeBytes, r.offset + r.bytes - offset);
-    auto resident = r.file->ResidentBytes(*r.tensor, offset, n);
-    if (!resident.ok() || *resident < n) return true;
+    auto cached = r.file->ReadIfCached(*r.tensor, offset, probe.data(), n);
+    if (!cached.ok()) return false;  // cannot tell: the workers read on their own
+    if (*cached < n) cold = true;
   }
-  return false;
+  return cold;
 }
 
-ColdPrefetch::ColdPrefetch(std::vector<std::vector<PrefetchRange>> jobs, int readers, int64_t window)
-    : pending_(jobs.size(), 0), window_(std::max<int64_t>(1, window)) {
+int64_t ColdPrefetch::WindowJobs(uint64_t job_bytes, int workers) {
+  uint64_t cap = kWindowBytes;
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kb = 0;
+  while (in >> key >> kb) {
+    if (key == "MemAvailable:") {
+      cap = std::min(cap, kb * 1024 / 4);
+      break;
+    }
+    in.ignore(256, '\n');
+  }
+  return std::max<int64_t>(2 * std::max(1, workers), static_cast<int64_t>(cap / std::max<uint64_t>(1, job_bytes)));
+}
+
+ColdPrefetch::ColdPrefetch(std::vector<std::vector<PrefetchRange>> jobs, int readers, int64_t window,
+                           BlockObserver observer)
+    : pending_(jobs.size(), 0), window_(std::max<int64_t>(1, window)), observer_(std::move(observer)) {
   for (size_t j = 0; j < jobs.size(); ++j) {
     for (const auto& r : jobs[j]) {
       for (uint64_t done = 0; done < r.bytes; done += kBlockBytes) {
@@ -44,12 +66,11 @@ ColdPrefetch::ColdPrefetch(std::vector<std::vector<PrefetchRange>> jobs, int rea
       }
     }
   }
-  for (int i = 0; i < std::max(1, readers); ++i) {
-    try {
-      threads_.emplace_back([this] { Reader(); });
-    } catch (const std::system_error&) {
-      break;  // one reader fewer
-    }
+  try {
+    threads_.reserve(static_cast<size_t>(std::max(1, readers)));
+    for (int i = 0; i < std::max(1, readers); ++i) threads_.emplace_back([this] { Reader(); });
+  } catch (const std::exception&) {
+    // One reader fewer per refused thread (EAGAIN, no memory); the ones started run.
   }
   if (threads_.empty()) failed_ = true;  // no reader: the workers read for themselves
 }
@@ -74,6 +95,40 @@ void ColdPrefetch::WaitForJob(size_t j) {
   workers_cv_.wait(lock, [&] { return failed_ || stop_ || pending_[j] == 0; });
 }
 
+std::optional<std::string> ColdPrefetch::gave_up() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!failed_ || threads_.empty()) return std::nullopt;
+  return why_;
+}
+
+void ColdPrefetch::GiveUp(std::string why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!failed_) {
+    failed_ = true;
+    why_ = std::move(why);
+  }
+  readers_cv_.notify_all();
+  workers_cv_.notify_all();
+}
+
+void ColdPrefetch::ReadBlock(const Block& block, std::vector<uint8_t>* scratch) {
+  const PrefetchRange& r = block.range;
+  scratch->resize(kBlockBytes);
+  // What the page cache holds already is only copied; the rest comes from disk.
+  auto cached = r.file->ReadIfCached(*r.tensor, r.offset, scratch->data(), r.bytes);
+  const uint64_t have = cached.ok() ? *cached : 0;
+  if (have == r.bytes) return;
+  absl::Status st = r.file->ReadRange(*r.tensor, r.offset + have, scratch->data() + have, r.bytes - have);
+  if (!st.ok()) return GiveUp(std::string(st.message()));
+  bytes_read_.fetch_add(r.bytes - have, std::memory_order_relaxed);
+  // Did the cache keep it? If not, the workers would read it all again behind us: stop.
+  const uint64_t probe = std::min<uint64_t>(4096, r.bytes - have);
+  auto kept = r.file->ReadIfCached(*r.tensor, r.offset + r.bytes - probe, scratch->data(), probe);
+  if (!kept.ok() || *kept < probe) {
+    GiveUp(absl::StrCat(r.file->path(), ": the page cache does not keep what the cold-cache readers read"));
+  }
+}
+
 void ColdPrefetch::Reader() {
   std::vector<uint8_t> scratch;
   for (;;) {
@@ -81,6 +136,7 @@ void ColdPrefetch::Reader() {
     if (b >= blocks_.size()) return;
     const Block& block = blocks_[b];
     bool read = false;
+    size_t started = 0;
     {
       std::unique_lock<std::mutex> lock(mu_);
       readers_cv_.wait(lock, [&] {
@@ -88,20 +144,14 @@ void ColdPrefetch::Reader() {
       });
       if (stop_) return;
       read = !failed_;
+      started = started_;
     }
     if (read) {
-      const PrefetchRange& r = block.range;
-      auto resident = r.file->ResidentBytes(*r.tensor, r.offset, r.bytes);
-      if (!resident.ok() || *resident < r.bytes) {
-        scratch.resize(kBlockBytes);
-        if (r.file->ReadRange(*r.tensor, r.offset, scratch.data(), r.bytes).ok()) {
-          bytes_read_.fetch_add(r.bytes, std::memory_order_relaxed);
-        } else {
-          std::lock_guard<std::mutex> lock(mu_);
-          failed_ = true;  // the worker's own read reports it
-          readers_cv_.notify_all();
-          workers_cv_.notify_all();
-        }
+      if (observer_) observer_(block.job, started);
+      try {
+        ReadBlock(block, &scratch);
+      } catch (const std::exception& e) {  // e.g. no memory for the buffer: never std::terminate
+        GiveUp(absl::StrCat("a cold-cache reader failed: ", e.what()));
       }
     }
     std::lock_guard<std::mutex> lock(mu_);

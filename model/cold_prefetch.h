@@ -1,12 +1,16 @@
 // ColdPrefetch: the disk side of a fill whose checkpoint is not in the page cache. A fill's workers take 64K-row jobs
 // in order and read each in cache-sized steps; on a cold cache that is 16 or more small reads at scattered offsets,
 // which a disk serves at about 0.7 of what it gives one sequential reader per file (bench/RESULTS.md, 2026-11-29).
-// Here a few reader threads stream the jobs' byte ranges in job order, in large blocks, into the page cache, at most
-// `window` jobs ahead of the last job a worker started; a worker about to start job j waits until j's ranges are in
-// (then its own reads are page-cache copies). Blocks already resident (mincore) are skipped, not read.
+// Here a few reader threads stream the jobs' byte ranges in job order (layer by layer, each job's weights then its
+// scales), in 8 MiB reads, into the page cache, at most `window` jobs past the furthest job a worker started; a worker
+// about to start job j waits until j's ranges are in (then its own reads are page-cache copies). What the cache holds
+// already is not read again: each block is first read without waiting for the disk (SafetensorsFile::ReadIfCached),
+// and only the rest is read from disk.
 //
-// Errors: a reader whose read fails stops reading and lets every waiting worker go; the worker's own read then meets
-// the same fault and reports it with the file and tensor named (the prefetch never decides a fill's outcome).
+// Giving up: a reader whose read fails, whose thread cannot get memory, or who finds that the page cache does not keep
+// what it read (a file system that bypasses it) stops all reading and lets every waiting worker go; the workers then
+// read for themselves, and a real fault reaches them with the file and tensor named (the prefetch never decides a
+// fill's outcome). gave_up() says why.
 // Thread-safety: WaitForJob may be called from any number of workers; the destructor stops and joins the readers (no
 // worker may be inside WaitForJob then).
 #pragma once
@@ -14,8 +18,11 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -33,24 +40,36 @@ struct PrefetchRange {
 
 class ColdPrefetch {
  public:
-  static constexpr uint64_t kBlockBytes = 8ull << 20;  // one read: the size of the disk ceiling's reads
+  static constexpr uint64_t kBlockBytes = 8ull << 20;   // one read: the size of the disk ceiling's reads
+  static constexpr uint64_t kWindowBytes = 4ull << 30;  // how far ahead at most (also at most MemAvailable / 4)
 
-  // True when fewer than all of up to `samples` blocks spread evenly over the ranges are wholly in the page cache
-  // (then a prefetch is worth starting). A failed residency check counts as not cached.
+  // True when some of up to `samples` probes spread evenly over the ranges find pages not in the page cache (then a
+  // prefetch is worth starting). False when every probe is cached, and when a probe fails (a file system without
+  // reads that do not wait: better the workers' own reads than a prefetch that cannot tell what it would repeat).
   static bool WorthStarting(const std::vector<std::vector<PrefetchRange>>& jobs, int samples = 16);
+
+  // The window, in jobs of about `job_bytes`: kWindowBytes, or a quarter of MemAvailable if less, but at least two
+  // jobs per worker.
+  static int64_t WindowJobs(uint64_t job_bytes, int workers);
+
+  // Called by a reader with a block's job and the jobs started at that moment, before it reads the block (tests).
+  using BlockObserver = std::function<void(size_t job, size_t started)>;
 
   // `jobs[j]`: the ranges job j reads, in the order jobs are handed out. Starts `readers` (>= 1) threads; a refused
   // thread is one reader fewer, and with none the workers read on their own (WaitForJob returns at once).
-  ColdPrefetch(std::vector<std::vector<PrefetchRange>> jobs, int readers, int64_t window);
+  ColdPrefetch(std::vector<std::vector<PrefetchRange>> jobs, int readers, int64_t window, BlockObserver observer = {});
   ~ColdPrefetch();
   ColdPrefetch(const ColdPrefetch&) = delete;
   ColdPrefetch& operator=(const ColdPrefetch&) = delete;
 
   // A worker starting job `j`: lets the readers run up to j + window, then waits until job j's ranges are read (or
-  // skipped as resident, or given up after a read error).
+  // found cached, or given up).
   void WaitForJob(size_t j);
 
+  // Bytes the readers read from disk (not what they found cached).
   uint64_t bytes_read() const { return bytes_read_.load(std::memory_order_relaxed); }
+  // Why the readers stopped early, if they did.
+  std::optional<std::string> gave_up() const;
 
  private:
   struct Block {
@@ -58,17 +77,21 @@ class ColdPrefetch {
     PrefetchRange range;  // at most kBlockBytes
   };
   void Reader();
+  void ReadBlock(const Block& block, std::vector<uint8_t>* scratch);
+  void GiveUp(std::string why);
 
   std::vector<Block> blocks_;
   std::vector<int64_t> pending_;  // per job: blocks not yet done (guarded by mu_)
   const int64_t window_;
+  const BlockObserver observer_;
   std::atomic<size_t> next_block_{0};
   std::atomic<uint64_t> bytes_read_{0};
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable readers_cv_, workers_cv_;
-  size_t started_ = 0;  // one past the highest job a worker started (guarded by mu_)
-  bool stop_ = false;   // guarded by mu_
-  bool failed_ = false;  // a read failed: nobody waits any more (guarded by mu_)
+  size_t started_ = 0;   // one past the furthest job a worker started (guarded by mu_)
+  bool stop_ = false;    // guarded by mu_
+  bool failed_ = false;  // the readers gave up: nobody waits any more (guarded by mu_)
+  std::string why_;      // guarded by mu_
   std::vector<std::thread> threads_;
 };
 

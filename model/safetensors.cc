@@ -1,7 +1,6 @@
 #include "model/safetensors.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -248,32 +247,27 @@ absl::Status SafetensorsFile::ReadRows(const TensorInfo& tensor, uint64_t offset
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> SafetensorsFile::ResidentBytes(const TensorInfo& tensor, uint64_t offset, uint64_t n) const {
+absl::StatusOr<uint64_t> SafetensorsFile::ReadIfCached(const TensorInfo& tensor, uint64_t offset, void* dst,
+                                                       uint64_t n) const {
   if (offset > tensor.bytes() || n > tensor.bytes() - offset) {
-    return absl::OutOfRangeError(absl::StrCat(path_, ": tensor `", tensor.name, "`: residency of ", n, " bytes at ",
+    return absl::OutOfRangeError(absl::StrCat(path_, ": tensor `", tensor.name, "`: cached read of ", n, " bytes at ",
                                               offset, " is outside its ", tensor.bytes(), " bytes"));
   }
-  if (n == 0) return uint64_t{0};
-  const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  const uint64_t begin = tensor.begin + offset, end = begin + n;
-  const uint64_t map_begin = begin / page * page, map_end = (end + page - 1) / page * page;
-  void* map = ::mmap(nullptr, map_end - map_begin, PROT_READ, MAP_SHARED, fd_, static_cast<off_t>(map_begin));
-  if (map == MAP_FAILED) {
-    return absl::InternalError(absl::StrCat(path_, ": mmap for a residency check failed: ", std::strerror(errno)));
+  char* out = static_cast<char*>(dst);
+  uint64_t done = 0;
+  while (done < n) {
+    iovec v{out + done, static_cast<size_t>(n - done)};
+    const ssize_t r = ::preadv2(fd_, &v, 1, static_cast<off_t>(tensor.begin + offset + done), RWF_NOWAIT);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && errno == EAGAIN) break;  // the next page is not in the page cache
+    if (r < 0 && (errno == EOPNOTSUPP || errno == EINVAL)) {
+      return absl::UnimplementedError(absl::StrCat(path_, ": reads that do not wait (RWF_NOWAIT) are not supported: ",
+                                                   std::strerror(errno)));
+    }
+    if (r <= 0) return ReadFailed(tensor, tensor.begin + offset + done, r);
+    done += static_cast<uint64_t>(r);
   }
-  std::vector<unsigned char> in_core((map_end - map_begin) / page);
-  const int rc = ::mincore(map, map_end - map_begin, in_core.data());
-  const int err = errno;
-  ::munmap(map, map_end - map_begin);
-  if (rc != 0) return absl::InternalError(absl::StrCat(path_, ": mincore failed: ", std::strerror(err)));
-  uint64_t resident = 0;
-  for (size_t i = 0; i < in_core.size(); ++i) {
-    if ((in_core[i] & 1) == 0) continue;
-    // The page's share of [begin, end): whole pages, but the first and last only in part.
-    const uint64_t p0 = std::max(begin, map_begin + i * page), p1 = std::min(end, map_begin + (i + 1) * page);
-    resident += p1 - p0;
-  }
-  return resident;
+  return done;
 }
 
 void SafetensorsFile::DropCache(const TensorInfo& tensor, uint64_t offset, uint64_t n) const {

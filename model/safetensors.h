@@ -57,10 +57,12 @@ class SafetensorsFile {
                         uint64_t dst_stride) const;
   // Advises the kernel that the range will not be needed again (drops page cache behind a streaming reader).
   void DropCache(const TensorInfo& tensor, uint64_t offset, uint64_t n) const;
-  // How many bytes of the range lie in pages that are in the page cache now (mincore over a read-only mapping of the
-  // range that is never touched: nothing is read or faulted in). Errors: a range outside the tensor, a failed
-  // mmap or mincore.
-  absl::StatusOr<uint64_t> ResidentBytes(const TensorInfo& tensor, uint64_t offset, uint64_t n) const;
+  // Reads what the page cache holds of the range without waiting for the disk (preadv2 RWF_NOWAIT): returns how many
+  // bytes from `offset` on were copied into dst, a prefix of the range (n when it is all cached, 0 when its first page
+  // is not). It may start the kernel's readahead of the rest. Unlike mincore, it answers the same for any reader of
+  // the file (mincore reports every page cached to a process that neither owns the file nor may write it).
+  // Errors: a range outside the tensor (OutOfRange), a file system without such reads (Unimplemented), a failed read.
+  absl::StatusOr<uint64_t> ReadIfCached(const TensorInfo& tensor, uint64_t offset, void* dst, uint64_t n) const;
 
  private:
   SafetensorsFile() = default;

@@ -92,11 +92,10 @@ std::unique_ptr<ColdPrefetch> StartColdPrefetch(const Checkpoint& ckpt, const st
     bytes += rows * static_cast<uint64_t>(D + S);
   }
   if (!ColdPrefetch::WorthStarting(ranges)) return nullptr;
-  // Ahead of the workers by kWindowBytes (at least two jobs per worker): room to read while the destination is
-  // still being reserved, bounded so that the page cache is not asked to hold a table.
-  const uint64_t per_job = std::max<uint64_t>(1, bytes / std::max<size_t>(1, jobs.size()));
-  const auto window = std::max<int64_t>(2 * std::max(1, threads), static_cast<int64_t>(kColdWindowBytes / per_job));
-  return std::make_unique<ColdPrefetch>(std::move(ranges), readers, window);
+  // Ahead of the workers by up to ColdPrefetch::kWindowBytes: room to read while the destination is still being
+  // reserved, bounded so that the page cache is not asked to hold a table.
+  const uint64_t per_job = bytes / std::max<size_t>(1, jobs.size());
+  return std::make_unique<ColdPrefetch>(std::move(ranges), readers, ColdPrefetch::WindowJobs(per_job, threads));
 }
 
 absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRows>& layers, uint8_t* dst,
@@ -221,7 +220,9 @@ std::function<void()> ShardCacheDropper(const Checkpoint& ckpt, const std::vecto
 }
 
 absl::Status ReadRecordRow(const Checkpoint& ckpt, int64_t layer, int64_t row, uint8_t* record) {
-  return ReadShardRecords(ckpt, {LayerRows{layer, row, row + 1, 0}}, record, /*threads=*/1, nullptr);
+  ShardFillOptions one_row;
+  one_row.cold_readers = 0;  // 264 bytes: no readers, no probes
+  return ReadShardRecords(ckpt, {LayerRows{layer, row, row + 1, 0}}, record, /*threads=*/1, nullptr, nullptr, one_row);
 }
 
 std::vector<uint64_t> ChecksumRecords(const std::vector<LayerRows>& layers, int64_t record_bytes, const uint8_t* base,

@@ -3,7 +3,8 @@
 // through cache-sized sub-chunks (one read of the checkpoint, one write of the destination), with per-layer xxh3
 // checksums over fixed 64K-row chunks (independent of the thread count). The daemon's publisher fills a segment
 // with it; a replica that cannot share fills its private table with it. No table-sized buffer is ever allocated.
-// Stateless; the call blocks and uses `threads` workers.
+// Stateless; the call blocks and uses `threads` workers, and on a cold page cache a few reader threads ahead of them
+// (ShardFillOptions::cold_readers).
 #pragma once
 
 #include <atomic>
@@ -58,9 +59,6 @@ struct ShardFillOptions {
   // If set, receives the bytes those readers read (0 when the checkpoint was cached).
   std::atomic<uint64_t>* prefetched_bytes = nullptr;
 };
-
-// How far the cold-cache readers may run ahead of the workers (at least two jobs per worker).
-inline constexpr uint64_t kColdWindowBytes = uint64_t{4} << 30;
 
 // The cold-cache readers for a fill of `layers` with `threads` workers: null when `readers` <= 0, when a sample of the
 // checkpoint's pages shows them cached, or when the layers are not valid (the fill itself reports that).

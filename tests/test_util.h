@@ -58,7 +58,7 @@ inline std::string ReadFile(const std::string& path) {
 }
 
 // Writes every file directly in `dir` to disk and asks the kernel to drop its pages from the page cache (clean,
-// unmapped pages go; whether they did is the caller's check, e.g. SafetensorsFile::ResidentBytes).
+// unmapped pages go; whether they did is the caller's check, e.g. SafetensorsFile::ReadIfCached).
 inline void DropPageCache(const std::string& dir) {
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
     const int fd = ::open(e.path().c_str(), O_RDONLY);

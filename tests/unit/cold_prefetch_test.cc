@@ -1,8 +1,11 @@
-// The cold-cache fill (model/cold_prefetch.h) and the residency check it rests on (SafetensorsFile::ResidentBytes):
-// residency counted in the range's own bytes; a prefetch that makes a job's ranges resident before its worker goes
-// on; a fill from a dropped page cache that streams the table through the readers and gives the same records and
-// checksums as a fill with no readers (and rows equal to the independent row oracle's); a cached checkpoint that
-// starts no readers; a file truncated under a cold fill that is an error naming the file, not a hang.
+// The cold-cache fill (model/cold_prefetch.h) and the probe it rests on (SafetensorsFile::ReadIfCached): a probe
+// that copies the cached prefix of a range and stops at the first page not cached, whoever owns the file (mincore
+// told a non-owner that everything was cached); a prefetch that makes a job's ranges resident before its worker goes
+// on, stays within its window, and does not read again what is cached; a fill from a dropped page cache that streams
+// the table through the readers and gives the same records and checksums as a fill with no readers (and rows equal to
+// the independent row oracle's); a cached checkpoint that starts no readers; a file truncated under a cold fill that
+// is an error naming the file, not a hang.
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -27,10 +30,36 @@ using engram::testing::TempDir;
 // did leave (the test's precondition: without it there is nothing cold to read).
 bool DropCheckpointCache(const std::string& dir, const Checkpoint& ckpt) {
   engram::testing::DropPageCache(dir);
+  std::vector<uint8_t> probe(64 << 10);
   for (int64_t l = 0; l < ckpt.config().n_layers(); ++l) {
     const EngramTensors t = ckpt.engram(l);
-    auto resident = t.embed_weight.file->ResidentBytes(*t.embed_weight.info, 0, t.embed_weight.info->bytes());
-    if (!resident.ok() || *resident > t.embed_weight.info->bytes() / 8) return false;
+    auto cached = t.embed_weight.file->ReadIfCached(*t.embed_weight.info, 0, probe.data(), probe.size());
+    if (!cached.ok() || *cached == probe.size()) return false;
+  }
+  return true;
+}
+
+// The ranges of jobs of 3 MiB of weights (every other 3 MiB: gaps that the kernel's readahead behind one job does
+// not bridge to the next) and a little of the scales, over both layers.
+std::vector<std::vector<PrefetchRange>> GappedJobs(const Checkpoint& ckpt) {
+  std::vector<std::vector<PrefetchRange>> jobs;
+  for (int64_t l = 0; l < ckpt.config().n_layers(); ++l) {
+    const EngramTensors t = ckpt.engram(l);
+    const uint64_t wb = t.embed_weight.info->bytes(), sb = t.embed_scale.info->bytes();
+    for (uint64_t at = 0; at + (3 << 20) <= wb; at += 6 << 20) {
+      jobs.push_back({{t.embed_weight.file, t.embed_weight.info, at, 3 << 20},
+                      {t.embed_scale.file, t.embed_scale.info, at / 32, std::min<uint64_t>(1 << 10, sb - at / 32)}});
+    }
+  }
+  return jobs;
+}
+
+// Whether every byte of the job's ranges is in the page cache.
+bool Cached(const std::vector<PrefetchRange>& job) {
+  for (const auto& r : job) {
+    std::vector<uint8_t> buf(r.bytes);
+    auto cached = r.file->ReadIfCached(*r.tensor, r.offset, buf.data(), r.bytes);
+    if (!cached.ok() || *cached != r.bytes) return false;
   }
   return true;
 }
@@ -68,68 +97,111 @@ std::vector<LayerRows> AllRows(const Checkpoint& ckpt, int64_t record_bytes) {
   return rows;
 }
 
-TEST(ResidentBytes, CountsTheRangesOwnBytesAndRefusesRangesOutsideTheTensor) {
+TEST(ReadIfCached, CopiesTheCachedPrefixAndStopsAtTheFirstPageNotCached) {
   auto f = MakeCheckpoint();
   ASSERT_NE(f->ckpt, nullptr);
   if (!DropCheckpointCache(f->tmp.path(), *f->ckpt)) GTEST_SKIP() << "the kernel kept the pages (DONTNEED ignored)";
   const EngramTensors t = f->ckpt->engram(0);
   const SafetensorsFile& file = *t.embed_weight.file;
   const TensorInfo& w = *t.embed_weight.info;
-  auto cold = file.ResidentBytes(w, 100, 5000);
+  const uint64_t at = 1 << 20, n = 5000;
+  std::vector<uint8_t> got(n, 0xEE), want(n);
+  auto cold = file.ReadIfCached(w, at, got.data(), n);
   ASSERT_TRUE(cold.ok()) << cold.status();
-  EXPECT_LT(*cold, 5000u);
-  std::vector<uint8_t> buf(5000);
-  ASSERT_TRUE(file.ReadRange(w, 100, buf.data(), buf.size()).ok());
-  // Read: every byte of [100, 5100) is resident, and the count is of those bytes, not of the pages around them.
-  auto warm = file.ResidentBytes(w, 100, 5000);
+  EXPECT_LT(*cold, n) << "nothing was read since the drop";
+  ASSERT_TRUE(file.ReadRange(w, at, want.data(), n).ok());
+  auto warm = file.ReadIfCached(w, at, got.data(), n);
   ASSERT_TRUE(warm.ok()) << warm.status();
-  EXPECT_EQ(*warm, 5000u);
-  auto empty = file.ResidentBytes(w, 7, 0);
+  EXPECT_EQ(*warm, n);
+  EXPECT_TRUE(got == want) << "the cached read gave other bytes than a plain read";
+  auto empty = file.ReadIfCached(w, 7, got.data(), 0);
   ASSERT_TRUE(empty.ok());
   EXPECT_EQ(*empty, 0u);
-  auto outside = file.ResidentBytes(w, w.bytes() - 10, 11);
+  auto outside = file.ReadIfCached(w, w.bytes() - 10, got.data(), 11);
   EXPECT_EQ(outside.status().code(), absl::StatusCode::kOutOfRange);
   EXPECT_NE(outside.status().message().find(w.name), std::string::npos) << outside.status();
 }
 
-TEST(ColdPrefetch, AJobsRangesAreResidentWhenItsWorkerGoesOn) {
+// As a process that neither owns the files nor may write them (engramd's user under systemd, reading a checkpoint
+// that root or a download job wrote): the cold checkpoint still looks cold. With mincore it looked cached to such a
+// process, and no reader ever started. Needs root (to drop to another uid in a child).
+TEST(ReadIfCached, AColdCheckpointLooksColdToAProcessThatDoesNotOwnIt) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a child as another uid";
   auto f = MakeCheckpoint();
   ASSERT_NE(f->ckpt, nullptr);
   if (!DropCheckpointCache(f->tmp.path(), *f->ckpt)) GTEST_SKIP() << "the kernel kept the pages (DONTNEED ignored)";
-  // Jobs of 3 MiB + a little of the scales, over both layers, as the fill makes them.
-  std::vector<std::vector<PrefetchRange>> jobs;
-  for (int64_t l = 0; l < f->ckpt->config().n_layers(); ++l) {
-    const EngramTensors t = f->ckpt->engram(l);
-    const uint64_t wb = t.embed_weight.info->bytes(), sb = t.embed_scale.info->bytes();
-    for (uint64_t at = 0; at + (3 << 20) <= wb; at += 3 << 20) {
-      jobs.push_back({{t.embed_weight.file, t.embed_weight.info, at, 3 << 20},
-                      {t.embed_scale.file, t.embed_scale.info, at / 32, std::min<uint64_t>(1 << 10, sb - at / 32)}});
-    }
+  const auto jobs = GappedJobs(*f->ckpt);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    // The files stay open (descriptors from the parent); only the identity changes.
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(3);
+    ::_exit(ColdPrefetch::WorthStarting(jobs) ? 0 : 1);
   }
-  ASSERT_GT(jobs.size(), 6u);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "exit 1: a non-owner saw the cold checkpoint as cached (3: setuid failed)";
+}
+
+TEST(ColdPrefetch, AJobsRangesAreResidentWhenItsWorkerGoesOnAndReadersStayInTheirWindow) {
+  auto f = MakeCheckpoint();
+  ASSERT_NE(f->ckpt, nullptr);
+  if (!DropCheckpointCache(f->tmp.path(), *f->ckpt)) GTEST_SKIP() << "the kernel kept the pages (DONTNEED ignored)";
+  auto jobs = GappedJobs(*f->ckpt);
+  ASSERT_GT(jobs.size(), 4u);
   EXPECT_TRUE(ColdPrefetch::WorthStarting(jobs));
   const auto copy = jobs;
-  ColdPrefetch prefetch(std::move(jobs), 2, 2);
+  constexpr int64_t kWindow = 2;
+  std::atomic<int> outside_window{0};
+  ColdPrefetch prefetch(std::move(jobs), 2, kWindow, [&](size_t job, size_t started) {
+    if (static_cast<int64_t>(job) >= static_cast<int64_t>(started) + kWindow) ++outside_window;
+  });
   std::atomic<size_t> next{0};
   std::atomic<int> not_resident{0};
   auto worker = [&] {
     for (size_t j = next++; j < copy.size(); j = next++) {
       prefetch.WaitForJob(j);
-      for (const auto& r : copy[j]) {
-        auto resident = r.file->ResidentBytes(*r.tensor, r.offset, r.bytes);
-        if (!resident.ok() || *resident != r.bytes) ++not_resident;
-      }
+      if (!Cached(copy[j])) ++not_resident;
     }
   };
   std::thread a(worker), b(worker);
   a.join();
   b.join();
   EXPECT_EQ(not_resident.load(), 0);
-  // Read by the readers: some of it (the kernel's own readahead behind their sequential reads makes some blocks
-  // resident before a reader gets to them, and those are skipped), never more than the jobs hold.
+  EXPECT_EQ(outside_window.load(), 0) << "a reader read a block more than the window past the jobs started";
+  // Read from disk: some of it (the kernel's readahead behind the sequential reads brings in some bytes before a
+  // reader gets to them: those it only copies), never more than the jobs hold.
   EXPECT_GT(prefetch.bytes_read(), 0u);
   EXPECT_LE(prefetch.bytes_read(), copy.size() * ((3u << 20) + (1u << 10)));
+  EXPECT_FALSE(prefetch.gave_up().has_value());
   EXPECT_FALSE(ColdPrefetch::WorthStarting(copy)) << "everything was read: a second fill would start no readers";
+}
+
+// Half the jobs cached before the prefetch: the readers read from disk at most the other half's bytes.
+TEST(ColdPrefetch, WhatIsCachedIsNotReadAgain) {
+  auto f = MakeCheckpoint();
+  ASSERT_NE(f->ckpt, nullptr);
+  if (!DropCheckpointCache(f->tmp.path(), *f->ckpt)) GTEST_SKIP() << "the kernel kept the pages (DONTNEED ignored)";
+  auto jobs = GappedJobs(*f->ckpt);
+  ASSERT_GT(jobs.size(), 4u);
+  uint64_t uncached = 0;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    for (const auto& r : jobs[j]) {
+      if (j % 2 == 0) {
+        std::vector<uint8_t> buf(r.bytes);
+        ASSERT_TRUE(r.file->ReadRange(*r.tensor, r.offset, buf.data(), r.bytes).ok());
+      } else {
+        uncached += r.bytes;
+      }
+    }
+  }
+  const auto copy = jobs;
+  ColdPrefetch prefetch(std::move(jobs), 2, 1000);
+  for (size_t j = 0; j < copy.size(); ++j) prefetch.WaitForJob(j);
+  for (const auto& job : copy) EXPECT_TRUE(Cached(job));
+  EXPECT_GT(prefetch.bytes_read(), 0u);
+  EXPECT_LE(prefetch.bytes_read(), uncached) << "cached blocks were read from disk again";
 }
 
 TEST(ColdPrefetch, AColdFillStreamsThroughTheReadersAndGivesTheSameRecords) {
