@@ -66,7 +66,8 @@ class ColdPrefetch {
   // found cached, or given up).
   void WaitForJob(size_t j);
 
-  // Bytes the readers read from disk (not what they found cached).
+  // Bytes the readers waited for the disk to read. What they found cached is not counted, including what the
+  // kernel's readahead behind their own sequential reads brought in first (with one reader that is nearly all of it).
   uint64_t bytes_read() const { return bytes_read_.load(std::memory_order_relaxed); }
   // Why the readers stopped early, if they did.
   std::optional<std::string> gave_up() const;

@@ -56,7 +56,8 @@ struct ShardFillOptions {
   // Readers the caller started already (StartColdPrefetch with the same layers and threads, e.g. before it reserved
   // dst, so that the disk works meanwhile): used instead of cold_readers. Must outlive the call.
   ColdPrefetch* cold_prefetch = nullptr;
-  // If set, receives the bytes those readers read (0 when the checkpoint was cached).
+  // If set, receives the bytes those readers waited for the disk to read (ColdPrefetch::bytes_read; 0 when the
+  // checkpoint was cached).
   std::atomic<uint64_t>* prefetched_bytes = nullptr;
 };
 
