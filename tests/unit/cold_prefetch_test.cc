@@ -86,15 +86,31 @@ std::unique_ptr<Fixture> MakeCheckpoint() {
   return f;
 }
 
-std::vector<LayerRows> AllRows(const Checkpoint& ckpt, int64_t record_bytes) {
+// Every row of the checkpoint as one fill (both layers, back to back), with what a fill without readers gives.
+struct WholeFill {
   std::vector<LayerRows> rows;
-  uint64_t offset = 0;
+  int64_t record_bytes = 0;
+  uint64_t total = 0;             // bytes of records
+  std::vector<uint8_t> records;   // from a fill without readers (when `reference` was asked for)
+  std::vector<uint64_t> sums;
+};
+
+WholeFill MakeWholeFill(const Checkpoint& ckpt, bool reference) {
+  WholeFill w;
+  w.record_bytes = ckpt.config().head_dim + ckpt.config().head_dim / 32;
   for (int64_t l = 0; l < ckpt.config().n_layers(); ++l) {
     const int64_t n = ckpt.config().num_embeddings[static_cast<size_t>(l)];
-    rows.push_back({l, 0, n, offset});
-    offset += static_cast<uint64_t>(n * record_bytes);
+    w.rows.push_back({l, 0, n, w.total});
+    w.total += static_cast<uint64_t>(n * w.record_bytes);
   }
-  return rows;
+  if (reference) {
+    ShardFillOptions plain;
+    plain.cold_readers = 0;
+    plain.drop_cache = false;
+    w.records.assign(w.total, 0xAB);
+    EXPECT_TRUE(ReadShardRecords(ckpt, w.rows, w.records.data(), 2, &w.sums, nullptr, plain).ok());
+  }
+  return w;
 }
 
 TEST(ReadIfCached, CopiesTheCachedPrefixAndStopsAtTheFirstPageNotCached) {
@@ -208,19 +224,9 @@ TEST(ColdPrefetch, AColdFillStreamsThroughTheReadersAndGivesTheSameRecords) {
   auto f = MakeCheckpoint();
   ASSERT_NE(f->ckpt, nullptr);
   const Checkpoint& ckpt = *f->ckpt;
-  const int64_t D = ckpt.config().head_dim, rb = D + D / 32;
-  const std::vector<LayerRows> rows = AllRows(ckpt, rb);
-  const uint64_t total = rows.back().dst_offset + static_cast<uint64_t>(
-                             (rows.back().row_end - rows.back().row_begin) * rb);
+  const WholeFill w = MakeWholeFill(ckpt, /*reference=*/true);  // no readers, whatever the cache holds
+  const auto& [rows, rb, total, want, want_sums] = w;
   ASSERT_GT(rows[0].row_end, kChecksumChunkRows) << "the test wants more than one job per layer";
-
-  // Reference: no readers, whatever the cache holds.
-  ShardFillOptions plain;
-  plain.cold_readers = 0;
-  plain.drop_cache = false;
-  std::vector<uint8_t> want(total, 0xAB);
-  std::vector<uint64_t> want_sums;
-  ASSERT_TRUE(ReadShardRecords(ckpt, rows, want.data(), 2, &want_sums, nullptr, plain).ok());
 
   if (!DropCheckpointCache(f->tmp.path(), ckpt)) GTEST_SKIP() << "the kernel kept the pages (DONTNEED ignored)";
   for (int readers : {1, 3}) {
@@ -273,16 +279,8 @@ TEST(ColdPrefetch, ReadersStartedBeforeTheFillAreTheOnesItUses) {
   auto f = MakeCheckpoint();
   ASSERT_NE(f->ckpt, nullptr);
   const Checkpoint& ckpt = *f->ckpt;
-  const int64_t D = ckpt.config().head_dim, rb = D + D / 32;
-  const std::vector<LayerRows> rows = AllRows(ckpt, rb);
-  const uint64_t total = rows.back().dst_offset + static_cast<uint64_t>(
-                             (rows.back().row_end - rows.back().row_begin) * rb);
-  ShardFillOptions plain;
-  plain.cold_readers = 0;
-  plain.drop_cache = false;
-  std::vector<uint8_t> want(total);
-  std::vector<uint64_t> want_sums;
-  ASSERT_TRUE(ReadShardRecords(ckpt, rows, want.data(), 2, &want_sums, nullptr, plain).ok());
+  const WholeFill w = MakeWholeFill(ckpt, /*reference=*/true);
+  const auto& [rows, rb, total, want, want_sums] = w;
   EXPECT_EQ(StartColdPrefetch(ckpt, rows, 2, 2), nullptr) << "cached: nothing to read";
 
   if (!DropCheckpointCache(f->tmp.path(), ckpt)) GTEST_SKIP() << "the kernel kept the pages (DONTNEED ignored)";
@@ -290,7 +288,9 @@ TEST(ColdPrefetch, ReadersStartedBeforeTheFillAreTheOnesItUses) {
   EXPECT_EQ(StartColdPrefetch(ckpt, {{7, 0, 10, 0}}, 2, 2), nullptr);
   std::unique_ptr<ColdPrefetch> prefetch = StartColdPrefetch(ckpt, rows, 2, 2);
   ASSERT_NE(prefetch, nullptr);
-  ShardFillOptions fill = plain;
+  ShardFillOptions fill;
+  fill.cold_readers = 0;
+  fill.drop_cache = false;
   fill.cold_prefetch = prefetch.get();
   std::atomic<uint64_t> prefetched{0};
   fill.prefetched_bytes = &prefetched;
@@ -307,8 +307,7 @@ TEST(ColdPrefetch, AFileTruncatedUnderAColdFillIsAnErrorNamingItNotAHang) {
   auto f = MakeCheckpoint();
   ASSERT_NE(f->ckpt, nullptr);
   const Checkpoint& ckpt = *f->ckpt;
-  const int64_t D = ckpt.config().head_dim, rb = D + D / 32;
-  const std::vector<LayerRows> rows = AllRows(ckpt, rb);
+  const WholeFill w = MakeWholeFill(ckpt, /*reference=*/false);
   if (!DropCheckpointCache(f->tmp.path(), ckpt)) GTEST_SKIP() << "the kernel kept the pages (DONTNEED ignored)";
   // Layer 1's weights lose their second half after the checkpoint was opened.
   const EngramTensors t = ckpt.engram(1);
@@ -317,10 +316,8 @@ TEST(ColdPrefetch, AFileTruncatedUnderAColdFillIsAnErrorNamingItNotAHang) {
   ShardFillOptions cold;
   cold.cold_readers = 2;
   cold.drop_cache = false;
-  const uint64_t total = rows.back().dst_offset + static_cast<uint64_t>(
-                             (rows.back().row_end - rows.back().row_begin) * rb);
-  std::vector<uint8_t> dst(total);
-  absl::Status st = ReadShardRecords(ckpt, rows, dst.data(), 2, nullptr, nullptr, cold);
+  std::vector<uint8_t> dst(w.total);
+  absl::Status st = ReadShardRecords(ckpt, w.rows, dst.data(), 2, nullptr, nullptr, cold);
   ASSERT_FALSE(st.ok());
   EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
   EXPECT_NE(st.message().find(t.embed_weight.file->path()), std::string::npos) << st;
