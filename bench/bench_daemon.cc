@@ -176,7 +176,7 @@ void ColdPublishes(const engram::Checkpoint& ckpt, const engram::Layout& layout,
       continue;
     }
     results.emplace_back(runs[i].name, bytes / 1073741824.0 / r->seconds);
-    std::printf("cold     publish not cached, %s: %.2f s, the readers waited for %.2f GiB\n", runs[i].name, r->seconds,
+    std::printf("cold     publish not cached, %s: %.2f s, %.2f GiB streamed by the readers\n", runs[i].name, r->seconds,
                 r->prefetched_bytes / 1073741824.0);
     std::fflush(stdout);
     if (i + 1 < std::size(runs)) ::unlink(r->path.c_str());

@@ -114,7 +114,12 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   // A checkpoint not in the page cache starts streaming from disk now, while the segment is reserved (fallocate of a
   // 4 KiB tmpfs zeroes the whole file first: ~2 s per 16 GiB on the H200 host).
   const int cold_readers = tuning.cold_readers.value_or(ShardFillOptions{}.cold_readers);
-  std::unique_ptr<ColdPrefetch> prefetch = StartColdPrefetch(ckpt, RowsOf(desc), threads, cold_readers);
+  std::string cold_why_not;
+  std::unique_ptr<ColdPrefetch> prefetch = StartColdPrefetch(ckpt, RowsOf(desc), threads, cold_readers, &cold_why_not);
+  if (!cold_why_not.empty()) {
+    spdlog::info("event=publish_cold_probe_unsupported checkpoint={} detail=\"{}\": if the checkpoint is not in the "
+                 "page cache, the filling threads read it themselves", ckpt.dir(), cold_why_not);
+  }
   // On hugetlbfs the data's pages are populated by the filling threads (in parallel, next to their writes), not
   // zeroed up front by one thread in fallocate; a tmpfs is reserved whole (SegmentReserve::kAuto; tuning may force
   // one).

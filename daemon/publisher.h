@@ -35,8 +35,8 @@ struct PublishResult {
   bool populated = false;      // pages populated by the filling threads (kWriters), not reserved whole
   uint64_t streamed_bytes = 0;  // of the records, those written with non-temporal stores (PublishStreamsStores): all
                                 // or none
-  uint64_t prefetched_bytes = 0;  // what the cold-cache readers waited for the disk to read (ColdPrefetch::bytes_read;
-                                  // ShardFillOptions::cold_readers); 0 when the checkpoint was in the page cache
+  uint64_t prefetched_bytes = 0;  // streamed by the cold-cache readers ahead of the filling threads (read from disk or
+                                  // found cached on the way: ColdPrefetch::bytes_streamed); 0 when none ran
 };
 
 // The descriptor of shard (tp_size, tp_rank): layout, owned rows, token map, with data offsets inside the segment

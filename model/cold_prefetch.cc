@@ -8,7 +8,8 @@
 
 namespace engram {
 
-bool ColdPrefetch::WorthStarting(const std::vector<std::vector<PrefetchRange>>& jobs, int samples) {
+bool ColdPrefetch::WorthStarting(const std::vector<std::vector<PrefetchRange>>& jobs, int samples,
+                                 std::string* why_not) {
   std::vector<const PrefetchRange*> ranges;
   uint64_t total = 0;
   for (const auto& job : jobs) {
@@ -21,7 +22,7 @@ bool ColdPrefetch::WorthStarting(const std::vector<std::vector<PrefetchRange>>& 
   if (total == 0 || samples <= 0) return false;
   constexpr uint64_t kProbeBytes = 64 << 10;
   std::vector<uint8_t> probe(kProbeBytes);
-  bool cold = false;
+  int cold = 0;
   size_t i = 0;
   uint64_t range_start = 0;  // of ranges[i] within the concatenation
   for (int s = 0; s < samples; ++s) {
@@ -31,10 +32,13 @@ bool ColdPrefetch::WorthStarting(const std::vector<std::vector<PrefetchRange>>& 
     const uint64_t offset = r.offset + (at - range_start);
     const uint64_t n = std::min(kProbeBytes, r.offset + r.bytes - offset);
     auto cached = r.file->ReadIfCached(*r.tensor, offset, probe.data(), n);
-    if (!cached.ok()) return false;  // cannot tell: the workers read on their own
-    if (*cached < n) cold = true;
+    if (!cached.ok()) {  // cannot tell: the workers read on their own
+      if (why_not != nullptr) *why_not = std::string(cached.status().message());
+      return false;
+    }
+    if (*cached < n) ++cold;
   }
-  return cold;
+  return cold >= std::min(2, samples);
 }
 
 int64_t ColdPrefetch::WindowJobs(uint64_t job_bytes, int workers) {
@@ -97,15 +101,19 @@ void ColdPrefetch::WaitForJob(size_t j) {
 
 std::optional<std::string> ColdPrefetch::gave_up() const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!failed_ || threads_.empty()) return std::nullopt;
+  if (!failed_) return std::nullopt;
+  if (threads_.empty()) return std::string("no reader thread could be started");
   return why_;
 }
 
-void ColdPrefetch::GiveUp(std::string why) {
+void ColdPrefetch::GiveUp(const char* why, const char* detail) noexcept {
   std::lock_guard<std::mutex> lock(mu_);
   if (!failed_) {
     failed_ = true;
-    why_ = std::move(why);
+    try {
+      why_ = absl::StrCat(why, detail);
+    } catch (...) {  // no memory for the reason: the flag is what matters
+    }
   }
   readers_cv_.notify_all();
   workers_cv_.notify_all();
@@ -117,16 +125,18 @@ void ColdPrefetch::ReadBlock(const Block& block, std::vector<uint8_t>* scratch) 
   // What the page cache holds already is only copied; the rest comes from disk.
   auto cached = r.file->ReadIfCached(*r.tensor, r.offset, scratch->data(), r.bytes);
   const uint64_t have = cached.ok() ? *cached : 0;
-  if (have == r.bytes) return;
-  absl::Status st = r.file->ReadRange(*r.tensor, r.offset + have, scratch->data() + have, r.bytes - have);
-  if (!st.ok()) return GiveUp(std::string(st.message()));
-  bytes_read_.fetch_add(r.bytes - have, std::memory_order_relaxed);
-  // Did the cache keep it? If not, the workers would read it all again behind us: stop.
-  const uint64_t probe = std::min<uint64_t>(4096, r.bytes - have);
-  auto kept = r.file->ReadIfCached(*r.tensor, r.offset + r.bytes - probe, scratch->data(), probe);
-  if (!kept.ok() || *kept < probe) {
-    GiveUp(absl::StrCat(r.file->path(), ": the page cache does not keep what the cold-cache readers read"));
+  if (have < r.bytes) {
+    absl::Status st = r.file->ReadRange(*r.tensor, r.offset + have, scratch->data() + have, r.bytes - have);
+    if (!st.ok()) return GiveUp("", std::string(st.message()).c_str());
+    bytes_read_.fetch_add(r.bytes - have, std::memory_order_relaxed);
+    // Did the cache keep it? If not, the workers would read it all again behind us: stop.
+    const uint64_t probe = std::min<uint64_t>(4096, r.bytes - have);
+    auto kept = r.file->ReadIfCached(*r.tensor, r.offset + r.bytes - probe, scratch->data(), probe);
+    if (!kept.ok() || *kept < probe) {
+      return GiveUp("the page cache does not keep what the cold-cache readers read: ", r.file->path().c_str());
+    }
   }
+  bytes_streamed_.fetch_add(r.bytes, std::memory_order_relaxed);
 }
 
 void ColdPrefetch::Reader() {
@@ -147,11 +157,13 @@ void ColdPrefetch::Reader() {
       started = started_;
     }
     if (read) {
-      if (observer_) observer_(block.job, started);
       try {
+        if (observer_) observer_(block.job, started);
         ReadBlock(block, &scratch);
       } catch (const std::exception& e) {  // e.g. no memory for the buffer: never std::terminate
-        GiveUp(absl::StrCat("a cold-cache reader failed: ", e.what()));
+        GiveUp("a cold-cache reader failed: ", e.what());
+      } catch (...) {
+        GiveUp("a cold-cache reader failed");
       }
     }
     std::lock_guard<std::mutex> lock(mu_);

@@ -4,8 +4,8 @@
 // Here a few reader threads stream the jobs' byte ranges in job order (layer by layer, each job's weights then its
 // scales), in 8 MiB reads, into the page cache, at most `window` jobs past the furthest job a worker started; a worker
 // about to start job j waits until j's ranges are in (then its own reads are page-cache copies). What the cache holds
-// already is not read again: each block is first read without waiting for the disk (SafetensorsFile::ReadIfCached),
-// and only the rest is read from disk.
+// already is not read from disk again (the readers only copy it): each block is first read with RWF_NOWAIT
+// (SafetensorsFile::ReadIfCached), and only the rest is read with plain reads.
 //
 // Giving up: a reader whose read fails, whose thread cannot get memory, or who finds that the page cache does not keep
 // what it read (a file system that bypasses it) stops all reading and lets every waiting worker go; the workers then
@@ -43,10 +43,13 @@ class ColdPrefetch {
   static constexpr uint64_t kBlockBytes = 8ull << 20;   // one read: the size of the disk ceiling's reads
   static constexpr uint64_t kWindowBytes = 4ull << 30;  // how far ahead at most (also at most MemAvailable / 4)
 
-  // True when some of up to `samples` probes spread evenly over the ranges find pages not in the page cache (then a
-  // prefetch is worth starting). False when every probe is cached, and when a probe fails (a file system without
-  // reads that do not wait: better the workers' own reads than a prefetch that cannot tell what it would repeat).
-  static bool WorthStarting(const std::vector<std::vector<PrefetchRange>>& jobs, int samples = 16);
+  // Whether a prefetch is worth starting: at least two of up to `samples` probes spread evenly over the ranges find
+  // pages not in the page cache (one is not enough: on kernels 5.9-6.11 a RWF_NOWAIT read stops at a cached page
+  // that carries a readahead mark). Not when a probe fails: a file system without RWF_NOWAIT reads (tmpfs,
+  // overlayfs, some network file systems) cannot say what is cached, and the workers' own reads are then better than
+  // readers that would copy a warm checkpoint once more; `why_not` (may be null) then receives the error.
+  static bool WorthStarting(const std::vector<std::vector<PrefetchRange>>& jobs, int samples = 16,
+                            std::string* why_not = nullptr);
 
   // The window, in jobs of about `job_bytes`: kWindowBytes, or a quarter of MemAvailable if less, but at least two
   // jobs per worker.
@@ -66,8 +69,12 @@ class ColdPrefetch {
   // found cached, or given up).
   void WaitForJob(size_t j);
 
-  // Bytes the readers waited for the disk to read. What they found cached is not counted, including what the
-  // kernel's readahead behind their own sequential reads brought in first (with one reader that is nearly all of it).
+  // Bytes of the blocks the readers handled: brought into the page cache or found there (all of the jobs' bytes when
+  // they ran to the end).
+  uint64_t bytes_streamed() const { return bytes_streamed_.load(std::memory_order_relaxed); }
+  // Of those, the bytes their plain reads read after a RWF_NOWAIT read found them not cached. A lower bound of what
+  // the disk moved for them: the RWF_NOWAIT read itself starts the kernel's readahead (and on 6.12+ kernels may wait
+  // for its submission), so with one reader this is nearly 0 while the disk works at full rate.
   uint64_t bytes_read() const { return bytes_read_.load(std::memory_order_relaxed); }
   // Why the readers stopped early, if they did.
   std::optional<std::string> gave_up() const;
@@ -79,7 +86,7 @@ class ColdPrefetch {
   };
   void Reader();
   void ReadBlock(const Block& block, std::vector<uint8_t>* scratch);
-  void GiveUp(std::string why);
+  void GiveUp(const char* why, const char* detail = "") noexcept;
 
   std::vector<Block> blocks_;
   std::vector<int64_t> pending_;  // per job: blocks not yet done (guarded by mu_)
@@ -87,6 +94,7 @@ class ColdPrefetch {
   const BlockObserver observer_;
   std::atomic<size_t> next_block_{0};
   std::atomic<uint64_t> bytes_read_{0};
+  std::atomic<uint64_t> bytes_streamed_{0};
   mutable std::mutex mu_;
   std::condition_variable readers_cv_, workers_cv_;
   size_t started_ = 0;   // one past the furthest job a worker started (guarded by mu_)

@@ -73,7 +73,7 @@ uint64_t Combine(const std::vector<uint64_t>& hashes) {
 }  // namespace
 
 std::unique_ptr<ColdPrefetch> StartColdPrefetch(const Checkpoint& ckpt, const std::vector<LayerRows>& layers,
-                                                int threads, int readers) {
+                                                int threads, int readers, std::string* why_not) {
   if (readers <= 0) return nullptr;
   const int64_t D = ckpt.config().head_dim, S = D / 32;
   std::vector<std::vector<uint64_t>> hashes;
@@ -91,7 +91,7 @@ std::unique_ptr<ColdPrefetch> StartColdPrefetch(const Checkpoint& ckpt, const st
                       {t.embed_scale.file, t.embed_scale.info, first * S, rows * S}});
     bytes += rows * static_cast<uint64_t>(D + S);
   }
-  if (!ColdPrefetch::WorthStarting(ranges)) return nullptr;
+  if (!ColdPrefetch::WorthStarting(ranges, 16, why_not)) return nullptr;
   // Ahead of the workers by up to ColdPrefetch::kWindowBytes: room to read while the destination is still being
   // reserved, bounded so that the page cache is not asked to hold a table.
   const uint64_t per_job = bytes / std::max<size_t>(1, jobs.size());
@@ -124,7 +124,7 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
   std::unique_ptr<ColdPrefetch> own_prefetch;
   ColdPrefetch* prefetch = fill.cold_prefetch;
   if (prefetch == nullptr && fill.cold_readers > 0) {
-    own_prefetch = StartColdPrefetch(ckpt, layers, threads, fill.cold_readers);
+    own_prefetch = StartColdPrefetch(ckpt, layers, threads, fill.cold_readers, fill.cold_readers_not_started);
     prefetch = own_prefetch.get();
   }
   std::function<void(size_t)> before_job;
@@ -189,7 +189,7 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
     if (rows_done) rows_done->fetch_add(static_cast<uint64_t>(j.rows), std::memory_order_relaxed);
     return absl::OkStatus();
   }, before_job);
-  if (prefetch && fill.prefetched_bytes) fill.prefetched_bytes->fetch_add(prefetch->bytes_read());
+  if (prefetch && fill.prefetched_bytes) fill.prefetched_bytes->fetch_add(prefetch->bytes_streamed());
   own_prefetch.reset();  // joins the readers
   if (!st.ok()) return st;
   if (checksums) {

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -56,15 +57,18 @@ struct ShardFillOptions {
   // Readers the caller started already (StartColdPrefetch with the same layers and threads, e.g. before it reserved
   // dst, so that the disk works meanwhile): used instead of cold_readers. Must outlive the call.
   ColdPrefetch* cold_prefetch = nullptr;
-  // If set, receives the bytes those readers waited for the disk to read (ColdPrefetch::bytes_read; 0 when the
-  // checkpoint was cached).
+  // If set, receives the bytes those readers streamed ahead of the workers (ColdPrefetch::bytes_streamed: read from
+  // disk or found cached on the way; 0 when no reader ran).
   std::atomic<uint64_t>* prefetched_bytes = nullptr;
+  // If set, receives why no readers were started although asked for (a file system that cannot say what is cached).
+  std::string* cold_readers_not_started = nullptr;
 };
 
 // The cold-cache readers for a fill of `layers` with `threads` workers: null when `readers` <= 0, when a sample of the
-// checkpoint's pages shows them cached, or when the layers are not valid (the fill itself reports that).
+// checkpoint's pages shows them cached or cannot tell (`why_not`, may be null, then says why), or when the layers are
+// not valid (the fill itself reports that).
 std::unique_ptr<ColdPrefetch> StartColdPrefetch(const Checkpoint& ckpt, const std::vector<LayerRows>& layers,
-                                                int threads, int readers);
+                                                int threads, int readers, std::string* why_not = nullptr);
 
 // Fills the records; `checksums` (may be null) receives one per LayerRows entry.
 absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRows>& layers, uint8_t* dst,

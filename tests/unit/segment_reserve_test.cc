@@ -345,15 +345,22 @@ TEST_F(PublishReserveTest, AColdCheckpointIsReadByTheColdReadersUnlessTunedOff) 
     const EngramTensors t = ckpt_->engram(0);
     std::vector<uint8_t> probe(4096);
     auto cached = t.embed_weight.file->ReadIfCached(*t.embed_weight.info, 0, probe.data(), probe.size());
-    ASSERT_TRUE(cached.ok()) << cached.status();
-    if (*cached == probe.size()) GTEST_SKIP() << "the kernel kept the pages (DONTNEED ignored)";
+    if (!cached.ok()) GTEST_SKIP() << "this file system cannot say what is cached: " << cached.status();
+    if (*cached == probe.size()) GTEST_SKIP() << "the kernel kept the pages (POSIX_FADV_DONTNEED ignored)";
     daemon::PublishTuning tuning;
     tuning.cold_readers = readers;
     tuning.drop_cache = daemon::PublishTuning::DropCache::kKeep;
     auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2, nullptr, Env::Default(), tuning);
     ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->prefetched_bytes > 0, readers > 0) << readers << " readers";
-    EXPECT_LE(r->prefetched_bytes, r->bytes);
+    // Every record's bytes streamed through the readers (weights and scales: a record's bytes), or none.
+    auto shard = layout_->Shard(1, 0);
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    uint64_t records = 0;
+    for (size_t l = 0; l < shard->row_end.size(); ++l) {
+      records += static_cast<uint64_t>(shard->row_end[l] - shard->row_begin[l]);
+    }
+    records *= static_cast<uint64_t>(ckpt_->config().record_bytes());
+    EXPECT_EQ(r->prefetched_bytes, readers > 0 ? records : 0) << readers << " readers";
     EXPECT_TRUE(daemon::VerifyChecksums(r->path, 2).ok()) << readers << " readers";
   }
   // Cached now (the publish above read it all): no reader reads.
