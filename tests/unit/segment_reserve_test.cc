@@ -244,6 +244,17 @@ class PublishReserveTest : public ::testing::Test {
     ASSERT_TRUE(tok.ok());
     map_ = std::make_unique<TokenMap>(TokenMap::Build(*tok));
   }
+  // The bytes of a TP1 shard's records (every row of every layer), counted from the layout.
+  uint64_t RecordBytes() const {
+    auto shard = layout_->Shard(1, 0);
+    EXPECT_TRUE(shard.ok()) << shard.status();
+    if (!shard.ok()) return 0;
+    uint64_t rows = 0;
+    for (size_t l = 0; l < shard->row_end.size(); ++l) {
+      rows += static_cast<uint64_t>(shard->row_end[l] - shard->row_begin[l]);
+    }
+    return rows * static_cast<uint64_t>(ckpt_->config().record_bytes());
+  }
   TempDir dir_;
   std::shared_ptr<const Checkpoint> ckpt_;
   std::unique_ptr<Layout> layout_;
@@ -291,13 +302,7 @@ TEST_F(PublishReserveTest, StreamedAndPlainStoresPublishTheSameRecords) {
     auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 3, nullptr, Env::Default(), tuning);
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->streamed_bytes > 0, nt == 1) << "the tuning reached the fill";
-    auto shard = layout_->Shard(1, 0);
-    ASSERT_TRUE(shard.ok()) << shard.status();
-    uint64_t records = 0;
-    for (size_t l = 0; l < shard->row_end.size(); ++l) {
-      records += static_cast<uint64_t>(shard->row_end[l] - shard->row_begin[l]);
-    }
-    records *= static_cast<uint64_t>(ckpt_->config().record_bytes());
+    const uint64_t records = RecordBytes();
     EXPECT_EQ(r->streamed_bytes, nt == 1 ? records : 0) << "every record streamed, or none";
     EXPECT_TRUE(daemon::VerifyChecksums(r->path, 2).ok()) << "nt " << nt;
     std::ifstream f(r->path, std::ios::binary);
@@ -353,13 +358,7 @@ TEST_F(PublishReserveTest, AColdCheckpointIsReadByTheColdReadersUnlessTunedOff) 
     auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2, nullptr, Env::Default(), tuning);
     ASSERT_TRUE(r.ok()) << r.status();
     // Every record's bytes streamed through the readers (weights and scales: a record's bytes), or none.
-    auto shard = layout_->Shard(1, 0);
-    ASSERT_TRUE(shard.ok()) << shard.status();
-    uint64_t records = 0;
-    for (size_t l = 0; l < shard->row_end.size(); ++l) {
-      records += static_cast<uint64_t>(shard->row_end[l] - shard->row_begin[l]);
-    }
-    records *= static_cast<uint64_t>(ckpt_->config().record_bytes());
+    const uint64_t records = RecordBytes();
     EXPECT_EQ(r->prefetched_bytes, readers > 0 ? records : 0) << readers << " readers";
     EXPECT_TRUE(daemon::VerifyChecksums(r->path, 2).ok()) << readers << " readers";
   }
