@@ -41,19 +41,50 @@ bool ColdPrefetch::WorthStarting(const std::vector<std::vector<PrefetchRange>>& 
   return cold >= std::min(2, samples);
 }
 
-int64_t ColdPrefetch::WindowJobs(uint64_t job_bytes, int workers) {
-  uint64_t cap = kWindowBytes;
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  uint64_t kb = 0;
-  while (in >> key >> kb) {
-    if (key == "MemAvailable:") {
-      cap = std::min(cap, kb * 1024 / 4);
-      break;
+namespace {
+
+// The first number in `path`, if it has one ("max" and unreadable files do not).
+std::optional<uint64_t> ReadNumber(const std::string& path) {
+  std::ifstream in(path);
+  uint64_t v = 0;
+  if (in >> v) return v;
+  return std::nullopt;
+}
+
+}  // namespace
+
+uint64_t ColdPrefetch::FreeMemoryBytes() {
+  uint64_t free_bytes = ~uint64_t{0};
+  {
+    std::ifstream in("/proc/meminfo");
+    std::string key;
+    uint64_t kb = 0;
+    while (in >> key >> kb) {
+      if (key == "MemAvailable:") {
+        free_bytes = kb * 1024;
+        break;
+      }
+      in.ignore(256, '\n');
     }
-    in.ignore(256, '\n');
   }
+  // cgroup v2: the line "0::/path" of /proc/self/cgroup names this process's group under /sys/fs/cgroup.
+  std::ifstream cg("/proc/self/cgroup");
+  for (std::string line; std::getline(cg, line);) {
+    if (line.rfind("0::", 0) != 0) continue;
+    const std::string dir = "/sys/fs/cgroup" + line.substr(3);
+    const auto max = ReadNumber(dir + "/memory.max"), current = ReadNumber(dir + "/memory.current");
+    if (max && current) free_bytes = std::min(free_bytes, *max > *current ? *max - *current : 0);
+  }
+  return free_bytes;
+}
+
+int64_t ColdPrefetch::WindowJobsFor(uint64_t job_bytes, int workers, uint64_t free_bytes) {
+  const uint64_t cap = std::min(kWindowBytes, free_bytes / 4);
   return std::max<int64_t>(2 * std::max(1, workers), static_cast<int64_t>(cap / std::max<uint64_t>(1, job_bytes)));
+}
+
+int64_t ColdPrefetch::WindowJobs(uint64_t job_bytes, int workers) {
+  return WindowJobsFor(job_bytes, workers, FreeMemoryBytes());
 }
 
 ColdPrefetch::ColdPrefetch(std::vector<std::vector<PrefetchRange>> jobs, int readers, int64_t window,

@@ -51,9 +51,15 @@ class ColdPrefetch {
   static bool WorthStarting(const std::vector<std::vector<PrefetchRange>>& jobs, int samples = 16,
                             std::string* why_not = nullptr);
 
-  // The window, in jobs of about `job_bytes`: kWindowBytes, or a quarter of MemAvailable if less, but at least two
-  // jobs per worker.
+  // The window, in jobs of about `job_bytes`: kWindowBytes, or a quarter of the memory free for the page cache if
+  // less (MemAvailable, and the room left under this process's cgroup v2 memory.max: engramd's DaemonSet limits
+  // its pod to the tables plus 2 GiB, and prefetched pages beyond that would be reclaimed before use), but at least
+  // two jobs per worker. WindowJobsFor is the arithmetic (`free_bytes` = that free memory).
   static int64_t WindowJobs(uint64_t job_bytes, int workers);
+  static int64_t WindowJobsFor(uint64_t job_bytes, int workers, uint64_t free_bytes);
+  // The memory free for the page cache now: the lesser of MemAvailable and the cgroup's memory.max - memory.current
+  // (no limit, or nothing readable: that side does not count; neither readable: no bound, UINT64_MAX).
+  static uint64_t FreeMemoryBytes();
 
   // Called by a reader with a block's job and the jobs started at that moment, before it reads the block (tests).
   using BlockObserver = std::function<void(size_t job, size_t started)>;

@@ -201,6 +201,24 @@ TEST(ColdPrefetch, AJobsRangesAreResidentWhenItsWorkerGoesOnAndReadersStayInThei
 }
 
 // Half the jobs cached before the prefetch: the readers read from disk at most the other half's bytes.
+// The window: 4 GiB of jobs, or a quarter of the free memory if less, but at least two jobs per worker; and the free
+// memory read here is some positive amount no larger than MemAvailable (read here a second way).
+TEST(ColdPrefetch, TheWindowFollowsTheFreeMemory) {
+  constexpr uint64_t kJob = 16 << 20;
+  EXPECT_EQ(ColdPrefetch::WindowJobsFor(kJob, 4, uint64_t{1} << 40), 256);  // 4 GiB / 16 MiB
+  EXPECT_EQ(ColdPrefetch::WindowJobsFor(kJob, 4, uint64_t{2} << 30), 32);   // 2 GiB free: 512 MiB
+  EXPECT_EQ(ColdPrefetch::WindowJobsFor(kJob, 4, 0), 8);                    // none free: two jobs per worker
+  EXPECT_EQ(ColdPrefetch::WindowJobsFor(kJob, 0, 0), 2);
+  EXPECT_EQ(ColdPrefetch::WindowJobsFor(0, 4, uint64_t{1} << 40), int64_t{4} << 30);  // degenerate job size
+  const uint64_t free_bytes = ColdPrefetch::FreeMemoryBytes();
+  EXPECT_GT(free_bytes, 0u);
+  std::string meminfo = engram::testing::ReadFile("/proc/meminfo");
+  const size_t at = meminfo.find("MemAvailable:");
+  ASSERT_NE(at, std::string::npos);
+  const uint64_t available = std::stoull(meminfo.substr(at + 13)) * 1024;
+  EXPECT_LE(free_bytes, available + (uint64_t{256} << 20)) << "MemAvailable moves between the two reads";
+}
+
 TEST(ColdPrefetch, WhatIsCachedIsNotReadAgain) {
   auto f = MakeCheckpoint();
   ASSERT_NE(f->ckpt, nullptr);
