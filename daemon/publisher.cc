@@ -141,7 +141,7 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   fill.stream_stores = PublishStreamsStores(tuning.stream_stores, (*writer)->huge_pages());
   std::atomic<uint64_t> streamed{0};
   fill.streamed_bytes = &streamed;
-  fill.cold_readers = cold_readers;
+  fill.cold_readers = 0;  // decided above: the fill does not probe the cache a second time
   fill.cold_prefetch = prefetch.get();
   std::atomic<uint64_t> prefetched{0};
   fill.prefetched_bytes = &prefetched;

@@ -124,7 +124,7 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
   std::unique_ptr<ColdPrefetch> own_prefetch;
   ColdPrefetch* prefetch = fill.cold_prefetch;
   if (prefetch == nullptr && fill.cold_readers > 0) {
-    own_prefetch = StartColdPrefetch(ckpt, layers, threads, fill.cold_readers, fill.cold_readers_not_started);
+    own_prefetch = StartColdPrefetch(ckpt, layers, threads, fill.cold_readers);
     prefetch = own_prefetch.get();
   }
   std::function<void(size_t)> before_job;

@@ -60,8 +60,6 @@ struct ShardFillOptions {
   // If set, receives the bytes those readers streamed ahead of the workers (ColdPrefetch::bytes_streamed: read from
   // disk or found cached on the way; 0 when no reader ran).
   std::atomic<uint64_t>* prefetched_bytes = nullptr;
-  // If set, receives why no readers were started although asked for (a file system that cannot say what is cached).
-  std::string* cold_readers_not_started = nullptr;
 };
 
 // The cold-cache readers for a fill of `layers` with `threads` workers: null when `readers` <= 0, when a sample of the

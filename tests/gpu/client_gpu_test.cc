@@ -105,11 +105,17 @@ TEST(GpuClientTest, PrivateAndDeviceTablesMatchTheCpuReference) {
   }
 }
 
+// `bytes` of host memory from a 4 KiB boundary, inside `storage` (registration works on whole pages).
+uint8_t* PageAligned(std::vector<uint8_t>* storage, size_t bytes) {
+  storage->resize(bytes + 4096);
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(storage->data()) + 4095) & ~uintptr_t{4095});
+}
+
 TEST(GpuClientTest, ChunkedRegistrationRollsBackOnFailure) {
   REQUIRE_GPU();
   const size_t bytes = size_t{20} << 20, chunk = size_t{2} << 20;
-  std::vector<uint8_t> buf(bytes + 4096);
-  uint8_t* p = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 4095) & ~uintptr_t{4095});
+  std::vector<uint8_t> buf;
+  uint8_t* p = PageAligned(&buf, bytes);
   int failed = -1;
   auto bad = client::HostRegistration::Register(p, bytes, chunk, &failed, /*fail_at_chunk=*/3);
   ASSERT_FALSE(bad.ok());
@@ -129,8 +135,8 @@ TEST(GpuClientTest, ChunkedRegistrationRollsBackOnFailure) {
 TEST(GpuClientTest, RegistrationReleasedOnAThreadWithoutAContextUnregisters) {
   REQUIRE_GPU();
   const size_t bytes = size_t{8} << 20, chunk = size_t{2} << 20;
-  std::vector<uint8_t> buf(bytes + 4096);
-  uint8_t* p = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 4095) & ~uintptr_t{4095});
+  std::vector<uint8_t> buf;
+  uint8_t* p = PageAligned(&buf, bytes);
   int failed = -1;
   auto first = client::HostRegistration::Register(p, bytes, chunk, &failed);
   ASSERT_TRUE(first.ok()) << first.status();
@@ -148,8 +154,8 @@ TEST(GpuClientTest, RegistrationReleasedOnAThreadWithoutAContextUnregisters) {
 TEST(GpuClientTest, ThreadedRegistrationRollsBackAndSurvivesRefusedThreads) {
   REQUIRE_GPU();
   const size_t bytes = size_t{20} << 20, chunk = size_t{2} << 20;
-  std::vector<uint8_t> buf(bytes + 4096);
-  uint8_t* p = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 4095) & ~uintptr_t{4095});
+  std::vector<uint8_t> buf;
+  uint8_t* p = PageAligned(&buf, bytes);
   client::RegisterOptions o;
   o.chunk_bytes = chunk;
   o.threads = 4;
