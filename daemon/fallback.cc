@@ -56,14 +56,6 @@ Decision Decide(const engram::v1::Hello& h, const NodeView& node) {
     add(engram::v1::DP_SHARED_MEMORY_DISABLED,
         "dp_shared_memory is false: this replica does not share the node's table");
   }
-  if (h.dp_size() <= 1) {
-    add(engram::v1::DP_SIZE_ONE, "data_parallel_size is 1: one replica has nothing to share");
-  }
-  if (h.dp_size() > 1 && h.local_dp_size() > 0 && h.local_dp_size() < h.dp_size()) {
-    add(engram::v1::NOT_COLOCATED,
-        absl::StrFormat("%d of %d DP replicas run on this node: sharing needs all of them on one node",
-                        h.local_dp_size(), h.dp_size()));
-  }
   if (h.elastic_ep()) {
     add(engram::v1::ELASTIC_EP, "elastic expert parallelism is not supported with dp_shared_memory");
   }
@@ -95,11 +87,24 @@ Decision Decide(const engram::v1::Hello& h, const NodeView& node) {
     d.mode = engram::v1::SHARED;
     return d;
   }
-  // SPEC 6: a replica that cannot share falls back to DP-sharded tables when it asked for embedding_across_dp (a
-  // node-local group of gcd(dp_size, local_dp_size) >= 2 replicas, not with elastic EP), else to a table of its own.
-  if (cfg.embedding_across_dp() && !h.elastic_ep() && DpGroupSize(h) >= 2) {
-    d.mode = engram::v1::DP_SHARDED;
-    return d;
+  // The node's copy is the daemon's, so neither the replica's dp_size nor how many of its DP group run on this node
+  // matters to sharing: a DP 1 engine, or one of a group spanning nodes, shares like any other. Those two only decide
+  // the fallback below: a replica that cannot share and asked for embedding_across_dp splits the table over a
+  // node-local group of gcd(dp_size, local_dp_size) >= 2 replicas (not with elastic EP), else holds its own.
+  if (cfg.embedding_across_dp() && !h.elastic_ep()) {
+    if (DpGroupSize(h) >= 2) {
+      d.mode = engram::v1::DP_SHARDED;
+      return d;
+    }
+    if (h.dp_size() <= 1) {
+      add(engram::v1::DP_SIZE_ONE,
+          "data_parallel_size is 1: embedding_across_dp has no group to split the table over");
+    } else {
+      add(engram::v1::NOT_COLOCATED,
+          absl::StrFormat("%d of %d DP replicas run on this node, which holds no embedding_across_dp group of two "
+                          "or more (gcd %d)",
+                          h.local_dp_size(), h.dp_size(), DpGroupSize(h)));
+    }
   }
   d.mode = cpu_offload ? engram::v1::PRIVATE_PINNED : engram::v1::DEVICE;
   return d;

@@ -61,6 +61,11 @@ engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const Repli
     rep->set_lease_id(r.lease_id);
     rep->set_attach(std::string(AttachName(r.attach)));
     rep->set_own_pid(r.hello.pid());
+    rep->set_dp_size(r.hello.dp_size());
+    rep->set_local_dp_size(r.hello.local_dp_size());
+    rep->set_tp_size(r.hello.tp_size());
+    const size_t slash = r.segment_key.rfind('/');
+    rep->set_segment(slash == std::string::npos ? r.segment_key : r.segment_key.substr(slash + 1));
     listed_bytes += rep->ByteSizeLong();
   }
   for (const auto& f : replicas.RecentFallbacks()) s.add_recent_fallbacks(f);

@@ -62,9 +62,13 @@ __global__ void HashKernel(LayoutView L, HashArgs a) {
       if (lb >= start_pos) {
         const int64_t tt = begin + (lb - start_pos);
         if (a.dead == nullptr || a.dead[tt] == 0) src = CompressOrDead(a.tokens[tt], L, a.error_flag);
-      } else if (a.lookback != nullptr) {
-        const int32_t raw = a.lookback[static_cast<int64_t>(r) * (N - 1) + (lb - start_pos + (N - 1))];
-        if (raw != -1) src = CompressOrDead(raw, L, a.error_flag);
+      } else {
+        // An unknown lookback id (-1, or no lookback given) hashes as the pad token and does not block: older
+        // known ids still count.
+        const int32_t raw = a.lookback == nullptr
+                                ? -1
+                                : a.lookback[static_cast<int64_t>(r) * (N - 1) + (lb - start_pos + (N - 1))];
+        src = raw == -1 ? static_cast<int32_t>(L.pad_compressed) : CompressOrDead(raw, L, a.error_flag);
       }
     }
     blocked = blocked || src < 0;

@@ -86,10 +86,14 @@ absl::Status HashIdsCpu(const Layout& layout, const TokenMap& token_map, const H
         } else if (!b.lookback.empty()) {
           const int64_t k = lb - start_pos + (N - 1);  // index into this request's lookback, oldest first
           const int32_t id = b.lookback[static_cast<size_t>(r * (N - 1) + k)];
-          if (id != -1) {
+          if (id == -1) {
+            c = static_cast<int32_t>(pad_c);  // unknown: hashes as the pad token and does not block older ids
+          } else {
             auto st = compress(id, &c);
             if (!st.ok()) return Invalid(absl::StrCat("lookback of request ", r, ": ", st.message()));
           }
+        } else {
+          c = static_cast<int32_t>(pad_c);  // no lookback given: every lookback id is unknown
         }
         src[static_cast<size_t>(s)] = c;
       }

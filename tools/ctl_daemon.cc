@@ -203,7 +203,11 @@ int CmdStatus(int argc, char** argv) {
     j["replicas"].push_back({{"pid", r.pid()},
                              {"uid", r.uid()},
                              {"dp_rank", r.dp_rank()},
+                             {"dp_size", r.dp_size()},
+                             {"local_dp_size", r.local_dp_size()},
                              {"tp_rank", r.tp_rank()},
+                             {"tp_size", r.tp_size()},
+                             {"segment", r.segment()},
                              {"mode", r.mode()},
                              {"backend", r.backend()},
                              {"reasons", ReasonsJson(r.reasons(), false)},
@@ -245,8 +249,9 @@ int CmdStatus(int argc, char** argv) {
     for (const auto& x : r.reasons()) reasons.push_back(engram::v1::FallbackReason_Name(x.code()));
     // A replica in another PID namespace shows pid 0 to the daemon: its own pid, marked, is more use.
     const std::string pid = r.pid() != 0 ? std::to_string(r.pid()) : absl::StrCat("~", r.own_pid());
-    std::cout << absl::StrFormat("%-8s %-6d %-6d %-6d %-15s %-11s %-12s %-10s %s\n", pid, r.uid(), r.dp_rank(),
-                                 r.tp_rank(), r.mode(), r.attach().empty() ? "-" : r.attach(),
+    std::cout << absl::StrFormat("%-8s %-6d %-6s %-6s %-15s %-11s %-12s %-10s %s\n", pid, r.uid(),
+                                 absl::StrFormat("%d/%d", r.dp_rank(), r.dp_size()),
+                                 absl::StrFormat("%d/%d", r.tp_rank(), r.tp_size()), r.mode(), r.attach().empty() ? "-" : r.attach(),
                                  absl::StrFormat("%.0fs", r.attached_seconds()),
                                  r.register_seconds() < 0 ? "-" : absl::StrFormat("%.2fs", r.register_seconds()),
                                  reasons.empty() ? "-" : absl::StrJoin(reasons, ","));

@@ -56,7 +56,8 @@ def main():
                             src = None if dflags[j] else tmap[toks[j]]
                         else:
                             k = q - start + (n - 1)
-                            src = None if lb[k] == -1 else tmap[lb[k]]
+                            # unknown lookback: the pad token, not a block (older known ids still count)
+                            src = pad_c if lb[k] == -1 else tmap[lb[k]]
                         blocked = blocked or src is None
                         v = pad_c if blocked else src
                         rolling ^= v * m[s]
@@ -90,6 +91,12 @@ def main():
             (2, rand_tokens(2), [0, 0], rand_tokens(nl)),
         ]),
         case("every token id of the vocabulary", [(0, list(range(V)), [0] * V, [-1] * nl)]),
+        # An unknown lookback id newer than known ones: it hashes as pad and the older known ids still count.
+        case("unknown lookback newer than known", [
+            (12, rand_tokens(3), [0] * 3, rand_tokens(nl - 1) + [-1]),
+            (7, rand_tokens(1), [0], [-1] + rand_tokens(nl - 2) + [-1]),
+            (30, rand_tokens(2), [0, 0], [-1] * nl),
+        ]),
     ]
     json.dump({"config": sys.argv[1].split("/")[-1], "cases": cases}, sys.stdout)
 

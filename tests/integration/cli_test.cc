@@ -83,7 +83,14 @@ TEST_F(CliTest, PlanSaysWhetherDpSharedMemoryWorksAndWhy) {
   r = RunCmd(Ctl() + " plan --checkpoint " + Ckpt() + " --tp 1 --dp 4 --local-dp 2 --elastic-ep --json");
   j = json::parse(r.out);
   EXPECT_EQ(j["dp_shared_memory"]["works"], false);
-  EXPECT_EQ(j["dp_shared_memory"]["reasons"], json({"NOT_COLOCATED", "ELASTIC_EP"}));
+  EXPECT_EQ(j["dp_shared_memory"]["reasons"], json({"ELASTIC_EP"}));
+  // Any DP layout shares: a DP 1 engine, and one node's half of a DP 16 group.
+  for (const char* dp : {"--dp 1", "--dp 16 --local-dp 8"}) {
+    r = RunCmd(Ctl() + " plan --checkpoint " + Ckpt() + " --tp 1 " + dp + " --json");
+    j = json::parse(r.out);
+    EXPECT_EQ(j["dp_shared_memory"]["works"], true) << dp << ": " << r.out;
+    EXPECT_EQ(j["dp_shared_memory"]["reasons"], json::array()) << dp;
+  }
   r = RunCmd(Ctl() + " plan --config " + DataPath("configs/v41-flash.json") + " --dp 2 --shm-dir /nonexistent");
   EXPECT_NE(r.out.find("dp_shared_memory: would fall back to PRIVATE_PINNED"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("SHM_MISSING"), std::string::npos) << r.out;

@@ -178,8 +178,9 @@ TEST_F(ClientFaultsTest, StatusShowsTheModeTheReplicaRuns) {
     std::string mode;
     std::set<std::string> must;
   } cases[] = {
-      {1, true, client::Choice::kAuto, "PRIVATE_PINNED", {"DP_SIZE_ONE"}},  // a DP group of one: own table
-      {1, false, client::Choice::kAuto, "PRIVATE_PINNED", {"DP_SIZE_ONE"}},
+      {1, true, client::Choice::kAuto, "SHARED", {}},  // a DP 1 engine shares the node's copy
+      {1, false, client::Choice::kAuto, "SHARED", {}},
+      {1, false, client::Choice::kTrue, "SHARED", {}},
   };
   for (const auto& k : cases) {
     FaultEnv env;
@@ -215,7 +216,9 @@ TEST_F(ClientFaultsTest, PrivateTableThatCannotBeMappedIsAClearError) {
   FaultEnv env;
   env.fail_anonymous_mmap = true;
   auto c = client::Client::Connect(Options(&env));
-  auto t = (*c)->Attach(Request(1));
+  auto req = Request(1);
+  req.elastic_ep = true;  // a fallback to a private table, which cannot be mapped
+  auto t = (*c)->Attach(req);
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(t.status().code(), absl::StatusCode::kResourceExhausted) << t.status();
   EXPECT_NE(t.status().message().find("private table"), std::string::npos) << t.status();

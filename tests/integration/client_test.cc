@@ -110,13 +110,13 @@ TEST_F(ClientTest, EveryFallbackServesCorrectRowsAndSaysWhy) {
   struct Case {
     std::string args, reason, mode;
   } cases[] = {
-      {"--dp-size 1", "DP_SIZE_ONE", "PRIVATE_PINNED"},
-      {"--dp-size 4 --local-dp-size 2", "NOT_COLOCATED", "PRIVATE_PINNED"},
       {"--dp-size 4 --elastic-ep", "ELASTIC_EP", "PRIVATE_PINNED"},
       {"--dp-size 4 --cpu-offload false", "CPU_OFFLOAD_DISABLED", "DEVICE"},
       {"--dp-size 4 --no-descriptor --shm-dir /tmp", "SHM_NOT_VISIBLE", "PRIVATE_PINNED"},  // neither way reaches it
       {"--dp-size 4 --tp-size 3", "SEGMENT_NOT_READY", "PRIVATE_PINNED"},
-      {"--dp-size 4 --embedding-across-dp --dp-size 1", "DP_SIZE_ONE", "PRIVATE_PINNED"},  // a group of one
+      // Tables on the GPU and a DP group of one: no group to split over.
+      {"--embedding-across-dp --dp-size 1 --cpu-offload false", "DP_SIZE_ONE", "DEVICE"},
+      {"--embedding-across-dp --dp-size 3 --local-dp-size 2 --cpu-offload false", "NOT_COLOCATED", "DEVICE"},
       {"--dp-size 4 --dp-shared-memory false", "DP_SHARED_MEMORY_DISABLED", "PRIVATE_PINNED"},
   };
   for (const auto& c : cases) {
@@ -128,14 +128,14 @@ TEST_F(ClientTest, EveryFallbackServesCorrectRowsAndSaysWhy) {
     EXPECT_EQ(j["mismatches"], 0) << c.args;
   }
   // A fallback replica stays visible in engramctl status, with its mode and reason, while it runs.
-  Process holder(Replica("--dp-size 1 --hold 600 --verify 4"), dir_ / "holder.log");
+  Process holder(Replica("--dp-size 4 --elastic-ep --hold 600 --verify 4"), dir_ / "holder.log");
   ASSERT_TRUE(WaitFor([&] { return holder.Output().find("\"attached\"") != std::string::npos; },
                       std::chrono::seconds(20)));
   auto st = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
   json status = json::parse(st.out);
   ASSERT_EQ(status["replicas"].size(), 1u) << st.out;
   EXPECT_EQ(status["replicas"][0]["mode"], "PRIVATE_PINNED");
-  EXPECT_TRUE(Reasons(status["replicas"][0]).count("DP_SIZE_ONE")) << st.out;
+  EXPECT_TRUE(Reasons(status["replicas"][0]).count("ELASTIC_EP")) << st.out;
   EXPECT_EQ(status["replicas"][0]["pid"], holder.pid());
   holder.Signal(SIGTERM);
   holder.Wait();
@@ -147,12 +147,14 @@ TEST_F(ClientTest, EveryFallbackServesCorrectRowsAndSaysWhy) {
   EXPECT_TRUE(Reasons(LastJson(p.Output())).count("DAEMON_UNAVAILABLE")) << p.Output();
   // Explicit dp_shared_memory true: a fallback is an error that carries the reasons.
   int code = 0;
-  json err = Run("--dp-size 1 --dp-shared-memory true", &code);
+  json err = Run("--dp-size 4 --elastic-ep --dp-shared-memory true", &code);
   EXPECT_EQ(code, 1);
-  EXPECT_NE(err["error"].get<std::string>().find("DP_SIZE_ONE"), std::string::npos) << err.dump();
-  json ok = Run("--dp-size 4 --dp-shared-memory true", &code);
-  EXPECT_EQ(code, 0) << ok.dump();
-  EXPECT_EQ(ok["mode"], "SHARED");
+  EXPECT_NE(err["error"].get<std::string>().find("ELASTIC_EP"), std::string::npos) << err.dump();
+  for (const char* dp : {"--dp-size 4", "--dp-size 1"}) {  // a DP 1 engine asking for sharing gets it
+    json ok = Run(std::string(dp) + " --dp-shared-memory true", &code);
+    EXPECT_EQ(code, 0) << dp << ": " << ok.dump();
+    EXPECT_EQ(ok["mode"], "SHARED") << dp;
+  }
 }
 
 // Registration fails (no CAP_IPC_LOCK and a zero memlock limit: the CPU backend's pin fails, as cudaHostRegister
@@ -298,6 +300,27 @@ TEST_F(ClientTest, SharedAndPrivateRowsEqualTheGeneratorsFormula) {
   }
 }
 
+// The common deployments that are not one DP group on one node: engines started separately (each DP 1), and one
+// node's half of a DP 16 group that spans two nodes. Every replica shares the daemon's segment, with no reason but
+// the missing GPU, and reads the checkpoint's rows.
+TEST_F(ClientTest, EveryDpLayoutSharesTheNodesCopy) {
+  std::vector<Process> ps;
+  for (int r = 0; r < 2; ++r) {
+    ps.emplace_back(Replica("--dp-size 16 --local-dp-size 8 --dp-rank " + std::to_string(8 + r) + " --verify 200"),
+                    dir_ / ("dp16-" + std::to_string(r) + ".log"));
+  }
+  ps.emplace_back(Replica("--dp-size 1 --verify 200"), dir_ / "dp1.log");
+  ps.emplace_back(Replica("--dp-size 1 --tp-size 2 --tp-rank 1 --verify 200"), dir_ / "dp1-tp2.log");
+  for (auto& p : ps) {
+    EXPECT_EQ(p.Wait(), 0) << p.Output();
+    json j = LastJson(p.Output());
+    EXPECT_EQ(j["mode"], "SHARED") << p.Output();
+    EXPECT_EQ(Reasons(j), std::set<std::string>{"NO_CUDA_DEVICE"}) << p.Output();
+    EXPECT_GT(j["verified"].get<int>(), 100);
+    EXPECT_EQ(j["mismatches"], 0);
+  }
+}
+
 long PssKib(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/smaps_rollup");
   std::string k;
@@ -351,6 +374,44 @@ TEST_F(ClientTest, FourSharedReplicasHoldOneCopyOfTheTable) {
       p.Signal(SIGKILL);
       p.Wait();
     }
+  }
+}
+
+// Four engines started separately, each with dp_size 1 (one `vllm serve` per GPU group): all SHARED on the one
+// segment, and together they hold one copy of the table (PSS), not four.
+TEST_F(ClientTest, FourSeparateDpOneEnginesShareOneCopy) {
+  std::vector<Process> ps;
+  for (int r = 0; r < 4; ++r) {
+    ps.emplace_back(Replica("--dp-size 1 --hold 600 --verify 4"), dir_ / ("e" + std::to_string(r) + ".log"));
+  }
+  for (auto& p : ps) {
+    ASSERT_TRUE(WaitFor([&] { return p.Output().find("\"attached\"") != std::string::npos; }, std::chrono::seconds(30)))
+        << p.Output();
+  }
+  long pss = 0;
+  for (auto& p : ps) {
+    ASSERT_TRUE(p.Running()) << p.Output();
+    const long k = PssKib(p.pid());
+    ASSERT_GT(k, 0) << p.Output();
+    pss += k;
+    ASSERT_TRUE(p.Running()) << "exited while its PSS was read: " << p.Output();
+  }
+  auto st = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
+  json status = json::parse(st.out);
+  ASSERT_EQ(status["replicas"].size(), 4u) << st.out;
+  std::set<std::string> segments;
+  for (const auto& r : status["replicas"]) {
+    EXPECT_EQ(r["mode"], "SHARED") << st.out;
+    EXPECT_EQ(r["dp_size"], 1) << st.out;
+    segments.insert(r["segment"].get<std::string>());
+  }
+  EXPECT_EQ(segments.size(), 1u) << "every engine maps the one segment: " << st.out;
+  std::cout << "[ memory ] 4 separate DP 1 engines, 96 MiB table: PSS total " << pss / 1024 << " MiB\n";
+  EXPECT_LT(pss / 1024.0, 2.0 * 96.0) << "four DP 1 engines must hold one copy between them";
+  for (auto& p : ps) {
+    EXPECT_EQ(JsonLineMode(p.Output()), "SHARED") << p.Output();
+    p.Signal(SIGKILL);
+    p.Wait();
   }
 }
 

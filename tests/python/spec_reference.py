@@ -238,7 +238,8 @@ class Spec:
                     else:
                         k = (self.N - 1) - (start - lb)      # lookback is oldest first
                         rid = -1 if lookback is None else int(lookback[r][k])
-                        src.append(DEAD if rid == -1 else int(self.tmap[rid]))
+                        # an unknown lookback id counts as the pad token and blocks nothing
+                        src.append(self.pad_c if rid == -1 else int(self.tmap[rid]))
                 for li in range(len(self.layer_ids)):
                     rolling, blocked = 0, False
                     for s in range(self.N):

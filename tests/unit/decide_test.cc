@@ -67,10 +67,6 @@ TEST(DecideTest, EveryReasonAloneWithItsMode) {
        engram::v1::PRIVATE_PINNED, "never shared"},
       {"cpu_offload false", [](auto& h, auto&) { h.mutable_config()->set_cpu_offload(engram::v1::DISABLED); },
        engram::v1::CPU_OFFLOAD_DISABLED, engram::v1::DEVICE, "cpu_offload"},
-      {"dp 1", [](auto& h, auto&) { h.set_dp_size(1); h.set_dp_rank(0); h.set_local_dp_size(1); },
-       engram::v1::DP_SIZE_ONE, engram::v1::PRIVATE_PINNED, "data_parallel_size is 1"},
-      {"not colocated", [](auto& h, auto&) { h.set_local_dp_size(2); }, engram::v1::NOT_COLOCATED,
-       engram::v1::PRIVATE_PINNED, "2 of 4 DP replicas"},
       {"elastic ep", [](auto& h, auto&) { h.set_elastic_ep(true); }, engram::v1::ELASTIC_EP,
        engram::v1::PRIVATE_PINNED, "elastic"},
       {"fingerprint", [](auto&, auto& n) { n.checkpoint_served = false; }, engram::v1::FINGERPRINT_MISMATCH,
@@ -115,17 +111,60 @@ TEST(DecideTest, TheDaemonNeverDecidesShmNotVisible) {
 
 TEST(DecideTest, EveryReasonThatAppliesIsNamed) {
   auto h = CleanHello();
-  h.set_dp_size(1);
-  h.set_dp_rank(0);
-  h.set_local_dp_size(1);
   h.set_elastic_ep(true);
   h.mutable_config()->set_cpu_offload(engram::v1::DISABLED);
   NodeView n = CleanNode();
   n.checkpoint_served = false;
   Decision d = Decide(h, n);
-  EXPECT_EQ(Codes(d), (std::set<FallbackReason>{engram::v1::DP_SIZE_ONE, engram::v1::ELASTIC_EP,
-                                                engram::v1::CPU_OFFLOAD_DISABLED, engram::v1::FINGERPRINT_MISMATCH}));
+  EXPECT_EQ(Codes(d), (std::set<FallbackReason>{engram::v1::ELASTIC_EP, engram::v1::CPU_OFFLOAD_DISABLED,
+                                                engram::v1::FINGERPRINT_MISMATCH}));
   EXPECT_EQ(d.mode, engram::v1::DEVICE);
+}
+
+// The node's copy is the daemon's: a replica shares whatever its DP layout (a DP 1 engine started on its own, one
+// member of a DP group that spans nodes, an odd split), with no reason named.
+TEST(DecideTest, EveryDpLayoutShares) {
+  struct Layout {
+    int dp, rank, local;
+  } layouts[] = {{1, 0, 1}, {1, 0, 0}, {16, 9, 8}, {4, 3, 2}, {3, 1, 2}, {8, 7, 1}, {2, 1, 0}};
+  for (bool across : {false, true}) {
+    for (const auto& l : layouts) {
+      auto h = CleanHello();
+      h.set_dp_size(l.dp);
+      h.set_dp_rank(l.rank);
+      h.set_local_dp_size(l.local);
+      h.mutable_config()->set_embedding_across_dp(across);
+      for (auto shared : {engram::v1::AUTO, engram::v1::ENABLED}) {
+        h.mutable_config()->set_dp_shared_memory(shared);
+        Decision d = Decide(h, CleanNode());
+        EXPECT_TRUE(d.share) << "dp " << l.dp << " local " << l.local << " across " << across;
+        EXPECT_EQ(d.mode, engram::v1::SHARED);
+        EXPECT_TRUE(d.reasons.empty()) << "dp " << l.dp << ": " << d.reasons[0].hint();
+      }
+    }
+  }
+}
+
+// DP_SIZE_ONE and NOT_COLOCATED say why no embedding_across_dp group formed, for a replica that could not share.
+TEST(DecideTest, DpLayoutReasonsNameTheMissingDpShardedGroup) {
+  auto h = CleanHello();
+  h.mutable_config()->set_cpu_offload(engram::v1::DISABLED);
+  h.mutable_config()->set_embedding_across_dp(true);
+  h.set_dp_size(1);
+  h.set_dp_rank(0);
+  h.set_local_dp_size(1);
+  Decision d = Decide(h, CleanNode());
+  EXPECT_EQ(d.mode, engram::v1::DEVICE);
+  EXPECT_EQ(Codes(d), (std::set<FallbackReason>{engram::v1::CPU_OFFLOAD_DISABLED, engram::v1::DP_SIZE_ONE}));
+  h.set_dp_size(3);
+  h.set_local_dp_size(2);  // gcd 1: no group of two on this node
+  d = Decide(h, CleanNode());
+  EXPECT_EQ(d.mode, engram::v1::DEVICE);
+  EXPECT_EQ(Codes(d), (std::set<FallbackReason>{engram::v1::CPU_OFFLOAD_DISABLED, engram::v1::NOT_COLOCATED}));
+  // Without embedding_across_dp the DP layout is never a reason.
+  h.mutable_config()->set_embedding_across_dp(false);
+  d = Decide(h, CleanNode());
+  EXPECT_EQ(Codes(d), (std::set<FallbackReason>{engram::v1::CPU_OFFLOAD_DISABLED}));
 }
 
 TEST(DecideTest, EmbeddingAcrossDpFallsBackToDpShardedWhereItCan) {
@@ -152,14 +191,16 @@ TEST(DecideTest, EmbeddingAcrossDpFallsBackToDpShardedWhereItCan) {
   // A node-local group of one (dp 4, but gcd(4, 3 local) = 1): nothing to shard across.
   h = CleanHello();
   h.mutable_config()->set_embedding_across_dp(true);
+  h.mutable_config()->set_dp_shared_memory(engram::v1::DISABLED);
   h.set_local_dp_size(3);
   d = Decide(h, CleanNode());
   EXPECT_EQ(d.mode, engram::v1::PRIVATE_PINNED);
-  // Two groups of two on a node holding 2 of 4 replicas: DP_SHARDED (NOT_COLOCATED says why not shared).
+  EXPECT_TRUE(Codes(d).count(engram::v1::NOT_COLOCATED));
+  // Two groups of two on a node holding 2 of 4 replicas: DP_SHARDED, and the layout is no reason.
   h.set_local_dp_size(2);
   d = Decide(h, CleanNode());
   EXPECT_EQ(d.mode, engram::v1::DP_SHARDED);
-  EXPECT_TRUE(Codes(d).count(engram::v1::NOT_COLOCATED));
+  EXPECT_EQ(Codes(d), (std::set<FallbackReason>{engram::v1::DP_SHARED_MEMORY_DISABLED}));
 }
 
 TEST(DecideTest, EmbeddingAcrossDpSharesWhenSharingWorks) {
