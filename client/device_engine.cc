@@ -155,26 +155,35 @@ absl::Status DeviceEngine::Hash(const int32_t* tokens, const int64_t* positions,
 
 absl::Status DeviceEngine::Lookup(int l, const int32_t* ids, int32_t num_tokens, int64_t ids_stride, void* out,
                                   bool packed) {
-  if (l < 0 || l >= static_cast<int>(table_->layers().size())) {
-    return absl::InvalidArgumentError(absl::StrCat("layer index ", l, " out of range"));
-  }
-  if (num_tokens < 0 || num_tokens > max_tokens_) {
-    return absl::InvalidArgumentError(absl::StrCat(num_tokens, " tokens; the engine was sized for ", max_tokens_));
-  }
+  return LookupInto(l, ids, num_tokens, ids_stride, out, packed, LookupWindow{});
+}
+
+absl::Status DeviceEngine::LookupInto(int l, const int32_t* ids, int32_t num_tokens, int64_t ids_stride, void* out,
+                                      bool packed, const LookupWindow& window) {
+  ASSIGN_OR_RETURN(const LookupWindow w,
+                   CheckWindow(*table_, l, ids, num_tokens, max_tokens_, ids_stride, out, packed, window));
   kernels::LookupArgs a;
   a.records = table_->device_records(l);
   a.row_begin = table_->layers()[static_cast<size_t>(l)].row_begin;
   a.row_end = table_->layers()[static_cast<size_t>(l)].row_end;
   a.head_dim = static_cast<int32_t>(table_->head_dim());
-  a.ids = ids;
+  a.ids = ids == nullptr ? nullptr : ids + w.col_begin;
   a.num_tokens = num_tokens;
-  a.num_cols = static_cast<int32_t>(table_->n_cols());
+  a.num_cols = w.num_cols;
   a.ids_stride = ids_stride;
   a.out = out;
+  a.out_token_stride = w.out_token_stride;
   a.packed = packed;
+  // A background lookup (a side stream beside the model's kernels) takes half of the GPU at most.
+  if (w.background) a.max_blocks = std::max(1, kernels::DeviceSmCount() / 2);
   a.sort_scratch = sort_scratch_;
   a.sort_scratch_bytes = sort_bytes_;
   return kernels::CudaStatus(kernels::LaunchLookup(a, stream_), "lookup kernel");
+}
+
+absl::Status DeviceEngine::SetStream(void* stream) {
+  stream_ = static_cast<cudaStream_t>(stream);
+  return absl::OkStatus();
 }
 
 absl::Status DeviceEngine::Gate(const GateInputs& g) {

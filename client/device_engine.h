@@ -43,7 +43,10 @@ class DeviceEngine final : public LookupEngine {
   // Rows of layer `l` for ids[t * ids_stride + c]: bf16 [T, n_cols, head_dim] or packed [T, n_cols, record_bytes].
   absl::Status Lookup(int l, const int32_t* ids, int32_t num_tokens, int64_t ids_stride, void* out,
                       bool packed) override;
+  absl::Status LookupInto(int l, const int32_t* ids, int32_t num_tokens, int64_t ids_stride, void* out, bool packed,
+                          const LookupWindow& window) override;
   absl::Status Gate(const GateInputs& g) override;
+  absl::Status SetStream(void* stream) override;
   // Every layer's lookup on the side stream, after the work already queued on the engine's stream.
   absl::Status Prefetch(const int32_t* hash_ids, int32_t num_tokens) override;
   absl::Status Wait(int l) override;

@@ -65,6 +65,11 @@ class DpDeviceEngine final : public LookupEngine {
     return inner_->Hash(tokens, positions, qsl, lookback, dead, T, R, out);
   }
   absl::Status Gate(const GateInputs& g) override { return inner_->Gate(g); }
+  // Later steps run on `stream` (the exchange takes its stream per step; the side stream forks from this one).
+  absl::Status SetStream(void* stream) override {
+    stream_ = static_cast<cudaStream_t>(stream);
+    return inner_->SetStream(stream);
+  }
 
   absl::Status Lookup(int l, const int32_t* ids, int32_t T, int64_t stride, void* out, bool packed) override {
     const int L = static_cast<int>(staging_.size());

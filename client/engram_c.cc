@@ -16,13 +16,6 @@
 #include "client/lookup_engine.h"
 #include "engram/v1/engram.grpc.pb.h"
 
-#ifdef ENGRAM_HAVE_CUDA
-#include <cuda_runtime_api.h>
-
-#include "kernels/device_layout.h"
-#include "kernels/engram_kernels.h"
-#include "kernels/prefetch.h"
-#endif
 
 // The C enum carries the same numbers as the C++ one (and the wire protocol's).
 static_assert(ENGRAM_REASON_SHM_MISSING == static_cast<int>(engram::client::ReasonCode::kShmMissing) &&
@@ -59,35 +52,25 @@ absl::Status CheckTokens(int32_t n, int32_t max_tokens) {
   return absl::OkStatus();
 }
 
-#ifdef ENGRAM_HAVE_CUDA
-// The CUDA path of an engram_engine: DeviceEngine's pieces (device layout, prefetcher with fixed staging buffers,
-// sort scratch) with the stream given per call instead of fixed at creation, so that the engine follows torch's
-// current stream (graph capture runs on a side stream torch picks).
-struct CudaPath {
-  const engram::client::Table* table = nullptr;
-  std::unique_ptr<engram::kernels::DeviceLayout> layout;
-  engram::kernels::Prefetcher prefetcher;
-  void* sort_scratch = nullptr;
-  size_t sort_bytes = 0;
-  ~CudaPath() {
-    if (sort_scratch != nullptr) cudaFree(sort_scratch);
-  }
-};
-
-cudaStream_t AsStream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
-#endif
 
 }  // namespace
 
+// The engine behind the C ABI is the library's LookupEngine (every lookup path, DP_SHARDED included); each call
+// first points it at the caller's stream.
 struct engram_engine {
   const engram_table* table = nullptr;
   int32_t max_tokens = 0;
   std::string backend;
-  std::unique_ptr<engram::client::LookupEngine> cpu;  // the CPU backend
-#ifdef ENGRAM_HAVE_CUDA
-  std::unique_ptr<CudaPath> cuda;
-#endif
+  std::unique_ptr<engram::client::LookupEngine> engine;
 };
+
+namespace {
+
+void* AsStream(uintptr_t s) { return reinterpret_cast<void*>(s); }
+
+int Done(const absl::Status& st, char* err, size_t err_len) { return st.ok() ? 0 : Fail(st, err, err_len); }
+
+}  // namespace
 
 extern "C" {
 
@@ -255,6 +238,12 @@ double engram_table_rms_norm_eps(const engram_table* t) { return t ? t->table->l
 int64_t engram_table_pad_token_id(const engram_table* t) { return t ? t->table->layout().config().pad_token_id : -1; }
 double engram_table_register_seconds(const engram_table* t) { return t ? t->table->register_seconds() : -1; }
 
+int engram_table_records(const engram_table* t, int layer, const uint8_t** records) {
+  if (!LayerOk(t, layer) || records == nullptr) return static_cast<int>(absl::StatusCode::kInvalidArgument);
+  *records = t->table->records(layer);
+  return 0;
+}
+
 int engram_engine_create(const engram_table* t, int32_t max_tokens, uintptr_t stream, engram_engine** out, char* err,
                          size_t err_len) {
   if (t == nullptr || out == nullptr) {
@@ -265,44 +254,9 @@ int engram_engine_create(const engram_table* t, int32_t max_tokens, uintptr_t st
   e->table = t;
   e->max_tokens = max_tokens;
   e->backend = engram::client::BackendName(t->table->backend());
-  if (t->table->backend() == engram::client::Backend::kCuda &&
-      t->table->mode() == engram::client::Mode::kDpSharded) {
-    // This CUDA path reads the table's own records; a DP_SHARDED table holds only this rank's shard and needs the
-    // group's exchange (LookupEngine::Create). Refused rather than returning zero rows for the others' columns.
-    return Fail(absl::FailedPreconditionError(
-                    "engram_engine_create: a DP_SHARDED table on the GPU needs the C++ LookupEngine (the group's "
-                    "exchange); the C/Python engine runs SHARED, PRIVATE_PINNED and DEVICE tables"),
-                err, err_len);
-  }
-  if (t->table->backend() == engram::client::Backend::kCuda) {
-#ifdef ENGRAM_HAVE_CUDA
-    (void)stream;  // every call names its stream
-    const auto& table = *t->table;
-    auto c = std::make_unique<CudaPath>();
-    c->table = &table;
-    auto layout = engram::kernels::DeviceLayout::Upload(table.layout(), table.token_map());
-    if (!layout.ok()) return Fail(layout.status(), err, err_len);
-    c->layout = std::move(*layout);
-    std::vector<engram::kernels::LayerTable> tables;
-    for (size_t l = 0; l < table.layers().size(); ++l) {
-      tables.push_back({table.device_records(static_cast<int>(l)), table.layers()[l].row_begin,
-                        table.layers()[l].row_end});
-    }
-    absl::Status st = c->prefetcher.Init(tables, max_tokens, static_cast<int32_t>(table.n_cols()),
-                                         static_cast<int32_t>(table.head_dim()));
-    if (!st.ok()) return Fail(st, err, err_len);
-    c->sort_bytes = engram::kernels::LookupSortScratchBytes(static_cast<int64_t>(max_tokens) * table.n_cols());
-    st = engram::kernels::CudaStatus(cudaMalloc(&c->sort_scratch, c->sort_bytes), "sort scratch");
-    if (!st.ok()) return Fail(st, err, err_len);
-    e->cuda = std::move(c);
-#else
-    return Fail(absl::InternalError("a CUDA table in a build without CUDA"), err, err_len);
-#endif
-  } else {
-    auto engine = engram::client::LookupEngine::Create(*t->table, max_tokens);
-    if (!engine.ok()) return Fail(engine.status(), err, err_len);
-    e->cpu = std::move(*engine);
-  }
+  auto engine = engram::client::LookupEngine::Create(*t->table, max_tokens, AsStream(stream));
+  if (!engine.ok()) return Fail(engine.status(), err, err_len);
+  e->engine = std::move(*engine);
   *out = e.release();
   return 0;
 }
@@ -320,18 +274,9 @@ int engram_engine_hash(engram_engine* e, const int32_t* tokens, const int64_t* p
                   (num_tokens > 0 && (tokens == nullptr || positions == nullptr || out == nullptr)))) {
     st = absl::InvalidArgumentError("hash: null input or no request");
   }
-  if (!st.ok()) return Fail(st, err, err_len);
-#ifdef ENGRAM_HAVE_CUDA
-  if (e->cuda) {
-    engram::kernels::HashArgs a{tokens, positions, qsl, lookback, dead, num_tokens, num_requests, out, nullptr};
-    st = engram::kernels::CudaStatus(engram::kernels::LaunchHash(e->cuda->layout->view(), a, AsStream(stream)),
-                                     "hash kernel");
-    return st.ok() ? 0 : Fail(st, err, err_len);
-  }
-#endif
-  (void)stream;
-  st = e->cpu->Hash(tokens, positions, qsl, lookback, dead, num_tokens, num_requests, out);
-  return st.ok() ? 0 : Fail(st, err, err_len);
+  if (st.ok()) st = e->engine->SetStream(AsStream(stream));
+  if (st.ok()) st = e->engine->Hash(tokens, positions, qsl, lookback, dead, num_tokens, num_requests, out);
+  return Done(st, err, err_len);
 }
 
 int engram_engine_lookup(engram_engine* e, int layer, const int32_t* ids, int32_t num_tokens, int64_t ids_stride,
@@ -349,28 +294,28 @@ int engram_engine_lookup(engram_engine* e, int layer, const int32_t* ids, int32_
   if (!st.ok()) return Fail(st, err, err_len);
   // A DP_SHARDED rank with no tokens still takes part in the step (every lookup is a collective).
   if (num_tokens == 0 && e->table->table->mode() != engram::client::Mode::kDpSharded) return 0;
-#ifdef ENGRAM_HAVE_CUDA
-  if (e->cuda) {
-    const auto& table = *e->table->table;
-    engram::kernels::LookupArgs a;
-    a.records = table.device_records(layer);
-    a.row_begin = table.layers()[static_cast<size_t>(layer)].row_begin;
-    a.row_end = table.layers()[static_cast<size_t>(layer)].row_end;
-    a.head_dim = static_cast<int32_t>(table.head_dim());
-    a.ids = ids;
-    a.num_tokens = num_tokens;
-    a.num_cols = static_cast<int32_t>(C);
-    a.ids_stride = ids_stride;
-    a.out = out;
-    a.packed = packed != 0;
-    a.sort_scratch = e->cuda->sort_scratch;
-    a.sort_scratch_bytes = e->cuda->sort_bytes;
-    st = engram::kernels::CudaStatus(engram::kernels::LaunchLookup(a, AsStream(stream)), "lookup kernel");
-    return st.ok() ? 0 : Fail(st, err, err_len);
+  st = e->engine->SetStream(AsStream(stream));
+  if (st.ok()) st = e->engine->Lookup(layer, ids, num_tokens, ids_stride, out, packed != 0);
+  return Done(st, err, err_len);
+}
+
+int engram_engine_lookup_into(engram_engine* e, int layer, const int32_t* ids, int32_t num_tokens,
+                              int64_t ids_stride, int32_t col_begin, int32_t num_cols, void* out,
+                              int64_t out_token_stride, int flags, uintptr_t stream, char* err, size_t err_len) {
+  if (e == nullptr) return Fail(absl::InvalidArgumentError("lookup_into: null engine"), err, err_len);
+  if ((flags & ~(ENGRAM_LOOKUP_PACKED | ENGRAM_LOOKUP_BACKGROUND)) != 0) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat("lookup_into: unknown flags ", flags)), err, err_len);
   }
-#endif
-  st = e->cpu->Lookup(layer, ids, num_tokens, ids_stride, out, packed != 0);
-  return st.ok() ? 0 : Fail(st, err, err_len);
+  engram::client::LookupWindow w;
+  w.col_begin = col_begin;
+  w.num_cols = num_cols;
+  w.out_token_stride = out_token_stride;
+  w.background = (flags & ENGRAM_LOOKUP_BACKGROUND) != 0;
+  absl::Status st = e->engine->SetStream(AsStream(stream));
+  if (st.ok()) {
+    st = e->engine->LookupInto(layer, ids, num_tokens, ids_stride, out, (flags & ENGRAM_LOOKUP_PACKED) != 0, w);
+  }
+  return Done(st, err, err_len);
 }
 
 int engram_engine_prefetch(engram_engine* e, const int32_t* hash_ids, int32_t num_tokens, uintptr_t stream, char* err,
@@ -378,36 +323,46 @@ int engram_engine_prefetch(engram_engine* e, const int32_t* hash_ids, int32_t nu
   if (e == nullptr) return Fail(absl::InvalidArgumentError("prefetch: null engine"), err, err_len);
   absl::Status st = CheckTokens(num_tokens, e->max_tokens);
   if (st.ok() && num_tokens > 0 && hash_ids == nullptr) st = absl::InvalidArgumentError("prefetch: null hash ids");
-  if (!st.ok()) return Fail(st, err, err_len);
-#ifdef ENGRAM_HAVE_CUDA
-  if (e->cuda) {
-    st = e->cuda->prefetcher.Prefetch(hash_ids, num_tokens, AsStream(stream));
-    return st.ok() ? 0 : Fail(st, err, err_len);
-  }
-#endif
-  st = e->cpu->Prefetch(hash_ids, num_tokens);
-  return st.ok() ? 0 : Fail(st, err, err_len);
+  if (st.ok()) st = e->engine->SetStream(AsStream(stream));
+  if (st.ok()) st = e->engine->Prefetch(hash_ids, num_tokens);
+  return Done(st, err, err_len);
 }
 
 int engram_engine_wait(engram_engine* e, int layer, uintptr_t stream, char* err, size_t err_len) {
   if (e == nullptr) return Fail(absl::InvalidArgumentError("wait: null engine"), err, err_len);
   if (!LayerOk(e->table, layer)) return Fail(absl::InvalidArgumentError("wait: layer out of range"), err, err_len);
-#ifdef ENGRAM_HAVE_CUDA
-  if (e->cuda) {
-    absl::Status st = e->cuda->prefetcher.Wait(layer, AsStream(stream));
-    return st.ok() ? 0 : Fail(st, err, err_len);
-  }
-#endif
-  absl::Status st = e->cpu->Wait(layer);
-  return st.ok() ? 0 : Fail(st, err, err_len);
+  absl::Status st = e->engine->SetStream(AsStream(stream));
+  if (st.ok()) st = e->engine->Wait(layer);
+  return Done(st, err, err_len);
 }
 
 void* engram_engine_staging(const engram_engine* e, int layer) {
   if (e == nullptr || !LayerOk(e->table, layer)) return nullptr;
-#ifdef ENGRAM_HAVE_CUDA
-  if (e->cuda) return e->cuda->prefetcher.staging(layer);
-#endif
-  return e->cpu->staging(layer);
+  return e->engine->staging(layer);
+}
+
+int engram_engine_set_lookup_path(engram_engine* e, int path, char* err, size_t err_len) {
+  if (e == nullptr) return Fail(absl::InvalidArgumentError("set_lookup_path: null engine"), err, err_len);
+  using engram::client::LookupPath;
+  if (path != ENGRAM_LOOKUP_PATH_AUTO && path != ENGRAM_LOOKUP_PATH_UVA && path != ENGRAM_LOOKUP_PATH_HOST_GATHER) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat("set_lookup_path: unknown path ", path)), err, err_len);
+  }
+  const LookupPath p = path == ENGRAM_LOOKUP_PATH_UVA           ? LookupPath::kUva
+                       : path == ENGRAM_LOOKUP_PATH_HOST_GATHER ? LookupPath::kHostGather
+                                                                : LookupPath::kAuto;
+  return Done(e->engine->SetLookupPath(p), err, err_len);
+}
+
+int engram_engine_last_lookup_path(const engram_engine* e) {
+  if (e == nullptr) return -1;
+  switch (e->engine->last_lookup_path()) {
+    case engram::client::LookupPath::kUva:
+      return ENGRAM_LOOKUP_PATH_UVA;
+    case engram::client::LookupPath::kHostGather:
+      return ENGRAM_LOOKUP_PATH_HOST_GATHER;
+    default:
+      return ENGRAM_LOOKUP_PATH_AUTO;
+  }
 }
 
 int engram_engine_gate(engram_engine* e, const engram_gate_args* g, uintptr_t stream, char* err, size_t err_len) {
@@ -423,16 +378,9 @@ int engram_engine_gate(engram_engine* e, const engram_gate_args* g, uintptr_t st
   if (g->num_tokens == 0) return 0;
   engram::client::GateInputs in{g->hidden, g->kv, g->q_weight, g->k_weight, g->mask, g->out,
                                 g->num_tokens, g->hc_mult, g->dim, g->eps};
-#ifdef ENGRAM_HAVE_CUDA
-  if (e->cuda) {
-    engram::kernels::GateArgs a{in.hidden, in.kv, in.q_weight, in.k_weight, in.mask, in.out,
-                                in.num_tokens, in.hc_mult, in.dim, in.eps};
-    st = engram::kernels::CudaStatus(engram::kernels::LaunchGate(a, AsStream(stream)), "gate kernel");
-    return st.ok() ? 0 : Fail(st, err, err_len);
-  }
-#endif
-  st = e->cpu->Gate(in);
-  return st.ok() ? 0 : Fail(st, err, err_len);
+  st = e->engine->SetStream(AsStream(stream));
+  if (st.ok()) st = e->engine->Gate(in);
+  return Done(st, err, err_len);
 }
 
 int engram_status_json(const char* socket, int timeout_ms, char** json, char* err, size_t err_len) {

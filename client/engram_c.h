@@ -99,8 +99,11 @@ int engram_table_hc_mult(const engram_table* t);
 double engram_table_rms_norm_eps(const engram_table* t);
 int64_t engram_table_pad_token_id(const engram_table* t);
 double engram_table_register_seconds(const engram_table* t);      /* -1 when nothing was registered */
+/* The host records of layer `layer` (record of row_begin first, record_bytes each, read-only: a SHARED table's
+ * are the daemon's segment) in *records; NULL for a DEVICE table, which has none on the host. */
+int engram_table_records(const engram_table* t, int layer, const uint8_t** records);
 
-/* ---- Engine: the per-step path (client/lookup_engine.h) with a CUDA stream per call ----
+/* ---- Engine: the library's LookupEngine (client/lookup_engine.h) with a CUDA stream per call ----
  * engram_engine_create sizes the engine for at most `max_tokens` tokens per call. On the CUDA backend every pointer
  * is a device pointer (or registered host memory) and `stream` is a cudaStream_t as an integer (0: the legacy
  * default stream); every call is asynchronous on the stream it is given, so an engine follows the caller's current
@@ -129,6 +132,24 @@ int engram_engine_lookup(engram_engine* e, int layer, const int32_t* ids, int32_
                          void* out, int packed, uintptr_t stream, char* err, size_t err_len);
 /* Every layer's lookup of hash ids [T, num_layers, num_cols] into the staging buffers: on the CUDA backend on the
  * engine's side stream after the work queued on `stream`; engram_engine_wait(layer) orders `stream` after it. */
+/* Rows of layer `layer` written in the caller's layout (an engine's own output buffer): the columns
+ * [col_begin, col_begin + num_cols) of ids (read at ids[t * ids_stride + col_begin + j]; num_cols -1: to the last
+ * column), token t's rows at out + t * out_token_stride (bf16 values, or bytes with ENGRAM_LOOKUP_PACKED; 0: dense,
+ * num_cols rows per token). ENGRAM_LOOKUP_BACKGROUND: a small grid, for a side stream beside the model's kernels.
+ * Runs the UVA kernels (row order for large batches), so it is capturable in a CUDA graph. */
+#define ENGRAM_LOOKUP_PACKED 1
+#define ENGRAM_LOOKUP_BACKGROUND 2
+int engram_engine_lookup_into(engram_engine* e, int layer, const int32_t* ids, int32_t num_tokens,
+                              int64_t ids_stride, int32_t col_begin, int32_t num_cols, void* out,
+                              int64_t out_token_stride, int flags, uintptr_t stream, char* err, size_t err_len);
+/* The path of later prefetches: AUTO (per batch: host gather when not capturing, the ids are host memory and the
+ * batch is large enough), UVA (graph capture; DP ranks that must take the same path) or HOST_GATHER. The CPU
+ * backend accepts only AUTO. engram_engine_last_lookup_path says what the last prefetch took (AUTO before one). */
+#define ENGRAM_LOOKUP_PATH_AUTO 0
+#define ENGRAM_LOOKUP_PATH_UVA 1
+#define ENGRAM_LOOKUP_PATH_HOST_GATHER 2
+int engram_engine_set_lookup_path(engram_engine* e, int path, char* err, size_t err_len);
+int engram_engine_last_lookup_path(const engram_engine* e); /* -1 for a null engine */
 int engram_engine_prefetch(engram_engine* e, const int32_t* hash_ids, int32_t num_tokens, uintptr_t stream, char* err,
                            size_t err_len);
 int engram_engine_wait(engram_engine* e, int layer, uintptr_t stream, char* err, size_t err_len);

@@ -42,23 +42,35 @@ class CpuEngine final : public LookupEngine {
     if (l < 0 || l >= static_cast<int>(t_.layers().size())) {
       return absl::InvalidArgumentError(absl::StrCat("layer index ", l, " outside [0, ", t_.layers().size(), ")"));
     }
-    const int64_t C = t_.n_cols();
-    if (ids == nullptr || out == nullptr || stride < C) return absl::InvalidArgumentError("lookup: null or bad stride");
+    if (ids == nullptr || out == nullptr || stride < t_.n_cols()) {
+      return absl::InvalidArgumentError("lookup: null or bad stride");
+    }
+    return LookupInto(l, ids, T, stride, out, packed, LookupWindow{});
+  }
+
+  absl::Status LookupInto(int l, const int32_t* ids, int32_t T, int64_t stride, void* out, bool packed,
+                          const LookupWindow& window) override {
+    ASSIGN_OR_RETURN(const LookupWindow w, CheckWindow(t_, l, ids, T, max_tokens_, stride, out, packed, window));
+    if (T == 0) return absl::OkStatus();
     if (t_.records(l) == nullptr) {
       return absl::FailedPreconditionError("the table has no host records (a DEVICE table lives on the GPU only)");
     }
     const auto& li = t_.layers()[static_cast<size_t>(l)];
     const RecordTable records{t_.records(l), li.row_begin, li.row_end, t_.head_dim()};
-    std::vector<int32_t> flat(static_cast<size_t>(T * C));
-    for (int64_t i = 0; i < T; ++i) {
-      for (int64_t c = 0; c < C; ++c) flat[static_cast<size_t>(i * C + c)] = ids[i * stride + c];
+    const int64_t D = t_.head_dim(), rb = D + D / 32, C = w.num_cols;
+    const int64_t row = packed ? rb : D;  // output units (bytes or bf16 values) per row
+    const int64_t token_stride = w.out_token_stride > 0 ? w.out_token_stride : C * row;
+    for (int64_t i = 0; i < T; ++i) {  // one token's window at a time: no buffer sized by the caller's count
+      const std::span<const int32_t> token_ids(ids + i * stride + w.col_begin, static_cast<size_t>(C));
+      if (packed) {
+        uint8_t* dst = static_cast<uint8_t*>(out) + i * token_stride;
+        RETURN_IF_ERROR(LookupPackedCpu(records, token_ids, {dst, static_cast<size_t>(C * rb)}));
+      } else {
+        uint16_t* dst = static_cast<uint16_t*>(out) + i * token_stride;
+        RETURN_IF_ERROR(LookupBf16Cpu(records, token_ids, {dst, static_cast<size_t>(C * D)}));
+      }
     }
-    const size_t n = flat.size();
-    if (packed) {
-      const size_t rb = static_cast<size_t>(t_.head_dim() + t_.head_dim() / 32);
-      return LookupPackedCpu(records, flat, {static_cast<uint8_t*>(out), n * rb});
-    }
-    return LookupBf16Cpu(records, flat, {static_cast<uint16_t*>(out), n * static_cast<size_t>(t_.head_dim())});
+    return absl::OkStatus();
   }
 
   absl::Status Gate(const GateInputs& g) override {
@@ -109,6 +121,51 @@ class CpuEngine final : public LookupEngine {
 };
 
 }  // namespace
+
+absl::StatusOr<LookupWindow> LookupEngine::CheckWindow(const Table& table, int l, const int32_t* ids,
+                                                       int32_t num_tokens, int32_t max_tokens, int64_t ids_stride,
+                                                       const void* out, bool packed,
+                                                       const LookupWindow& window) const {
+  if (num_tokens < 0 || num_tokens > max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(num_tokens, " tokens; the engine was sized for ", max_tokens));
+  }
+  const int layers = static_cast<int>(table.layers().size());
+  if (l < 0 || l >= layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer index ", l, " outside [0, ", layers, ")"));
+  }
+  const int64_t C = table.n_cols();
+  LookupWindow w = window;
+  if (w.num_cols < 0) w.num_cols = static_cast<int32_t>(C - w.col_begin);
+  if (w.col_begin < 0 || w.num_cols < 1 || w.col_begin + static_cast<int64_t>(w.num_cols) > C) {
+    return absl::InvalidArgumentError(absl::StrCat("lookup window: columns [", window.col_begin, ", ",
+                                                   window.col_begin + static_cast<int64_t>(window.num_cols),
+                                                   ") outside the table's [0, ", C, ")"));
+  }
+  if (ids_stride < w.col_begin + static_cast<int64_t>(w.num_cols)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lookup: ids stride ", ids_stride, " < the window's end ", w.col_begin + w.num_cols));
+  }
+  const int64_t D = table.head_dim(), row = packed ? D + D / 32 : D;
+  if (w.out_token_stride < 0 || (w.out_token_stride > 0 && w.out_token_stride < w.num_cols * row)) {
+    return absl::InvalidArgumentError(absl::StrCat("lookup: output token stride ", w.out_token_stride,
+                                                   " is less than one token's ", w.num_cols * row,
+                                                   packed ? " bytes" : " bf16 values"));
+  }
+  if (num_tokens > 0 && (ids == nullptr || out == nullptr)) {
+    return absl::InvalidArgumentError("lookup: null ids or output");
+  }
+  return w;
+}
+
+absl::Status LookupEngine::LookupInto(int l, const int32_t* ids, int32_t num_tokens, int64_t ids_stride, void* out,
+                                      bool packed, const LookupWindow& window) {
+  // The dense full window is the plain lookup; engines with other layouts override this.
+  if (window.col_begin != 0 || window.num_cols >= 0 || window.out_token_stride != 0 || window.background) {
+    return absl::UnimplementedError(
+        "this engine (a DP_SHARDED table's) writes whole tokens: a lookup window or output stride is not supported");
+  }
+  return Lookup(l, ids, num_tokens, ids_stride, out, packed);
+}
 
 absl::StatusOr<std::unique_ptr<LookupEngine>> LookupEngine::Create(const Table& table, int32_t max_tokens,
                                                                    void* stream) {

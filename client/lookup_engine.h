@@ -31,6 +31,17 @@ inline const char* LookupPathName(LookupPath p) {
   return p == LookupPath::kUva ? "uva" : p == LookupPath::kHostGather ? "host_gather" : "auto";
 }
 
+// Where one layer's lookup writes, for an engine that owns its output layout (vLLM's `out`): the window of
+// columns [col_begin, col_begin + num_cols) of the hash ids (a TP rank's heads), written as rows j = 0..num_cols-1
+// of each token; token t's first row at out + t * out_token_stride (bf16 elements, or bytes when packed; 0 = dense,
+// num_cols rows per token); `background` leaves most of the GPU to the caller's other streams (a small grid).
+struct LookupWindow {
+  int32_t col_begin = 0;
+  int32_t num_cols = -1;          // -1: every column from col_begin on
+  int64_t out_token_stride = 0;
+  bool background = false;
+};
+
 struct GateInputs {
   const uint16_t* hidden = nullptr;    // bf16 [T, hc, D]
   const uint16_t* kv = nullptr;        // bf16 [T, (hc+1)*D]
@@ -60,6 +71,11 @@ class LookupEngine {
   // Rows of layer `l` for ids[t * ids_stride + c]: bf16 [T, n_cols, head_dim] or packed [T, n_cols, record_bytes].
   virtual absl::Status Lookup(int l, const int32_t* ids, int32_t num_tokens, int64_t ids_stride, void* out,
                               bool packed) = 0;
+  // The same rows into the caller's layout (LookupWindow): ids still point at column 0 of token 0 (the window's
+  // columns are read at ids[t * ids_stride + window.col_begin + j]). Engines of a DP_SHARDED table take only the
+  // dense full window (the exchange writes whole tokens).
+  virtual absl::Status LookupInto(int l, const int32_t* ids, int32_t num_tokens, int64_t ids_stride, void* out,
+                                  bool packed, const LookupWindow& window);
   virtual absl::Status Gate(const GateInputs& g) = 0;
   // Every layer's rows for hash ids [T, n_layers, n_cols] into staging(l) (bf16 [max_tokens, n_cols, head_dim]).
   // CUDA backend: hash_ids may be device or host memory; the host-gather path reads host ids (device ids cost a
@@ -75,6 +91,19 @@ class LookupEngine {
   // The path the last Prefetch took (kAuto before the first, and on the CPU backend).
   virtual LookupPath last_lookup_path() const { return LookupPath::kAuto; }
   virtual uint16_t* staging(int l) const = 0;
+  // The CUDA stream later calls run on (a cudaStream_t; nullptr: the default stream), so that an engine follows
+  // its caller's current stream (torch's, under graph capture a side stream torch picks). The CPU backend ignores it.
+  virtual absl::Status SetStream(void* stream) {
+    (void)stream;
+    return absl::OkStatus();
+  }
+
+ protected:
+  // The checks every LookupInto makes: the layer, the window inside [0, n_cols) and the ids' stride, the output's
+  // token stride at least one dense token. Returns the window with num_cols resolved.
+  absl::StatusOr<LookupWindow> CheckWindow(const Table& table, int l, const int32_t* ids, int32_t num_tokens,
+                                           int32_t max_tokens, int64_t ids_stride, const void* out, bool packed,
+                                           const LookupWindow& window) const;
 };
 
 }  // namespace engram::client

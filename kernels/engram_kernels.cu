@@ -108,6 +108,7 @@ struct LookupGeometry {
   const uint32_t* sorted_rows = nullptr;
   const uint32_t* sorted_items = nullptr;
   uint32_t sentinel = 0;
+  bool packed_words = false;  // packed rows copied in 8-byte words (record size, output alignment and stride allow)
 };
 
 // The id of item = t * num_cols + c. Contiguous ids need no division; strided ones use a 32-bit division (items
@@ -117,6 +118,14 @@ __device__ __forceinline__ int64_t ItemId(const LookupArgs& a, int64_t item) {
   const uint32_t i = static_cast<uint32_t>(item), cols = static_cast<uint32_t>(a.num_cols);
   const uint32_t t = i / cols, c = i - t * cols;
   return a.ids[static_cast<int64_t>(t) * a.ids_stride + c];
+}
+
+// Where item = t * num_cols + c starts in the output, in `unit`s (bf16 values or bytes) of `row` per row.
+__device__ __forceinline__ int64_t OutIndex(const LookupArgs& a, int64_t item, int64_t row) {
+  if (a.out_token_stride == 0) return item * row;
+  const uint32_t i = static_cast<uint32_t>(item), cols = static_cast<uint32_t>(a.num_cols);
+  const uint32_t t = i / cols, c = i - t * cols;
+  return static_cast<int64_t>(t) * a.out_token_stride + static_cast<int64_t>(c) * row;
 }
 
 // Position p of the gather: the row to read (relative to row_begin, -1 when not owned) and the item to write.
@@ -214,7 +223,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupWordsKernel(LookupA
 #pragma unroll
     for (int k = 0; k < kR; ++k) {
       if (first + k >= end) break;
-      uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.out) + item[k] * D);
+      uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.out) + OutIndex(a, item[k], D));
 #pragma unroll
       for (int j = 0; j < kWordsPerLane; ++j) {
         const int word = lane + 32 * j;
@@ -229,7 +238,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupPackedKernel(Lookup
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
-  const bool words = g.rec_bytes % 8 == 0;
+  const bool words = g.packed_words;
   for (int64_t first = warp * kRows; first < g.items; first += n_warps * kRows) {
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
@@ -238,7 +247,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupPackedKernel(Lookup
       const int64_t r = RowAt(a, g, first + k, &item);
       const bool owned = r >= 0;
       const uint8_t* rec = a.records + (owned ? r : 0) * g.rec_bytes;
-      uint8_t* dst = static_cast<uint8_t*>(a.out) + item * g.rec_bytes;
+      uint8_t* dst = static_cast<uint8_t*>(a.out) + OutIndex(a, item, g.rec_bytes);
       if (words) {
         for (int j = lane; j < g.rec_bytes / 8; j += 32) {
           reinterpret_cast<uint64_t*>(dst)[j] = owned ? reinterpret_cast<const uint64_t*>(rec)[j] : 0;
@@ -261,7 +270,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupBytesKernel(LookupA
     const int64_t r = RowAt(a, g, p, &item);
     const bool owned = r >= 0;
     const uint8_t* rec = a.records + (owned ? r : 0) * g.rec_bytes;
-    uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.out) + item * D);
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.out) + OutIndex(a, item, D));
     for (int word = lane; word < g.words; word += 32) {
       uint64_t w = 0;
       if (owned) {
@@ -512,7 +521,12 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
     variant = tuning.sort_variant;
     if (grid_cap <= 0) grid_cap = tuning.sort_blocks;
   }
-  if (!a.packed && !Aligned(a.out, 16)) return cudaErrorInvalidValue;
+  if (!a.packed && (!Aligned(a.out, 16) || a.out_token_stride % 8 != 0)) return cudaErrorInvalidValue;
+  if (a.out_token_stride != 0 &&
+      a.out_token_stride < static_cast<int64_t>(a.num_cols) * (a.packed ? g.rec_bytes : a.head_dim)) {
+    return cudaErrorInvalidValue;
+  }
+  g.packed_words = g.rec_bytes % 8 == 0 && Aligned(a.out, 8) && a.out_token_stride % 8 == 0;
   const int64_t warps_needed = a.packed || g.rec_bytes % 8 != 0 ? items : (items + kRows - 1) / kRows;
   int64_t blocks = (warps_needed + kWarpsPerBlock - 1) / kWarpsPerBlock;
   // Persistent grid: exactly the blocks that fit at once (more would run as a second, partial wave).

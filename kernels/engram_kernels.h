@@ -55,6 +55,10 @@ struct LookupArgs {
   int32_t num_cols = 0;
   int64_t ids_stride = 0;            // usually L * C (the hash output of all layers), pointer offset by layer*C
   void* out = nullptr;               // bf16 [T, C, head_dim] or packed bytes [T, C, record_bytes]
+  // Token t's first row at out + t * out_token_stride (bf16 values, or bytes when packed); 0 = dense (C rows per
+  // token). bf16: a multiple of 8 values (16-byte rows). Packed: any stride (8-byte words where it is a multiple
+  // of 8 and `out` 8-byte aligned, else bytes).
+  int64_t out_token_stride = 0;
   bool packed = false;
   // Grid size cap: 0 = a persistent grid sized to the whole GPU (the row-order gather: LookupTuning::sort_blocks);
   // a background lookup passes a few blocks.

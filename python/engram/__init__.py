@@ -171,6 +171,28 @@ class Table:
     def shared(self):
         return self.mode == "SHARED"
 
+    def records(self, layer):
+        """The host records of table `layer` as a read-only NumPy uint8 array [row_end - row_begin, record_bytes]
+        (record of row_begin first: head_dim e4m3 bytes, then head_dim/32 ue8m0 scales), or None for a DEVICE
+        table (no host copy). A SHARED table's records are the daemon's segment itself: reading a few rows costs
+        nothing. Valid while the table is open (the array keeps the table alive)."""
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise TypeError(f"layer: an int table index, got {type(layer).__name__}")
+        if not 0 <= layer < len(self.layout.layers):
+            raise ValueError(f"layer {layer} outside [0, {len(self.layout.layers)})")
+        if self._closed or not self._h:
+            raise ValueError("the table is closed")
+        ptr = ctypes.c_void_p()
+        _check_rc(_lib.lib.engram_table_records(self._h, int(layer), ctypes.byref(ptr)), "records")
+        if not ptr.value:
+            return None
+        import numpy as np
+        lay = self.layout.layers[layer]
+        rows = lay.row_end - lay.row_begin
+        arr = np.asarray(_HostRecords(ptr.value, (rows, self.layout.record_bytes), owner=self))
+        arr.flags.writeable = False
+        return arr
+
     def engine(self, max_tokens, stream=None):
         """An Engine for batches of at most max_tokens tokens. stream: None = torch's (or CuPy's) current stream at
         each call; else a torch.cuda.Stream, a CuPy stream or a cudaStream_t integer used by every call."""
@@ -331,6 +353,65 @@ class Engine:
                   self.stream())
         return out
 
+    def lookup_into(self, layer, ids, out, col_begin=0, num_cols=None, background=False):
+        """Rows of table `layer` for the hash columns [col_begin, col_begin + num_cols) of ids (int32 [T, >= col_begin
+        + num_cols], unit column stride, any row stride) written into `out` in its own layout: bf16 [T, num_cols,
+        head_dim] (each token's rows contiguous, any token stride that keeps 16-byte rows), or uint8 [T, num_cols,
+        record_bytes] (packed records, any token stride). This is how an engine writes straight into its own
+        buffer: a TP rank's window of heads, vLLM's packed rows at their OUT_STRIDE. background=True: a small grid,
+        for a side stream beside the model's kernels. UVA kernels: capturable in a CUDA graph. Returns out."""
+        self._layer(layer)
+        C, D, RB = self.layout.n_cols, self.layout.head_dim, self.layout.record_bytes
+        for n, v in (("col_begin", col_begin), ("num_cols", num_cols)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise TypeError(f"{n}: an int, got {type(v).__name__}")
+        if num_cols is None:
+            num_cols = C - col_begin
+        if col_begin < 0 or num_cols < 1 or col_begin + num_cols > C:
+            raise ValueError(f"columns [{col_begin}, {col_begin + num_cols}) outside the table's [0, {C})")
+        iv = self._v(ids, "ids", ("int32",), (None, None), contiguous=False)
+        T = iv.shape[0]
+        self._tokens(T, "ids")
+        if iv.shape[1] < col_begin + num_cols:
+            raise ValueError(f"ids: {iv.shape[1]} columns, the window needs {col_begin + num_cols}")
+        if iv.shape[1] > 1 and iv.strides[1] != 1:
+            raise ValueError(f"ids: column stride {iv.strides[1]}: the columns of a token must be contiguous")
+        ids_stride = iv.strides[0] if T > 1 else iv.shape[1]
+        if T > 1 and ids_stride < col_begin + num_cols:
+            raise ValueError(f"ids: row stride {ids_stride} overlaps the next token's columns")
+        packed = _is_packed(out)
+        ov = self._v(out, "out", ("uint8",) if packed else self._bf16(None), (T, num_cols, RB if packed else D),
+                     contiguous=False)
+        row = RB if packed else D
+        if (num_cols > 1 and ov.strides[1] != row) or ov.strides[2] != 1:
+            raise ValueError(f"out: strides {list(ov.strides)}: each token's rows must be contiguous "
+                             f"({row} {'bytes' if packed else 'values'} apart)")
+        token_stride = ov.strides[0] if T > 1 else num_cols * row
+        if T > 1 and token_stride < num_cols * row:
+            raise ValueError(f"out: token stride {token_stride} overlaps the next token's rows")
+        if not packed and (token_stride % 8 or ov.ptr % 16):
+            raise ValueError("out: bf16 rows must start 16-byte aligned (token stride a multiple of 8 values)")
+        _no_overlap(_span(iv, T, ids_stride, iv.shape[1], 4),
+                    _span(ov, T, token_stride, num_cols * row, 1 if packed else 2))
+        flags = (_lib.LOOKUP_PACKED if packed else 0) | (_lib.LOOKUP_BACKGROUND if background else 0)
+        _lib.call(_lib.lib.engram_engine_lookup_into, self._live(), int(layer), iv.ptr, T, ids_stride, col_begin,
+                  num_cols, ov.ptr, token_stride, flags, self.stream())
+        return out
+
+    def set_lookup_path(self, path):
+        """The path of later prefetches: "auto" (per batch), "uva" (the UVA kernels: what CUDA-graph capture takes,
+        and what DP ranks that must take the same path force) or "host_gather". The CPU backend has one path and
+        accepts "auto" only."""
+        if path not in _lib.LOOKUP_PATHS:
+            raise ValueError(f"path: one of {', '.join(_lib.LOOKUP_PATHS)}, got {path!r}")
+        _lib.call(_lib.lib.engram_engine_set_lookup_path, self._live(), _lib.LOOKUP_PATHS[path])
+
+    @property
+    def last_lookup_path(self):
+        """The path the last prefetch took: "uva", "host_gather", or "auto" before the first (and on the CPU)."""
+        code = _lib.lib.engram_engine_last_lookup_path(self._live())
+        return {v: k for k, v in _lib.LOOKUP_PATHS.items()}.get(code, "auto")
+
     def prefetch(self, hash_ids):
         """Every layer's rows for hash ids int32 [T, n_layers, n_cols] into the staging buffers: on the CUDA backend
         on the engine's side stream, after the work already queued on the current stream; wait(layer) orders the
@@ -432,6 +513,26 @@ def _free_if_unused(owner, users, leaving=None):
         owner._free()
 
 
+def _is_packed(out):
+    """uint8 output = packed records; anything else is checked as bf16."""
+    try:
+        v = view(out, "out")
+    except TypeError:
+        return False
+    return v.dtype == "uint8"
+
+
+def _span(v, n, stride, per_token, itemsize):
+    """[first, last) byte addresses of n tokens, `stride` elements apart, `per_token` elements each."""
+    return (v.ptr, v.ptr + ((n - 1) * stride + per_token) * itemsize) if n > 0 else (v.ptr, v.ptr)
+
+
+def _no_overlap(ids_span, out_span):
+    """ValueError when the output's bytes overlap the ids' (a write over an input the kernel is still reading)."""
+    if ids_span[0] < out_span[1] and out_span[0] < ids_span[1]:
+        raise ValueError("out: overlaps ids")
+
+
 def _ascontiguous(x):
     import sys
     np = sys.modules.get("numpy")
@@ -462,6 +563,14 @@ class _HostView(_View):
         self._owner = owner
         self.__array_interface__ = {"data": (int(ptr), False), "shape": tuple(shape), "typestr": typestr,
                                     "version": 3}
+
+
+class _HostRecords:
+    """A table's host records (library-owned, read-only) through __array_interface__; keeps the Table alive."""
+
+    def __init__(self, ptr, shape, owner):
+        self._owner = owner
+        self.__array_interface__ = {"data": (int(ptr), True), "shape": tuple(shape), "typestr": "|u1", "version": 3}
 
 
 class _DeviceBuffer(_View):

@@ -99,6 +99,10 @@ _sig("engram_table_layer_rows", _c.c_int, _P, _c.c_int, _c.POINTER(_c.c_int64), 
 _sig("engram_table_column_rows", _c.c_int, _P, _c.c_int, _c.POINTER(_c.c_int64), _c.c_int)
 _sig("engram_table_col_range", _c.c_int, _P, _c.POINTER(_c.c_int), _c.POINTER(_c.c_int))
 _sig("engram_table_staging_col_range", _c.c_int, _P, _c.POINTER(_c.c_int), _c.POINTER(_c.c_int))
+_sig("engram_table_records", _c.c_int, _P, _c.c_int, _c.POINTER(_P))
+
+LOOKUP_PACKED, LOOKUP_BACKGROUND = 1, 2
+LOOKUP_PATHS = {"auto": 0, "uva": 1, "host_gather": 2}
 
 _sig("engram_engine_create", _c.c_int, _P, _c.c_int32, _u, _c.POINTER(_P), *_errbuf)
 _sig("engram_engine_free", None, _P)
@@ -106,6 +110,10 @@ _sig("engram_engine_backend", _c.c_char_p, _P)
 _sig("engram_engine_max_tokens", _c.c_int32, _P)
 _sig("engram_engine_hash", _c.c_int, _P, _P, _P, _P, _P, _P, _c.c_int32, _c.c_int32, _P, _u, *_errbuf)
 _sig("engram_engine_lookup", _c.c_int, _P, _c.c_int, _P, _c.c_int32, _c.c_int64, _P, _c.c_int, _u, *_errbuf)
+_sig("engram_engine_lookup_into", _c.c_int, _P, _c.c_int, _P, _c.c_int32, _c.c_int64, _c.c_int32, _c.c_int32, _P,
+     _c.c_int64, _c.c_int, _u, *_errbuf)
+_sig("engram_engine_set_lookup_path", _c.c_int, _P, _c.c_int, *_errbuf)
+_sig("engram_engine_last_lookup_path", _c.c_int, _P)
 _sig("engram_engine_prefetch", _c.c_int, _P, _P, _c.c_int32, _u, *_errbuf)
 _sig("engram_engine_wait", _c.c_int, _P, _c.c_int, _u, *_errbuf)
 _sig("engram_engine_staging", _P, _P, _c.c_int)

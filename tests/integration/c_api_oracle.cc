@@ -84,3 +84,18 @@ extern "C" int oracle_row_bf16(const char* checkpoint_dir, int layer, int64_t ro
   for (int64_t j = 0; j < head_dim; ++j) out[j] = bf16[static_cast<size_t>(j)];
   return 0;
 }
+
+extern "C" int oracle_record(const char* checkpoint_dir, int layer, int64_t row, uint8_t* out, int64_t record_bytes) {
+  if (row < 0) {
+    for (int64_t j = 0; j < record_bytes; ++j) out[j] = 0;
+    return 0;
+  }
+  std::string error;
+  auto o = engram::oracle::RowOracle::Open(checkpoint_dir, &error);
+  if (!o) return Fail(error);
+  auto rec = o->RecordAt(layer, row, &error);
+  if (!rec) return Fail(error);
+  if (static_cast<int64_t>(rec->size()) != record_bytes) return Fail("record size differs");
+  for (int64_t j = 0; j < record_bytes; ++j) out[j] = (*rec)[static_cast<size_t>(j)];
+  return 0;
+}

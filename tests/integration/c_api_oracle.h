@@ -17,6 +17,9 @@ int oracle_hash_ids(const char* checkpoint_dir, const char* plan_json, const cha
                     int64_t n, int32_t* out, int64_t out_len);
 /* The bf16 row of global row `row` of layer index `layer` (position in engram_layer_ids). */
 int oracle_row_bf16(const char* checkpoint_dir, int layer, int64_t row, uint16_t* out, int64_t head_dim);
+/* The record (head_dim e4m3 bytes, then head_dim/32 ue8m0 scales) of global row `row` of layer index `layer`; a
+ * negative row gives a zero record (what a lookup writes for an id outside every table). */
+int oracle_record(const char* checkpoint_dir, int layer, int64_t row, uint8_t* out, int64_t record_bytes);
 
 #ifdef __cplusplus
 }

@@ -85,6 +85,65 @@ int main(int argc, char** argv) {
   int32_t bad = (int32_t)engram_table_raw_vocab(t);
   CHECK(engram_table_hash(t, &bad, 1, ids, err, sizeof err) != 0 && strstr(err, "outside") != NULL);
   CHECK(engram_table_lookup(t, 0, NULL, T * C, rows, err, sizeof err) != 0);
+  /* The engine's lookup into a caller's layout: columns [1, 1 + W) of layer 0, packed, at a token stride with a
+   * 24-byte gap after each token's rows; every record equals the oracle's bytes (weights then scales) and the gaps
+   * keep their poison. */
+  {
+    engram_engine* e = NULL;
+    CHECK(engram_engine_create(t, T, 0, &e, err, sizeof err) == 0 && e != NULL);
+    const int RB = engram_table_record_bytes(t), W = C > 2 ? 2 : 1, gap = 24;
+    const int64_t stride = (int64_t)W * RB + gap;
+    uint8_t* packed = malloc((size_t)(T * stride));
+    uint8_t* want_rec = malloc((size_t)RB);
+    memset(packed, 0xA5, (size_t)(T * stride));
+    CHECK(engram_engine_lookup_into(e, 0, layer0, T, C, 1, W, packed, stride, ENGRAM_LOOKUP_PACKED, 0, err,
+                                    sizeof err) == 0);
+    int rec_mismatches = 0, gap_damage = 0;
+    for (int i = 0; i < T; ++i) {
+      for (int j = 0; j < W; ++j) {
+        if (oracle_record(argv[1], 0, layer0[i * C + 1 + j], want_rec, RB) != 0) {
+          ++rec_mismatches;
+          continue;
+        }
+        rec_mismatches += memcmp(packed + i * stride + (int64_t)j * RB, want_rec, (size_t)RB) != 0;
+      }
+      for (int b = 0; b < gap; ++b) gap_damage += packed[i * stride + (int64_t)W * RB + b] != 0xA5;
+    }
+    CHECK(rec_mismatches == 0);
+    CHECK(gap_damage == 0);
+    /* Hostile arguments: refused with a message, and nothing written. */
+    memset(packed, 0xA5, (size_t)(T * stride));
+    CHECK(engram_engine_lookup_into(e, 0, layer0, T, C, C - 1, 2, packed, stride, ENGRAM_LOOKUP_PACKED, 0, err,
+                                    sizeof err) != 0 && strstr(err, "window") != NULL);
+    CHECK(engram_engine_lookup_into(e, 0, layer0, T, C, 0, W, packed, 8, ENGRAM_LOOKUP_PACKED, 0, err,
+                                    sizeof err) != 0 && strstr(err, "stride") != NULL);
+    CHECK(engram_engine_lookup_into(e, 0, layer0, T, C, 0, W, packed, stride, 64, 0, err, sizeof err) != 0 &&
+          strstr(err, "flags") != NULL);
+    CHECK(engram_engine_lookup_into(e, 0, layer0, T + 1, C, 0, W, packed, stride, ENGRAM_LOOKUP_PACKED, 0, err,
+                                    sizeof err) != 0);
+    CHECK(engram_engine_lookup_into(e, L, layer0, T, C, 0, W, packed, stride, ENGRAM_LOOKUP_PACKED, 0, err,
+                                    sizeof err) != 0 && strstr(err, "layer") != NULL);
+    CHECK(engram_engine_lookup_into(e, 0, NULL, T, C, 0, W, packed, stride, ENGRAM_LOOKUP_PACKED, 0, err,
+                                    sizeof err) != 0);
+    CHECK(engram_engine_lookup_into(NULL, 0, layer0, T, C, 0, W, packed, stride, 0, 0, err, sizeof err) != 0);
+    int untouched = 1;
+    for (int64_t b = 0; b < T * stride; ++b) untouched &= packed[b] == 0xA5;
+    CHECK(untouched);
+    /* The CPU engine has one lookup path. */
+    CHECK(engram_engine_last_lookup_path(e) == ENGRAM_LOOKUP_PATH_AUTO);
+    CHECK(engram_engine_set_lookup_path(e, ENGRAM_LOOKUP_PATH_AUTO, err, sizeof err) == 0);
+    CHECK(engram_engine_set_lookup_path(e, ENGRAM_LOOKUP_PATH_UVA, err, sizeof err) != 0);
+    CHECK(engram_engine_set_lookup_path(e, 9, err, sizeof err) != 0 && strstr(err, "unknown") != NULL);
+    CHECK(engram_engine_last_lookup_path(NULL) == -1);
+    /* The records read in place: layer 0's first record is the oracle's row 0. */
+    const uint8_t* records = NULL;
+    CHECK(engram_table_records(t, 0, &records) == 0 && records != NULL);
+    CHECK(oracle_record(argv[1], 0, 0, want_rec, RB) == 0 && memcmp(records, want_rec, (size_t)RB) == 0);
+    CHECK(engram_table_records(t, L, &records) != 0 && engram_table_records(t, 0, NULL) != 0);
+    free(packed);
+    free(want_rec);
+    engram_engine_free(e);
+  }
   engram_table* t2 = NULL;
   req.dp_shared_memory = 1;
   CHECK(engram_attach("/nonexistent/engramd.sock", 200, &req, &t2, err, sizeof err) != 0);
