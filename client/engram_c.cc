@@ -97,6 +97,7 @@ int engram_attach(const char* socket, int timeout_ms, const engram_attach_reques
                                                     : engram::client::Choice::kTrue;
   r.embedding_across_dp = req->embedding_across_dp != 0;
   if (req->shm_dir != nullptr) r.shm_dir = req->shm_dir;
+  r.private_fallback = req->private_fallback != 0;
   auto client = engram::client::Client::Connect(o);
   if (!client.ok()) return Fail(client.status(), err, err_len);
   auto table = (*client)->Attach(r);

@@ -54,9 +54,11 @@ typedef struct {
   int embedding_across_dp;
   const char* shm_dir;   /* path fallback only (no descriptor passed): the daemon's shm dir as seen here; NULL: the grant's */
   int use_gpu;           /* 1 (default): the CUDA backend where a GPU is usable; 0: the CPU backend regardless */
+  int private_fallback;  /* 1 (default): a table that cannot be shared is built privately; 0: engram_attach fails
+                            with FAILED_PRECONDITION naming every reason instead (the caller keeps its own table) */
 } engram_attach_request;
 
-#define ENGRAM_ATTACH_REQUEST_INIT {NULL, 1, 0, 1, 0, 0, 0, -1, -1, 0, NULL, 1}
+#define ENGRAM_ATTACH_REQUEST_INIT {NULL, 1, 0, 1, 0, 0, 0, -1, -1, 0, NULL, 1, 1}
 
 int engram_attach(const char* socket, int timeout_ms, const engram_attach_request* req, engram_table** out,
                   char* err, size_t err_len);

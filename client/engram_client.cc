@@ -177,6 +177,14 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
     return absl::FailedPreconditionError(
         absl::StrCat("dp_shared_memory is true but the table cannot be shared: ", ReasonList(reasons)));
   }
+  if (table == nullptr && !req.private_fallback) {
+    // The session (when one opened) ends here: the daemon's status keeps this fallback in its recent history.
+    if (session != nullptr) {
+      (void)session->ReportOutcome(mode, reasons, cuda ? Backend::kCuda : Backend::kCpu, AttachMethod::kNone);
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("not shared (", ModeName(mode), ", no private table built here): ", ReasonList(reasons)));
+  }
   if (table == nullptr) {
     const int threads = req.threads > 0 ? req.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     // DP_SHARDED: only this rank's shard of the group's columns (client/dp_sharded.h), in host memory or, with

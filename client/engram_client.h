@@ -69,6 +69,9 @@ struct AttachRequest {
   // directory if it is mounted elsewhere. Empty (the default): the directory named in the grant.
   std::string shm_dir;
   int threads = 0;                 // for building a private table; 0 = hardware concurrency
+  // false: a table that cannot be shared is not built here; Attach returns FailedPrecondition naming every reason
+  // (an engine with a table store of its own, such as vLLM's, keeps that instead of a second private copy).
+  bool private_fallback = true;
 };
 
 struct LayerInfo {

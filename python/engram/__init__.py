@@ -78,12 +78,14 @@ def _choice(v, name):
 
 def attach(checkpoint, *, tp_size=1, tp_rank=0, dp_size=1, dp_rank=0, local_dp_size=None, cpu_offload=None,
            dp_shared_memory="auto", embedding_across_dp=False, elastic_ep=False, socket=DEFAULT_SOCKET,
-           shm_dir=None, timeout_ms=10000, backend="auto"):
+           shm_dir=None, timeout_ms=10000, backend="auto", private_fallback=True):
     """Attaches this replica (one TP rank of one DP rank) to its TP shard's table: shared from engramd when the
     daemon allows it, otherwise a private table with the reasons. dp_shared_memory=True turns a fallback into an
     EngramError that names the reasons. shm_dir: only for the path fallback (engramd passed no descriptor): the
     daemon's shm directory as this process sees it; None: the directory the grant names.
-    backend: "auto" (CUDA where a GPU is usable) or "cpu" (the CPU backend, NumPy arrays, even beside a GPU)."""
+    backend: "auto" (CUDA where a GPU is usable) or "cpu" (the CPU backend, NumPy arrays, even beside a GPU).
+    private_fallback=False: a table that cannot be shared is not built; EngramError FAILED_PRECONDITION (code 9)
+    names every reason instead (for an engine that keeps a table store of its own)."""
     if backend not in ("auto", "cpu"):
         raise ValueError(f"backend: 'auto' or 'cpu', got {backend!r}")
     for n, v in (("tp_size", tp_size), ("tp_rank", tp_rank), ("dp_size", dp_size), ("dp_rank", dp_rank)):
@@ -101,6 +103,7 @@ def attach(checkpoint, *, tp_size=1, tp_rank=0, dp_size=1, dp_rank=0, local_dp_s
     req.embedding_across_dp = int(bool(embedding_across_dp))
     req.shm_dir = os.fsencode(shm_dir) if shm_dir is not None else None
     req.use_gpu = 0 if backend == "cpu" else 1
+    req.private_fallback = 1 if private_fallback else 0
     handle = ctypes.c_void_p()
     err = ctypes.create_string_buffer(2048)
     rc = _lib.lib.engram_attach(os.fsencode(socket), int(timeout_ms), ctypes.byref(req), ctypes.byref(handle), err,

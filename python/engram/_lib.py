@@ -64,7 +64,7 @@ class AttachRequest(_c.Structure):
     _fields_ = [("checkpoint", _c.c_char_p), ("tp_size", _c.c_int), ("tp_rank", _c.c_int), ("dp_size", _c.c_int),
                 ("dp_rank", _c.c_int), ("local_dp_size", _c.c_int), ("elastic_ep", _c.c_int),
                 ("cpu_offload", _c.c_int), ("dp_shared_memory", _c.c_int), ("embedding_across_dp", _c.c_int),
-                ("shm_dir", _c.c_char_p), ("use_gpu", _c.c_int)]
+                ("shm_dir", _c.c_char_p), ("use_gpu", _c.c_int), ("private_fallback", _c.c_int)]
 
 
 class GateArgs(_c.Structure):

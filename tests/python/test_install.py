@@ -26,3 +26,9 @@ def test_installed_package_imports_and_attaches(tmp_path, checkpoint):
     lines = [l for l in r.stdout.splitlines() if not l.startswith("[")]
     assert lines[0].startswith(str(prefix)), lines
     assert lines[1] == "PRIVATE_PINNED"
+    # vLLM finds the plugin through the installed distribution's entry points (group vllm.general_plugins).
+    code = ("import importlib.metadata as m; eps = m.entry_points(group='vllm.general_plugins');"
+            "e = [x for x in eps if x.name == 'engram']; print(e[0].value); f = e[0].load(); print(f.__module__)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["engram.vllm:register", "engram.vllm"], r.stdout

@@ -1,0 +1,271 @@
+"""engram.vllm on the GPU against vLLM's own Engram module (loaded from ENGRAM_VLLM_SRC with stand-ins of the vllm.*
+modules it imports, vllm_stubs.py): the rows the plugin's lookup writes equal, bit for bit, those of vLLM's own
+Triton kernel on vLLM's own pinned table filled by vLLM's own weight loader, for ids including -1 and ids outside
+the TP shard, TP 1 and both ranks of TP 2 (a column window), bf16 and packed (vLLM's packed batch at its token
+stride), eagerly, under torch.cuda.graph capture and replay, and through vLLM's own prefetch on its side stream; a
+checkpoint other than the served one fails the load; engramd down keeps vLLM's own storage (or fails when required);
+and our hash equals vLLM's _hash_ids_kernel (through its NgramHashState and its own token map) where lookbacks have
+unknown ids. Skipped, with the reason, without torch >= 2.4 and a GPU, triton, or ENGRAM_VLLM_SRC."""
+import logging
+import os
+import subprocess
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import engram
+import engram.vllm as ev
+import vllm_stubs
+from conftest import Daemon, binary, make_checkpoint, torch_cuda
+
+torch = torch_cuda()
+if torch is None:
+    pytest.skip("needs torch >= 2.4 with a CUDA GPU (the GPU machine runs these)", allow_module_level=True)
+try:
+    import triton  # noqa: F401
+except ImportError:
+    pytest.skip("vLLM's Engram kernels need triton", allow_module_level=True)
+SRC, WHY = vllm_stubs.src_dir_or_skip_reason()
+if SRC is None:
+    pytest.skip(WHY, allow_module_level=True)
+
+MAX_TOKENS = 4096
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    # V4.1's column geometry (n-grams up to 4, 8 heads: 24 hash columns, head_dim 256) on a small table.
+    d = tmp_path_factory.mktemp("vllm-ckpt")
+    return make_checkpoint(str(d / "ck"), mib=48, seed=11, extra=("--layers", "1,14", "--heads", "8",
+                                                                  "--max-ngram", "4"))
+
+
+@pytest.fixture(scope="module")
+def other_ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vllm-other")
+    return make_checkpoint(str(d / "ck"), mib=48, seed=12, extra=("--layers", "1,14", "--heads", "8",
+                                                                  "--max-ngram", "4"))
+
+
+class TpDaemon(Daemon):
+    """engramd serving TP 1 and TP 2 segments of one checkpoint."""
+
+    def __init__(self, ckpt, root):  # noqa: super().__init__ would start an engramd of TP 1 only
+        import tempfile
+        self.shm = tempfile.mkdtemp(prefix="engram-pytest-", dir="/dev/shm")
+        self.socket = os.path.join(root, "engramd.sock")
+        self.log = os.path.join(root, "engramd.log")
+        self.proc = subprocess.Popen([binary("daemon/engramd"), "--checkpoint", ckpt, "--tp", "1,2", "--shm-dir",
+                                      self.shm, "--socket", self.socket], stdout=open(self.log, "wb"),
+                                     stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="module")
+def served(ckpt, tmp_path_factory):
+    d = TpDaemon(ckpt, str(tmp_path_factory.mktemp("vllm-daemon")))
+    try:
+        d.wait_ready(engram)
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture(scope="module")
+def mod():
+    m = vllm_stubs.load_engram_module(SRC)
+    ev.uninstall()
+    ev.install(m)
+    yield m
+    ev.uninstall()
+
+
+def tensors(ckpt, layer_id):
+    from safetensors import safe_open
+    import json
+    with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
+        index = json.load(f)["weight_map"]
+    out = {}
+    for suffix in ("weight", "scale"):
+        name = f"layers.{layer_id}.engram.embed.{suffix}"
+        with safe_open(os.path.join(ckpt, index[name]), framework="pt") as f:
+            out[suffix] = f.get_tensor(name)
+    return out
+
+
+def make(mod, ckpt, socket, tp, li, *, require=False, own=False):
+    """(embedding, layout) for layer index li at TP (size, rank): the plugin's when own is False, else vLLM's own."""
+    vllm_stubs.STATE.tp = tp
+    extra = {} if own else {"engram": {"socket": socket, "require": require, "timeout_ms": 3000}}
+    vllm_stubs.STATE.config = vllm_stubs.make_vllm_config(ckpt, additional_config=extra, max_tokens=MAX_TOKENS)
+    layout = mod.EngramLayout.from_config(vllm_stubs.hf_config(ckpt))
+    with torch.device("cuda"):
+        emb = mod.Engram._create_embedding(SimpleNamespace(), layout, li)
+    return emb, layout
+
+
+def load(emb, ckpt, layout, li):
+    t = tensors(ckpt, layout.layer_ids[li])
+    emb.weight.weight_loader(emb.weight, t["weight"])
+    emb.weight_scale_inv.weight_loader(emb.weight_scale_inv, t["scale"])
+
+
+def random_ids(layout, li, T, seed):
+    """[T, layers, cols] int32 on the GPU: each column's ids in its own bucket range, some ids of the whole layer
+    range (other columns' rows: outside the TP shard for a TP rank), -1 and ids past the table."""
+    rng = np.random.default_rng(seed)
+    L, C = len(layout.layer_ids), layout.n_hash_cols
+    primes = [p for order in layout.primes[li] for p in order]
+    offsets = layout.offsets[li].tolist()
+    ids = np.empty((T, L, C), np.int64)
+    for c in range(C):
+        ids[:, :, c] = offsets[c] + rng.integers(0, primes[c], size=(T, L))
+    rows = offsets[-1] + primes[-1]
+    k = max(1, T * C // 8)
+    t_idx, c_idx = rng.integers(0, T, k), rng.integers(0, C, k)
+    ids[t_idx, li, c_idx] = rng.integers(0, rows, k)
+    ids[rng.integers(0, T, k), li, rng.integers(0, C, k)] = -1
+    ids[rng.integers(0, T, k), li, rng.integers(0, C, k)] = rows + rng.integers(0, 1000, k)
+    return torch.from_numpy(ids.astype(np.int32)).cuda()
+
+
+TPS = [(1, 0), (2, 0), (2, 1)]
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_rows_equal_vllms_own_kernel_on_vllms_own_table(mod, ckpt, served, tp, caplog):
+    for li in (0, 1):
+        with caplog.at_level(logging.INFO, logger="vllm.engram"):
+            ours, layout = make(mod, ckpt, served.socket, tp, li)
+        assert type(ours).__name__ == "EngramdEmbedding", caplog.text
+        theirs, _ = make(mod, ckpt, served.socket, tp, li, own=True)
+        assert type(theirs) is mod.ParallelEngramEmbedding
+        assert ours.weight.untyped_storage().nbytes() <= ours.dim, "vLLM must allocate no table for the plugin"
+        load(ours, ckpt, layout, li)
+        load(theirs, ckpt, layout, li)
+        part, D = theirs.part_n_hash_cols, theirs.dim
+        L = len(layout.layer_ids)
+        for T in (1, 4, 64, 1024, MAX_TOKENS):
+            ids = random_ids(layout, li, T, seed=T * 7 + li)[:, li, :]  # vLLM's per-layer view: row stride L * C
+            want = torch.empty((T, part, D), dtype=torch.bfloat16, device="cuda")
+            theirs.lookup(ids, want)
+            got = torch.full((T, part, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+            ours.lookup(ids, got)
+            torch.cuda.synchronize()
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (tp, li, T)
+            # Packed, into vLLM's batch layout [T, L, part, 264] at one layer (a token stride of L * part * 264).
+            RB = D + D // 32
+            want_p = torch.zeros((T, L, part, RB), dtype=torch.uint8, device="cuda")
+            theirs.lookup(ids, want_p[:, li])
+            got_p = torch.full((T, L, part, RB), 0xA5, dtype=torch.uint8, device="cuda")
+            ours.lookup(ids, got_p[:, li], background=True)
+            torch.cuda.synchronize()
+            assert torch.equal(got_p[:, li], want_p[:, li]), (tp, li, T, "packed")
+            assert bool((got_p[:, 1 - li] == 0xA5).all()), "the other layer's slots must stay untouched"
+    assert "event=attached mode=SHARED backend=cuda" in caplog.text, caplog.text
+
+
+def test_cuda_graph_capture_and_replay_with_new_ids(mod, ckpt, served):
+    ours, layout = make(mod, ckpt, served.socket, (1, 0), 0)
+    theirs, _ = make(mod, ckpt, served.socket, (1, 0), 0, own=True)
+    load(ours, ckpt, layout, 0)
+    load(theirs, ckpt, layout, 0)
+    for T in (1, 64, 2048):
+        static_ids = random_ids(layout, 0, T, seed=1)[:, 0, :].contiguous()
+        out = torch.zeros((T, ours.part_n_hash_cols, ours.dim), dtype=torch.bfloat16, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            ours.lookup(static_ids, out)  # warm-up outside capture
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            ours.lookup(static_ids, out)
+        for seed in (2, 3):
+            static_ids.copy_(random_ids(layout, 0, T, seed=seed)[:, 0, :])
+            out.fill_(float("nan"))
+            g.replay()
+            want = torch.empty_like(out)
+            theirs.lookup(static_ids, want)
+            torch.cuda.synchronize()
+            assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (T, seed)
+
+
+def test_through_vllms_own_prefetch_on_its_side_stream(mod, ckpt, served):
+    ours, layout = make(mod, ckpt, served.socket, (1, 0), 1)
+    theirs, _ = make(mod, ckpt, served.socket, (1, 0), 1, own=True)
+    load(ours, ckpt, layout, 1)
+    load(theirs, ckpt, layout, 1)
+    shell = mod.Engram.__new__(mod.Engram)
+    torch.nn.Module.__init__(shell)
+    shell.embed_tokens = ours
+    shell._prefetch_stream = None
+    with torch.device("cuda"):
+        shell._init_staging(MAX_TOKENS, layout.head_dim)
+    assert shell._prefetch_stream is not None, "an offloaded table prefetches on vLLM's side stream"
+    for T in (3, 512):
+        ids = random_ids(layout, 1, T, seed=T)[:, 1, :]
+        shell.staged_rows.fill_(float("nan"))
+        shell.prepare_embeddings(ids)
+        rows = shell._ready_rows(T)
+        want = torch.empty_like(rows)
+        theirs.lookup(ids, want)
+        torch.cuda.synchronize()
+        assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), T
+
+
+def test_a_checkpoint_other_than_the_served_one_fails_the_load(mod, ckpt, other_ckpt, served):
+    ours, layout = make(mod, ckpt, served.socket, (1, 0), 0)
+    t = tensors(other_ckpt, layout.layer_ids[0])
+    with pytest.raises(RuntimeError, match="not the one engramd serves") as e:
+        ours.weight.weight_loader(ours.weight, t["weight"])
+    assert ckpt in str(e.value)
+    ours.weight.weight_loader(ours.weight, tensors(ckpt, layout.layer_ids[0])["weight"])  # the served one loads
+
+
+def test_engramd_down_keeps_vllms_own_storage_or_fails_when_required(mod, ckpt, tmp_path, caplog):
+    sock = str(tmp_path / "none.sock")
+    ev._state["attachments"].clear()
+    with caplog.at_level(logging.WARNING, logger="vllm.engram"):
+        emb, layout = make(mod, ckpt, sock, (1, 0), 0)
+    assert type(emb) is mod.ParallelEngramEmbedding
+    assert "DAEMON_UNAVAILABLE" in caplog.text and "vLLM keeps its own" in caplog.text
+    load(emb, ckpt, layout, 0)  # vLLM's own pinned table, loaded by vLLM's own loader
+    ev._state["attachments"].clear()
+    with pytest.raises(RuntimeError, match="require is true"):
+        make(mod, ckpt, sock, (1, 0), 0, require=True)
+    ev._state["attachments"].clear()
+
+
+def test_our_hash_equals_vllms_hash_kernel_where_lookbacks_have_unknown_ids(mod, ckpt, served):
+    vcfg = vllm_stubs.make_vllm_config(ckpt)
+    vcfg.use_v2_model_runner = True  # no slot cache: unknown lookback ids hash as pad
+    vcfg.model_config.tokenizer = ckpt
+    vcfg.model_config.trust_remote_code = False
+    layout = mod.EngramLayout.from_config(vllm_stubs.hf_config(ckpt))
+    with torch.device("cuda"):
+        hasher = mod.NgramHashState(vcfg, layout, SimpleNamespace(block_size=16, kv_cache=None)).cuda()
+    t = engram.attach(ckpt, socket=served.socket)
+    eng = t.engine(MAX_TOKENS)
+    rng = np.random.default_rng(5)
+    N = layout.max_ngram_size
+    lens = [1, 5, 17, 300, 64, 2]
+    R, T = len(lens), sum(lens)
+    tokens = rng.integers(0, t.layout.raw_vocab, T).astype(np.int32)
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    starts = rng.integers(0, 50, R)
+    starts[1] = 0  # a request from position 0 (no lookback)
+    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)]).astype(np.int64)
+    lookback = rng.integers(0, t.layout.raw_vocab, (R, N - 1)).astype(np.int32)  # ours: oldest first
+    lookback[rng.random((R, N - 1)) < 0.4] = -1
+    lookback[2, -1] = -1  # an unknown id newer than known ones
+    lookback[3, 0] = -1
+    dead = (rng.random(T) < 0.05)
+    g = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
+    want = hasher(g(tokens), g(positions), g(qsl), g(dead), g(lookback[:, ::-1]),  # vLLM's: newest first
+                  torch.zeros((R, N - 1), dtype=torch.bool, device="cuda"), None, None)
+    got = eng.hash(g(tokens), g(positions), g(qsl), lookback=g(lookback), dead=g(dead.astype(np.uint8)))
+    torch.cuda.synchronize()
+    assert torch.equal(got, want), int((got != want).sum())
+    eng.close()
+    t.close()
