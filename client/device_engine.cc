@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iterator>
+#include <limits>
 #include <string>
 #include <cstdio>
 #include <cstdlib>
@@ -95,6 +96,7 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
   if (const char* v = std::getenv("ENGRAM_HOST_GATHER_UVA_SHARE"); v != nullptr && *v != '\0') {
     e->host_options_.uva_share = std::clamp(std::atof(v), 0.0, 1.0);
   }
+  if (std::getenv("ENGRAM_LOOKUP_SORT_MIN_ITEMS") == nullptr) RETURN_IF_ERROR(e->Calibrate());
   const bool host_records = table.layers().empty() || table.records(0) != nullptr;
   std::string table_text;
   for (const auto& p : e->path_table_) table_text += absl::StrCat(table_text.empty() ? "" : ",", p.items, ":", p.threshold ? "host_from" : p.host ? "host" : "uva");
@@ -104,6 +106,93 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
                LookupPathName(e->path_), table_text, e->host_options_.threads, e->host_options_.dedup,
                e->host_options_.uva_share, host_records);
   return e;
+}
+
+// Whether the row-order gather pays depends on the table in hand: on a large host table address translation
+// bounds a random gather and walking it in row order wins from some batch size on; on a small one (or in HBM) the
+// sort is pure cost (a 512 MiB table: 0.35-0.8 of vLLM's plain Triton kernel at 1024 tokens with the sort, measured
+// on an H200). So each engine times both on its own table, for each output format and grid, at a few batch sizes
+// (fresh random rows each time), and sorts from the smallest size from which the row order won at every larger
+// measured size. A few milliseconds at creation; ENGRAM_LOOKUP_SORT_MIN_ITEMS fixes the threshold instead.
+absl::Status DeviceEngine::Calibrate() {
+  if (table_->layers().empty()) return absl::OkStatus();
+  const auto& li = table_->layers()[0];
+  const int64_t rows = li.row_end - li.row_begin, C = table_->n_cols();
+  const int64_t cap = static_cast<int64_t>(max_tokens_) * C;
+  std::vector<int64_t> sizes;
+  for (int64_t n : {int64_t{6144}, int64_t{24576}, int64_t{98304}}) {
+    if (n <= cap) sizes.push_back(n);
+  }
+  if (rows <= 0 || sizes.empty()) return absl::OkStatus();
+  constexpr int kSets = 3;
+  const int64_t most = sizes.back();
+  int32_t* d_ids = nullptr;
+  RETURN_IF_ERROR(kernels::CudaStatus(cudaMalloc(reinterpret_cast<void**>(&d_ids), static_cast<size_t>(most) * kSets * 4),
+                                      "calibration ids"));
+  cudaEvent_t ev[2] = {nullptr, nullptr};
+  absl::Status st = kernels::CudaStatus(cudaEventCreate(&ev[0]), "calibration event");
+  if (st.ok()) st = kernels::CudaStatus(cudaEventCreate(&ev[1]), "calibration event");
+  if (st.ok()) {
+    std::vector<int32_t> ids(static_cast<size_t>(most) * kSets);
+    uint64_t x = 0x9E3779B97F4A7C15ull;
+    for (auto& id : ids) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      id = static_cast<int32_t>(li.row_begin + static_cast<int64_t>(x % static_cast<uint64_t>(rows)));
+    }
+    st = kernels::CudaStatus(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), "calibration ids");
+  }
+  // One timed launch (ms): `items` ids of set `set` as items / C tokens, into staging(0) (room for any format).
+  auto time_one = [&](int64_t items, int set, bool packed, bool background, bool sorted, float* ms) -> absl::Status {
+    kernels::LookupArgs a;
+    a.records = table_->device_records(0);
+    a.row_begin = li.row_begin;
+    a.row_end = li.row_end;
+    a.head_dim = static_cast<int32_t>(table_->head_dim());
+    a.ids = d_ids + static_cast<int64_t>(set) * most;
+    a.num_tokens = static_cast<int32_t>(items / C);
+    a.num_cols = static_cast<int32_t>(C);
+    a.ids_stride = C;
+    a.out = prefetcher_.staging(0);
+    a.packed = packed;
+    if (background) a.max_blocks = std::max(1, kernels::DeviceSmCount() / 2);
+    a.sort_scratch = sort_scratch_;
+    a.sort_scratch_bytes = sort_bytes_;
+    a.sort_min_items = sorted ? 0 : std::numeric_limits<int64_t>::max();
+    RETURN_IF_ERROR(kernels::CudaStatus(cudaEventRecord(ev[0], stream_), "calibration event"));
+    RETURN_IF_ERROR(kernels::CudaStatus(kernels::LaunchLookup(a, stream_), "calibration lookup"));
+    RETURN_IF_ERROR(kernels::CudaStatus(cudaEventRecord(ev[1], stream_), "calibration event"));
+    RETURN_IF_ERROR(kernels::CudaStatus(cudaEventSynchronize(ev[1]), "calibration lookup"));
+    return kernels::CudaStatus(cudaEventElapsedTime(ms, ev[0], ev[1]), "calibration timing");
+  };
+  std::string text;
+  for (int packed = 0; packed < 2 && st.ok(); ++packed) {
+    for (int background = 0; background < 2 && st.ok(); ++background) {
+      int64_t threshold = std::numeric_limits<int64_t>::max();
+      for (auto it = sizes.rbegin(); it != sizes.rend() && st.ok(); ++it) {
+        float best[2] = {1e30f, 1e30f};  // [sorted]: the best of kSets fresh batches
+        for (int rep = 0; rep < kSets + 1 && st.ok(); ++rep) {
+          for (int sorted = 0; sorted < 2 && st.ok(); ++sorted) {
+            float ms = 0;
+            st = time_one(*it, rep % kSets, packed != 0, background != 0, sorted != 0, &ms);
+            if (rep > 0) best[sorted] = std::min(best[sorted], ms);  // the first round warms up
+          }
+        }
+        if (!st.ok() || best[1] >= best[0]) break;  // the row order lost here: not from any smaller size either
+        threshold = *it;
+      }
+      sort_min_items_[packed][background] = threshold;
+      absl::StrAppend(&text, text.empty() ? "" : ",", packed ? "packed" : "bf16", background ? "_bg" : "", ":",
+                      threshold == std::numeric_limits<int64_t>::max() ? std::string("never")
+                                                                          : absl::StrCat(threshold));
+    }
+  }
+  for (cudaEvent_t e : ev) {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+  cudaFree(d_ids);
+  if (!st.ok()) return st;
+  spdlog::info("engram: event=lookup_calibrated row_order_from_items={} table_rows={}", text, rows);
+  return absl::OkStatus();
 }
 
 void DeviceEngine::NotePath(LookupPath path, int64_t items) {
@@ -178,6 +267,7 @@ absl::Status DeviceEngine::LookupInto(int l, const int32_t* ids, int32_t num_tok
   if (w.background) a.max_blocks = std::max(1, kernels::DeviceSmCount() / 2);
   a.sort_scratch = sort_scratch_;
   a.sort_scratch_bytes = sort_bytes_;
+  a.sort_min_items = sort_min_items_[packed][w.background];
   return kernels::CudaStatus(kernels::LaunchLookup(a, stream_), "lookup kernel");
 }
 

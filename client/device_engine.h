@@ -56,6 +56,10 @@ class DeviceEngine final : public LookupEngine {
   cudaStream_t stream() const { return stream_; }
   // kAuto's choice for a batch of `items` (tokens x columns) per layer: the nearest measured size's winner.
   bool HostWins(int64_t items) const;
+  // The row-order threshold (items per launch) this engine's direct lookups use, chosen at creation by timing the
+  // plain and the row-order gather on this table (its size and pages decide which wins): [packed][background].
+  // INT64_MAX: never sorted.
+  int64_t sort_min_items(bool packed, bool background) const { return sort_min_items_[packed][background]; }
 
  private:
   DeviceEngine() = default;
@@ -72,6 +76,8 @@ class DeviceEngine final : public LookupEngine {
   std::vector<PathPoint> path_table_;
   unsigned paths_logged_ = 0;
   HostGatherOptions host_options_;
+  int64_t sort_min_items_[2][2] = {{-1, -1}, {-1, -1}};  // [packed][background]; -1: the process-wide tuning
+  absl::Status Calibrate();
   std::unique_ptr<HostGather> host_;  // created on the first host-gather Prefetch
   int32_t* d_ids_ = nullptr;          // host ids copied for the UVA path
   std::vector<int32_t> h_ids_;        // device ids copied for the host path

@@ -259,6 +259,46 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupPackedKernel(Lookup
   }
 }
 
+// Packed rows in 8-byte words with kR rows in flight per warp (every load issued before the first store), for
+// records of up to 32 * kWordsPerLane words (head_dim 256: 33 words, 2 per lane).
+template <int kWordsPerLane, int kR>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupPackedWordsKernel(LookupArgs a, LookupGeometry g) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int words = g.rec_bytes / 8;
+  for (int64_t first = warp * kR; first < g.items; first += n_warps * kR) {
+    int64_t item[kR];
+    const uint64_t* rec[kR];
+    bool owned[kR];
+#pragma unroll
+    for (int k = 0; k < kR; ++k) {
+      const int64_t r = first + k < g.items ? RowAt(a, g, first + k, &item[k]) : -1;
+      owned[k] = r >= 0;
+      rec[k] = reinterpret_cast<const uint64_t*>(a.records + (owned[k] ? r : 0) * g.rec_bytes);
+    }
+    uint64_t w[kR][kWordsPerLane];
+#pragma unroll
+    for (int k = 0; k < kR; ++k) {
+#pragma unroll
+      for (int j = 0; j < kWordsPerLane; ++j) {
+        const int word = lane + 32 * j;
+        w[k][j] = owned[k] && word < words ? rec[k][word] : 0;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kR; ++k) {
+      if (first + k >= g.items) break;
+      uint64_t* dst = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(a.out) + OutIndex(a, item[k], g.rec_bytes));
+#pragma unroll
+      for (int j = 0; j < kWordsPerLane; ++j) {
+        const int word = lane + 32 * j;
+        if (word < words) dst[word] = w[k][j];
+      }
+    }
+  }
+}
+
 // Any head_dim (multiple of 32) whose record is not 8-byte sized: byte loads, 8 values per lane chunk.
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupBytesKernel(LookupArgs a, LookupGeometry g) {
   const int lane = threadIdx.x & 31;
@@ -478,7 +518,8 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
   const LookupTuning tuning = GetLookupTuning();
   int variant = 0;  // the plain (item-order) gather always takes the grid-stride kernel
   int64_t grid_cap = a.max_blocks;
-  bool sort = a.sort_scratch != nullptr && items >= std::max<int64_t>(tuning.sort_min_items, 1);
+  const int64_t sort_min_items = a.sort_min_items >= 0 ? a.sort_min_items : tuning.sort_min_items;
+  bool sort = a.sort_scratch != nullptr && items >= std::max<int64_t>(sort_min_items, 1);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (sort && a.records != nullptr && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
       capture == cudaStreamCaptureStatusNone) {
@@ -526,12 +567,24 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
       a.out_token_stride < static_cast<int64_t>(a.num_cols) * (a.packed ? g.rec_bytes : a.head_dim)) {
     return cudaErrorInvalidValue;
   }
-  g.packed_words = g.rec_bytes % 8 == 0 && Aligned(a.out, 8) && a.out_token_stride % 8 == 0;
+  g.packed_words = g.rec_bytes % 8 == 0 && Aligned(a.records, 8) && Aligned(a.out, 8) && a.out_token_stride % 8 == 0;
   const int64_t warps_needed = a.packed || g.rec_bytes % 8 != 0 ? items : (items + kRows - 1) / kRows;
   int64_t blocks = (warps_needed + kWarpsPerBlock - 1) / kWarpsPerBlock;
   // Persistent grid: exactly the blocks that fit at once (more would run as a second, partial wave).
   int per_sm = 1;
-  const void* fn = a.packed ? reinterpret_cast<const void*>(LookupPackedKernel)
+  // Packed rows of head_dim 256 or 512 in words, 8 rows in flight per warp on the row-order gather's wide variants.
+  const int packed_wpl = !g.packed_words ? 0
+                         : g.rec_bytes / 8 <= 32 ? 1 : g.rec_bytes / 8 <= 64 ? 2 : g.rec_bytes / 8 <= 96 ? 3 : 0;
+  const bool packed_wide = variant == 1 || variant == 3;
+  const void* packed_fn =
+      packed_wpl == 1 ? (packed_wide ? reinterpret_cast<const void*>(LookupPackedWordsKernel<1, 8>)
+                                     : reinterpret_cast<const void*>(LookupPackedWordsKernel<1, kRows>))
+      : packed_wpl == 2 ? (packed_wide ? reinterpret_cast<const void*>(LookupPackedWordsKernel<2, 8>)
+                                       : reinterpret_cast<const void*>(LookupPackedWordsKernel<2, kRows>))
+      : packed_wpl == 3 ? (packed_wide ? reinterpret_cast<const void*>(LookupPackedWordsKernel<3, 8>)
+                                       : reinterpret_cast<const void*>(LookupPackedWordsKernel<3, kRows>))
+                        : reinterpret_cast<const void*>(LookupPackedKernel);
+  const void* fn = a.packed ? packed_fn
                    : (g.rec_bytes % 8 == 0 && a.head_dim == 256) ? WordsKernelFor<1>(variant)
                    : (g.rec_bytes % 8 == 0 && a.head_dim == 512) ? WordsKernelFor<2>(variant)
                                                                  : reinterpret_cast<const void*>(LookupBytesKernel);
@@ -541,10 +594,18 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(std::max<int64_t>(blocks, 1))), block(kWarpsPerBlock * 32);
   const bool words = g.rec_bytes % 8 == 0 && Aligned(a.records, 8);
   if (a.packed) {
-    if (g.rec_bytes % 8 == 0 && !(Aligned(a.records, 8) && Aligned(a.out, 8))) {
-      return cudaErrorInvalidValue;
+    if (packed_wpl == 1) {
+      if (packed_wide) LookupPackedWordsKernel<1, 8><<<grid, block, 0, stream>>>(a, g);
+      else LookupPackedWordsKernel<1, kRows><<<grid, block, 0, stream>>>(a, g);
+    } else if (packed_wpl == 2) {
+      if (packed_wide) LookupPackedWordsKernel<2, 8><<<grid, block, 0, stream>>>(a, g);
+      else LookupPackedWordsKernel<2, kRows><<<grid, block, 0, stream>>>(a, g);
+    } else if (packed_wpl == 3) {
+      if (packed_wide) LookupPackedWordsKernel<3, 8><<<grid, block, 0, stream>>>(a, g);
+      else LookupPackedWordsKernel<3, kRows><<<grid, block, 0, stream>>>(a, g);
+    } else {
+      LookupPackedKernel<<<grid, block, 0, stream>>>(a, g);
     }
-    LookupPackedKernel<<<grid, block, 0, stream>>>(a, g);
   } else if (words && a.head_dim == 256) {
     LaunchWords<1>(variant, grid, block, stream, a, g);
   } else if (words && a.head_dim == 512) {

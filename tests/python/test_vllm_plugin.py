@@ -182,6 +182,9 @@ def test_configurations_the_plugin_does_not_serve_keep_vllms_storage(fake_vllm, 
 
 
 def test_a_shared_table_without_a_gpu_is_not_handed_to_vllm(fake_vllm, daemon, checkpoint, caplog):
+    from conftest import torch_cuda
+    if torch_cuda() is not None:
+        pytest.skip("a GPU is usable here: the table is handed to vLLM (test_vllm_gpu.py)")
     m = stand_in()
     ev.install(m)
     m.config = vllm_stubs.make_vllm_config(checkpoint, additional_config={"engram": {"socket": daemon.socket}})
