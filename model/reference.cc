@@ -50,6 +50,14 @@ absl::Status HashIdsCpu(const Layout& layout, const TokenMap& token_map, const H
   if (static_cast<int64_t>(out.size()) != T * L * C) {
     return Invalid(absl::StrCat("output has ", out.size(), " entries, expected ", T, " x ", L, " x ", C));
   }
+  // Every boundary is checked before any token is read or any id written: a boundary past T in the middle of the
+  // list must not make one request read or write past the arrays.
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t begin = b.query_start_loc[static_cast<size_t>(r)];
+    const int64_t end = b.query_start_loc[static_cast<size_t>(r + 1)];
+    if (end < begin) return Invalid(absl::StrCat("query_start_loc decreases at request ", r));
+    if (begin < 0 || end > T) return Invalid(absl::StrCat("query_start_loc[", r + 1, "] = ", end, " outside [0, ", T, "]"));
+  }
   const int64_t raw = token_map.raw_size();
   if (layout.config().pad_token_id >= raw) return Invalid("pad token id is outside the token map");
   const int64_t pad_c = token_map[layout.config().pad_token_id];

@@ -15,13 +15,14 @@ stride is checked here (TypeError/ValueError) before a pointer reaches C. A Tabl
 thread; the Table must outlive its Engines (an Engine holds a reference to it). torch custom ops: engram.torch.
 """
 import ctypes
+import threading
 import weakref
 import json
 import os
 from collections import namedtuple
 
 from . import _lib
-from ._arrays import check, torch_module, view
+from ._arrays import check, no_overlap, torch_module, view
 from ._lib import EngramError
 
 __all__ = ["attach", "status", "Table", "Engine", "Reason", "Layout", "LayerLayout", "EngramError",
@@ -137,6 +138,7 @@ class Table:
     def __init__(self, handle, tp=(1, 0)):
         self._h = handle
         self._closed = False
+        self._lock = threading.RLock()
         self._engines = weakref.WeakSet()
         L = _lib.lib
         h = handle
@@ -183,10 +185,11 @@ class Table:
             raise TypeError(f"layer: an int table index, got {type(layer).__name__}")
         if not 0 <= layer < len(self.layout.layers):
             raise ValueError(f"layer {layer} outside [0, {len(self.layout.layers)})")
-        if self._closed or not self._h:
-            raise ValueError("the table is closed")
         ptr = ctypes.c_void_p()
-        _check_rc(_lib.lib.engram_table_records(self._h, int(layer), ctypes.byref(ptr)), "records")
+        with self._lock:
+            if self._closed or not self._h:
+                raise ValueError("the table is closed")
+            _check_rc(_lib.lib.engram_table_records(self._h, int(layer), ctypes.byref(ptr)), "records")
         if not ptr.value:
             return None
         import numpy as np
@@ -202,8 +205,9 @@ class Table:
         return Engine(self, max_tokens, stream)
 
     def close(self):
-        self._closed = True
-        _free_if_unused(self, [e for e in list(self._engines) if e._h])
+        with self._lock:
+            self._closed = True
+            _free_if_unused(self, [e for e in list(self._engines) if e._h])
 
     def _free(self):
         if self._h:
@@ -264,8 +268,12 @@ class Engine:
             t = torch_module()
             idx = t.cuda.current_device() if t is not None and t.cuda.is_available() else 0
             self._device = ("cuda", idx)
+        self._lock = threading.RLock()
         h = ctypes.c_void_p()
-        _lib.call(_lib.lib.engram_engine_create, table._h, max_tokens, self._fixed_stream or 0, ctypes.byref(h))
+        with table._lock:
+            if table._h is None or table._closed:
+                raise ValueError("the table is closed")
+            _lib.call(_lib.lib.engram_engine_create, table._h, max_tokens, self._fixed_stream or 0, ctypes.byref(h))
         self._h = h
         self._closed = False
         self._views = weakref.WeakSet()  # staging views handed out (each keeps this engine alive)
@@ -288,8 +296,8 @@ class Engine:
             return cp.cuda.get_current_stream().ptr
         return 0
 
-    def _v(self, x, name, dtypes, shape, contiguous=True):
-        return check(view(x, name), name, dtypes, shape, self._device, contiguous)
+    def _v(self, x, name, dtypes, shape, contiguous=True, writable=False):
+        return check(view(x, name), name, dtypes, shape, self._device, contiguous, writable)
 
     def _tokens(self, n, name):
         if n > self.max_tokens:
@@ -329,8 +337,10 @@ class Engine:
         dv = self._v(dead, "dead", ("bool", "uint8"), (T,)) if dead is not None else None
         if out is None:
             out = self._empty(tv, (T, L, C), "int32")
-        ov = self._v(out, "out", ("int32",), (T, L, C))
-        _lib.call(_lib.lib.engram_engine_hash, self._live(), tv.ptr, pv.ptr, qv.ptr, lv.ptr if lv else None,
+        ov = self._v(out, "out", ("int32",), (T, L, C), writable=True)
+        no_overlap(ov, "out", [(tv, "tokens"), (pv, "positions"), (qv, "query_start_loc"), (lv, "lookback"),
+                               (dv, "dead")])
+        self._c(_lib.lib.engram_engine_hash, tv.ptr, pv.ptr, qv.ptr, lv.ptr if lv else None,
                   dv.ptr if dv else None, T, R, ov.ptr, self.stream())
         return out
 
@@ -349,10 +359,11 @@ class Engine:
             iv = self._v(ids, "ids", ("int32",), (T, C))
         row_stride = iv.strides[0] if T > 1 else C
         if packed:
-            ov = self._v(out, "out", ("uint8",), (T, C, RB))
+            ov = self._v(out, "out", ("uint8",), (T, C, RB), writable=True)
         else:
-            ov = self._v(out, "out", self._bf16(None), (T, C, D))
-        _lib.call(_lib.lib.engram_engine_lookup, self._live(), int(layer), iv.ptr, T, row_stride, ov.ptr, int(bool(packed)),
+            ov = self._v(out, "out", self._bf16(None), (T, C, D), writable=True)
+        no_overlap(ov, "out", [(iv, "ids")])
+        self._c(_lib.lib.engram_engine_lookup, int(layer), iv.ptr, T, row_stride, ov.ptr, int(bool(packed)),
                   self.stream())
         return out
 
@@ -384,7 +395,7 @@ class Engine:
             raise ValueError(f"ids: row stride {ids_stride} overlaps the next token's columns")
         packed = _is_packed(out)
         ov = self._v(out, "out", ("uint8",) if packed else self._bf16(None), (T, num_cols, RB if packed else D),
-                     contiguous=False)
+                     contiguous=False, writable=True)
         row = RB if packed else D
         if (num_cols > 1 and ov.strides[1] != row) or ov.strides[2] != 1:
             raise ValueError(f"out: strides {list(ov.strides)}: each token's rows must be contiguous "
@@ -397,7 +408,7 @@ class Engine:
         _no_overlap(_span(iv, T, ids_stride, iv.shape[1], 4),
                     _span(ov, T, token_stride, num_cols * row, 1 if packed else 2))
         flags = (_lib.LOOKUP_PACKED if packed else 0) | (_lib.LOOKUP_BACKGROUND if background else 0)
-        _lib.call(_lib.lib.engram_engine_lookup_into, self._live(), int(layer), iv.ptr, T, ids_stride, col_begin,
+        self._c(_lib.lib.engram_engine_lookup_into, int(layer), iv.ptr, T, ids_stride, col_begin,
                   num_cols, ov.ptr, token_stride, flags, self.stream())
         return out
 
@@ -407,12 +418,13 @@ class Engine:
         accepts "auto" only."""
         if path not in _lib.LOOKUP_PATHS:
             raise ValueError(f"path: one of {', '.join(_lib.LOOKUP_PATHS)}, got {path!r}")
-        _lib.call(_lib.lib.engram_engine_set_lookup_path, self._live(), _lib.LOOKUP_PATHS[path])
+        self._c(_lib.lib.engram_engine_set_lookup_path, _lib.LOOKUP_PATHS[path])
 
     @property
     def last_lookup_path(self):
         """The path the last prefetch took: "uva", "host_gather", or "auto" before the first (and on the CPU)."""
-        code = _lib.lib.engram_engine_last_lookup_path(self._live())
+        with self._lock:
+            code = _lib.lib.engram_engine_last_lookup_path(self._live())
         return {v: k for k, v in _lib.LOOKUP_PATHS.items()}.get(code, "auto")
 
     def prefetch(self, hash_ids):
@@ -422,14 +434,14 @@ class Engine:
         L, C = len(self.layout.layers), self.layout.n_cols
         hv = self._v(hash_ids, "hash_ids", ("int32",), (None, L, C))
         self._tokens(hv.shape[0], "hash_ids")
-        _lib.call(_lib.lib.engram_engine_prefetch, self._live(), hv.ptr, hv.shape[0], self.stream())
+        self._c(_lib.lib.engram_engine_prefetch, hv.ptr, hv.shape[0], self.stream())
         self._prefetched = hash_ids
         return None
 
     def wait(self, layer):
         """Orders the current stream after layer `layer`'s prefetched rows (never blocks the host)."""
         self._layer(layer)
-        _lib.call(_lib.lib.engram_engine_wait, self._live(), int(layer), self.stream())
+        self._c(_lib.lib.engram_engine_wait, int(layer), self.stream())
 
     def staging(self, layer):
         """The staging buffer of `layer`: bf16 [max_tokens, n_cols, head_dim] at a fixed address for the engine's
@@ -437,7 +449,8 @@ class Engine:
         Engine lives. A new view at every call (cheap); not cached in the engine, since a view keeps its engine
         alive and an engine holding its views would be a cycle through torch that Python's collector cannot see."""
         self._layer(layer)
-        ptr = _lib.lib.engram_engine_staging(self._live(), int(layer))
+        with self._lock:
+            ptr = _lib.lib.engram_engine_staging(self._live(), int(layer))
         if not ptr:
             raise EngramError(13, f"no staging buffer for layer {layer}")
         shape = (self.max_tokens, self.layout.n_cols, self.layout.head_dim)
@@ -470,12 +483,11 @@ class Engine:
         dv = self._v(dead, "dead", ("bool", "uint8"), (T,)) if dead is not None else None
         if out is None:
             out = self._empty(hv, (T, HC, D), "bfloat16" if hv.dtype == "bfloat16" else "uint16")
-        ov = self._v(out, "out", (hv.dtype,), (T, HC, D))
-        if ov.ptr in (hv.ptr, kvv.ptr) and T > 0:
-            raise ValueError("out: may not alias hidden or kv")
+        ov = self._v(out, "out", (hv.dtype,), (T, HC, D), writable=True)
+        no_overlap(ov, "out", [(hv, "hidden"), (kvv, "kv"), (qv, "q_weight"), (kwv, "k_weight"), (dv, "dead")])
         a = _lib.GateArgs(hv.ptr, kvv.ptr, qv.ptr, kwv.ptr, dv.ptr if dv else None, ov.ptr, T, HC, D,
                           float(self.layout.rms_norm_eps if eps is None else eps))
-        _lib.call(_lib.lib.engram_engine_gate, self._live(), ctypes.byref(a), self.stream())
+        self._c(_lib.lib.engram_engine_gate, ctypes.byref(a), self.stream())
         return out
 
     def _layer(self, layer):
@@ -489,11 +501,17 @@ class Engine:
             raise ValueError("the engine is closed")
         return self._h
 
+    def _c(self, fn, *args):
+        """One library call on this engine, under its lock: close() from another thread waits for it to return."""
+        with self._lock:
+            return _lib.call(fn, self._live(), *args)
+
     def close(self):
         """Ends its use (every call raises ValueError afterwards); the engine is freed at once when no staging view
-        of it is alive, else when the last one goes."""
-        self._closed = True
-        _free_if_unused(self, self._views)
+        of it is alive, else when the last one goes. A call running in another thread finishes first."""
+        with self._lock:
+            self._closed = True
+            _free_if_unused(self, self._views)
 
     def _free(self):
         if getattr(self, "_h", None):

@@ -27,11 +27,24 @@ def torch_module():
 
 
 class View:
-    __slots__ = ("obj", "ptr", "shape", "strides", "dtype", "device", "kind")
+    __slots__ = ("obj", "ptr", "shape", "strides", "dtype", "device", "kind", "readonly")
 
-    def __init__(self, obj, ptr, shape, strides, dtype, device, kind):
+    def __init__(self, obj, ptr, shape, strides, dtype, device, kind, readonly=False):
         self.obj, self.ptr, self.shape, self.strides = obj, ptr, tuple(shape), tuple(strides)
-        self.dtype, self.device, self.kind = dtype, device, kind
+        self.dtype, self.device, self.kind, self.readonly = dtype, device, kind, readonly
+
+    def span(self):
+        """[first, last) byte addresses the array's elements occupy (strides as they are; an empty array: none)."""
+        if 0 in self.shape:
+            return (self.ptr, self.ptr)
+        size = _SIZES[self.dtype]
+        lo = hi = 0
+        for d, st in zip(self.shape, self.strides):
+            if st >= 0:
+                hi += (d - 1) * st
+            else:
+                lo += (d - 1) * st
+        return (self.ptr + lo * size, self.ptr + (hi + 1) * size)
 
     def contiguous(self):
         expect, s = [], 1
@@ -71,7 +84,7 @@ def view(x, name):
             if s % x.itemsize:
                 raise ValueError(f"{name}: strides {x.strides} are not multiples of the item size")
             strides.append(s // x.itemsize)
-        return View(x, x.ctypes.data, x.shape, strides, dt, ("cpu", None), "numpy")
+        return View(x, x.ctypes.data, x.shape, strides, dt, ("cpu", None), "numpy", not x.flags.writeable)
     cai = getattr(x, "__cuda_array_interface__", None)
     if cai is not None:
         dt = _CAI_TYPES.get(cai["typestr"])
@@ -88,7 +101,7 @@ def view(x, name):
         else:
             strides = tuple(s // size for s in cai["strides"])
         dev = getattr(getattr(x, "device", None), "id", None)
-        return View(x, cai["data"][0], shape, strides, dt, ("cuda", dev), "cai")
+        return View(x, cai["data"][0], shape, strides, dt, ("cuda", dev), "cai", bool(cai["data"][1]))
     if hasattr(x, "__dlpack__"):
         t = torch_module()
         if t is not None:
@@ -96,8 +109,11 @@ def view(x, name):
     raise TypeError(f"{name}: expected a NumPy array, a torch tensor or a CUDA array, got {type(x).__name__}")
 
 
-def check(v, name, dtypes, shape, device, contiguous=True):
-    """dtypes: accepted dtype names; shape: tuple of ints or None (any); device: ('cpu', None) or ('cuda', index)."""
+def check(v, name, dtypes, shape, device, contiguous=True, writable=False):
+    """dtypes: accepted dtype names; shape: tuple of ints or None (any); device: ('cpu', None) or ('cuda', index);
+    writable: an output, which a read-only array (NumPy writeable=False, a read-only memmap) may not be."""
+    if writable and v.readonly:
+        raise ValueError(f"{name}: a read-only array cannot take the output")
     if v.dtype not in dtypes:
         raise TypeError(f"{name}: dtype {v.dtype}, expected {' or '.join(dtypes)}")
     if len(v.shape) != len(shape) or any(w is not None and w != g for w, g in zip(shape, v.shape)):
@@ -113,4 +129,18 @@ def check(v, name, dtypes, shape, device, contiguous=True):
             raise ValueError(f"{name}: on cuda:{v.device[1]}, but this engine runs on cuda:{device[1]}")
     if contiguous and not v.contiguous():
         raise ValueError(f"{name}: strides {list(v.strides)} for shape {list(v.shape)}: a contiguous array is needed")
+    if any(st < 0 for st in v.strides):
+        raise ValueError(f"{name}: negative strides {list(v.strides)}")
     return v
+
+
+def no_overlap(out, out_name, inputs):
+    """ValueError when the output's bytes overlap any input's (a write over data the call is still reading).
+    inputs: (View or None, name) pairs."""
+    lo, hi = out.span()
+    for v, name in inputs:
+        if v is None:
+            continue
+        a, b = v.span()
+        if lo < b and a < hi and lo < hi and a < b:
+            raise ValueError(f"{out_name}: overlaps {name}")

@@ -477,5 +477,5 @@ def _lookup_fast(eng, layer, indices, out, col_begin, num_cols, background):
     if ids_lo < out_hi and out_lo < ids_hi:
         raise ValueError("out: overlaps ids")
     flags = (_lib.LOOKUP_PACKED if packed else 0) | (_lib.LOOKUP_BACKGROUND if background else 0)
-    _lib.call(_lib.lib.engram_engine_lookup_into, eng._live(), layer, indices.data_ptr(), T, ids_stride, col_begin,
-              num_cols, out.data_ptr(), token_stride, flags, eng.stream())
+    eng._c(_lib.lib.engram_engine_lookup_into, layer, indices.data_ptr(), T, ids_stride, col_begin, num_cols,
+           out.data_ptr(), token_stride, flags, eng.stream())

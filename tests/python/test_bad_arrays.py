@@ -108,7 +108,7 @@ def test_gate_refusals(eng):
         eng.gate(h, kv[:, :-1], w, w)
     with pytest.raises(TypeError, match="q_weight: dtype int16"):
         eng.gate(h, kv, w.astype(np.int16), w)
-    with pytest.raises(ValueError, match="alias"):
+    with pytest.raises(ValueError, match="overlaps hidden"):
         eng.gate(h, kv, w, w, out=h)
     with pytest.raises(ValueError, match="dead: shape"):
         eng.gate(h, kv, w, w, dead=np.zeros(3, np.uint8))

@@ -1,6 +1,7 @@
 // The CPU reference kernels: hash ids against the independent Python golden (tests/data/golden_hash.py), FP8/bf16
 // conversions against their definitions in float64, lookups on fresh random tables with poisoned outputs, and the
 // gate against a float64 oracle.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -105,7 +106,7 @@ TEST(HashReferenceTest, MalformedBatchesAreErrors) {
     const char* expect;
   };
   std::vector<int64_t> gap = {0, 1, 3}, neg = {-1, 0, 1}, short_pos = {0, 1};
-  std::vector<int32_t> bad_qsl = {0, 2}, dec_qsl = {0, 2, 1, 3}, one = {0};
+  std::vector<int32_t> bad_qsl = {0, 2}, dec_qsl = {0, 2, 1, 3}, one = {0}, past_qsl = {0, 9, 3};
   std::vector<int32_t> big = {1, 999999, 3}, lb_short = {1};
   std::vector<uint8_t> dead_short = {0};
   Case cases[] = {
@@ -115,15 +116,22 @@ TEST(HashReferenceTest, MalformedBatchesAreErrors) {
       {"qsl end", {tokens, pos, bad_qsl, {}, {}}, out.size(), "must run from 0 to 3"},
       {"qsl decreasing", {tokens, pos, dec_qsl, {}, {}}, out.size(), "decreases"},
       {"qsl too short", {tokens, pos, one, {}, {}}, out.size(), "at least two"},
+      // A middle boundary past T: refused before the first request reads tokens 0..8 (the old check, request by
+      // request, hashed it first: reads past tokens and positions, writes past out). The guarded output shows it.
+      {"qsl past the tokens", {tokens, pos, past_qsl, {}, {}}, out.size(), "outside [0, 3]"},
       {"token out of range", {big, pos, qsl, {}, {}}, out.size(), "token id 999999"},
       {"lookback size", {tokens, pos, qsl, lb_short, {}}, out.size(), "lookback has 1"},
       {"dead size", {tokens, pos, qsl, {}, dead_short}, out.size(), "dead mask has 1"},
       {"output size", {tokens, pos, qsl, {}, {}}, out.size() - 1, "output has"},
   };
   for (auto& c : cases) {
+    std::fill(out.begin(), out.end(), -7);  // poison: a refusal writes nothing
     auto st = HashIdsCpu(*layout, map, c.b, std::span<int32_t>(out.data(), c.out_size));
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << c.name;
     EXPECT_NE(st.message().find(c.expect), std::string::npos) << c.name << ": " << st;
+    if (std::string(c.name) == "qsl past the tokens") {
+      EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](int32_t v) { return v == -7; })) << "written before refusing";
+    }
   }
 }
 
