@@ -256,7 +256,11 @@ absl::Status DeviceEngine::LookupInto(int l, const int32_t* ids, int32_t num_tok
   a.row_begin = table_->layers()[static_cast<size_t>(l)].row_begin;
   a.row_end = table_->layers()[static_cast<size_t>(l)].row_end;
   a.head_dim = static_cast<int32_t>(table_->head_dim());
-  a.ids = ids == nullptr ? nullptr : ids + w.col_begin;
+  if (w.ids_int64) {
+    a.ids64 = ids == nullptr ? nullptr : reinterpret_cast<const int64_t*>(ids) + w.col_begin;
+  } else {
+    a.ids = ids == nullptr ? nullptr : ids + w.col_begin;
+  }
   a.num_tokens = num_tokens;
   a.num_cols = w.num_cols;
   a.ids_stride = ids_stride;

@@ -452,13 +452,13 @@ int engram_engine_lookup(engram_engine* e, int layer, const int32_t* ids, int32_
   }
 }
 
-int engram_engine_lookup_into(engram_engine* e, int layer, const int32_t* ids, int32_t num_tokens,
+int engram_engine_lookup_into(engram_engine* e, int layer, const void* ids, int32_t num_tokens,
                               int64_t ids_stride, int32_t col_begin, int32_t num_cols, void* out,
                               int64_t out_token_stride, int flags, uintptr_t stream, char* err, size_t err_len) {
   try {
     if (e == nullptr) return Fail(absl::InvalidArgumentError("lookup_into: null engine"), err, err_len);
     if (auto st = Owned(e->owner, "engine"); !st.ok()) return Fail(st, err, err_len);
-    if ((flags & ~(ENGRAM_LOOKUP_PACKED | ENGRAM_LOOKUP_BACKGROUND)) != 0) {
+    if ((flags & ~(ENGRAM_LOOKUP_PACKED | ENGRAM_LOOKUP_BACKGROUND | ENGRAM_LOOKUP_IDS64)) != 0) {
       return Fail(absl::InvalidArgumentError(absl::StrCat("lookup_into: unknown flags ", flags)), err, err_len);
     }
     engram::client::LookupWindow w;
@@ -466,9 +466,11 @@ int engram_engine_lookup_into(engram_engine* e, int layer, const int32_t* ids, i
     w.num_cols = num_cols;
     w.out_token_stride = out_token_stride;
     w.background = (flags & ENGRAM_LOOKUP_BACKGROUND) != 0;
+    w.ids_int64 = (flags & ENGRAM_LOOKUP_IDS64) != 0;
     absl::Status st = e->engine->SetStream(AsStream(stream));
     if (st.ok()) {
-      st = e->engine->LookupInto(layer, ids, num_tokens, ids_stride, out, (flags & ENGRAM_LOOKUP_PACKED) != 0, w);
+      st = e->engine->LookupInto(layer, static_cast<const int32_t*>(ids), num_tokens, ids_stride, out,
+                                 (flags & ENGRAM_LOOKUP_PACKED) != 0, w);
     }
     return Done(st, err, err_len);
   } catch (...) {

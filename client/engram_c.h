@@ -141,7 +141,8 @@ int engram_engine_lookup(engram_engine* e, int layer, const int32_t* ids, int32_
  * Runs the UVA kernels (row order for large batches), so it is capturable in a CUDA graph. */
 #define ENGRAM_LOOKUP_PACKED 1
 #define ENGRAM_LOOKUP_BACKGROUND 2
-int engram_engine_lookup_into(engram_engine* e, int layer, const int32_t* ids, int32_t num_tokens,
+#define ENGRAM_LOOKUP_IDS64 4 /* ids points at int64 ids (ids_stride in int64 elements) */
+int engram_engine_lookup_into(engram_engine* e, int layer, const void* ids, int32_t num_tokens,
                               int64_t ids_stride, int32_t col_begin, int32_t num_cols, void* out,
                               int64_t out_token_stride, int flags, uintptr_t stream, char* err, size_t err_len);
 /* The path of later prefetches: AUTO (per batch: host gather when not capturing, the ids are host memory and the

@@ -60,8 +60,17 @@ class CpuEngine final : public LookupEngine {
     const int64_t D = t_.head_dim(), rb = D + D / 32, C = w.num_cols;
     const int64_t row = packed ? rb : D;  // output units (bytes or bf16 values) per row
     const int64_t token_stride = w.out_token_stride > 0 ? w.out_token_stride : C * row;
+    std::vector<int32_t> narrowed(w.ids_int64 ? static_cast<size_t>(C) : 0);
+    const auto* ids64 = reinterpret_cast<const int64_t*>(ids);
     for (int64_t i = 0; i < T; ++i) {  // one token's window at a time: no buffer sized by the caller's count
-      const std::span<const int32_t> token_ids(ids + i * stride + w.col_begin, static_cast<size_t>(C));
+      std::span<const int32_t> token_ids(ids + i * stride + w.col_begin, static_cast<size_t>(C));
+      if (w.ids_int64) {
+        for (int64_t c = 0; c < C; ++c) {
+          const int64_t id = ids64[i * stride + w.col_begin + c];
+          narrowed[static_cast<size_t>(c)] = id >= 0 && id <= INT32_MAX ? static_cast<int32_t>(id) : -1;
+        }
+        token_ids = narrowed;
+      }
       if (packed) {
         uint8_t* dst = static_cast<uint8_t*>(out) + i * token_stride;
         RETURN_IF_ERROR(LookupPackedCpu(records, token_ids, {dst, static_cast<size_t>(C * rb)}));

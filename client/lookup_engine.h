@@ -40,6 +40,7 @@ struct LookupWindow {
   int32_t num_cols = -1;          // -1: every column from col_begin on
   int64_t out_token_stride = 0;
   bool background = false;
+  bool ids_int64 = false;         // `ids` points at int64 ids (SGLang's); an id past int32 is outside every table
 };
 
 struct GateInputs {

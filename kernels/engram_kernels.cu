@@ -114,10 +114,13 @@ struct LookupGeometry {
 // The id of item = t * num_cols + c. Contiguous ids need no division; strided ones use a 32-bit division (items
 // stay below 2^31, checked by the launcher), far cheaper than a 64-bit one.
 __device__ __forceinline__ int64_t ItemId(const LookupArgs& a, int64_t item) {
-  if (a.ids_stride == a.num_cols) return a.ids[item];
-  const uint32_t i = static_cast<uint32_t>(item), cols = static_cast<uint32_t>(a.num_cols);
-  const uint32_t t = i / cols, c = i - t * cols;
-  return a.ids[static_cast<int64_t>(t) * a.ids_stride + c];
+  int64_t at = item;
+  if (a.ids_stride != a.num_cols) {
+    const uint32_t i = static_cast<uint32_t>(item), cols = static_cast<uint32_t>(a.num_cols);
+    const uint32_t t = i / cols, c = i - t * cols;
+    at = static_cast<int64_t>(t) * a.ids_stride + c;
+  }
+  return a.ids64 != nullptr ? a.ids64[at] : a.ids[at];
 }
 
 // Where item = t * num_cols + c starts in the output, in `unit`s (bf16 values or bytes) of `row` per row.
@@ -511,7 +514,8 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
   const int64_t items = static_cast<int64_t>(a.num_tokens) * a.num_cols;
   if (items == 0) return cudaSuccess;
   if (items >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
-  if (a.ids == nullptr || a.out == nullptr || (a.records == nullptr && a.row_end > a.row_begin)) {
+  if ((a.ids == nullptr && a.ids64 == nullptr) || a.out == nullptr ||
+      (a.records == nullptr && a.row_end > a.row_begin)) {
     return cudaErrorInvalidValue;
   }
   LookupGeometry g{items, a.head_dim / 8, a.head_dim + a.head_dim / 32};

@@ -51,6 +51,7 @@ struct LookupArgs {
   int64_t row_end = 0;
   int32_t head_dim = 0;              // multiple of 32
   const int32_t* ids = nullptr;      // ids[t * ids_stride + c]
+  const int64_t* ids64 = nullptr;    // the same as int64 ids (SGLang's), read instead of `ids` when set
   int32_t num_tokens = 0;
   int32_t num_cols = 0;
   int64_t ids_stride = 0;            // usually L * C (the hash output of all layers), pointer offset by layer*C

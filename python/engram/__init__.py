@@ -368,7 +368,7 @@ class Engine:
         return out
 
     def lookup_into(self, layer, ids, out, col_begin=0, num_cols=None, background=False):
-        """Rows of table `layer` for the hash columns [col_begin, col_begin + num_cols) of ids (int32 [T, >= col_begin
+        """Rows of table `layer` for the hash columns [col_begin, col_begin + num_cols) of ids (int32 or int64 [T, >= col_begin
         + num_cols], unit column stride, any row stride) written into `out` in its own layout: bf16 [T, num_cols,
         head_dim] (each token's rows contiguous, any token stride that keeps 16-byte rows), or uint8 [T, num_cols,
         record_bytes] (packed records, any token stride). This is how an engine writes straight into its own
@@ -383,7 +383,7 @@ class Engine:
             num_cols = C - col_begin
         if col_begin < 0 or num_cols < 1 or col_begin + num_cols > C:
             raise ValueError(f"columns [{col_begin}, {col_begin + num_cols}) outside the table's [0, {C})")
-        iv = self._v(ids, "ids", ("int32",), (None, None), contiguous=False)
+        iv = self._v(ids, "ids", ("int32", "int64"), (None, None), contiguous=False)
         T = iv.shape[0]
         self._tokens(T, "ids")
         if iv.shape[1] < col_begin + num_cols:
@@ -405,9 +405,11 @@ class Engine:
             raise ValueError(f"out: token stride {token_stride} overlaps the next token's rows")
         if not packed and (token_stride % 8 or ov.ptr % 16):
             raise ValueError("out: bf16 rows must start 16-byte aligned (token stride a multiple of 8 values)")
-        _no_overlap(_span(iv, T, ids_stride, iv.shape[1], 4),
+        isz = 8 if iv.dtype == "int64" else 4
+        _no_overlap(_span(iv, T, ids_stride, iv.shape[1], isz),
                     _span(ov, T, token_stride, num_cols * row, 1 if packed else 2))
-        flags = (_lib.LOOKUP_PACKED if packed else 0) | (_lib.LOOKUP_BACKGROUND if background else 0)
+        flags = (_lib.LOOKUP_PACKED if packed else 0) | (_lib.LOOKUP_BACKGROUND if background else 0) | \
+            (_lib.LOOKUP_IDS64 if iv.dtype == "int64" else 0)
         self._c(_lib.lib.engram_engine_lookup_into, int(layer), iv.ptr, T, ids_stride, col_begin,
                   num_cols, ov.ptr, token_stride, flags, self.stream())
         return out

@@ -101,7 +101,7 @@ _sig("engram_table_col_range", _c.c_int, _P, _c.POINTER(_c.c_int), _c.POINTER(_c
 _sig("engram_table_staging_col_range", _c.c_int, _P, _c.POINTER(_c.c_int), _c.POINTER(_c.c_int))
 _sig("engram_table_records", _c.c_int, _P, _c.c_int, _c.POINTER(_P))
 
-LOOKUP_PACKED, LOOKUP_BACKGROUND = 1, 2
+LOOKUP_PACKED, LOOKUP_BACKGROUND, LOOKUP_IDS64 = 1, 2, 4
 LOOKUP_PATHS = {"auto": 0, "uva": 1, "host_gather": 2}
 
 _sig("engram_engine_create", _c.c_int, _P, _c.c_int32, _u, _c.POINTER(_P), *_errbuf)

@@ -449,8 +449,8 @@ def _make_class(base):
             if indices.shape[0] == 0:
                 return
             eng = self._engramd.engine
-            key = (tuple(indices.shape), indices.stride(), tuple(out.shape), out.stride(), out.dtype,
-                   indices.device, bool(background))
+            key = (tuple(indices.shape), indices.stride(), indices.dtype, tuple(out.shape), out.stride(), out.dtype,
+                   indices.device, out.device, bool(background))
             if key in self._engramd_fast:
                 # The same shapes, strides and dtypes as a call the engine's checks accepted: only the pointers
                 # and the stream are new (the overlap check is redone with them).
@@ -472,10 +472,12 @@ def _lookup_fast(eng, layer, indices, out, col_begin, num_cols, background):
     row = out.shape[2]
     token_stride = out.stride(0) if T > 1 else num_cols * row
     isz = out.element_size()
-    ids_lo, ids_hi = indices.data_ptr(), indices.data_ptr() + ((T - 1) * ids_stride + indices.shape[1]) * 4
+    id_size = indices.element_size()
+    ids_lo, ids_hi = indices.data_ptr(), indices.data_ptr() + ((T - 1) * ids_stride + indices.shape[1]) * id_size
     out_lo, out_hi = out.data_ptr(), out.data_ptr() + ((T - 1) * token_stride + num_cols * row) * isz
     if ids_lo < out_hi and out_lo < ids_hi:
         raise ValueError("out: overlaps ids")
-    flags = (_lib.LOOKUP_PACKED if packed else 0) | (_lib.LOOKUP_BACKGROUND if background else 0)
+    flags = (_lib.LOOKUP_PACKED if packed else 0) | (_lib.LOOKUP_BACKGROUND if background else 0) | \
+        (_lib.LOOKUP_IDS64 if id_size == 8 else 0)
     eng._c(_lib.lib.engram_engine_lookup_into, layer, indices.data_ptr(), T, ids_stride, col_begin, num_cols,
            out.data_ptr(), token_stride, flags, eng.stream())

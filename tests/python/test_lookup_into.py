@@ -119,3 +119,19 @@ def test_the_cpu_backend_has_one_lookup_path(table):
         eng.set_lookup_path("uva")
     with pytest.raises(ValueError, match="one of"):
         eng.set_lookup_path("fast")
+
+
+def test_int64_ids_give_the_same_rows_and_ids_past_int32_are_zero_rows(table, reference):
+    eng, ids = _ids(table, reference, 31, [7, 5])
+    T, C, D = ids.shape[0], reference.C, reference.D
+    for li in range(len(reference.layer_ids)):
+        want = np.full((T, C, D), 0xDEAD, dtype=np.uint16)
+        eng.lookup_into(li, ids[:, li, :], want)
+        wide = ids[:, li, :].astype(np.int64)
+        wide[0, 0] = 2 ** 31 + 5   # past int32: outside every table
+        wide[1, 1] = -(2 ** 40)
+        got = np.full((T, C, D), 0xBEEF, dtype=np.uint16)
+        eng.lookup_into(li, wide, got)
+        want[0, 0] = 0
+        want[1, 1] = 0
+        np.testing.assert_array_equal(got, want)
