@@ -57,7 +57,7 @@ LookupPath PathFromEnv() {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& table, int32_t max_tokens,
-                                                                   cudaStream_t stream) {
+                                                                   cudaStream_t stream, bool staging) {
   if (table.backend() != Backend::kCuda) {
     return absl::FailedPreconditionError("the table has the CPU backend (no usable GPU): use LookupEngine::Create, which gives the CPU engine");
   }
@@ -71,8 +71,11 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
   for (size_t l = 0; l < table.layers().size(); ++l) {
     tables.push_back({table.device_records(static_cast<int>(l)), table.layers()[l].row_begin, table.layers()[l].row_end});
   }
-  RETURN_IF_ERROR(e->prefetcher_.Init(tables, max_tokens, static_cast<int32_t>(table.n_cols()),
-                                      static_cast<int32_t>(table.head_dim())));
+  e->has_staging_ = staging;
+  if (staging) {
+    RETURN_IF_ERROR(e->prefetcher_.Init(tables, max_tokens, static_cast<int32_t>(table.n_cols()),
+                                        static_cast<int32_t>(table.head_dim())));
+  }
   e->sort_bytes_ = kernels::LookupSortScratchBytes(static_cast<int64_t>(max_tokens) * table.n_cols());
   RETURN_IF_ERROR(kernels::CudaStatus(cudaMalloc(&e->sort_scratch_, e->sort_bytes_), "sort scratch"));
   e->path_ = PathFromEnv();
@@ -124,8 +127,12 @@ absl::Status DeviceEngine::Calibrate() {
     if (n <= cap) sizes.push_back(n);
   }
   if (rows <= 0 || sizes.empty()) return absl::OkStatus();
-  constexpr int kSets = 3;
+  constexpr int kReps = 3;              // timed rounds after one warm-up round
+  constexpr int kSets = 2 * (kReps + 1);  // a fresh id set for every launch: no row is in a cache from before
   const int64_t most = sizes.back();
+  void* d_out = nullptr;  // room for the largest batch in either format, freed after
+  RETURN_IF_ERROR(kernels::CudaStatus(cudaMalloc(&d_out, static_cast<size_t>(most) * table_->head_dim() * 2),
+                                      "calibration output"));
   int32_t* d_ids = nullptr;
   RETURN_IF_ERROR(kernels::CudaStatus(cudaMalloc(reinterpret_cast<void**>(&d_ids), static_cast<size_t>(most) * kSets * 4),
                                       "calibration ids"));
@@ -152,7 +159,7 @@ absl::Status DeviceEngine::Calibrate() {
     a.num_tokens = static_cast<int32_t>(items / C);
     a.num_cols = static_cast<int32_t>(C);
     a.ids_stride = C;
-    a.out = prefetcher_.staging(0);
+    a.out = d_out;
     a.packed = packed;
     if (background) a.max_blocks = std::max(1, kernels::DeviceSmCount() / 2);
     a.sort_scratch = sort_scratch_;
@@ -170,10 +177,11 @@ absl::Status DeviceEngine::Calibrate() {
       int64_t threshold = std::numeric_limits<int64_t>::max();
       for (auto it = sizes.rbegin(); it != sizes.rend() && st.ok(); ++it) {
         float best[2] = {1e30f, 1e30f};  // [sorted]: the best of kSets fresh batches
-        for (int rep = 0; rep < kSets + 1 && st.ok(); ++rep) {
-          for (int sorted = 0; sorted < 2 && st.ok(); ++sorted) {
+        for (int rep = 0; rep < kReps + 1 && st.ok(); ++rep) {
+          for (int k = 0; k < 2 && st.ok(); ++k) {
+            const int sorted = (rep + k) % 2;  // alternate which goes first
             float ms = 0;
-            st = time_one(*it, rep % kSets, packed != 0, background != 0, sorted != 0, &ms);
+            st = time_one(*it, 2 * rep + k, packed != 0, background != 0, sorted != 0, &ms);
             if (rep > 0) best[sorted] = std::min(best[sorted], ms);  // the first round warms up
           }
         }
@@ -190,6 +198,7 @@ absl::Status DeviceEngine::Calibrate() {
     if (e != nullptr) cudaEventDestroy(e);
   }
   cudaFree(d_ids);
+  cudaFree(d_out);
   if (!st.ok()) return st;
   spdlog::info("engram: event=lookup_calibrated row_order_from_items={} table_rows={}", text, rows);
   return absl::OkStatus();
@@ -286,6 +295,9 @@ absl::Status DeviceEngine::Gate(const GateInputs& g) {
 }
 
 absl::Status DeviceEngine::Prefetch(const int32_t* hash_ids, int32_t num_tokens) {
+  if (!has_staging_) {
+    return absl::FailedPreconditionError("this engine was created without staging buffers: it looks up only");
+  }
   if (num_tokens < 0 || num_tokens > max_tokens_) {
     return absl::InvalidArgumentError(absl::StrCat(num_tokens, " tokens; the engine was sized for ", max_tokens_));
   }
@@ -348,6 +360,12 @@ absl::Status DeviceEngine::Prefetch(const int32_t* hash_ids, int32_t num_tokens)
       RETURN_IF_ERROR(kernels::CudaStatus(
           cudaMalloc(reinterpret_cast<void**>(&d_ids_), static_cast<size_t>(max_tokens_) * L * C * 4), "device hash ids"));
     }
+    // The previous prefetch's side stream may still read d_ids_ (its caller may have waited on another stream):
+    // the copy waits for its last layer.
+    if (L > 0) {
+      RETURN_IF_ERROR(kernels::CudaStatus(cudaStreamWaitEvent(stream_, prefetcher_.layer_event(L - 1), 0),
+                                          "previous prefetch"));
+    }
     RETURN_IF_ERROR(kernels::CudaStatus(
         cudaMemcpyAsync(d_ids_, hash_ids, static_cast<size_t>(n_ids) * 4, cudaMemcpyHostToDevice, stream_),
         "hash ids to device"));
@@ -358,6 +376,9 @@ absl::Status DeviceEngine::Prefetch(const int32_t* hash_ids, int32_t num_tokens)
 }
 
 absl::Status DeviceEngine::Wait(int l) {
+  if (!has_staging_) {
+    return absl::FailedPreconditionError("this engine was created without staging buffers: it looks up only");
+  }
   if (last_path_ == LookupPath::kHostGather) return host_->Wait(l, stream_);
   return prefetcher_.Wait(l, stream_);
 }

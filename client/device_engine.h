@@ -32,7 +32,7 @@ struct PathPoint {
 class DeviceEngine final : public LookupEngine {
  public:
   static absl::StatusOr<std::unique_ptr<DeviceEngine>> Create(const Table& table, int32_t max_tokens,
-                                                              cudaStream_t stream);
+                                                              cudaStream_t stream, bool staging = true);
   ~DeviceEngine() override;
   Backend backend() const override { return Backend::kCuda; }
 
@@ -50,7 +50,7 @@ class DeviceEngine final : public LookupEngine {
   // Every layer's lookup on the side stream, after the work already queued on the engine's stream.
   absl::Status Prefetch(const int32_t* hash_ids, int32_t num_tokens) override;
   absl::Status Wait(int l) override;
-  uint16_t* staging(int l) const override { return prefetcher_.staging(l); }
+  uint16_t* staging(int l) const override { return has_staging_ ? prefetcher_.staging(l) : nullptr; }
   absl::Status SetLookupPath(LookupPath path) override;
   LookupPath last_lookup_path() const override { return last_path_; }
   cudaStream_t stream() const { return stream_; }
@@ -69,6 +69,7 @@ class DeviceEngine final : public LookupEngine {
   int32_t max_tokens_ = 0;
   std::unique_ptr<kernels::DeviceLayout> layout_;
   kernels::Prefetcher prefetcher_;
+  bool has_staging_ = true;  // false: created without staging (no Prefetch)
   void* sort_scratch_ = nullptr;
   size_t sort_bytes_ = 0;
   // Lookup path choice (issue 14).

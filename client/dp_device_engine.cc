@@ -65,6 +65,8 @@ class DpDeviceEngine final : public LookupEngine {
     return inner_->Hash(tokens, positions, qsl, lookback, dead, T, R, out);
   }
   absl::Status Gate(const GateInputs& g) override { return inner_->Gate(g); }
+  const Table* table_for_checks() const override { return table_; }
+  int32_t max_tokens_for_checks() const override { return max_tokens_; }
   // Later steps run on `stream` (the exchange takes its stream per step; the side stream forks from this one).
   absl::Status SetStream(void* stream) override {
     stream_ = static_cast<cudaStream_t>(stream);
@@ -76,7 +78,7 @@ class DpDeviceEngine final : public LookupEngine {
     if (l < 0 || l >= L) {
       return Fail(absl::InvalidArgumentError(absl::StrCat("layer index ", l, " outside [0, ", L, ")")));
     }
-    if ((T > 0 && ids == nullptr) || out == nullptr || stride < cols_) {
+    if (T > 0 && (ids == nullptr || out == nullptr || stride < cols_)) {  // T == 0: this rank's empty step
       return Fail(absl::InvalidArgumentError("lookup: null or bad stride"));
     }
     std::vector<void*> outs(static_cast<size_t>(L), nullptr);
@@ -145,6 +147,7 @@ class DpDeviceEngine final : public LookupEngine {
                                                               const DpShardedPlan& plan, void* nccl_comm) {
     std::unique_ptr<DpDeviceEngine> e(new DpDeviceEngine());
     e->stream_ = stream;
+    e->table_ = &table;
     e->cols_ = table.n_cols();
     e->max_tokens_ = max_tokens;
     cudaGetDevice(&e->device_);
@@ -395,6 +398,7 @@ class DpDeviceEngine final : public LookupEngine {
   int device_ = 0;
   int64_t cols_ = 0;
   int32_t max_tokens_ = 0;
+  const Table* table_ = nullptr;
   std::unique_ptr<LookupEngine> inner_;
   std::unique_ptr<DpGroup> group_;
   std::unique_ptr<DpNcclExchange> exchange_;

@@ -76,6 +76,8 @@ class DpHostEngine final : public LookupEngine {
     return host_->Hash(tokens, positions, qsl, lookback, dead, T, R, out);
   }
   absl::Status Gate(const GateInputs& g) override { return host_->Gate(g); }
+  const Table* table_for_checks() const override { return &t_; }
+  int32_t max_tokens_for_checks() const override { return max_tokens_; }
 
   absl::Status Lookup(int l, const int32_t* ids, int32_t T, int64_t stride, void* out, bool packed) override {
     const int L = static_cast<int>(t_.layers().size());

@@ -373,6 +373,11 @@ int engram_table_records(const engram_table* t, int layer, const uint8_t** recor
 
 int engram_engine_create(const engram_table* t, int32_t max_tokens, uintptr_t stream, engram_engine** out, char* err,
                          size_t err_len) {
+  return engram_engine_create_flags(t, max_tokens, stream, 0, out, err, err_len);
+}
+
+int engram_engine_create_flags(const engram_table* t, int32_t max_tokens, uintptr_t stream, int flags,
+                               engram_engine** out, char* err, size_t err_len) {
   try {
     if (t == nullptr || out == nullptr) {
       return Fail(absl::InvalidArgumentError("engram_engine_create: null table or output"), err, err_len);
@@ -383,10 +388,15 @@ int engram_engine_create(const engram_table* t, int32_t max_tokens, uintptr_t st
                   err, err_len);
     }
     if (auto st = Owned(t->owner, "table"); !st.ok()) return Fail(st, err, err_len);
+    if ((flags & ~ENGRAM_ENGINE_NO_STAGING) != 0) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat("engram_engine_create: unknown flags ", flags)), err, err_len);
+    }
+    const bool staging = (flags & ENGRAM_ENGINE_NO_STAGING) == 0 ||
+                         t->table->mode() == engram::client::Mode::kDpSharded;
     auto e = std::make_unique<engram_engine>();
     e->max_tokens = max_tokens;
     e->backend = engram::client::BackendName(t->table->backend());
-    auto engine = engram::client::LookupEngine::Create(*t->table, max_tokens, AsStream(stream));
+    auto engine = engram::client::LookupEngine::Create(*t->table, max_tokens, AsStream(stream), staging);
     if (!engine.ok()) return Fail(engine.status(), err, err_len);
     e->engine = std::move(*engine);
     auto* table = const_cast<engram_table*>(t);  // the handle's table: the engine holds a ref, never writes it

@@ -118,6 +118,13 @@ typedef struct engram_engine engram_engine;
 
 int engram_engine_create(const engram_table* t, int32_t max_tokens, uintptr_t stream, engram_engine** out, char* err,
                          size_t err_len);
+/* The same with flags: ENGRAM_ENGINE_NO_STAGING, an engine that only looks up into its caller's buffers (no staging
+ * buffers: saves num_layers x max_tokens x num_cols x head_dim bf16 of GPU memory; prefetch/wait then fail and
+ * engram_engine_staging returns NULL; a DP_SHARDED table's engine keeps them). An engine's calls form one sequence:
+ * calls on different streams must be ordered by the caller (they share the engine's scratch). */
+#define ENGRAM_ENGINE_NO_STAGING 1
+int engram_engine_create_flags(const engram_table* t, int32_t max_tokens, uintptr_t stream, int flags,
+                               engram_engine** out, char* err, size_t err_len);
 void engram_engine_free(engram_engine* e);
 const char* engram_engine_backend(const engram_engine* e); /* "cuda" or "cpu" */
 int32_t engram_engine_max_tokens(const engram_engine* e);

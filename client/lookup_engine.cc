@@ -168,21 +168,35 @@ absl::StatusOr<LookupWindow> LookupEngine::CheckWindow(const Table& table, int l
 
 absl::Status LookupEngine::LookupInto(int l, const int32_t* ids, int32_t num_tokens, int64_t ids_stride, void* out,
                                       bool packed, const LookupWindow& window) {
-  // The dense full window is the plain lookup; engines with other layouts override this.
-  if (window.col_begin != 0 || window.num_cols >= 0 || window.out_token_stride != 0 || window.background) {
+  // The dense full window is the plain lookup (the engines of a DP_SHARDED table, whose exchange writes whole
+  // tokens, take only that); other engines override this. Every argument is checked here first: a refusal must
+  // not reach the group's collective (where a failure aborts the step for every member).
+  const Table* t = table_for_checks();
+  if (t == nullptr) return absl::InternalError("lookup_into: this engine does not say which table it serves");
+  ASSIGN_OR_RETURN(const LookupWindow w, CheckWindow(*t, l, ids, num_tokens, max_tokens_for_checks(), ids_stride, out,
+                                                     packed, window));
+  const int64_t C = t->n_cols(), D = t->head_dim(), row = packed ? D + D / 32 : D;
+  const bool dense = w.col_begin == 0 && w.num_cols == C && (w.out_token_stride == 0 || w.out_token_stride == C * row);
+  if (!dense || w.ids_int64) {
     return absl::UnimplementedError(
-        "this engine (a DP_SHARDED table's) writes whole tokens: a lookup window or output stride is not supported");
+        "this engine (a DP_SHARDED table's) writes whole tokens from int32 ids: a lookup window, an output stride "
+        "or int64 ids are not supported");
   }
   return Lookup(l, ids, num_tokens, ids_stride, out, packed);
 }
 
 absl::StatusOr<std::unique_ptr<LookupEngine>> LookupEngine::Create(const Table& table, int32_t max_tokens,
                                                                    void* stream) {
+  return Create(table, max_tokens, stream, true);
+}
+
+absl::StatusOr<std::unique_ptr<LookupEngine>> LookupEngine::Create(const Table& table, int32_t max_tokens,
+                                                                   void* stream, bool staging) {
   if (max_tokens < 1) return absl::InvalidArgumentError("max_tokens must be >= 1");
   if (table.mode() == Mode::kDpSharded) return CreateDpEngine(table, max_tokens, stream);  // joins the DP group
   if (table.backend() == Backend::kCuda) {
 #ifdef ENGRAM_HAVE_CUDA
-    ASSIGN_OR_RETURN(auto e, DeviceEngine::Create(table, max_tokens, static_cast<cudaStream_t>(stream)));
+    ASSIGN_OR_RETURN(auto e, DeviceEngine::Create(table, max_tokens, static_cast<cudaStream_t>(stream), staging));
     return std::unique_ptr<LookupEngine>(std::move(e));
 #else
     return absl::InternalError("a CUDA table in a build without CUDA");

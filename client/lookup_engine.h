@@ -59,6 +59,11 @@ class LookupEngine {
   // `stream` is a cudaStream_t for the CUDA backend (nullptr: the default stream); ignored on the CPU backend.
   static absl::StatusOr<std::unique_ptr<LookupEngine>> Create(const Table& table, int32_t max_tokens,
                                                               void* stream = nullptr);
+  // staging false: no staging buffers (an engine that only looks up into its caller's buffers, as the engine
+  // plugins do, saves n_layers x max_tokens x n_cols x head_dim bf16 of GPU memory); Prefetch and staging() then
+  // fail / return null. DP_SHARDED tables always get them (their exchange writes there).
+  static absl::StatusOr<std::unique_ptr<LookupEngine>> Create(const Table& table, int32_t max_tokens, void* stream,
+                                                              bool staging);
   // The CPU engine over the table's host records whatever its backend (host pointers in and out): the C API's host
   // calls and host-side checks. Its lookups fail with FailedPrecondition on a DEVICE table (no host copy).
   static absl::StatusOr<std::unique_ptr<LookupEngine>> CreateOnHost(const Table& table, int32_t max_tokens);
@@ -92,6 +97,9 @@ class LookupEngine {
   // The path the last Prefetch took (kAuto before the first, and on the CPU backend).
   virtual LookupPath last_lookup_path() const { return LookupPath::kAuto; }
   virtual uint16_t* staging(int l) const = 0;
+  // What the base LookupInto checks against (engines that keep the default implementation say it).
+  virtual const Table* table_for_checks() const { return nullptr; }
+  virtual int32_t max_tokens_for_checks() const { return 0; }
   // The CUDA stream later calls run on (a cudaStream_t; nullptr: the default stream), so that an engine follows
   // its caller's current stream (torch's, under graph capture a side stream torch picks). The CPU backend ignores it.
   virtual absl::Status SetStream(void* stream) {

@@ -199,10 +199,13 @@ class Table:
         arr.flags.writeable = False
         return arr
 
-    def engine(self, max_tokens, stream=None):
+    def engine(self, max_tokens, stream=None, staging=True):
         """An Engine for batches of at most max_tokens tokens. stream: None = torch's (or CuPy's) current stream at
-        each call; else a torch.cuda.Stream, a CuPy stream or a cudaStream_t integer used by every call."""
-        return Engine(self, max_tokens, stream)
+        each call; else a torch.cuda.Stream, a CuPy stream or a cudaStream_t integer used by every call.
+        staging=False: an engine that only looks up into the caller's buffers (lookup, lookup_into), without the
+        staging buffers prefetch fills (n_layers x max_tokens x n_cols x head_dim bf16 of GPU memory saved).
+        An engine's calls form one sequence: calls on different streams must be ordered by the caller."""
+        return Engine(self, max_tokens, stream, staging)
 
     def close(self):
         with self._lock:
@@ -253,7 +256,7 @@ class Engine:
     CPU backend: NumPy (or CPU torch) arrays, synchronous. Staging buffers sit at fixed addresses (CUDA graphs
     replay them). One thread drives an Engine."""
 
-    def __init__(self, table, max_tokens, stream=None):
+    def __init__(self, table, max_tokens, stream=None, staging=True):
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens: a positive int, got {max_tokens!r}")
         if table._h is None or table._closed:
@@ -273,7 +276,8 @@ class Engine:
         with table._lock:
             if table._h is None or table._closed:
                 raise ValueError("the table is closed")
-            _lib.call(_lib.lib.engram_engine_create, table._h, max_tokens, self._fixed_stream or 0, ctypes.byref(h))
+            _lib.call(_lib.lib.engram_engine_create_flags, table._h, max_tokens, self._fixed_stream or 0,
+                      0 if staging else _lib.ENGINE_NO_STAGING, ctypes.byref(h))
         self._h = h
         self._closed = False
         self._views = weakref.WeakSet()  # staging views handed out (each keeps this engine alive)

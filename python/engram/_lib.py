@@ -105,6 +105,8 @@ LOOKUP_PACKED, LOOKUP_BACKGROUND, LOOKUP_IDS64 = 1, 2, 4
 LOOKUP_PATHS = {"auto": 0, "uva": 1, "host_gather": 2}
 
 _sig("engram_engine_create", _c.c_int, _P, _c.c_int32, _u, _c.POINTER(_P), *_errbuf)
+_sig("engram_engine_create_flags", _c.c_int, _P, _c.c_int32, _u, _c.c_int, _c.POINTER(_P), *_errbuf)
+ENGINE_NO_STAGING = 1
 _sig("engram_engine_free", None, _P)
 _sig("engram_engine_backend", _c.c_char_p, _P)
 _sig("engram_engine_max_tokens", _c.c_int32, _P)

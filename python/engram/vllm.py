@@ -34,6 +34,8 @@ import sys
 import threading
 import time
 
+from . import _plugin
+
 MODULE = "vllm.models.deepseek_v41.common.engram"
 TESTED_VLLM_FILES = ("vllm/models/deepseek_v41/common/engram.py with ParallelEngramEmbedding.lookup(indices, out, "
                      "background) and Engram._create_embedding(layout, layer_hash_index)",)
@@ -61,12 +63,10 @@ class PluginConfig:
 
 
 def _env_bool(name, text):
-    v = text.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"engram.vllm: {name}={text!r}: expected true or false")
+    try:
+        return _plugin.env_bool(name, text)
+    except ValueError as e:
+        raise ValueError(f"engram.vllm: {e}") from None
 
 
 def plugin_config(additional_config, environ=None):
@@ -157,7 +157,8 @@ def check_surface(mod):
 
 # The instance attributes ParallelEngramEmbedding.__init__ must leave (checked on every EngramdEmbedding).
 _INSTANCE_ATTRS = ("head_start", "part_n_hash_cols", "n_hash_cols", "vocab_start_idx", "vocab_end_idx", "dim",
-                   "block_size", "dp_size", "cpu_offload", "weight", "weight_scale_inv")
+                   "block_size", "dp_size", "cpu_offload", "weight", "weight_scale_inv", "part_num_embeddings")
+_PARALLEL_ATTRS = ("data_parallel_size", "data_parallel_rank", "data_parallel_size_local", "enable_elastic_ep")
 _ENGRAM_CONFIG_ATTRS = ("cpu_offload", "dp_shared_memory", "embedding_across_dp", "use_thp")
 
 
@@ -222,12 +223,30 @@ def uninstall():
 
 
 class Attachment:
-    """One process's attach to engramd for one checkpoint and rank: the table and one engine for every layer, or
-    the reason it could not be had."""
+    """One process's attach to engramd for one checkpoint and rank: the table and an engine per layer (a layer's
+    lookups run on its own streams; one engine's calls must be one ordered sequence), or the reason it could not
+    be had."""
 
-    def __init__(self, table=None, engine=None, why=None, seconds=0.0):
-        self.table, self.engine, self.why, self.seconds = table, engine, why, seconds
+    def __init__(self, table=None, why=None, seconds=0.0, max_tokens=0):
+        self.table, self.why, self.seconds, self.max_tokens = table, why, seconds, max_tokens
+        self.engines = {}     # layer index -> Engine (lookup-only: no staging buffers)
         self.checked = set()  # (layer, which) pairs whose rows the weight loader compared
+
+    def engine(self, layer):
+        e = self.engines.get(layer)
+        if e is None:
+            e = self.engines[layer] = self.table.engine(self.max_tokens, staging=False)
+        return e
+
+    def close(self, why):
+        """Gives the table back (no layer uses it): its lease, registration and engines go; later layers fall
+        back for the same reason."""
+        for e in self.engines.values():
+            e.close()
+        self.engines = {}
+        if self.table is not None:
+            self.table.close()
+        self.table, self.why = None, why
 
 
 def _model_dir(vllm_config, cfg):
@@ -249,10 +268,10 @@ def _attach(mod, vllm_config, cfg, max_tokens):
     import engram
     pc = vllm_config.parallel_config
     tp_size, tp_rank = int(mod.get_tensor_model_parallel_world_size()), int(mod.get_tensor_model_parallel_rank())
-    dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
-    dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
-    local = getattr(pc, "data_parallel_size_local", None)
-    elastic = bool(getattr(pc, "enable_elastic_ep", False))
+    dp_size = int(pc.data_parallel_size or 1)
+    dp_rank = int(pc.data_parallel_rank or 0)
+    local = pc.data_parallel_size_local
+    elastic = bool(pc.enable_elastic_ep)
     ckpt = _model_dir(vllm_config, cfg)
     key = (ckpt, cfg.socket, tp_size, tp_rank, dp_size, dp_rank)
     att = _state["attachments"].get(key)
@@ -277,8 +296,7 @@ def _attach(mod, vllm_config, cfg, max_tokens):
                 table.close()
                 att = Attachment(why=f"the engram library has no usable GPU here ({why})")
             else:
-                engine = table.engine(max_tokens)
-                att = Attachment(table, engine)
+                att = Attachment(table, max_tokens=max_tokens)
     att.seconds = time.monotonic() - t0
     att.checkpoint, att.tp, att.dp = ckpt, (tp_rank, tp_size), (dp_rank, dp_size, local)
     _state["attachments"][key] = att
@@ -294,14 +312,15 @@ def _attach(mod, vllm_config, cfg, max_tokens):
     return att
 
 
-def _unsupported(vllm_config, ecfg):
+def _unsupported(mod, vllm_config, ecfg):
     """Why this vLLM configuration keeps vLLM's own storage whatever engramd offers, or None."""
     if not ecfg.cpu_offload:
         return "cpu_offload is false: the tables live in GPU memory (vLLM's own); engramd shares host tables"
-    dp = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
-    if ecfg.embedding_across_dp and dp > 1:
-        return ("embedding_across_dp is on: vLLM's DP-sharded exchange owns the rows; drop it to share engramd's "
-                "host table (every replica then reads its own tokens' rows, with no per-step collective)")
+    if int(mod.get_engram_dp_size()) > 1 and not ecfg.dp_shared_memory:
+        # vLLM's model then gathers every member's hash ids and splits the table over its node-local DP group
+        # (embedding_across_dp): the rows are its exchange's, not one replica's lookup.
+        return ("vLLM runs a node-local Engram DP group without dp_shared_memory (its DP-sharded exchange): drop "
+                "embedding_across_dp, or let dp_shared_memory default, to share engramd's host table")
     return None
 
 
@@ -316,8 +335,14 @@ def _provide(mod, original, problems, engram_layer, layout, layer_hash_index):
     missing = [a for a in _ENGRAM_CONFIG_ATTRS if not hasattr(ecfg, a)]
     if ecfg is None or missing:
         raise _surface_error(f"its engram_config lacks {', '.join(missing) or 'everything'}")
+    pc = getattr(vllm_config, "parallel_config", None)
+    missing = [a for a in _PARALLEL_ATTRS if not hasattr(pc, a)]
+    if not hasattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens"):
+        missing.append("scheduler_config.max_num_batched_tokens")
+    if missing:
+        raise _surface_error(f"its config lacks {', '.join(missing)}")
     with _lock:
-        why = _unsupported(vllm_config, ecfg)
+        why = _unsupported(mod, vllm_config, ecfg)
         att = None
         if why is None:
             max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
@@ -327,6 +352,8 @@ def _provide(mod, original, problems, engram_layer, layout, layer_hash_index):
             emb = _embedding(mod, att, layout, layer_hash_index)
             if isinstance(emb, str):
                 why = emb
+                if not att.engines:  # no layer uses the table: give it back rather than hold it beside vLLM's
+                    att.close(why)
             else:
                 return emb
         if cfg.require:
@@ -356,10 +383,15 @@ def _embedding(mod, att, layout, layer_hash_index):
     if li >= len(t.layout.layers):
         return f"layer index {li}: engramd's table has {len(t.layout.layers)} layers"
     cfg = mod.get_current_vllm_config().engram_config
+    missing = [a for a in ("primes", "num_embeddings", "head_dim") if not hasattr(layout, a)]
+    if missing:
+        raise _surface_error(f"EngramLayout has no {', '.join(missing)}")
     head_sizes = tuple(size for order in layout.primes[li] for size in order)
-    dp_shared = int(mod.get_engram_dp_size()) > 1  # vLLM's co-located group: one table for the group, TP shards
+    # vLLM's co-located group with dp_shared_memory: one table for the group, TP shards, every replica its own
+    # tokens (what engramd's copy gives); without a group, the same.
+    dp_shared = int(mod.get_engram_dp_size()) > 1 and bool(cfg.dp_shared_memory)
     emb = _embedding_class(mod)(att, li, layout.num_embeddings[li], layout.head_dim, head_sizes,
-                                cpu_offload=True, dp_shared_memory=dp_shared, use_thp=bool(cfg.use_thp))
+                                cpu_offload=True, dp_shared_memory=dp_shared, use_thp=False)
     missing = [a for a in _INSTANCE_ATTRS if not hasattr(emb, a)]
     if missing:
         raise _surface_error(f"ParallelEngramEmbedding leaves no {', '.join(missing)}")
@@ -375,30 +407,11 @@ def _embedding(mod, att, layout, layer_hash_index):
                 f"{emb.vocab_end_idx}))")
     if list(lay.column_rows[window[0]:window[1]]) != list(head_sizes[window[0]:window[1]]):
         return "engramd's bucket sizes (primes) differ from vLLM's layout: a different config.json"
+    att.engine(li)  # now, at model construction: never first under a CUDA graph capture
     return emb
 
 
-def _placeholder(rows, cols, dtype_name):
-    """A [rows, cols] tensor that holds one row of memory (every row is the same zero row): the parameter vLLM
-    sees, which no kernel reads."""
-    import torch
-    dtype = getattr(torch, dtype_name)
-    return torch.zeros((1, cols), dtype=dtype, device="cpu").expand(rows, cols)
-
-
-# Rows the weight loader compares with the segment: the first, the last and a few between (fixed per layer).
-_SAMPLES = 8
-
-
-def _sample_rows(n, seed):
-    import random
-    rng = random.Random(seed)
-    picks = {0, n - 1} | {rng.randrange(n) for _ in range(_SAMPLES - 2)} if n > 0 else set()
-    return sorted(picks)
-
-
 def _make_class(base):
-    import numpy as np
     import torch
 
     class EngramdEmbedding(base):
@@ -412,7 +425,8 @@ def _make_class(base):
 
         def _allocate_weights(self):
             rows, dim = self.part_num_embeddings, self.dim
-            return (_placeholder(rows, dim, "float8_e4m3fn"), _placeholder(rows, dim // self.block_size, "uint8"))
+            return (_plugin.placeholder(rows, dim, "float8_e4m3fn"),
+                    _plugin.placeholder(rows, dim // self.block_size, "uint8"))
 
         def _storage(self):
             raise RuntimeError("engram.vllm: this Engram table is engramd's shared segment; use lookup()")
@@ -429,26 +443,23 @@ def _make_class(base):
                                    f"table needs rows up to {self.vocab_end_idx} of {dim} bytes")
             rec = self._engramd.table.records(self._engramd_layer)
             n = self.vocab_end_idx - self.vocab_start_idx
-            rows = _sample_rows(n, 1000003 * self._engramd_layer + (which == "scale"))
-            idx = torch.tensor([self.vocab_start_idx + r for r in rows], dtype=torch.long,
-                               device=loaded_weight.device)
-            got = loaded_weight.index_select(0, idx).cpu().numpy()
+            rows = [self.vocab_start_idx + r
+                    for r in _plugin.sample_rows(n, 1000003 * self._engramd_layer + (which == "scale"))]
             cols = slice(0, self.dim) if which == "weight" else slice(self.dim, self.dim + dim)
-            want = np.asarray(rec[rows][:, cols])
-            bad = [r for r, g, w in zip(rows, got, want) if not np.array_equal(g, w)]
+            bad = _plugin.mismatched_rows(loaded_weight, rec, self.vocab_start_idx, rows, cols)
             if bad:
                 a = self._engramd
                 raise RuntimeError(
-                    f"engram.vllm: the checkpoint vLLM loads is not the one engramd serves: row "
-                    f"{self.vocab_start_idx + bad[0]} of the Engram {which} of layer index {self._engramd_layer} "
-                    f"differs ({len(bad)} of {len(rows)} sampled rows) between vLLM's weights and engramd's "
-                    f"segment of {a.checkpoint}; point vLLM and engramd at the same files")
+                    f"engram.vllm: the checkpoint vLLM loads is not the one engramd serves: row {bad[0]} of the "
+                    f"Engram {which} of layer index {self._engramd_layer} differs ({len(bad)} of {len(rows)} "
+                    f"sampled rows) between vLLM's weights and engramd's segment of {a.checkpoint}; point vLLM "
+                    "and engramd at the same files")
             self._engramd.checked.add((self._engramd_layer, which))
 
         def lookup(self, indices, out, background=False):
             if indices.shape[0] == 0:
                 return
-            eng = self._engramd.engine
+            eng = self._engramd.engine(self._engramd_layer)
             key = (tuple(indices.shape), indices.stride(), indices.dtype, tuple(out.shape), out.stride(), out.dtype,
                    indices.device, out.device, bool(background))
             if key in self._engramd_fast:
@@ -457,6 +468,13 @@ def _make_class(base):
                 _lookup_fast(eng, self._engramd_layer, indices, out, self.head_start, self.part_n_hash_cols,
                              background)
                 return
+            if not self._engramd_fast:
+                unchecked = [w for w in ("weight", "scale") if (self._engramd_layer, w) not in self._engramd.checked]
+                if unchecked:
+                    logger.warning("engram.vllm: event=rows_not_compared layer_index=%d tensors=%s: vLLM never "
+                                   "called this table's weight loader (a dummy or custom load format?); its rows are "
+                                   "engramd's served segment, unchecked against vLLM's checkpoint",
+                                   self._engramd_layer, ",".join(unchecked))
             eng.lookup_into(self._engramd_layer, indices, out, col_begin=self.head_start,
                             num_cols=self.part_n_hash_cols, background=background)
             self._engramd_fast.add(key)

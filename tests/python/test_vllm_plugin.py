@@ -164,11 +164,16 @@ def test_engramd_unreachable_and_required_is_a_startup_error(fake_vllm, tmp_path
     assert m.calls == []
 
 
-@pytest.mark.parametrize("field, value, match", [("cpu_offload", False, "cpu_offload is false"),
-                                                  ("embedding_across_dp", True, "embedding_across_dp is on")])
+@pytest.mark.parametrize("field, value, group, match", [
+    ("cpu_offload", False, 1, "cpu_offload is false"),
+    # vLLM's node-local Engram DP group without dp_shared_memory: its DP-sharded exchange gathers every member's
+    # hash ids, so one replica's lookup would serve another's tokens.
+    ("dp_shared_memory", False, 2, "node-local Engram DP group without dp_shared_memory"),
+])
 def test_configurations_the_plugin_does_not_serve_keep_vllms_storage(fake_vllm, checkpoint, caplog, field, value,
-                                                                     match, tmp_path):
+                                                                     group, match, tmp_path):
     m = stand_in()
+    m.get_engram_dp_size = lambda: group
     ev.install(m)
     m.config = vllm_stubs.make_vllm_config(checkpoint, dp_size=2, additional_config={
         "engram": {"socket": str(tmp_path / "none.sock")}})
@@ -215,12 +220,18 @@ def test_a_different_surface_fails_closed_naming_the_version_and_the_difference(
     assert STAND_IN_VERSION in str(e.value) and named in str(e.value) and "fail closed" in str(e.value)
 
 
-def test_an_engine_config_without_the_fields_the_plugin_reads_fails_closed(fake_vllm, checkpoint):
+@pytest.mark.parametrize("drop, named", [(("engram_config", "use_thp"), "engram_config lacks use_thp"),
+                                         (("parallel_config", "enable_elastic_ep"), "lacks enable_elastic_ep"),
+                                         (("parallel_config", "data_parallel_size_local"),
+                                          "lacks data_parallel_size_local"),
+                                         (("scheduler_config", "max_num_batched_tokens"),
+                                          "scheduler_config.max_num_batched_tokens")])
+def test_an_engine_config_without_the_fields_the_plugin_reads_fails_closed(fake_vllm, checkpoint, drop, named):
     m = stand_in()
     ev.install(m)
     m.config = vllm_stubs.make_vllm_config(checkpoint, additional_config={"engram": {}})
-    del m.config.engram_config.use_thp
-    with pytest.raises(RuntimeError, match="engram_config lacks use_thp"):
+    delattr(getattr(m.config, drop[0]), drop[1])
+    with pytest.raises(RuntimeError, match=named):
         m.Engram()._create_embedding(None, 0)
 
 
