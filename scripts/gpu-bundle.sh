@@ -65,12 +65,16 @@ if [ "${1:-}" = python ]; then
   mkdir -p "$out/py/tests" "$out/py/bench"
   cp -r "$root/python" "$out/py/python"
   cp -r "$root/tests/python" "$out/py/tests/python"
-  cp "$root/bench/decode_step.py" "$root/bench/vllm_lookup.py" "$out/py/bench/"
+  cp "$root/bench/decode_step.py" "$root/bench/vllm_lookup.py" "$root/bench/sglang_lookup.py" "$out/py/bench/"
   # vLLM's own source files for the plugin's tests and benchmark (git-ignored, never committed): ENGRAM_VLLM_SRC,
   # else .cache/vllm-src of this checkout, when present.
   vsrc=${ENGRAM_VLLM_SRC:-$root/.cache/vllm-src}
   if [ -f "$vsrc/vllm/models/deepseek_v41/common/engram.py" ]; then
     mkdir -p "$out/py/vllm-src" && cp -r "$vsrc/vllm" "$out/py/vllm-src/"
+  fi
+  ssrc=${ENGRAM_SGLANG_SRC:-$root/.cache/sglang-src}  # SGLang's, the same way
+  if [ -f "$ssrc/python/sglang/srt/layers/engram.py" ]; then
+    mkdir -p "$out/py/sglang-src" && cp -r "$ssrc/python" "$out/py/sglang-src/"
   fi
   find "$out/py" -name __pycache__ -prune -exec rm -rf {} +
   # pytest for a machine without it: Debian's (pure Python), used only when `import pytest` fails there.
@@ -250,6 +254,7 @@ if [ "$what" = python ]; then
   ln -sf "$here/bin/engramd" "$here/pybuild/daemon/engramd"
   py=$(command -v python3)
   [ -d "$here/py/vllm-src" ] && export ENGRAM_VLLM_SRC=$here/py/vllm-src
+  [ -d "$here/py/sglang-src" ] && export ENGRAM_SGLANG_SRC=$here/py/sglang-src
   "$py" -c 'import torch, numpy; print("python", __import__("sys").version.split()[0], "torch", torch.__version__, "numpy", numpy.__version__)' | tee "$out/python-env.txt"
   "$py" -c 'import pytest' 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$here/py/pytest-fallback
   [ -n "${ENGRAM_PY_NO_TESTS:-}" ] || "$py" -m pytest -q -rs -p no:cacheprovider "$here/py/tests/python" -k "not test_install" 2>&1 | tee "$out/pytest.log" | tail -25
@@ -258,6 +263,11 @@ if [ "$what" = python ]; then
     # vLLM's own lookup against the plugin's, same run (bench/vllm_lookup.py): table sizes in MiB.
     "$py" "$here/py/bench/vllm_lookup.py" --build "$here/pybuild" --table-mib "$ENGRAM_VLLM_BENCH_MIB" \
       ${ENGRAM_VLLM_BENCH_ARGS:-} 2>&1 | tee "$out/vllm_lookup.log" || rc=1
+  fi
+  if [ -n "${ENGRAM_SGLANG_BENCH_MIB:-}" ] && [ -n "${ENGRAM_SGLANG_SRC:-}" ]; then
+    # SGLang's own gather against the plugin's, same run (bench/sglang_lookup.py).
+    "$py" "$here/py/bench/sglang_lookup.py" --build "$here/pybuild" --table-mib "$ENGRAM_SGLANG_BENCH_MIB" \
+      ${ENGRAM_SGLANG_BENCH_ARGS:-} 2>&1 | tee "$out/sglang_lookup.log" || rc=1
   fi
   [ -n "${ENGRAM_PY_NO_DECODE:-}" ] && exit $rc
   w=$(mktemp -d /tmp/engram-py.XXXXXX)

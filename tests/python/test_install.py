@@ -32,3 +32,7 @@ def test_installed_package_imports_and_attaches(tmp_path, checkpoint):
     r = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["engram.vllm:register", "engram.vllm"], r.stdout
+    code = code.replace("vllm.general_plugins", "sglang.srt.plugins")
+    r = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["engram.sglang:register", "engram.sglang"], r.stdout
