@@ -123,7 +123,7 @@ absl::Status DeviceEngine::Calibrate() {
   const int64_t rows = li.row_end - li.row_begin, C = table_->n_cols();
   const int64_t cap = static_cast<int64_t>(max_tokens_) * C;
   std::vector<int64_t> sizes;
-  for (int64_t n : {int64_t{6144}, int64_t{24576}, int64_t{98304}}) {
+  for (int64_t n : {int64_t{6144}, int64_t{24576}, int64_t{98304}, int64_t{196608}}) {
     if (n <= cap) sizes.push_back(n);
   }
   if (rows <= 0 || sizes.empty()) return absl::OkStatus();

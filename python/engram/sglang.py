@@ -311,7 +311,7 @@ def _make_class(mod, base, problems):
             rows = out.view(n, 1, self.dim)
             eng = att.engine(layer)
             for a in range(0, n, att.max_ids):
-                eng.lookup_into(layer, flat[a:a + att.max_ids], rows[a:a + att.max_ids])
+                eng.lookup_into(layer, flat[a:a + att.max_ids], rows[a:a + att.max_ids], num_cols=1)
             return out
 
     EngramdEmbedding.__name__ = EngramdEmbedding.__qualname__ = "EngramdEmbedding"
