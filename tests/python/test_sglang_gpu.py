@@ -26,6 +26,11 @@ SRC, WHY = sglang_stubs.src_dir_or_skip_reason()
 if SRC is None:
     pytest.skip(WHY, allow_module_level=True)
 
+# SGLang's own host tables are registered with CUDA and never unregistered (its _HostTable keeps them for the
+# process's life): they are kept alive here, so that no later mapping of this test process reuses their addresses
+# (CUDA would call such a range registered already).
+_KEEP = []
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
@@ -93,6 +98,8 @@ def build(mod, ckpt, li, monkeypatch, socket=None, own=False, require=False):
             monkeypatch.setenv("ENGRAM_SGLANG_REQUIRE", "1")
     layer_id = cfg["engram_layer_ids"][li]
     emb = mod.EngramEmbedding(cfg["engram_num_embeddings"][li], cfg["engram_head_dim"], layer_id)
+    if emb._engramd is None:
+        _KEEP.append(emb)
     return emb, layer_id
 
 
@@ -104,8 +111,8 @@ def load(emb, ckpt, layer_id):
 
 
 def ids(ckpt, li, T, seed):
-    """int64 [T, cols] rows of the table, some -1 (SGLang's gather reads any id below its table's end: it is given
-    none past it, as its hasher makes none; ours refuses those too, test_lookup_into.py)."""
+    """int64 [T, cols] rows of the table, some -1 (SGLang's gather reads any id it is given below 2^62: it is given
+    none past the table, as its hasher makes none; ours gives zero rows for those, test_lookup_into.py)."""
     cfg = config(ckpt)
     rng = np.random.default_rng(seed)
     rows = cfg["engram_num_embeddings"][li]
