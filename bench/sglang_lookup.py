@@ -30,6 +30,9 @@ import sglang_stubs  # noqa: E402
 from vllm_lookup import start_daemon, tensors  # noqa: E402
 
 
+_KEEP = []
+
+
 def build(mod, ckpt, cfg, li, sock, own):
     sglang_stubs.STATE.model.model_path = ckpt
     sglang_stubs.STATE.env = {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": True,
@@ -125,6 +128,9 @@ def main():
                     same = torch.equal(theirs[0](sets[0]).view(torch.int16), ours[0](sets[0]).view(torch.int16))
                     print(f"lookup table_mib {mib} tokens {T} {'graph' if graph else 'eager'}: sglang_us {ts:.1f} "
                           f"ours_us {to:.1f} ratio {ts / to:.2f} equal {same}")
+            # SGLang's host tables stay registered with CUDA for the process's life (its _HostTable never
+            # unregisters): kept alive, so that the next table's mappings cannot reuse their addresses.
+            _KEEP.extend(theirs)
             del theirs, ours
             es._state["attachment"] = None
             torch.cuda.empty_cache()
