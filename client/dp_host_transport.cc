@@ -61,6 +61,16 @@ absl::Status DpHostRegion::Map(size_t bytes, bool create) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot size the DP exchange region to ", bytes, " bytes: ", std::strerror(errno)));
   }
+  // Reserved, not sparse: where /dev/shm cannot hold it (a container's 64 MiB default) this is an error here, not
+  // a SIGBUS in every member at its first step.
+  if (create) {
+    const int rc = ::posix_fallocate(fd_, 0, static_cast<off_t>(bytes));
+    if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "/dev/shm cannot hold the DP exchange region (", bytes, " bytes: ", std::strerror(rc),
+          "): give the containers a larger /dev/shm (--shm-size, or an emptyDir of medium Memory)"));
+    }
+  }
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
   if (p == MAP_FAILED) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot map the DP exchange region: ", std::strerror(errno)));

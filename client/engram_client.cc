@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <thread>
 
+#include "shm/descriptor_protocol.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -89,6 +90,13 @@ std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& o
   if (!no_descriptor.empty()) {
     const std::string path = GrantedSegmentPath(g, shm_dir);
     table = OpenSharedTable(g, -1, path, fingerprint, layout, shard, env);
+    if (!table.ok() && SegmentGone(no_descriptor)) {
+      // Retired or unloaded between the grant and the fetch: not this replica's view of the directory.
+      reasons->push_back({ReasonCode::kSegmentNotReady,
+                          absl::StrCat("the granted segment went away before it was mapped (", no_descriptor,
+                                       "): the daemon retired or unloaded it; the next start shares again")});
+      return nullptr;
+    }
     if (!table.ok() && (table.status().code() == absl::StatusCode::kNotFound ||
                         table.status().code() == absl::StatusCode::kPermissionDenied)) {
       reasons->push_back({ReasonCode::kShmNotVisible,

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <vector>
 
+#include "shm/descriptor_protocol.h"
 #include "absl/strings/str_cat.h"
 
 namespace engram::client {
@@ -59,7 +60,7 @@ absl::StatusOr<int> FetchSegmentDescriptor(const std::string& channel_path, cons
       errno != EAGAIN) {
     return absl::UnavailableError(absl::StrCat("connect ", channel_path, ": ", std::strerror(errno)));
   }
-  const std::string request = absl::StrCat("ENGRAM-FD/1 ", lease_id, " ", token, "\n");
+  const std::string request = absl::StrCat(kDescriptorProtocol, " ", lease_id, " ", token, "\n");
   size_t sent = 0;
   while (sent < request.size()) {
     if (!WaitFor(s, POLLOUT, deadline)) return absl::DeadlineExceededError("the descriptor channel did not accept");

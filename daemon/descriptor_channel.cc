@@ -15,6 +15,7 @@
 #include <optional>
 #include <vector>
 
+#include "shm/descriptor_protocol.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "spdlog/spdlog.h"
@@ -24,7 +25,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr auto kDeadline = std::chrono::seconds(2);
-constexpr char kProtocol[] = "ENGRAM-FD/1";
+constexpr const char* kProtocol = kDescriptorProtocol;
 
 std::string RandomToken() {
   unsigned char bytes[16];
@@ -199,12 +200,15 @@ absl::StatusOr<int> DescriptorChannel::Redeem(const std::string& request_line, c
     by_lease_.erase(it);
   }
   int fd = ::open(p.path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0 && errno == ENOENT) {  // retired or unloaded between the grant and this fetch
+    return refuse(absl::NotFoundError(absl::StrCat(kSegmentGone, ": ", p.path, " was retired or unloaded since the grant")));
+  }
   if (fd < 0) return refuse(absl::NotFoundError(absl::StrCat("open ", p.path, ": ", std::strerror(errno))));
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid() ||
       static_cast<uint64_t>(st.st_size) != p.bytes) {
     ::close(fd);
-    return refuse(absl::FailedPreconditionError(absl::StrCat(p.path, " is no longer the granted segment")));
+    return refuse(absl::FailedPreconditionError(absl::StrCat(kSegmentGone, ": ", p.path, " is no longer the granted segment")));
   }
   return fd;
 }

@@ -29,7 +29,7 @@ std::string ReasonName(FallbackReason code) { return engram::v1::FallbackReason_
 std::string ModeName(engram::v1::Mode mode) { return engram::v1::Mode_Name(mode); }
 
 std::string EchoOf(const std::string& s, size_t max) {
-  return s.size() <= max ? s : Utf8Prefix(s, max) + "...";
+  return Printable(s.size() <= max ? s : Utf8Prefix(s, max) + "...");
 }
 
 int DpGroupSize(const engram::v1::Hello& h) {

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/utf8.h"
 #include "daemon/fallback.h"
 #include "spdlog/spdlog.h"
 
@@ -18,13 +19,6 @@ bool NameOk(const std::string& name) {
   });
 }
 
-// A member's reason as the others and status show it: control characters (newlines included) become '?'.
-std::string Printable(std::string s) {
-  for (char& ch : s) {
-    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) ch = '?';
-  }
-  return s;
-}
 
 }  // namespace
 

@@ -32,8 +32,13 @@ bool SomeoneListens(const std::string& path) {
 
 }  // namespace
 
-absl::Status UdsListener::Bind(const std::string& path, const std::string& group) {
+absl::Status UdsListener::Bind(const std::string& path, const std::string& group, const std::string& admin_group) {
   path_ = path;
+  if (!admin_group.empty()) {
+    struct group* g = ::getgrnam(admin_group.c_str());
+    if (g == nullptr) return absl::InvalidArgumentError(absl::StrCat("admin group '", admin_group, "' does not exist"));
+    admin_gid_ = static_cast<int>(g->gr_gid);
+  }
   if (path.size() >= sizeof(sockaddr_un::sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat("socket path too long: ", path));
   }
@@ -134,8 +139,26 @@ std::optional<PeerInfo> UdsListener::PeerOf(const std::string& grpc_peer) {
   return it->second;
 }
 
+namespace {
+
+bool InGroup(const PeerInfo& p, int gid) {
+  if (gid < 0) return false;
+  if (p.gid == static_cast<uint32_t>(gid)) return true;
+  for (uint32_t g : p.groups) {
+    if (g == static_cast<uint32_t>(gid)) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+bool UdsListener::Operator(const PeerInfo& p) const {
+  return p.uid == 0 || p.uid == ::geteuid() || InGroup(p, admin_gid_);
+}
+
 bool UdsListener::Allowed(const PeerInfo& p) const {
   if (p.uid == 0 || p.uid == ::geteuid()) return true;
+  if (InGroup(p, admin_gid_)) return true;
   if (group_gid_ < 0) return false;
   if (p.gid == static_cast<uint32_t>(group_gid_)) return true;
   for (uint32_t g : p.groups) {

@@ -30,18 +30,22 @@ class UdsListener {
  public:
   ~UdsListener();
   // Binds `path`; fails (AlreadyExists) when a live daemon listens there, removes a stale socket file otherwise.
-  absl::Status Bind(const std::string& path, const std::string& group);
+  absl::Status Bind(const std::string& path, const std::string& group, const std::string& admin_group = "");
   // Starts accepting; each connection's fd goes to `on_connection`, with whether its peer is Allowed.
   void Start(std::function<void(int fd, bool allowed)> on_connection);
   void Stop();  // stops accepting (existing connections stay)
   std::optional<PeerInfo> PeerOf(const std::string& grpc_peer);
   // Whether a peer may use the daemon: root, the daemon's own uid, or a member of the configured group.
   bool Allowed(const PeerInfo& p) const;
+  // Whether a peer may run the operator calls: root, the daemon's own uid, or a member of the admin group (an
+  // allowed peer that is not one attaches and reads status only).
+  bool Operator(const PeerInfo& p) const;
 
  private:
   std::string path_;
   int fd_ = -1;
   int group_gid_ = -1;
+  int admin_gid_ = -1;
   std::atomic<bool> stop_{false};
   std::thread thread_;
   std::mutex mu_;

@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
       std::printf("usage: engramd --checkpoint DIR [--checkpoint DIR ...] [--tp 1,2] [--shm-dir DIR] [--socket PATH]\n"
-                  "               [--group NAME] [--tickets N] [--threads N] [--log-level LEVEL]\n"
+                  "               [--group NAME] [--admin-group NAME] [--tickets N] [--threads N] [--log-level LEVEL]\n"
                   "               [--metrics-file PATH] [--config FILE]\n");
       return 0;
     }
@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
 
   UdsListener listener;
-  if (auto st = listener.Bind(opts->socket, opts->group); !st.ok()) {
+  if (auto st = listener.Bind(opts->socket, opts->group, opts->admin_group); !st.ok()) {
     std::fprintf(stderr, "engramd: %s\n", std::string(st.message()).c_str());
     return 1;
   }

@@ -52,6 +52,8 @@ absl::Status Set(const std::string& origin, const std::string& key, const std::s
     o->socket = value;
   } else if (key == "group") {
     o->group = value;
+  } else if (key == "admin_group") {
+    o->admin_group = value;
   } else if (key == "tickets") {
     return int_value(&o->tickets, 1);
   } else if (key == "threads") {

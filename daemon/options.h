@@ -1,8 +1,8 @@
 // engramd's configuration: command-line flags over an optional config file (/etc/engramd/engramd.conf).
 //
 // Config file: one `key = value` per line, `#` comments. Keys: checkpoint (repeatable), tp (comma list), shm_dir,
-// socket, group, tickets, threads, log_level, metrics_file. Flags: --checkpoint DIR (repeatable), --tp 1,2, --shm-dir DIR,
-// --socket PATH, --group NAME, --tickets N, --threads N, --log-level LEVEL, --metrics-file PATH, --config FILE. A flag given on the
+// socket, group, admin_group, tickets, threads, log_level, metrics_file. Flags: --checkpoint DIR (repeatable), --tp 1,2,
+// --shm-dir DIR, --socket PATH, --group NAME, --admin-group NAME, --tickets N, --threads N, --log-level LEVEL, --metrics-file PATH, --config FILE. A flag given on the
 // command line replaces the file's value for that key (checkpoints too: flags replace the file's list).
 // Plain value type.
 #pragma once
@@ -21,6 +21,9 @@ struct Options {
   std::string shm_dir = "/dev/shm";
   std::string socket = "/run/engramd/engramd.sock";
   std::string group;        // members may connect; empty: the daemon's own uid and root only
+  // Members may also run the operator calls (Load, Unload, Drain); root and the daemon's uid always may. Engines
+  // (the --group) attach and read status only: one engine cannot take sharing away from the others.
+  std::string admin_group;
   int tickets = 1;          // replicas registering at once
   int threads = 0;          // publish/verify workers; 0 = hardware concurrency (at most 32)
   std::string log_level = "info";

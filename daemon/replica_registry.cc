@@ -64,7 +64,7 @@ absl::Status ValidateOutcome(const engram::v1::Outcome& o, engram::v1::Outcome* 
   }
   *clean = o;
   for (auto& r : *clean->mutable_reasons()) {
-    if (r.hint().size() > kMaxHintBytes) r.set_hint(Utf8Prefix(r.hint(), kMaxHintBytes));
+    r.set_hint(Printable(r.hint().size() > kMaxHintBytes ? Utf8Prefix(r.hint(), kMaxHintBytes) : r.hint()));
   }
   return absl::OkStatus();
 }

@@ -46,6 +46,15 @@ class GroupSink {
 
 }  // namespace
 
+grpc::Status EngramService::AuthorizeOperator(grpc::ServerContext* ctx, const char* call, PeerInfo* peer) {
+  if (auto st = Authorize(ctx, peer); !st.ok()) return st;
+  if (listener_->Operator(*peer)) return grpc::Status::OK;
+  spdlog::warn("event=refused pid={} uid={} call={} reason=NOT_OPERATOR", peer->pid, peer->uid, call);
+  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                      absl::StrCat("uid ", peer->uid, " may attach but not ", call,
+                                   ": operator calls take root, the daemon's uid or a member of --admin-group"));
+}
+
 grpc::Status EngramService::Authorize(grpc::ServerContext* ctx, PeerInfo* peer) {
   auto p = listener_->PeerOf(ctx->peer());
   if (!p) return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, "cannot identify the peer (SO_PEERCRED)");
@@ -206,7 +215,7 @@ grpc::Status EngramService::Status(grpc::ServerContext* ctx, const engram::v1::S
 grpc::Status EngramService::Load(grpc::ServerContext* ctx, const engram::v1::LoadRequest* req,
                                  engram::v1::LoadReply*) {
   PeerInfo peer;
-  if (auto st = Authorize(ctx, &peer); !st.ok()) return st;
+  if (auto st = AuthorizeOperator(ctx, "load", &peer); !st.ok()) return st;
   if (auto st = Bounded("checkpoint", req->checkpoint()); !st.ok()) return st;
   if (req->tp_sizes_size() > 64) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "at most 64 TP sizes are accepted");
@@ -223,14 +232,14 @@ grpc::Status EngramService::Load(grpc::ServerContext* ctx, const engram::v1::Loa
 grpc::Status EngramService::Unload(grpc::ServerContext* ctx, const engram::v1::UnloadRequest* req,
                                    engram::v1::UnloadReply*) {
   PeerInfo peer;
-  if (auto st = Authorize(ctx, &peer); !st.ok()) return st;
+  if (auto st = AuthorizeOperator(ctx, "unload", &peer); !st.ok()) return st;
   if (auto st = Bounded("checkpoint", req->checkpoint()); !st.ok()) return st;
   return ToGrpc(state_->Unload(req->checkpoint()));
 }
 
 grpc::Status EngramService::Drain(grpc::ServerContext* ctx, const engram::v1::DrainRequest*, engram::v1::DrainReply*) {
   PeerInfo peer;
-  if (auto st = Authorize(ctx, &peer); !st.ok()) return st;
+  if (auto st = AuthorizeOperator(ctx, "drain", &peer); !st.ok()) return st;
   state_->Drain();
   return grpc::Status::OK;
 }

@@ -35,6 +35,8 @@ class EngramService final : public engram::v1::Engram::Service {
 
  private:
   // The caller's credentials, or PERMISSION_DENIED.
+  // Authorize, and the peer is an operator (UdsListener::Operator); `call` names the refused call.
+  grpc::Status AuthorizeOperator(grpc::ServerContext* ctx, const char* call, PeerInfo* peer);
   grpc::Status Authorize(grpc::ServerContext* ctx, PeerInfo* peer);
   DaemonState* state_;
   UdsListener* listener_;

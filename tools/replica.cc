@@ -48,7 +48,7 @@ std::vector<uint16_t> RowFromCheckpoint(engram::oracle::RowOracle* oracle, int64
 // checked against the checkpoint through the oracle: the group's columns carry the checkpoint's row, the others
 // (other TP positions') are zero. Every member must run the same number of batches; --tokens may differ (0 too).
 int RunDpSharded(const engram::client::Table& t, engram::oracle::RowOracle* oracle, int64_t T, int64_t batches,
-                 int64_t verify, const engram::client::AttachRequest& req) {
+                 int64_t verify, const engram::client::AttachRequest& req, int64_t hold) {
   const int64_t D = t.head_dim(), L = static_cast<int64_t>(t.layers().size()), C = t.n_cols();
   auto fail = [](const std::string& what, const absl::Status& st) {
     std::cout << json{{"error", what + ": " + std::string(st.message())}, {"code", absl::StatusCodeToString(st.code())}}
@@ -146,6 +146,10 @@ int RunDpSharded(const engram::client::Table& t, engram::oracle::RowOracle* orac
               {"mismatches", mismatches},
               {"tokens_per_s", busy > 0 ? static_cast<double>(T * batches) / busy : 0.0}};
   for (const auto& r : t.reasons()) out["reasons"].push_back(engram::client::ReasonName(r.code));
+  if (hold > 0) {  // the group and its lease stay while the replica holds, as in the other modes
+    std::cout << json{{"attached", true}, {"mode", out["mode"]}}.dump() << std::endl;
+    std::this_thread::sleep_for(std::chrono::seconds(hold));
+  }
   std::cout << out.dump() << std::endl;
   return mismatches == 0 ? 0 : 1;
 }
@@ -202,7 +206,8 @@ int main(int argc, char** argv) {
   if (!oracle) std::cerr << "engram-replica: " << oracle_error << "\n";
   const auto& t = **table;
   if (t.mode() == engram::client::Mode::kDpSharded) {
-    return RunDpSharded(t, oracle.get(), geti("--tokens", 256), geti("--batches", 4), geti("--verify", 64), req);
+    return RunDpSharded(t, oracle.get(), geti("--tokens", 256), geti("--batches", 4), geti("--verify", 64), req,
+                        geti("--hold", 0));
   }
   const int64_t D = t.head_dim(), L = static_cast<int64_t>(t.layers().size()), C = t.n_cols();
   const int64_t T = geti("--tokens", 256), batches = geti("--batches", 4), verify = geti("--verify", 64);

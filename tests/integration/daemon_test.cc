@@ -595,6 +595,37 @@ TEST(DaemonTest, GroupMembersMayConnectOthersArePermissionDenied) {
   EXPECT_TRUE(d.proc().Running());
   EXPECT_FALSE(d.Status().is_null()) << "still serving its own uid";
   EXPECT_NE(d.proc().Output().find("reason=PERMISSION_DENIED"), std::string::npos);
+  // An engine (a member of --group) attaches and reads status, but may not take sharing away from the others:
+  // drain, unload and load are refused, and nothing changed.
+  const std::string as_member = "setpriv --reuid=65533 --regid=65533 --groups=65534 " + BinPath("engramctl");
+  for (const std::string& call : {std::string("drain"), "unload --checkpoint " + ckpt, "load --checkpoint " + ckpt}) {
+    auto r = RunCmd(as_member + " " + call + " --socket " + d.socket());
+    EXPECT_NE(r.exit_code, 0) << call << ": " << r.out;
+    EXPECT_NE((r.out + r.err).find("may attach but not"), std::string::npos) << call << ": " << r.out << r.err;
+  }
+  json after = d.Status();
+  EXPECT_EQ(after["draining"], false) << after.dump();
+  ASSERT_EQ(after["segments"].size(), 1u) << after.dump();
+  EXPECT_EQ(after["segments"][0]["state"], "READY");
+  EXPECT_NE(d.proc().Output().find("reason=NOT_OPERATOR"), std::string::npos);
+}
+
+// --admin-group: its members run the operator calls (and may attach); the engines' --group does not.
+TEST(DaemonTest, AdminGroupMembersRunOperatorCalls) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: setpriv switches to another uid";
+  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--group", "root", "--admin-group", "nogroup"});
+  ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
+  ::chmod(d.socket().c_str(), 0666);
+  ::chmod(dir.path().c_str(), 0755);
+  auto r = RunCmd("setpriv --reuid=65533 --regid=65533 --groups=65534 " + BinPath("engramctl") + " drain --socket " +
+                  d.socket());
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_EQ(d.Status()["draining"], true);
 }
 
 // The registration ticket (--tickets 1) serialises registration: while one session holds it, the others that asked

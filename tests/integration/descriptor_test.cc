@@ -9,12 +9,15 @@
 
 #include <chrono>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "shm/descriptor_protocol.h"
 #include "tests/integration/daemon_harness.h"
 #include "tests/integration/json_lines.h"
 #include "tests/integration/process.h"
@@ -195,6 +198,35 @@ TEST(DescriptorTest, AUidThatMayNotConnectOrAnotherProcessGetsNoDescriptor) {
   const json s = d.Status();
   EXPECT_GE(s["descriptors"]["refused"].get<int>(), 2) << s.dump();
   EXPECT_EQ(s["descriptors"]["sent"].get<int>(), 0) << s.dump();
+  holder.Signal(SIGKILL);
+  holder.Wait();
+}
+
+// A segment unloaded between the grant and the descriptor fetch: the channel says the segment is gone (the client
+// then reports SEGMENT_NOT_READY, not SHM_NOT_VISIBLE with a hint to mount a directory).
+TEST(DescriptorTest, ASegmentGoneBetweenGrantAndFetchIsSaidSo) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  const std::string trigger = dir / "fetch-now";
+  Process holder({BinPath("fd_helper"), "grant", d.socket(), ckpt, trigger}, dir / "holder.log");
+  ASSERT_TRUE(WaitFor([&] { return holder.Output().find("\"token\"") != std::string::npos; }, 30s)) << holder.Output();
+  auto unload = RunCmd(BinPath("engramctl") + " unload --checkpoint " + ckpt + " --socket " + d.socket());
+  ASSERT_EQ(unload.exit_code, 0) << unload.out << unload.err;
+  ASSERT_TRUE(WaitFor([&] {
+    for (const auto& e : std::filesystem::directory_iterator(shm)) {
+      if (e.path().filename().string().rfind("engram-", 0) == 0) return false;
+    }
+    return true;
+  }, 30s)) << "the unloaded segment was not removed";
+  { std::ofstream(trigger.c_str()) << "go"; }
+  ASSERT_TRUE(WaitFor([&] { return holder.Output().find("\"fetched\"") != std::string::npos; }, 30s)) << holder.Output();
+  const json j = LastJson(holder.Output());
+  EXPECT_EQ(j["fetched"], false) << j.dump();
+  EXPECT_NE(j["error"].get<std::string>().find(kSegmentGone), std::string::npos) << j.dump();
+  EXPECT_TRUE(SegmentGone(j["error"].get<std::string>()));
   holder.Signal(SIGKILL);
   holder.Wait();
 }

@@ -124,6 +124,58 @@ TEST_F(DpGroupTest, SharingRefusedFallsBackToDpSharded) {
   RunTopology(1, 2, {8, 8}, "--cpu-offload false");
 }
 
+// --hold with embedding_across_dp holds the DP_SHARDED replica (its group and lease) as it does every other mode:
+// status lists both members while they hold.
+TEST_F(DpGroupTest, HoldKeepsADpShardedReplicaAttached) {
+  std::vector<Process> ps;
+  for (int d = 0; d < 2; ++d) {
+    ps.push_back(Replica("--embedding-across-dp --cpu-offload false --dp-size 2 --dp-rank " + std::to_string(d) +
+                             " --verify 8 --hold 600",
+                         "hold" + std::to_string(d) + ".log"));
+  }
+  for (auto& p : ps) {
+    ASSERT_TRUE(WaitFor([&] { return p.Output().find("\"attached\"") != std::string::npos; },
+                        std::chrono::seconds(60)))
+        << p.Output();
+    EXPECT_TRUE(p.Running()) << "--hold was ignored: " << p.Output();
+  }
+  const json s = daemon_->Status();
+  int dp_sharded = 0;
+  for (const auto& r : s["replicas"]) dp_sharded += r["mode"] == "DP_SHARDED";
+  EXPECT_EQ(dp_sharded, 2) << s.dump();
+  for (auto& p : ps) {
+    p.Signal(SIGKILL);
+    p.Wait();
+  }
+}
+
+// The host exchange region is reserved when the group forms: on a /dev/shm too small for it (a container's
+// default) both members get an error that names the cause, instead of dying of SIGBUS at their first step.
+TEST_F(DpGroupTest, ADevShmTooSmallForTheRegionIsAClearError) {
+  if (testing::RunCmd("unshare -m --propagation private true").exit_code != 0) {
+    GTEST_SKIP() << "needs root: a private mount namespace with a small /dev/shm";
+  }
+  std::string cmd = "unshare -m --propagation private sh -c 'mount -t tmpfs -o size=16k tmpfs /dev/shm && ";
+  for (int d = 0; d < 2; ++d) {
+    cmd += "(" + BinPath("engram-replica") + " --socket " + daemon_->socket() + " --checkpoint " + ckpt_ +
+           " --timeout-ms 10000 --embedding-across-dp --cpu-offload false --dp-size 2 --dp-rank " +
+           std::to_string(d) + " --tokens 512 --verify 4; echo exit=$?) > " +
+           (dir_ / ("small" + std::to_string(d) + ".log")) + " 2>&1 & ";
+  }
+  cmd += "wait'";
+  auto r = testing::RunCmd(cmd);
+  for (int d = 0; d < 2; ++d) {
+    const std::string out = testing::ReadFile(dir_ / ("small" + std::to_string(d) + ".log"));
+    EXPECT_EQ(out.find("exit=135"), std::string::npos) << "SIGBUS: " << out;  // 128 + SIGBUS (7)
+    EXPECT_EQ(out.find("exit=0"), std::string::npos) << "member " << d << " stepped on a region it cannot hold";
+    // The member that creates the region (DP rank 0) says why; the other learns that the group broke.
+    if (d == 0) {
+      EXPECT_NE(out.find("cannot hold the DP exchange region"), std::string::npos) << out;
+    }
+  }
+  EXPECT_FALSE(daemon_->Status().is_null()) << "the daemon keeps serving";
+}
+
 TEST_F(DpGroupTest, SharingWinsWhereItCan) {
   std::vector<Process> ps;
   for (int d = 0; d < 2; ++d) {

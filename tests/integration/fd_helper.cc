@@ -85,7 +85,7 @@ int Fetch(const std::string& socket, const std::string& checkpoint) {
   return 0;
 }
 
-int Grant(const std::string& socket, const std::string& checkpoint) {
+int Grant(const std::string& socket, const std::string& checkpoint, const std::string& trigger = "") {
   auto s = OpenSession(socket, checkpoint);
   if (!s.ok() || !(*s)->answer().granted) {
     Print({{"granted", false}});
@@ -94,6 +94,14 @@ int Grant(const std::string& socket, const std::string& checkpoint) {
   const auto& g = (*s)->answer().grant;
   auto channel = engram::client::ChannelPath(socket, g.fd_socket);
   Print({{"granted", true}, {"lease", g.lease_id}, {"token", g.fd_token}, {"channel", channel.ok() ? *channel : ""}});
+  if (!trigger.empty()) {  // fetch the descriptor once the file `trigger` exists (after the test changed the node)
+    while (::access(trigger.c_str(), F_OK) != 0) std::this_thread::sleep_for(20ms);
+    auto fd = (*s)->FetchSegmentDescriptor(5000ms);
+    json out = {{"fetched", fd.ok()}};
+    if (fd.ok()) ::close(*fd);
+    if (!fd.ok()) out["error"] = std::string(fd.status().message());
+    Print(out);
+  }
   while (true) std::this_thread::sleep_for(1s);
 }
 
@@ -149,6 +157,7 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "fetch" && argc == 4) return Fetch(argv[2], argv[3]);
   if (mode == "grant" && argc == 4) return Grant(argv[2], argv[3]);
+  if (mode == "grant" && argc == 5) return Grant(argv[2], argv[3], argv[4]);
   if (mode == "steal" && argc == 5) return Steal(argv[2], argv[3], argv[4]);
   if (mode == "cycle" && argc == 5) return Cycle(argv[2], argv[3], std::atoi(argv[4]));
   if (mode == "hold" && argc == 4) return Hold(argv[2], argv[3]);

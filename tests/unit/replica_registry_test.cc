@@ -389,6 +389,17 @@ TEST(ReplicaRegistryTest, MalformedOutcomesAreRefused) {
       << "32 reasons are allowed";
 }
 
+// A replica's hints reach status and the operator's terminal: control characters cannot forge a status row or
+// drive the terminal (they were printed raw).
+TEST(ReplicaRegistryTest, HintsLoseTheirControlCharacters) {
+  engram::v1::Outcome o = MakeOutcome(engram::v1::PRIVATE_PINNED, "cpu", {engram::v1::NO_CUDA_DEVICE});
+  o.mutable_reasons(0)->set_hint("fine\n4242   0      0/1    0/1    SHARED \x1b[2Jforged\r\x7f\t\xC3\xA9");
+  engram::v1::Outcome clean;
+  ASSERT_TRUE(ValidateOutcome(o, &clean).ok());
+  EXPECT_EQ(clean.reasons(0).hint(), "fine?4242   0      0/1    0/1    SHARED ?[2Jforged???\xC3\xA9");
+  EXPECT_EQ(EchoOf("/ckpt\n/evil"), "/ckpt?/evil");
+}
+
 TEST(ReplicaRegistryTest, LongHintsAreCutAtACharacterBoundary) {
   engram::v1::Outcome o = MakeOutcome(engram::v1::PRIVATE_PINNED, "cpu", {engram::v1::NO_CUDA_DEVICE});
   o.mutable_reasons(0)->set_hint(std::string(2000, 'x'));
