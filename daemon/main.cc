@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
       std::printf("usage: engramd --checkpoint DIR [--checkpoint DIR ...] [--tp 1,2] [--shm-dir DIR] [--socket PATH]\n"
-                  "               [--group NAME] [--admin-group NAME] [--tickets N] [--threads N] [--log-level LEVEL]\n"
+                  "               [--group NAME] [--admin-group NAME] [--tickets N] [--max-sessions N] [--max-sessions-per-uid N] [--threads N] [--log-level LEVEL]\n"
                   "               [--metrics-file PATH] [--config FILE]\n");
       return 0;
     }
@@ -80,9 +80,13 @@ int main(int argc, char** argv) {
   }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  EngramService service(&state, &listener);
+  EngramService service(&state, &listener, opts->max_sessions, opts->max_sessions_per_uid);
   grpc::ServerBuilder builder;
   builder.RegisterService(&service);
+  // Threads beyond the session bound for the short calls (status, load, ...): sessions can never take them all.
+  grpc::ResourceQuota quota("engramd");
+  quota.SetMaxThreads(opts->max_sessions + 64);
+  builder.SetResourceQuota(quota);
   builder.SetMaxReceiveMessageSize(1 << 20);  // requests are small; anything larger is refused
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 5000);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);

@@ -56,6 +56,10 @@ absl::Status Set(const std::string& origin, const std::string& key, const std::s
     o->admin_group = value;
   } else if (key == "tickets") {
     return int_value(&o->tickets, 1);
+  } else if (key == "max_sessions") {
+    return int_value(&o->max_sessions, 1);
+  } else if (key == "max_sessions_per_uid") {
+    return int_value(&o->max_sessions_per_uid, 1);
   } else if (key == "threads") {
     return int_value(&o->threads, 0);
   } else if (key == "log_level") {

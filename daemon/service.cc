@@ -5,6 +5,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "spdlog/spdlog.h"
 
 namespace engram::daemon {
@@ -67,10 +68,43 @@ grpc::Status EngramService::Authorize(grpc::ServerContext* ctx, PeerInfo* peer) 
   return grpc::Status::OK;
 }
 
+grpc::Status EngramService::AdmitSession(const PeerInfo& peer) {
+  std::lock_guard<std::mutex> lock(sessions_mu_);
+  int& mine = sessions_by_uid_[peer.uid];
+  if (sessions_ >= max_sessions_ || mine >= max_sessions_per_uid_) {
+    ++sessions_refused_;
+    const bool per_uid = mine >= max_sessions_per_uid_;
+    if (mine == 0) sessions_by_uid_.erase(peer.uid);
+    spdlog::warn("event=refused pid={} uid={} reason=TOO_MANY_SESSIONS sessions={} limit={}", peer.pid, peer.uid,
+                 per_uid ? mine : sessions_, per_uid ? max_sessions_per_uid_ : max_sessions_);
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        per_uid ? absl::StrCat("uid ", peer.uid, " holds ", max_sessions_per_uid_,
+                                               " sessions, the most one uid may (max_sessions_per_uid)")
+                                : absl::StrCat("engramd holds ", max_sessions_, " sessions, the most it takes "
+                                               "(max_sessions)"));
+  }
+  ++mine;
+  ++sessions_;
+  return grpc::Status::OK;
+}
+
+void EngramService::EndSession(uint32_t uid) {
+  std::lock_guard<std::mutex> lock(sessions_mu_);
+  auto it = sessions_by_uid_.find(uid);
+  if (it != sessions_by_uid_.end() && --it->second <= 0) sessions_by_uid_.erase(it);
+  --sessions_;
+}
+
 grpc::Status EngramService::Session(
     grpc::ServerContext* ctx, grpc::ServerReaderWriter<engram::v1::ServerMessage, engram::v1::ClientMessage>* stream) {
   PeerInfo peer;
   if (auto st = Authorize(ctx, &peer); !st.ok()) return st;
+  if (auto st = AdmitSession(peer); !st.ok()) return st;
+  struct Admitted {
+    EngramService* s;
+    uint32_t uid;
+    ~Admitted() { s->EndSession(uid); }
+  } admitted{this, peer.uid};
   engram::v1::ClientMessage first;
   if (!stream->Read(&first)) return grpc::Status(grpc::StatusCode::CANCELLED, "session closed before hello");
   if (first.msg_case() != engram::v1::ClientMessage::kHello) {
@@ -209,6 +243,12 @@ grpc::Status EngramService::Status(grpc::ServerContext* ctx, const engram::v1::S
   PeerInfo peer;
   if (auto st = Authorize(ctx, &peer); !st.ok()) return st;
   *reply = state_->Status();
+  std::lock_guard<std::mutex> lock(sessions_mu_);
+  if (sessions_refused_ > 0) {
+    reply->add_recent_fallbacks(absl::StrFormat(
+        "sessions_refused count=%d: sessions over max_sessions (%d) or max_sessions_per_uid (%d); %d open now",
+        sessions_refused_, max_sessions_, max_sessions_per_uid_, sessions_));
+  }
   return grpc::Status::OK;
 }
 

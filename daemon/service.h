@@ -9,6 +9,9 @@
 // server runs each call on its own thread).
 #pragma once
 
+#include <map>
+#include <mutex>
+
 #include "daemon/listener.h"
 #include "daemon/state.h"
 #include "engram/v1/engram.grpc.pb.h"
@@ -20,7 +23,8 @@ inline constexpr size_t kMaxBackendBytes = 64;
 
 class EngramService final : public engram::v1::Engram::Service {
  public:
-  EngramService(DaemonState* state, UdsListener* listener) : state_(state), listener_(listener) {}
+  EngramService(DaemonState* state, UdsListener* listener, int max_sessions = 2048, int max_sessions_per_uid = 512)
+      : state_(state), listener_(listener), max_sessions_(max_sessions), max_sessions_per_uid_(max_sessions_per_uid) {}
 
   grpc::Status Session(grpc::ServerContext* ctx,
                        grpc::ServerReaderWriter<engram::v1::ServerMessage, engram::v1::ClientMessage>* stream) override;
@@ -34,12 +38,20 @@ class EngramService final : public engram::v1::Engram::Service {
                      engram::v1::DrainReply* reply) override;
 
  private:
-  // The caller's credentials, or PERMISSION_DENIED.
   // Authorize, and the peer is an operator (UdsListener::Operator); `call` names the refused call.
   grpc::Status AuthorizeOperator(grpc::ServerContext* ctx, const char* call, PeerInfo* peer);
+  // The caller's credentials, or PERMISSION_DENIED.
   grpc::Status Authorize(grpc::ServerContext* ctx, PeerInfo* peer);
+  // Admits one more session of `uid` within the bounds, or RESOURCE_EXHAUSTED; EndSession gives it back.
+  grpc::Status AdmitSession(const PeerInfo& peer);
+  void EndSession(uint32_t uid);
   DaemonState* state_;
   UdsListener* listener_;
+  const int max_sessions_, max_sessions_per_uid_;
+  std::mutex sessions_mu_;  // guards the three below
+  std::map<uint32_t, int> sessions_by_uid_;
+  int sessions_ = 0;
+  uint64_t sessions_refused_ = 0;
 };
 
 grpc::Status ToGrpc(const absl::Status& st);

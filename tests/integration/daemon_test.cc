@@ -610,6 +610,53 @@ TEST(DaemonTest, GroupMembersMayConnectOthersArePermissionDenied) {
   EXPECT_NE(d.proc().Output().find("reason=NOT_OPERATOR"), std::string::npos);
 }
 
+// Sessions are bounded per uid (and in all): one peer that opens sessions without end is refused past its bound,
+// while status and other uids' replicas keep working; a closed session gives its place back.
+TEST(DaemonTest, SessionsAreBoundedPerUid) {
+  TempDir dir;
+  const std::string shm = dir / "shm";
+  ::mkdir(shm.c_str(), 0755);
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--group", "nogroup", "--max-sessions-per-uid", "2"});
+  ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
+  const engram::v1::ClientMessage hello = testing::SharingHello(ckpt, shm, 4);
+  auto stub = engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+  std::vector<std::unique_ptr<grpc::ClientContext>> ctx;
+  std::vector<std::unique_ptr<grpc::ClientReaderWriter<engram::v1::ClientMessage, engram::v1::ServerMessage>>> st;
+  auto open = [&](engram::v1::ServerMessage* m) {
+    ctx.push_back(std::make_unique<grpc::ClientContext>());
+    ctx.back()->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    st.push_back(stub->Session(ctx.back().get()));
+    return st.back()->Write(hello) && st.back()->Read(m);
+  };
+  engram::v1::ServerMessage m;
+  ASSERT_TRUE(open(&m) && m.has_grant());
+  ASSERT_TRUE(open(&m) && m.has_grant());
+  EXPECT_FALSE(open(&m)) << "a third session of the same uid was admitted";
+  const grpc::Status refused = st.back()->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("max_sessions_per_uid"), std::string::npos) << refused.error_message();
+  const json s = d.Status();
+  ASSERT_FALSE(s.is_null()) << "status answers while the uid is at its bound";
+  EXPECT_NE(s["recent_fallbacks"].dump().find("sessions_refused count=1"), std::string::npos) << s.dump();
+  if (::geteuid() == 0 && RunCmd("command -v setpriv").exit_code == 0) {  // another uid still attaches
+    ::chmod(d.socket().c_str(), 0666);
+    ::chmod(dir.path().c_str(), 0755);
+    auto other = RunCmd("setpriv --reuid=65533 --regid=65533 --groups=65534 " + BinPath("engramctl") +
+                        " attach --socket " + d.socket() + " --checkpoint " + ckpt + " --shm-dir " + shm);
+    EXPECT_NE(other.out.find("\"decision\""), std::string::npos) << other.out << other.err;
+  }
+  ctx[0]->TryCancel();  // one session ends: its place is free again
+  (void)st[0]->Finish();
+  ASSERT_TRUE(WaitFor([&] {
+    engram::v1::ServerMessage again;
+    const bool ok = open(&again) && again.has_grant();
+    return ok;
+  }, std::chrono::seconds(20)));
+  for (auto& c : ctx) c->TryCancel();
+  EXPECT_TRUE(d.proc().Running());
+}
+
 // --admin-group: its members run the operator calls (and may attach); the engines' --group does not.
 TEST(DaemonTest, AdminGroupMembersRunOperatorCalls) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root: setpriv switches to another uid";
