@@ -9,6 +9,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <algorithm>
+#include <thread>
 #include <vector>
 
 #include "shm/descriptor_protocol.h"
@@ -48,18 +50,33 @@ absl::StatusOr<int> FetchSegmentDescriptor(const std::string& channel_path, cons
   if (channel_path.size() >= sizeof(addr.sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat("descriptor socket path too long: ", channel_path));
   }
-  int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (s < 0) return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, channel_path.c_str(), sizeof(addr.sun_path) - 1);
+  // A Unix socket whose listen backlog is full refuses a non-blocking connect with EAGAIN, and the socket is then
+  // not connected at all (there is no connection in progress to wait for): another uid filling the daemon's backlog
+  // must not make this replica fall back, so it connects again, with backoff, until the deadline.
+  int s = -1;
+  auto backoff = std::chrono::milliseconds(2);
+  while (true) {
+    s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (s < 0) return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
+    if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 || errno == EINPROGRESS) break;
+    const int err = errno;
+    ::close(s);
+    if (err != EAGAIN) {
+      return absl::UnavailableError(absl::StrCat("connect ", channel_path, ": ", std::strerror(err)));
+    }
+    if (Clock::now() + backoff >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("the descriptor channel ", channel_path, " kept its backlog full until the deadline"));
+    }
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(100));
+  }
   struct Closer {
     int fd;
     ~Closer() { ::close(fd); }
   } closer{s};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, channel_path.c_str(), sizeof(addr.sun_path) - 1);
-  if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 && errno != EINPROGRESS &&
-      errno != EAGAIN) {
-    return absl::UnavailableError(absl::StrCat("connect ", channel_path, ": ", std::strerror(errno)));
-  }
   const std::string request = absl::StrCat(kDescriptorProtocol, " ", lease_id, " ", token, "\n");
   size_t sent = 0;
   while (sent < request.size()) {

@@ -3,6 +3,7 @@
 // allows (read-only), what a hostile or silent peer can do (nothing lasting), and that no descriptor leaks.
 #include <dirent.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "client/fd_channel.h"
 #include "daemon/descriptor_channel.h"
@@ -93,6 +95,50 @@ class DescriptorChannelTest : public ::testing::Test {
   std::atomic<bool> allowed_{true};
   std::unique_ptr<DescriptorChannel> channel_;
 };
+
+// A listener whose backlog is full (another uid's flood): the fetch connects again with backoff and reaches the
+// channel once there is room, instead of failing at once (its socket was never connected: send gave ENOTCONN).
+TEST(DescriptorFetchTest, AFullBacklogIsWaitedOutWithinTheDeadline) {
+  testing::TempDir dir;
+  const std::string path = dir / "full.fds";
+  int l = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(l, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(::bind(l, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(l, 0), 0);
+  std::vector<int> flood;
+  for (int i = 0; i < 64; ++i) {  // fill the backlog: non-blocking connects until one is refused with EAGAIN
+    int c = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (::connect(c, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 && errno == EAGAIN) {
+      ::close(c);
+      break;
+    }
+    flood.push_back(c);
+  }
+  ASSERT_FALSE(flood.empty());
+  std::atomic<bool> stop{false};
+  std::thread server([&] {  // after 300 ms: drain the backlog and answer every new connection with a refusal
+    std::this_thread::sleep_for(300ms);
+    while (!stop) {
+      pollfd p{l, POLLIN, 0};
+      if (::poll(&p, 1, 50) <= 0) continue;
+      int c = ::accept4(l, nullptr, nullptr, SOCK_CLOEXEC);
+      if (c < 0) continue;
+      const char reply[] = "ERR seen by the channel\n";
+      (void)::send(c, reply, sizeof(reply) - 1, MSG_NOSIGNAL);
+      ::close(c);
+    }
+  });
+  auto fd = client::FetchSegmentDescriptor(path, "lease", "token", 5000ms);
+  stop = true;
+  server.join();
+  for (int c : flood) ::close(c);
+  ::close(l);
+  ASSERT_FALSE(fd.ok());
+  EXPECT_NE(fd.status().message().find("seen by the channel"), std::string::npos) << fd.status();
+}
 
 TEST_F(DescriptorChannelTest, TheLeaseHolderGetsAReadOnlyDescriptorOfTheFileOnce) {
   EXPECT_EQ(channel_->socket_name(), "engramd.sock.fds");
