@@ -201,8 +201,18 @@ grpc::Status EngramService::Session(
             !st.ok()) {
           spdlog::warn("event=group_join_refused pid={} uid={} detail=\"{}\"", peer.pid, peer.uid,
                        std::string(st.message()));
-          result = ToGrpc(st);
-          break;
+          if (st.code() != absl::StatusCode::kAlreadyExists) {  // a malformed or out-of-order join ends the session
+            result = ToGrpc(st);
+            break;
+          }
+          // Its edp rank is another member's: answered on the session, which goes on with its lease (the member
+          // learns why, not only that its session ended; it may join again with the right rank).
+          engram::v1::ServerMessage reply;
+          auto* u = reply.mutable_group_update();
+          u->set_state(engram::v1::GroupUpdate::BROKEN);
+          u->set_detail(absl::StrCat("group join refused: ", st.message()));
+          u->set_join_id(msg.group_join().join_id());
+          write(reply);
         }
         continue;
       case engram::v1::ClientMessage::kGroupLeave: {

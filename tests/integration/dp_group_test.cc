@@ -426,8 +426,13 @@ TEST_F(DpGroupTest, MalformedGroupRequestsAreRefusedWithoutHarm) {
     RawSession b(stub.get(), hello(0, true));
     b.Outcome(engram::v1::DP_SHARDED);
     b.Join(good(0));
-    const grpc::Status sb = b.End();
-    EXPECT_EQ(sb.error_code(), grpc::StatusCode::ALREADY_EXISTS) << sb.error_message();
+    // The second learns why on its session, which goes on (its lease stays: status lists both).
+    engram::v1::GroupUpdate u;
+    ASSERT_TRUE(b.ReadUpdate(&u));
+    EXPECT_EQ(u.state(), engram::v1::GroupUpdate::BROKEN);
+    EXPECT_NE(u.detail().find("is taken by pid"), std::string::npos) << u.detail();
+    EXPECT_EQ(daemon_->Status()["replicas"].size(), 2u) << "the refused member's session and lease stay";
+    EXPECT_TRUE(b.End().ok());
     a.Join(good(0));
     const grpc::Status sa = a.End();
     EXPECT_EQ(sa.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << sa.error_message();
