@@ -47,10 +47,7 @@ absl::StatusOr<std::unique_ptr<DpHostRegion>> DpHostRegion::Reserve() {
   return r;
 }
 
-bool DpHostRegion::IsRegionName(const std::string& name) {
-  return name.size() <= 255 && name.rfind(kDpRegionPrefix, 0) == 0 && name.find('/', 1) == std::string::npos &&
-         name.size() > std::strlen(kDpRegionPrefix);
-}
+bool DpHostRegion::IsRegionName(const std::string& name) { return IsDpRegionName(name); }
 
 void DpHostRegion::RemoveName(const std::string& name) {
   if (IsRegionName(name)) ::shm_unlink(name.c_str());

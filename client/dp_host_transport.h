@@ -17,6 +17,8 @@
 // left, or this lease ended) or at the step timeout, so no member hangs. Thread-compatible (one engine thread).
 #pragma once
 
+#include "shm/dp_region_name.h"
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -30,7 +32,7 @@
 namespace engram::client {
 
 inline constexpr int32_t kMaxDpMembers = 64;
-inline constexpr char kDpRegionPrefix[] = "/engram-dp-";  // every region's name: /engram-dp-<pid>-<random>
+using engram::kDpRegionPrefix;  // every region's name: /engram-dp-<pid>-<random> (shm/dp_region_name.h)
 
 struct DpRegionShape {
   int32_t members = 0, slot = 0, layers = 0, cols = 0, record_bytes = 0, part = 0;  // part: most columns a member owns

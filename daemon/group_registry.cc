@@ -1,11 +1,15 @@
 #include "daemon/group_registry.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/utf8.h"
+#include "shm/dp_region_name.h"
 #include "daemon/fallback.h"
 #include "spdlog/spdlog.h"
 
@@ -159,6 +163,19 @@ void GroupRegistry::Send(Outbox& out) {
 }
 
 void GroupRegistry::RetireLocked(std::map<std::string, Group>::iterator it) {
+  // A host-transport group's exchange region (a POSIX shm object its rank 0 named as the rendezvous) goes with
+  // the group: its creator may have died before removing it, or every member while it existed. Only a name of
+  // the region's own form is removed (kDpRegionPrefix, one component); where this daemon may not (the region is
+  // another uid's and the daemon is not root) the log says so.
+  const Group& g = it->second;
+  if (g.status.transport() == "host" && IsDpRegionName(g.rendezvous)) {
+    if (::shm_unlink(g.rendezvous.c_str()) == 0) {
+      spdlog::info("event=group_region_removed group={} region={}", it->first, g.rendezvous);
+    } else if (errno != ENOENT) {
+      spdlog::warn("event=group_region_left group={} region={} errno={}: remove it by hand", it->first,
+                   g.rendezvous, errno);
+    }
+  }
   history_.push_front(it->second.status);
   if (history_.size() > kMaxGroupHistory) history_.pop_back();
   groups_.erase(it);

@@ -10,6 +10,8 @@
 // session lives on: the others stop at once naming it and why, status says so, and the session joins again; rank 0
 // killed while the group forms or right after creating the region leaves nothing in /dev/shm; leave requests that
 // are not the session's to make are refused without harm.
+#include <sys/mman.h>
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 
@@ -436,6 +438,34 @@ TEST_F(DpGroupTest, MalformedGroupRequestsAreRefusedWithoutHarm) {
     a.Join(good(0));
     const grpc::Status sa = a.End();
     EXPECT_EQ(sa.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << sa.error_message();
+  }
+  {
+    // A host group's region goes with the group: when every member's session has ended, engramd removes the shm
+    // object rank 0 named (its creator may have died before it could).
+    const std::string region = "/engram-dp-" + std::to_string(::getpid()) + "-test";
+    int fd = ::shm_open(region.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    ASSERT_GE(fd, 0) << region;
+    ::close(fd);
+    RawSession a(stub.get(), hello(0, true));
+    a.Outcome(engram::v1::DP_SHARDED);
+    auto j0 = good(0);
+    j0.set_rendezvous(region);
+    a.Join(j0);
+    ASSERT_TRUE(first_member_in()) << Groups().dump();
+    RawSession b(stub.get(), hello(1, true));
+    b.Outcome(engram::v1::DP_SHARDED);
+    b.Join(good(1));
+    engram::v1::GroupUpdate u;
+    ASSERT_TRUE(b.ReadUpdate(&u));
+    EXPECT_EQ(u.state(), engram::v1::GroupUpdate::FORMED);
+    EXPECT_TRUE(a.End().ok());
+    EXPECT_TRUE(b.End().ok());
+    EXPECT_TRUE(WaitFor([&] {
+      int f = ::shm_open(region.c_str(), O_RDONLY, 0);
+      if (f >= 0) ::close(f);
+      return f < 0 && errno == ENOENT;
+    }, std::chrono::seconds(20))) << "the broken group's region " << region << " was left in /dev/shm";
+    ::shm_unlink(region.c_str());
   }
   {
     // Members that disagree on the transport.
