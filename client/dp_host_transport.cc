@@ -237,8 +237,16 @@ absl::Status DpHostRegion::WaitAll(uint64_t phase, const BrokenFn& broken, std::
       return absl::AbortedError(*why);
     }
     if (std::chrono::steady_clock::now() - start > timeout) {
-      const std::string why = absl::StrCat("a DP group member did not reach step phase ", phase, " within ",
-                                           timeout.count(), " ms (ENGRAM_DP_STEP_TIMEOUT_MS)");
+      // Name the members that stalled (stopped, or formed and never stepped), not only that one did.
+      std::string who;
+      for (int32_t r = 0; r < shape_.members; ++r) {
+        const uint64_t at = member(r).phase.load(std::memory_order_acquire);
+        if (at >= phase) continue;
+        absl::StrAppend(&who, who.empty() ? "" : ", ", "edp rank ", r, " (pid ", member(r).pid, ", at phase ", at, ")");
+      }
+      const std::string why = absl::StrCat("DP group member ", who.empty() ? "?" : who, " did not reach step phase ",
+                                           phase, " within ", timeout.count(),
+                                           " ms (ENGRAM_DP_STEP_TIMEOUT_MS): stalled or stopped");
       Abort(why);
       return absl::DeadlineExceededError(why);
     }

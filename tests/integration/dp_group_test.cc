@@ -17,6 +17,7 @@
 
 #include <filesystem>
 #include <set>
+#include <thread>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -698,6 +699,26 @@ TEST_F(DpLifecycleTest, Rank0KilledWhileTheGroupFormsLeavesNoRegion) {
 
 // Rank 0 SIGKILLs itself right after creating the region (fault injection), before anyone mapped it: the member
 // left behind stops naming it and removes the name, so nothing is left in /dev/shm.
+// A member stopped mid-steps (SIGSTOP) is named by the survivor: its edp rank, pid and the phase it reached, not
+// only that "a member" did not reach a step.
+TEST_F(DpLifecycleTest, AStalledMemberIsNamedByTheSurvivor) {
+  Process r0 = EnvReplica(2, 0, "--tokens 4 --batches 100000 --verify 0", "stall0.log", {"ENGRAM_DP_STEP_TIMEOUT_MS=1500"});
+  Process r1 = EnvReplica(2, 1, "--tokens 4 --batches 100000 --verify 0", "stall1.log", {"ENGRAM_DP_STEP_TIMEOUT_MS=1500"});
+  ASSERT_TRUE(WaitFor([&] { return r1.Output().find("dp_group_formed") != std::string::npos; },
+                      std::chrono::seconds(60)))
+      << r1.Output();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // some steps
+  r1.Signal(SIGSTOP);
+  EXPECT_EQ(r0.Wait(std::chrono::seconds(60)), 1) << r0.Output();
+  const json j = testing::JsonLine(r0.Output(), true);
+  ASSERT_TRUE(j.contains("error")) << r0.Output();
+  EXPECT_NE(j["error"].get<std::string>().find("edp rank 1 (pid " + std::to_string(r1.pid())), std::string::npos)
+      << j.dump();
+  r1.Signal(SIGCONT);
+  r1.Signal(SIGKILL);
+  r1.Wait();
+}
+
 TEST_F(DpLifecycleTest, Rank0KilledAfterCreatingTheRegionLeavesNoRegion) {
   Process r0 = EnvReplica(2, 0, "--tokens 4 --batches 1 --verify 0", "created0.log",
                           {"ENGRAM_DP_FAULT=rank0-dies-after-creating-region"});
