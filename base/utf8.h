@@ -18,8 +18,16 @@ inline std::string Utf8Prefix(std::string_view s, size_t max_bytes) {
 }
 
 inline std::string Printable(std::string s) {
-  for (char& ch : s) {
-    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) ch = '?';
+  auto u = [&](size_t i) { return i < s.size() ? static_cast<unsigned char>(s[i]) : 0u; };
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (u(i) < 0x20 || u(i) == 0x7f) {
+      s[i] = '?';
+    } else if (u(i) == 0xC2 && u(i + 1) >= 0x80 && u(i + 1) <= 0x9F) {  // C1 controls (U+0080..U+009F: CSI...)
+      s.replace(i, 2, "?");
+    } else if (u(i) == 0xE2 && ((u(i + 1) == 0x80 && u(i + 2) >= 0xAA && u(i + 2) <= 0xAE) ||
+                                (u(i + 1) == 0x81 && u(i + 2) >= 0xA6 && u(i + 2) <= 0xA9))) {
+      s.replace(i, 3, "?");  // bidirectional overrides and isolates (U+202A..U+202E, U+2066..U+2069)
+    }
   }
   return s;
 }

@@ -156,6 +156,15 @@ absl::StatusOr<std::unique_ptr<DpHostRegion>> DpHostRegion::Open(const std::stri
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+  // The region must be this uid's own and nobody else's to write: a region another uid created (and named as the
+  // rendezvous) could feed this member rows.
+  struct stat own {};
+  if (::fstat(r->fd_, &own) != 0 || own.st_uid != ::geteuid() || (own.st_mode & 077) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat("the DP exchange region ", name,
+                                                    " is not this uid's own private object (owner uid ",
+                                                    own.st_uid, ", mode ", absl::StrFormat("%o", own.st_mode & 0777),
+                                                    "): refused"));
+  }
   if (auto st = r->Map(g.total, /*create=*/false); !st.ok()) return st;
   Header* h = HeaderOf(r->base_);
   while (h->ready.load(std::memory_order_acquire) == 0) {

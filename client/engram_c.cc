@@ -517,8 +517,12 @@ int engram_engine_wait(engram_engine* e, int layer, uintptr_t stream, char* err,
 }
 
 void* engram_engine_staging(const engram_engine* e, int layer) {
-  if (e == nullptr || !LayerOk(e->table, layer)) return nullptr;
-  return e->engine->staging(layer);
+  if (e == nullptr || !LayerOk(e->table, layer) || e->owner != ::getpid()) return nullptr;
+  try {
+    return e->engine->staging(layer);  // the CPU engine allocates its staging on first use
+  } catch (...) {
+    return nullptr;
+  }
 }
 
 int engram_engine_set_lookup_path(engram_engine* e, int path, char* err, size_t err_len) {

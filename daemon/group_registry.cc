@@ -102,6 +102,12 @@ absl::Status GroupRegistry::Join(const std::string& lease_id, const engram::v1::
       return absl::FailedPreconditionError(absl::StrCat("group join: group ", key, " is ", g.status.state(),
                                                         ": no member joins a group that already formed"));
     }
+    // A group is one uid's: another uid (another tenant admitted by --group) may not take a rank in it, break it
+    // while it forms, or name its exchange region.
+    if (!g.members.empty() && g.members.front().peer.uid != peer.uid) {
+      return absl::PermissionDeniedError(absl::StrCat("group join: group ", key, " belongs to uid ",
+                                                      g.members.front().peer.uid, ", not to uid ", peer.uid));
+    }
     if (g.status.transport() != join.transport()) {
       return absl::FailedPreconditionError(absl::StrCat("group join: group ", key, " uses transport ",
                                                         g.status.transport(), ", this member asked for ",

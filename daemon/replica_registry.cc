@@ -60,7 +60,7 @@ absl::Status ValidateOutcome(const engram::v1::Outcome& o, engram::v1::Outcome* 
   }
   if (o.backend() != "cuda" && o.backend() != "cpu") {
     return absl::InvalidArgumentError(
-        absl::StrCat("outcome: backend '", Utf8Prefix(o.backend(), 64), "' is neither \"cuda\" nor \"cpu\""));
+        absl::StrCat("outcome: backend '", Printable(Utf8Prefix(o.backend(), 64)), "' is neither \"cuda\" nor \"cpu\""));
   }
   *clean = o;
   for (auto& r : *clean->mutable_reasons()) {

@@ -44,10 +44,13 @@ __global__ void HashKernel(LayoutView L, HashArgs a) {
   }
   const int32_t r = lo;
   const int32_t begin = a.query_start_loc[r];
-  const int64_t start_pos = a.positions[begin];
+  // A request start outside [0, t] (boundaries that decrease, start past 0 or lie past T) reads nothing: the token
+  // is refused (the error flag) and hashed as blocked.
+  const bool in_range = begin >= 0 && begin <= t;
+  const int64_t start_pos = in_range ? a.positions[begin] : 0;
   const int64_t pos = a.positions[t];
   bool blocked = false;
-  if (pos != start_pos + (t - begin) || pos < 0) {
+  if (!in_range || pos != start_pos + (t - begin) || pos < 0) {
     if (a.error_flag) atomicExch(a.error_flag, 1);
     blocked = true;
   }

@@ -139,6 +139,7 @@ class Table:
         self._h = handle
         self._closed = False
         self._lock = threading.RLock()
+        self._views = weakref.WeakSet()  # records() arrays handed out (each keeps this table alive)
         self._engines = weakref.WeakSet()
         L = _lib.lib
         h = handle
@@ -186,16 +187,18 @@ class Table:
         if not 0 <= layer < len(self.layout.layers):
             raise ValueError(f"layer {layer} outside [0, {len(self.layout.layers)})")
         ptr = ctypes.c_void_p()
-        with self._lock:
+        import numpy as np
+        with self._lock:  # until the view is tracked: a close() in another thread cannot free under it
             if self._closed or not self._h:
                 raise ValueError("the table is closed")
             _check_rc(_lib.lib.engram_table_records(self._h, int(layer), ctypes.byref(ptr)), "records")
-        if not ptr.value:
-            return None
-        import numpy as np
-        lay = self.layout.layers[layer]
-        rows = lay.row_end - lay.row_begin
-        arr = np.asarray(_HostRecords(ptr.value, (rows, self.layout.record_bytes), owner=self))
+            if not ptr.value:
+                return None
+            lay = self.layout.layers[layer]
+            rows = lay.row_end - lay.row_begin
+            view = _HostRecords(ptr.value, (rows, self.layout.record_bytes), owner=self)
+            self._views.add(view)
+        arr = np.asarray(view)
         arr.flags.writeable = False
         return arr
 
@@ -208,14 +211,22 @@ class Table:
         return Engine(self, max_tokens, stream, staging)
 
     def close(self):
+        """Ends its use: the table (and its lease) is freed once no engine of it and no records() array is left."""
         with self._lock:
             self._closed = True
-            _free_if_unused(self, [e for e in list(self._engines) if e._h])
+        self._release()
+
+    def _release(self, leaving=None):
+        """Frees the table when it is closed and nothing but `leaving` (going now) still uses it."""
+        with self._lock:
+            users = [e for e in list(self._engines) if e._h] + list(self._views)
+            _free_if_unused(self, users, leaving=leaving)
 
     def _free(self):
-        if self._h:
-            _lib.lib.engram_table_free(self._h)
-            self._h = None
+        with self._lock:  # taken once: a second caller finds no handle
+            h, self._h = self._h, None
+        if h:
+            _lib.lib.engram_table_free(h)
 
     def __enter__(self):
         return self
@@ -455,23 +466,23 @@ class Engine:
         Engine lives. A new view at every call (cheap); not cached in the engine, since a view keeps its engine
         alive and an engine holding its views would be a cycle through torch that Python's collector cannot see."""
         self._layer(layer)
-        with self._lock:
-            ptr = _lib.lib.engram_engine_staging(self._live(), int(layer))
-        if not ptr:
-            raise EngramError(13, f"no staging buffer for layer {layer}")
         shape = (self.max_tokens, self.layout.n_cols, self.layout.head_dim)
+        t = torch_module() if self.backend == "cuda" else None
+        if self.backend == "cuda" and t is None:
+            raise RuntimeError("staging() on the CUDA backend returns a torch tensor: torch is not importable")
+        with self._lock:  # until the view is tracked: a close() in another thread cannot free under it
+            ptr = _lib.lib.engram_engine_staging(self._live(), int(layer))
+            if not ptr:
+                raise EngramError(13, f"no staging buffer for layer {layer}")
+            if self.backend == "cuda":
+                arr = _DeviceBuffer(ptr, shape, "<i2", self._device[1], owner=self)
+            else:
+                arr = _HostView(ptr, shape, "<u2", owner=self)
+            self._views.add(arr)
         if self.backend == "cuda":
-            t = torch_module()
-            if t is None:
-                raise RuntimeError("staging() on the CUDA backend returns a torch tensor: torch is not importable")
-            arr = _DeviceBuffer(ptr, shape, "<i2", self._device[1], owner=self)
-            s = t.as_tensor(arr, device=f"cuda:{self._device[1]}").view(t.bfloat16)
-        else:
-            import numpy as np
-            arr = _HostView(ptr, shape, "<u2", owner=self)
-            s = np.asarray(arr)
-        self._views.add(arr)
-        return s
+            return t.as_tensor(arr, device=f"cuda:{self._device[1]}").view(t.bfloat16)
+        import numpy as np
+        return np.asarray(arr)
 
     def gate(self, hidden, kv, q_weight, k_weight, dead=None, out=None, eps=None):
         """SPEC 4: out[t, c] = hidden[t, c] + g * value, g = 0 for DEAD tokens. hidden bf16 [T, hc_mult, D], kv bf16
@@ -517,13 +528,21 @@ class Engine:
         of it is alive, else when the last one goes. A call running in another thread finishes first."""
         with self._lock:
             self._closed = True
-            _free_if_unused(self, self._views)
+        self._release()
+
+    def _release(self, leaving=None):
+        with self._lock:
+            _free_if_unused(self, list(self._views), leaving=leaving)
 
     def _free(self):
-        if getattr(self, "_h", None):
-            _lib.lib.engram_engine_free(self._h)
-            self._h = None
-            _free_if_unused(self.table, [e for e in list(self.table._engines) if e._h], leaving=self)
+        lock = getattr(self, "_lock", None)
+        if lock is None:
+            return
+        with lock:  # taken once: a second caller finds no handle
+            h, self._h = getattr(self, "_h", None), None
+        if h:
+            _lib.lib.engram_engine_free(h)
+            self.table._release(leaving=self)
 
     def __del__(self):
         try:
@@ -570,14 +589,14 @@ def _ascontiguous(x):
 
 
 class _View:
-    """Keeps its `owner` (an Engine) alive while an array made from it lives; the last view of a closed engine
-    frees it."""
+    """Keeps its `owner` (an Engine, or a Table for records()) alive while an array made from it lives; the last
+    view of a closed owner frees it."""
 
     def __del__(self):
         o = getattr(self, "_owner", None)
         if o is not None:
             try:
-                _free_if_unused(o, o._views, leaving=self)
+                o._release(leaving=self)
             except Exception:
                 pass
 
@@ -592,8 +611,9 @@ class _HostView(_View):
                                     "version": 3}
 
 
-class _HostRecords:
-    """A table's host records (library-owned, read-only) through __array_interface__; keeps the Table alive."""
+class _HostRecords(_View):
+    """A table's host records (library-owned, read-only) through __array_interface__; keeps the Table, and its
+    mapping, alive."""
 
     def __init__(self, ptr, shape, owner):
         self._owner = owner

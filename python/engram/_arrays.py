@@ -71,7 +71,15 @@ def view(x, name):
         dt = str(x.dtype).replace("torch.", "")
         dev = ("cuda", x.device.index if x.device.index is not None else 0) if x.device.type == "cuda" else \
             (x.device.type, None)
-        return View(x, x.data_ptr(), x.shape, x.stride(), dt, dev, "torch")
+        # A CPU tensor over memory torch does not own (from_numpy, frombuffer, DLPack) may be a read-only array or
+        # a mapping of someone else's: as an output it is refused (pass a tensor torch allocated, or the array).
+        readonly = False
+        if x.device.type == "cpu":
+            try:
+                readonly = not x.untyped_storage().resizable()
+            except (AttributeError, RuntimeError):
+                readonly = False
+        return View(x, x.data_ptr(), x.shape, x.stride(), dt, dev, "torch", readonly)
     np = sys.modules.get("numpy")
     if np is not None and isinstance(x, np.ndarray):
         dt = _NP_NAMES.get(x.dtype.name)

@@ -181,3 +181,36 @@ def test_a_forked_child_is_refused_and_the_parent_keeps_working(daemon, checkpoi
     for name in ("status", "attach"):
         assert "forked from it" in got["child"][name], got
     assert got["same"] and got["leases"] == 1, got
+
+
+def test_a_records_array_outlives_close_of_its_table(checkpoint, tmp_path):
+    t = engram.attach(checkpoint, socket=str(tmp_path / "none.sock"), timeout_ms=300, backend="cpu")
+    r = t.records(0)
+    want = int(r[:64].astype(np.int64).sum())
+    t.close()
+    with pytest.raises(ValueError, match="closed"):
+        t.records(0)
+    assert int(r[:64].astype(np.int64).sum()) == want  # the mapping is still there (it was unmapped under it)
+    del r
+    gc.collect()
+    assert t._h is None, "the table was not freed once its last records() array went"
+
+
+def test_cpu_torch_outputs_over_foreign_memory_are_refused(table):
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch.Tensor, "untyped_storage"):
+        pytest.skip(f"torch {torch.__version__} cannot tell memory it owns (no untyped_storage().resizable())")
+    eng = table.engine(4)
+    L, C = len(table.layout.layers), table.layout.n_cols
+    tok, pos, qsl = np.arange(2, dtype=np.int32), np.arange(2, dtype=np.int64), np.array([0, 2], np.int32)
+    frozen = np.zeros((2, L, C), np.int32)
+    frozen.flags.writeable = False
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the array is not writable
+        over = torch.from_numpy(frozen)
+    with pytest.raises(ValueError, match="read-only"):
+        eng.hash(tok, pos, qsl, out=over)
+    assert (frozen == 0).all()
+    ok = torch.zeros((2, L, C), dtype=torch.int32)  # memory torch allocated: accepted
+    eng.hash(tok, pos, qsl, out=ok)

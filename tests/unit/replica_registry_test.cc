@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/utf8.h"
 #include "daemon/options.h"
 #include "daemon/replica_registry.h"
 #include "daemon/state.h"
@@ -398,6 +399,8 @@ TEST(ReplicaRegistryTest, HintsLoseTheirControlCharacters) {
   ASSERT_TRUE(ValidateOutcome(o, &clean).ok());
   EXPECT_EQ(clean.reasons(0).hint(), "fine?4242   0      0/1    0/1    SHARED ?[2Jforged???\xC3\xA9");
   EXPECT_EQ(EchoOf("/ckpt\n/evil"), "/ckpt?/evil");
+  // C1 controls (CSI as U+009B) and bidirectional overrides cannot reach a terminal either; other text stays.
+  EXPECT_EQ(engram::Printable("a\xC2\x9B" "2Jb\xE2\x80\xAE" "c\xE2\x81\xA6" "d\xC3\xA9"), "a?2Jb?c?d\xC3\xA9");
 }
 
 TEST(ReplicaRegistryTest, LongHintsAreCutAtACharacterBoundary) {
