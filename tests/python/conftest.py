@@ -106,6 +106,26 @@ def daemon(checkpoint, tmp_path):
         d.stop()
 
 
+def embed_tensors(ckpt, layer_id):
+    """{"weight", "scale"}: layer `layer_id`'s Engram table tensors as torch tensors, read with safetensors (what
+    an engine's weight loader is handed)."""
+    import json
+    from safetensors import safe_open
+    with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
+        index = json.load(f)["weight_map"]
+    out = {}
+    for suffix in ("weight", "scale"):
+        name = f"layers.{layer_id}.engram.embed.{suffix}"
+        with safe_open(os.path.join(ckpt, index[name]), framework="pt") as f:
+            out[suffix] = f.get_tensor(name)
+    return out
+
+
+def v41_like_checkpoint(path, seed):
+    """A small checkpoint of V4.1's column geometry (n-grams up to 4, 8 heads: 24 hash columns, head_dim 256)."""
+    return make_checkpoint(path, mib=48, seed=seed, extra=("--layers", "1,14", "--heads", "8", "--max-ngram", "4"))
+
+
 def torch_cuda():
     """torch when it is >= 2.4 with a usable GPU, else None."""
     try:

@@ -12,8 +12,9 @@ Test-only. Not thread-safe.
 import importlib.util
 import os
 import sys
-import types
 from types import SimpleNamespace
+
+from vllm_stubs import _module, _package  # the same module-building helpers
 
 ENGRAM_MODULE = "sglang.srt.layers.engram"
 ENGRAM_FILE = os.path.join("python", "sglang", "srt", "layers", "engram.py")
@@ -42,22 +43,6 @@ def src_dir_or_skip_reason():
     if not os.path.isfile(os.path.join(src, ENGRAM_FILE)):
         return None, f"ENGRAM_SGLANG_SRC={src} has no {ENGRAM_FILE}"
     return src, None
-
-
-def _module(name, **attrs):
-    m = types.ModuleType(name)
-    m.__dict__.update(attrs)
-    sys.modules[name] = m
-    parent, _, child = name.rpartition(".")
-    if parent and parent in sys.modules:
-        setattr(sys.modules[parent], child, m)
-    return m
-
-
-def _package(name, path=None):
-    m = _module(name)
-    m.__path__ = [path] if path else []
-    return m
 
 
 class _Var:

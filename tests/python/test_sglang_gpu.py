@@ -13,7 +13,7 @@ import pytest
 
 import engram.sglang as es
 import sglang_stubs
-from conftest import Daemon, make_checkpoint, torch_cuda
+from conftest import v41_like_checkpoint, Daemon, embed_tensors, torch_cuda
 
 torch = torch_cuda()
 if torch is None:
@@ -35,15 +35,13 @@ _KEEP = []
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("sglang-ckpt")
-    return make_checkpoint(str(d / "ck"), mib=48, seed=21, extra=("--layers", "1,14", "--heads", "8",
-                                                                  "--max-ngram", "4"))
+    return v41_like_checkpoint(str(d / "ck"), 21)
 
 
 @pytest.fixture(scope="module")
 def other_ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("sglang-other")
-    return make_checkpoint(str(d / "ck"), mib=48, seed=22, extra=("--layers", "1,14", "--heads", "8",
-                                                                  "--max-ngram", "4"))
+    return v41_like_checkpoint(str(d / "ck"), 22)
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +69,7 @@ def config(ckpt):
         return json.load(f)
 
 
-def tensors(ckpt, layer_id):
-    from safetensors import safe_open
-    with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
-        index = json.load(f)["weight_map"]
-    out = {}
-    for suffix in ("weight", "scale"):
-        name = f"layers.{layer_id}.engram.embed.{suffix}"
-        with safe_open(os.path.join(ckpt, index[name]), framework="pt") as f:
-            out[suffix] = f.get_tensor(name)
-    return out
+tensors = embed_tensors
 
 
 def build(mod, ckpt, li, monkeypatch, socket=None, own=False, require=False):

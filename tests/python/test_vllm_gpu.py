@@ -17,7 +17,7 @@ import pytest
 import engram
 import engram.vllm as ev
 import vllm_stubs
-from conftest import Daemon, binary, make_checkpoint, torch_cuda
+from conftest import v41_like_checkpoint, Daemon, binary, embed_tensors, torch_cuda
 
 torch = torch_cuda()
 if torch is None:
@@ -37,15 +37,13 @@ MAX_TOKENS = 4096
 def ckpt(tmp_path_factory):
     # V4.1's column geometry (n-grams up to 4, 8 heads: 24 hash columns, head_dim 256) on a small table.
     d = tmp_path_factory.mktemp("vllm-ckpt")
-    return make_checkpoint(str(d / "ck"), mib=48, seed=11, extra=("--layers", "1,14", "--heads", "8",
-                                                                  "--max-ngram", "4"))
+    return v41_like_checkpoint(str(d / "ck"), 11)
 
 
 @pytest.fixture(scope="module")
 def other_ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("vllm-other")
-    return make_checkpoint(str(d / "ck"), mib=48, seed=12, extra=("--layers", "1,14", "--heads", "8",
-                                                                  "--max-ngram", "4"))
+    return v41_like_checkpoint(str(d / "ck"), 12)
 
 
 class TpDaemon(Daemon):
@@ -80,17 +78,7 @@ def mod():
     ev.uninstall()
 
 
-def tensors(ckpt, layer_id):
-    from safetensors import safe_open
-    import json
-    with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
-        index = json.load(f)["weight_map"]
-    out = {}
-    for suffix in ("weight", "scale"):
-        name = f"layers.{layer_id}.engram.embed.{suffix}"
-        with safe_open(os.path.join(ckpt, index[name]), framework="pt") as f:
-            out[suffix] = f.get_tensor(name)
-    return out
+tensors = embed_tensors
 
 
 def make(mod, ckpt, socket, tp, li, *, require=False, own=False):
