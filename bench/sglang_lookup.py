@@ -27,7 +27,8 @@ import torch  # noqa: E402
 import engram  # noqa: E402
 import engram.sglang as es  # noqa: E402
 import sglang_stubs  # noqa: E402
-from vllm_lookup import start_daemon, tensors  # noqa: E402
+from ckpt_tensors import embed_tensors as tensors  # noqa: E402
+from vllm_lookup import start_daemon  # noqa: E402
 
 
 _KEEP = []

@@ -9,7 +9,6 @@ of tests/python/vllm_stubs.py). Prints one line per measurement; `ratio` is vLLM
     python3 bench/vllm_lookup.py --table-mib 512,16384 [--tokens 1,4,64,1024,8192] [--iters 50]
 """
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import torch  # noqa: E402
 import engram  # noqa: E402
 import engram.vllm as ev  # noqa: E402
 import vllm_stubs  # noqa: E402
+from ckpt_tensors import embed_tensors  # noqa: E402
 
 
 def binary(build, rel):
@@ -50,16 +50,7 @@ def start_daemon(build, ckpt, shm, sock, log):
         time.sleep(0.1)
 
 
-def tensors(ckpt, layer_id):
-    from safetensors import safe_open
-    with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
-        index = json.load(f)["weight_map"]
-    out = {}
-    for suffix in ("weight", "scale"):
-        name = f"layers.{layer_id}.engram.embed.{suffix}"
-        with safe_open(os.path.join(ckpt, index[name]), framework="pt") as f:
-            out[suffix] = f.get_tensor(name)
-    return out
+tensors = embed_tensors
 
 
 def make(mod, ckpt, sock, li, own, max_tokens):

@@ -17,6 +17,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "python"))
 sys.path.insert(0, os.path.join(REPO, "python", "examples"))
 
+from ckpt_tensors import embed_tensors  # noqa: E402,F401 (the GPU tests' loader)
+
 
 def build_dir():
     b = os.environ.get("ENGRAM_BUILD_DIR")
@@ -104,21 +106,6 @@ def daemon(checkpoint, tmp_path):
         yield d
     finally:
         d.stop()
-
-
-def embed_tensors(ckpt, layer_id):
-    """{"weight", "scale"}: layer `layer_id`'s Engram table tensors as torch tensors, read with safetensors (what
-    an engine's weight loader is handed)."""
-    import json
-    from safetensors import safe_open
-    with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
-        index = json.load(f)["weight_map"]
-    out = {}
-    for suffix in ("weight", "scale"):
-        name = f"layers.{layer_id}.engram.embed.{suffix}"
-        with safe_open(os.path.join(ckpt, index[name]), framework="pt") as f:
-            out[suffix] = f.get_tensor(name)
-    return out
 
 
 def v41_like_checkpoint(path, seed):
