@@ -12,7 +12,7 @@
 //            same mount with the same threads. With --only-mounts 1 nothing else runs.
 //            --threads2 N adds a first-touch copy and a publish with N threads.
 //   cold     the checkpoint not in the page cache: a sequential read of its files (the disk ceiling) and Publish()
-//            with 0, 1, 4 and 2 (the default) cold-cache readers (model/cold_prefetch.h). --only-cold 1: only this.
+//            with 0, 1, 4 and 2 (the default) cold-cache readers (io/cold_prefetch.h). --only-cold 1: only this.
 // Usage: bench_daemon [--gib N] [--threads N] [--engramd PATH] [--shm LABEL:DIR]... [--threads2 N] [--only-mounts 1]
 //                     [--only-cold 1]
 // --threads defaults to engramd's publish workers (daemon/publisher.h DefaultPublishThreads).
@@ -38,7 +38,7 @@
 
 #include "daemon/options.h"
 #include "daemon/publisher.h"
-#include "daemon/state.h"
+#include "daemon/coordinator.h"
 #include "engram/v1/engram.grpc.pb.h"
 #include "model/checkpoint.h"
 #include "model/tokenizer.h"
@@ -95,7 +95,7 @@ double CopyInto(const std::string& dir, const uint8_t* src, size_t bytes, int th
 }
 
 // One thread hashing a cache-resident 270 KB buffer (a publish step's records) with XXH3 as compiled into libxxhash
-// (SSE2 on x86-64) and through its runtime dispatch (what model/shard_records.cc calls): GiB/s of each.
+// (SSE2 on x86-64) and through its runtime dispatch (what io/shard_records.cc calls): GiB/s of each.
 void PrintHashRates() {
   std::vector<uint8_t> buf(1024 * 264);
   for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint8_t>(i * 131 + 7);

@@ -2,7 +2,7 @@
 // ceilings measured in the same run:
 //   all-to-all   the collective path (the product default: the pipelined step (own columns read in place, ids to
 //                each member, records packed, sent and unpacked chunk by chunk), replayed as a CUDA graph up to
-//                kDefaultGraphMaxSlot tokens per rank; client/dp_nccl_transport.h), and its variants side by side (--variants: "seq" the sequential form,
+//                kDefaultGraphMaxSlot tokens per rank; client/dp/nccl_exchange.h), and its variants side by side (--variants: "seq" the sequential form,
 //                a number the pipelined form enqueued call by call with that chunk size in KiB, 0 one chunk; a
 //                leading g: the same as a replayed CUDA graph)
 //   peer         the NVLink peer-read path (each GPU reads the other's shard directly)
@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "bench/cuda_check.h"
-#include "client/dp_nccl_transport.h"
+#include "client/dp/nccl_exchange.h"
 #include "kernels/engram_kernels.h"
 
 namespace {
@@ -229,7 +229,7 @@ int main(int argc, char** argv) {
       shape.col_end = {12, 24};
       shape.group_col_begin = 0;
       shape.group_col_end = 24;
-      shape.graph = T <= DpExchangeShape::kDefaultGraphMaxSlot;  // the product default (client/dp_device_engine.cc)
+      shape.graph = T <= DpExchangeShape::kDefaultGraphMaxSlot;  // the product default (client/dp/device_engine.cc)
       auto x = DpNcclExchange::Create(shape, *comm, false, stream, shard, nullptr, std::chrono::seconds(60));
       if (!x.ok()) {
         std::fprintf(stderr, "exchange: %s\n", std::string(x.status().message()).c_str());

@@ -29,10 +29,10 @@
 #include <vector>
 
 #include "bench/cuda_check.h"
-#include "client/host_gather.h"
+#include "client/engine/host_gather.h"
 #include "kernels/device_layout.h"
 #include "kernels/engram_kernels.h"
-#include "kernels/prefetch.h"
+#include "client/engine/prefetch.h"
 #include "model/layout.h"
 #include "model/token_map.h"
 

@@ -1,5 +1,5 @@
 // bench_register: what it costs a replica to register a shared segment for the GPU (cuMemHostRegister of a
-// read-only MAP_SHARED mapping, DEVICEMAP | READ_ONLY, through client/cuda_backend.h's HostRegistration), on each
+// read-only MAP_SHARED mapping, DEVICEMAP | READ_ONLY, through client/table/cuda_backend.h's HostRegistration), on each
 // page kind named on the command line, variant by variant, side by side in one run:
 //   seq            one call for the whole file on a fresh mapping (page tables built inside the call)
 //   seq+pf         MADV_POPULATE_READ first (what the client does before its ticket), then one call; the
@@ -32,7 +32,7 @@
 #include <thread>
 #include <vector>
 
-#include "client/cuda_backend.h"
+#include "client/table/cuda_backend.h"
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22

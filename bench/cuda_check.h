@@ -1,6 +1,6 @@
 // CUDA_CHECK(call): the GPU benchmarks' one way to stop on a CUDA error: prints file:line, the call and the
 // driver's message, and exits 1 (a benchmark that lost its GPU has nothing left to measure). Benchmarks only;
-// library code returns Status (client/cuda_backend.h).
+// library code returns Status (client/table/cuda_backend.h).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -33,7 +33,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "daemon/peer.h"
+#include "net/peer_cred.h"
 #include "engram/v1/engram.pb.h"
 
 namespace engram::daemon {

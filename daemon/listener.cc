@@ -14,23 +14,11 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "net/unix_socket.h"
 #include "spdlog/spdlog.h"
 
 namespace engram::daemon {
-namespace {
-
-bool SomeoneListens(const std::string& path) {
-  int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s < 0) return false;
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  const bool ok = ::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  ::close(s);
-  return ok;
-}
-
-}  // namespace
 
 absl::Status UdsListener::Bind(const std::string& path, const std::string& group, const std::string& admin_group) {
   path_ = path;
@@ -39,9 +27,7 @@ absl::Status UdsListener::Bind(const std::string& path, const std::string& group
     if (g == nullptr) return absl::InvalidArgumentError(absl::StrCat("admin group '", admin_group, "' does not exist"));
     admin_gid_ = static_cast<int>(g->gr_gid);
   }
-  if (path.size() >= sizeof(sockaddr_un::sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("socket path too long: ", path));
-  }
+  RETURN_IF_ERROR(net::CheckSocketPath(path));
   if (!group.empty()) {
     struct group* g = ::getgrnam(group.c_str());
     if (g == nullptr) return absl::InvalidArgumentError(absl::StrCat("group '", group, "' does not exist"));
@@ -53,23 +39,12 @@ absl::Status UdsListener::Bind(const std::string& path, const std::string& group
       spdlog::warn("event=chown_failed path={} errno={}", dir, errno);
     }
   }
-  if (SomeoneListens(path)) {
+  if (net::SomeoneListens(path)) {
     return absl::AlreadyExistsError(absl::StrCat("another engramd is already serving ", path));
   }
-  ::unlink(path.c_str());  // a stale socket left by a killed daemon
-  fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd_ < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  if (::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    return absl::PermissionDeniedError(absl::StrCat("bind ", path, ": ", std::strerror(errno)));
-  }
-  ::chmod(path.c_str(), 0660);
-  if (group_gid_ >= 0 && ::chown(path.c_str(), static_cast<uid_t>(-1), static_cast<gid_t>(group_gid_)) != 0) {
-    spdlog::warn("event=chown_failed path={} errno={}", path, errno);
-  }
-  if (::listen(fd_, 256) != 0) return absl::InternalError(absl::StrCat("listen: ", std::strerror(errno)));
+  ASSIGN_OR_RETURN(net::Listening l, net::ListenUnix(path, {.backlog = 256, .mode = 0660, .gid = group_gid_}));
+  if (!l.warning.empty()) spdlog::warn("event=chown_failed detail=\"{}\"", l.warning);
+  fd_ = l.fd;
   return absl::OkStatus();
 }
 
@@ -79,10 +54,10 @@ void UdsListener::Start(std::function<void(int, bool)> on_connection) {
     while (!stop_) {
       pollfd p{fd_, POLLIN, 0};
       if (::poll(&p, 1, 200) <= 0) continue;
-      int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);  // gRPC wants non-blocking fds
+      int err = 0;
+      const int c = net::AcceptUnix(fd_, /*nonblocking=*/true, &err);  // gRPC wants non-blocking fds
       if (c < 0) {
-        const int err = errno;
-        if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+        if (net::IsAcceptShortage(err)) {
           // The pending connection stays in the backlog, so poll would wake at once: wait instead of spinning.
           if (backoff_ms == 0) {
             spdlog::warn("event=accept_backoff errno={} detail=\"{}\": new connections wait, established ones are "

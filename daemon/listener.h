@@ -22,7 +22,7 @@
 #include <thread>
 
 #include "absl/status/status.h"
-#include "daemon/peer.h"
+#include "net/peer_cred.h"
 
 namespace engram::daemon {
 

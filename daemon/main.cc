@@ -1,4 +1,4 @@
-// engramd: the per-node Engram table daemon. See README.md ("Running the daemon") and daemon/state.h.
+// engramd: the per-node Engram table daemon. See README.md ("Running the daemon") and daemon/coordinator.h.
 //
 //   engramd --checkpoint DIR [--checkpoint DIR ...] --tp 1[,2,...] [--shm-dir DIR] [--socket PATH] [--group NAME]
 //           [--tickets N] [--threads N] [--log-level LEVEL] [--metrics-file PATH] [--config FILE]
@@ -19,12 +19,12 @@
 #include <cstdio>
 #include <thread>
 
-#include "daemon/descriptor_channel.h"
+#include "daemon/descriptor_server.h"
 #include "daemon/listener.h"
 #include "daemon/options.h"
 #include "daemon/refuser.h"
 #include "daemon/service.h"
-#include "daemon/state.h"
+#include "daemon/coordinator.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "model/shard_records.h"
+#include "io/shard_records.h"
 #include "shm/segment.h"
 #include "spdlog/spdlog.h"
 #include "xxhash.h"

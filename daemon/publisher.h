@@ -1,5 +1,5 @@
 // Publisher: builds one TP shard's segment from a checkpoint (DESIGN.md "Data flow" step 1): reserves and maps the
-// segment, fills it with ReadShardRecords (model/shard_records.h: parallel ranged reads, repacked records,
+// segment, fills it with ReadShardRecords (io/shard_records.h: parallel ranged reads, repacked records,
 // checksums), writes the final descriptor, then READY.
 //
 // A failure (read error, truncated file, ENOSPC at fallocate) removes the partial segment; a killed daemon leaves a

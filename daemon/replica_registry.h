@@ -29,7 +29,7 @@
 
 #include "absl/status/status.h"
 #include "daemon/fallback.h"
-#include "daemon/peer.h"
+#include "net/peer_cred.h"
 #include "engram/v1/engram.pb.h"
 
 namespace engram::daemon {

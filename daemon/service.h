@@ -13,7 +13,7 @@
 #include <mutex>
 
 #include "daemon/listener.h"
-#include "daemon/state.h"
+#include "daemon/coordinator.h"
 #include "engram/v1/engram.grpc.pb.h"
 
 namespace engram::daemon {

@@ -7,7 +7,7 @@
 //                     group's columns (or of one member's, members = 1) straight into the caller's staging buffers
 //                     [T, cols, head_dim] in column order: no scratch buffer, no copies, every layer of a step in one
 //                     launch. Rows of ids outside the owning member's range are zero; other columns are not written.
-//   The all-to-all path's three steps (client/dp_nccl_transport.h), over "rows" r = layer * slot + token of a step:
+//   The all-to-all path's three steps (client/dp/nccl_exchange.h), over "rows" r = layer * slot + token of a step:
 //   LaunchDpSplitIds  this rank's ids, padded with -1 (DEAD) to the slot, one block [slot][layers][cols_p] per other
 //                     member p (only p's columns travel to p);
 //   LaunchDpPack      the records of this rank's columns for the rows [row0, row1) of every other member's ids, one

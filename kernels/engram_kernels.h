@@ -72,7 +72,7 @@ struct LookupArgs {
   void* sort_scratch = nullptr;
   size_t sort_scratch_bytes = 0;
   // The row-order threshold for this launch (items); -1: the process-wide LookupTuning::sort_min_items. An engine
-  // passes the threshold it calibrated on its own table (client/device_engine.h).
+  // passes the threshold it calibrated on its own table (client/engine/device_engine.h).
   int64_t sort_min_items = -1;
 };
 

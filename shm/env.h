@@ -1,6 +1,6 @@
 // Env: the seam between engram and the operating system for segments and tables (LevelDB's Env is the model).
 // Everything that creates, sizes, maps, pins or removes shared memory goes through an Env: the daemon's publisher
-// and scans (shm/segment.h), the capacity probe (shm/capacity.h) and the client's tables (client/tables.h). The
+// and scans (shm/segment.h), the capacity probe (shm/capacity.h) and the client's tables (client/table/tables.h). The
 // default, Env::Default(), makes the system calls; a test derives from PosixEnv and overrides one call to inject a
 // fault (ENOSPC from fallocate after the capacity probe passed, EINTR, a failed mlock, a small statvfs) without
 // root and without filling a real filesystem.

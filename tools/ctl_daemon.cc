@@ -22,7 +22,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "absl/strings/str_join.h"
-#include "client/session.h"
+#include "client/session/session.h"
 #include "engram/v1/engram.grpc.pb.h"
 #include "model/checkpoint.h"
 #include "nlohmann/json.hpp"

@@ -10,7 +10,7 @@
 #include "absl/strings/str_join.h"
 #include <optional>
 
-#include "client/dp_sharded.h"
+#include "client/dp/plan.h"
 #include "daemon/fallback.h"
 #include "model/checkpoint.h"
 #include "model/file_util.h"
@@ -52,7 +52,7 @@ absl::StatusOr<EngramConfig> ConfigFrom(const Args& a, bool validate_tensors) {
 }
 
 // embedding_across_dp: every rank's shard (tp_rank * edp + edp_rank) and what one step moves for it with `tokens`
-// tokens on every rank (client/dp_sharded.h).
+// tokens on every rank (client/dp/plan.h).
 absl::StatusOr<json> DpShardedPlanJson(const Layout& layout, int64_t tp, int64_t dp, int64_t local, int64_t tokens) {
   json ranks = json::array();
   int64_t edp = 0;

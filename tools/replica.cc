@@ -15,9 +15,9 @@
 #include <random>
 #include <thread>
 
-#include "client/dp_sharded.h"
-#include "client/engram_client.h"
-#include "client/lookup_engine.h"
+#include "client/dp/plan.h"
+#include "engram/client.h"
+#include "engram/lookup_engine.h"
 
 #ifdef ENGRAM_HAVE_CUDA
 #include <cuda_runtime_api.h>

@@ -9,7 +9,7 @@
     eng.wait(0); rows = eng.staging(0)[:T]                 # bf16 [T, C, head_dim]
     out = eng.gate(hidden, kv, q_weight, k_weight, dead=dead)
 
-A thin ctypes binding of libengram_c.so (client/engram_c.h; python/README.md says why ctypes). Arrays: NumPy on the
+A thin ctypes binding of libengram_c.so (engram/engram_c.h; python/README.md says why ctypes). Arrays: NumPy on the
 CPU backend (bf16 as uint16 bits), torch tensors or CUDA arrays on the CUDA backend; every shape, dtype, device and
 stride is checked here (TypeError/ValueError) before a pointer reaches C. A Table and its Engines are driven by one
 thread; the Table must outlive its Engines (an Engine holds a reference to it). torch custom ops: engram.torch.
@@ -262,7 +262,7 @@ def _stream_handle(s):
 
 
 class Engine:
-    """The per-step path of one replica over its table (client/lookup_engine.h): hash -> prefetch -> wait ->
+    """The per-step path of one replica over its table (engram/lookup_engine.h): hash -> prefetch -> wait ->
     staging, lookup, gate. CUDA backend: device arrays, asynchronous on the engine's stream (see Table.engine);
     CPU backend: NumPy (or CPU torch) arrays, synchronous. Staging buffers sit at fixed addresses (CUDA graphs
     replay them). One thread drives an Engine."""

@@ -1,4 +1,4 @@
-"""The ctypes binding of libengram_c.so (client/engram_c.h): where the library is found and every signature.
+"""The ctypes binding of libengram_c.so (engram/engram_c.h): where the library is found and every signature.
 
 Search order for the library: $ENGRAM_LIB (a file), the package directory (where `cmake --install` puts it), then
 the build trees of a source checkout ($ENGRAM_BUILD_DIR, <repo>/build, <repo>/build-*). Loaded once per process;

@@ -13,11 +13,11 @@
 #include <thread>
 #include <vector>
 
-#include "client/cuda_backend.h"
-#include "client/device_engine.h"
-#include "client/lookup_engine.h"
+#include "client/table/cuda_backend.h"
+#include "client/engine/device_engine.h"
+#include "engram/lookup_engine.h"
 #include "model/reference.h"
-#include "client/engram_client.h"
+#include "engram/client.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/gpu/gpu_util.h"

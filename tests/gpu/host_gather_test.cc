@@ -1,4 +1,4 @@
-// The host-gather lookup path (client/host_gather.h) on a GPU: rows written into the staging buffers equal the CPU
+// The host-gather lookup path (client/engine/host_gather.h) on a GPU: rows written into the staging buffers equal the CPU
 // reference (model/reference.h LookupBf16Cpu) bit for bit, for several layers with a strided id array, ids outside a
 // layer's rows (zeros), repeated rows (fetched once with de-duplication), with and without de-duplication, 1 and
 // several threads, batches of 0, 1 and many tokens back to back (buffer reuse), every variant of the copy pipeline
@@ -15,10 +15,10 @@
 #include <set>
 #include <vector>
 
-#include "client/device_engine.h"
-#include "client/engram_client.h"
-#include "client/host_gather.h"
-#include "client/lookup_engine.h"
+#include "client/engine/device_engine.h"
+#include "engram/client.h"
+#include "client/engine/host_gather.h"
+#include "engram/lookup_engine.h"
 #include "gtest/gtest.h"
 #include "model/reference.h"
 #include "tests/gpu/gpu_util.h"

@@ -15,7 +15,7 @@
 #include "gtest/gtest.h"
 #include "kernels/device_layout.h"
 #include "kernels/engram_kernels.h"
-#include "kernels/prefetch.h"
+#include "client/engine/prefetch.h"
 #include "model/fp8.h"
 #include "model/reference.h"
 #include "tests/gpu/gpu_util.h"

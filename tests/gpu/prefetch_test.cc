@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/prefetch.h"
+#include "client/engine/prefetch.h"
 #include "model/reference.h"
 #include "tests/gpu/gpu_util.h"
 #include "tests/gpu/spin.h"

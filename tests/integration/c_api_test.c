@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "client/engram_c.h"
+#include "engram/engram_c.h"
 #include "tests/integration/c_api_oracle.h"
 
 static int passed = 0, failed = 0;

@@ -8,8 +8,8 @@
 
 #include <set>
 
-#include "client/engram_c.h"
-#include "client/engram_client.h"
+#include "engram/engram_c.h"
+#include "engram/client.h"
 #include "engram/v1/engram.pb.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"

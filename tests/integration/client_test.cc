@@ -16,7 +16,7 @@
 
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "client/engram_client.h"
+#include "engram/client.h"
 #include "shm/segment.h"
 #include "tools/synthetic.h"
 #include "tests/integration/json_lines.h"

@@ -234,7 +234,7 @@ TEST_F(DpGroupTest, AKilledMemberBreaksTheGroupAndTheOthersFailFast) {
 }
 
 TEST(DpPlanTest, EngramctlPlanShowsEachRanksShardAndStepBytes) {
-  // V4.1-Flash, TP 2 x DP 4: 8 shards of 3 columns, 1/8 of the table each; per-step bytes from client/dp_sharded.h's
+  // V4.1-Flash, TP 2 x DP 4: 8 shards of 3 columns, 1/8 of the table each; per-step bytes from client/dp/plan.h's
   // formula, checked here against the arithmetic of SPEC 5 (ids: T*L*C*4 each way; records: 264 bytes per row).
   auto r = testing::RunCmd(BinPath("engramctl") + " plan --config " + testing::DataPath("configs/v41-flash.json") +
                            " --tp 2 --dp 4 --embedding-across-dp --tokens 100 --json");

@@ -22,9 +22,9 @@
 #include <thread>
 #include <vector>
 
-#include "client/dp_sharded.h"
-#include "client/engram_client.h"
-#include "client/lookup_engine.h"
+#include "client/dp/plan.h"
+#include "engram/client.h"
+#include "engram/lookup_engine.h"
 #include "nlohmann/json.hpp"
 #include "tools/row_oracle.h"
 

@@ -1,6 +1,6 @@
 // fd_helper: one replica-side actor of the descriptor-passing tests (tests/integration/descriptor_test.cc), run as a
 // separate process so that a test can give it another uid (setpriv), other namespaces (unshare) or SIGKILL. It
-// speaks to engramd through the client's own session and descriptor channel (client/session.h, fd_channel.h) and
+// speaks to engramd through the client's own session and descriptor channel (client/session/session.h, fd_channel.h) and
 // prints one JSON line per result, flushed at once. Modes:
 //   fetch SOCKET CHECKPOINT       session (DP 2, TP 1) -> descriptor -> what this process can and cannot do with it
 //   grant SOCKET CHECKPOINT       session; prints lease, token and channel path, then holds the session until killed
@@ -17,8 +17,8 @@
 #include <iostream>
 #include <thread>
 
-#include "client/fd_channel.h"
-#include "client/session.h"
+#include "client/session/descriptor_client.h"
+#include "client/session/session.h"
 #include "model/checkpoint.h"
 #include "nlohmann/json.hpp"
 #include "shm/segment.h"

@@ -6,8 +6,8 @@
 
 #include <random>
 
-#include "client/engram_client.h"
-#include "client/lookup_engine.h"
+#include "engram/client.h"
+#include "engram/lookup_engine.h"
 #include "model/reference.h"
 #include "gtest/gtest.h"
 #include "model/fp8.h"

@@ -1,4 +1,4 @@
-// The cold-cache fill (model/cold_prefetch.h) and the probe it rests on (SafetensorsFile::ReadIfCached): a probe
+// The cold-cache fill (io/cold_prefetch.h) and the probe it rests on (SafetensorsFile::ReadIfCached): a probe
 // that copies the cached prefix of a range and stops at the first page not cached, whoever owns the file (mincore
 // told a non-owner that everything was cached); a prefetch that makes a job's ranges resident before its worker goes
 // on, stays within its window, and does not read again what is cached; a fill from a dropped page cache that streams
@@ -17,8 +17,8 @@
 #include <thread>
 
 #include "model/checkpoint.h"
-#include "model/cold_prefetch.h"
-#include "model/shard_records.h"
+#include "io/cold_prefetch.h"
+#include "io/shard_records.h"
 #include "tests/test_util.h"
 #include "tools/row_oracle.h"
 #include "tools/synthetic.h"

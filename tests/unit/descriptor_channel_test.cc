@@ -1,5 +1,5 @@
-// The descriptor side channel in-process, over a real Unix socket: daemon/descriptor_channel.h (serving) and
-// client/fd_channel.h (fetching). Who gets a descriptor (token, lease, process, authorisation), what the descriptor
+// The descriptor side channel in-process, over a real Unix socket: daemon/descriptor_server.h (serving) and
+// client/session/descriptor_client.h (fetching). Who gets a descriptor (token, lease, process, authorisation), what the descriptor
 // allows (read-only), what a hostile or silent peer can do (nothing lasting), and that no descriptor leaks.
 #include <dirent.h>
 #include <fcntl.h>
@@ -17,8 +17,8 @@
 #include <thread>
 #include <vector>
 
-#include "client/fd_channel.h"
-#include "daemon/descriptor_channel.h"
+#include "client/session/descriptor_client.h"
+#include "daemon/descriptor_server.h"
 #include "gtest/gtest.h"
 #include "tests/test_util.h"
 

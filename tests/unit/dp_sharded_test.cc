@@ -1,5 +1,5 @@
 // The DP-sharded plan: which rank owns which columns and rows, and what one step exchanges (V4.1-Flash layout).
-#include "client/dp_sharded.h"
+#include "client/dp/plan.h"
 #include "gtest/gtest.h"
 #include "tests/test_util.h"
 

@@ -1,5 +1,5 @@
-// StepWatch (client/dp_step_watch.h): the DP watchdog's notion of an overdue step, on a hand-driven clock.
-#include "client/dp_step_watch.h"
+// StepWatch (client/dp/step_watch.h): the DP watchdog's notion of an overdue step, on a hand-driven clock.
+#include "client/dp/step_watch.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// OpenSharedTable (client/tables.h) against a real published segment and a grant that lies about where a layer's
+// OpenSharedTable (client/table/tables.h) against a real published segment and a grant that lies about where a layer's
 // records are: an offset near 2^64 wrapped the bounds check (offset + rows x record) and pointed the table's
 // records outside the mapping; it must be FailedPrecondition, and the honest grant must still open.
 #include <cstdint>
@@ -6,8 +6,8 @@
 #include <limits>
 #include <string>
 
-#include "client/session.h"
-#include "client/tables.h"
+#include "client/session/session.h"
+#include "client/table/tables.h"
 #include "daemon/publisher.h"
 #include "engram/v1/engram.pb.h"
 #include "gtest/gtest.h"

@@ -1,4 +1,4 @@
-// The CPU side of the host-gather path (client/host_gather_plan.h): de-duplication of a batch's rows (every item
+// The CPU side of the host-gather path (client/engine/host_gather_plan.h): de-duplication of a batch's rows (every item
 // maps to a gathered row holding its id, each distinct owned row gathered exactly once, non-owned items -1), the
 // identity plan without de-duplication, chunk planning, range splitting, the pool, and the record gather.
 // Oracles: std::set / direct indexing, never the code under test.
@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "client/host_gather_plan.h"
+#include "client/engine/host_gather_plan.h"
 #include "gtest/gtest.h"
 
 namespace engram::client {

@@ -10,7 +10,7 @@
 #include "base/utf8.h"
 #include "daemon/options.h"
 #include "daemon/replica_registry.h"
-#include "daemon/state.h"
+#include "daemon/coordinator.h"
 #include "daemon/status_report.h"
 #include "gtest/gtest.h"
 #include "tests/test_util.h"

@@ -1,5 +1,5 @@
 // The independent row oracle (tools/row_oracle.h) against the synthetic generator's formula (SyntheticByte), and
-// the production shard reader (model/shard_records.h) against the oracle: a reader that drops or shifts the scale
+// the production shard reader (io/shard_records.h) against the oracle: a reader that drops or shifts the scale
 // bytes, or reads the wrong row, fails here. Also the oracle's own error paths and its bf16 dequantisation against
 // hand-computed constants.
 #include <algorithm>
@@ -10,7 +10,7 @@
 
 #include "model/checkpoint.h"
 #include "model/fp8.h"
-#include "model/shard_records.h"
+#include "io/shard_records.h"
 #include "tests/test_util.h"
 #include "tools/row_oracle.h"
 #include "tools/synthetic.h"

@@ -1,0 +1,236 @@
+#include "engram/client.h"
+
+#include <cstdlib>
+#include <thread>
+
+#include "shm/descriptor_protocol.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status_macros.h"
+#include "client/dp/plan.h"
+#include "client/session/session.h"
+#include "client/table/tables.h"
+#include "model/checkpoint.h"
+#include "spdlog/spdlog.h"
+
+#ifdef ENGRAM_HAVE_CUDA
+#include "client/table/cuda_backend.h"
+#endif
+
+namespace engram::client {
+namespace {
+
+std::string ReasonList(const std::vector<Reason>& reasons) {
+  std::vector<std::string> parts;
+  for (const auto& r : reasons) parts.push_back(absl::StrCat(ReasonName(r.code), ": ", r.hint));
+  return absl::StrJoin(parts, "; ");
+}
+
+std::string ReasonCodes(const std::vector<Reason>& reasons) {
+  std::vector<std::string> codes;
+  for (const auto& r : reasons) codes.push_back(ReasonName(r.code));
+  return absl::StrJoin(codes, ",");
+}
+
+// Whether this process can use a GPU: false with the reason when not; an error when cpu_offload needs UVA that the
+// GPU lacks (SPEC 6: fail fast).
+absl::StatusOr<bool> ProbeGpu(const ClientOptions& options, bool cpu_offload, std::string* no_gpu) {
+  *no_gpu = "this build has no CUDA";
+#ifdef ENGRAM_HAVE_CUDA
+  if (!options.use_gpu) {
+    *no_gpu = "the GPU backend was turned off (use_gpu = false)";
+    return false;
+  }
+  const CudaState gpu = ProbeCuda(no_gpu);
+  if (gpu == CudaState::kNoUva && cpu_offload) {
+    return absl::FailedPreconditionError(absl::StrCat("cpu_offload needs a GPU that reads host memory through UVA: ",
+                                                      *no_gpu, "; set cpu_offload false"));
+  }
+  return gpu == CudaState::kUsable;
+#else
+  (void)options;
+  (void)cpu_offload;
+  return false;
+#endif
+}
+
+Declaration Declare(const AttachRequest& req, uint64_t fingerprint, bool cpu_offload) {
+  Declaration d;
+  d.fingerprint = fingerprint;
+  d.checkpoint = req.checkpoint;
+  d.tp_size = req.tp_size;
+  d.tp_rank = req.tp_rank;
+  d.dp_size = req.dp_size;
+  d.dp_rank = req.dp_rank;
+  d.local_dp_size = req.local_dp_size;
+  d.elastic_ep = req.elastic_ep;
+  d.cpu_offload = cpu_offload ? Choice::kTrue : Choice::kFalse;
+  d.dp_shared_memory = req.dp_shared_memory;
+  d.embedding_across_dp = req.embedding_across_dp;
+  return d;
+}
+
+// A shared table from the daemon's grant: map and check, take the node's ticket, pin, report. Null (with the reason
+// added) when this replica must fall back; the session stays usable for reporting that.
+std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& options, const std::string& shm_dir,
+                                        Env* env, uint64_t fingerprint, const Layout& layout,
+                                        const ShardRange& shard, bool cuda, std::vector<Reason>* reasons) {
+  const Grant& g = session.answer().grant;
+  // The descriptor first (any namespace that reaches the socket), the path where it cannot be passed.
+  absl::StatusOr<std::unique_ptr<TableImpl>> table = absl::UnavailableError("not attached");
+  std::string no_descriptor;
+  if (!options.descriptor_passing) {
+    no_descriptor = "descriptor passing is off in this client";
+  } else if (auto fd = session.FetchSegmentDescriptor(std::chrono::milliseconds(5000)); fd.ok()) {
+    table = OpenSharedTable(g, *fd, "", fingerprint, layout, shard, env);
+  } else {
+    no_descriptor = std::string(fd.status().message());
+  }
+  if (!no_descriptor.empty()) {
+    const std::string path = GrantedSegmentPath(g, shm_dir);
+    table = OpenSharedTable(g, -1, path, fingerprint, layout, shard, env);
+    if (!table.ok() && SegmentGone(no_descriptor)) {
+      // Retired or unloaded between the grant and the fetch: not this replica's view of the directory.
+      reasons->push_back({ReasonCode::kSegmentNotReady,
+                          absl::StrCat("the granted segment went away before it was mapped (", no_descriptor,
+                                       "): the daemon retired or unloaded it; the next start shares again")});
+      return nullptr;
+    }
+    if (!table.ok() && (table.status().code() == absl::StatusCode::kNotFound ||
+                        table.status().code() == absl::StatusCode::kPermissionDenied)) {
+      reasons->push_back({ReasonCode::kShmNotVisible,
+                          absl::StrCat("no descriptor (", no_descriptor, ") and no path (", table.status().message(),
+                                       "): mount the daemon's socket directory (its .fds socket must be reachable "
+                                       "next to the gRPC socket), or give this replica the daemon's shm directory")});
+      return nullptr;
+    }
+    if (table.ok()) spdlog::warn("engram: event=attach_by_path path={} detail=\"{}\"", path, no_descriptor);
+  }
+  if (!table.ok()) {
+    reasons->push_back({ReasonCode::kFingerprintMismatch, std::string(table.status().message())});
+    return nullptr;
+  }
+  session.NoteMappedFile((*table)->segment_->device(), (*table)->segment_->inode());
+  if (auto st = session.AcquireTicket(); !st.ok()) {
+    reasons->push_back({ReasonCode::kDaemonUnavailable, absl::StrCat("no registration ticket: ", st.message())});
+    return nullptr;
+  }
+  RegistrationReport rep = PinTable(**table, cuda, options.register_chunk_bytes, options.fail_register_at_chunk);
+  (void)session.ReportRegistration(rep);
+  if (!rep.ok) {
+    reasons->push_back({ReasonCode::kRegisterFailed, rep.error + " (raise ulimit -l / LimitMEMLOCK)"});
+    return nullptr;
+  }
+  return std::move(*table);
+}
+
+}  // namespace
+
+bool ResolveCpuOffload(const std::optional<bool>& explicit_value) {
+  if (explicit_value) return *explicit_value;
+  if (const char* env = std::getenv("VLLM_PLE_CPU_OFFLOAD")) {
+    const std::string v = absl::AsciiStrToLower(env);
+    if (v == "0" || v == "false" || v == "no" || v == "off") return false;
+  }
+  return true;
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  if (options.socket.empty()) return absl::InvalidArgumentError("no daemon socket given");
+  return std::unique_ptr<Client>(new Client(options));
+}
+
+absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) {
+  Env* env = options_.env != nullptr ? options_.env : Env::Default();
+  const bool cpu_offload = ResolveCpuOffload(req.cpu_offload);
+  ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(req.checkpoint));
+  if (ckpt->config().kind == ModelKind::kPle) {
+    return absl::UnimplementedError(absl::StrCat(ckpt->config().architecture,
+                                                 ": PLE tables are never shared (MODEL_NOT_SHAREABLE) and their "
+                                                 "lookup is not public; engram cannot serve them"));
+  }
+  ASSIGN_OR_RETURN(Layout layout, Layout::Build(ckpt->config()));
+  ASSIGN_OR_RETURN(ShardRange shard, layout.Shard(req.tp_size, req.tp_rank));
+  std::string no_gpu;
+  ASSIGN_OR_RETURN(const bool cuda, ProbeGpu(options_, cpu_offload, &no_gpu));
+  std::vector<Reason> reasons;
+  if (!cuda) reasons.push_back({ReasonCode::kNoCudaDevice, no_gpu + ": lookups run the CPU reference"});
+
+  // Ask the daemon (unless sharing is off), then share what it granted or take the mode it decided.
+  std::unique_ptr<Session> session;
+  std::string segment;  // the granted segment's path, for the log
+  Mode mode = cpu_offload ? Mode::kPrivatePinned : Mode::kDevice;
+  std::unique_ptr<TableImpl> table;
+  // embedding_across_dp asks the daemon even with dp_shared_memory false: it brokers the DP group (and names
+  // DP_SHARED_MEMORY_DISABLED itself).
+  if (req.dp_shared_memory == Choice::kFalse && !req.embedding_across_dp) {
+    reasons.push_back({ReasonCode::kDpSharedMemoryDisabled, "dp_shared_memory is false: this replica holds its own table"});
+  } else if (auto s = Session::Open(options_.socket, options_.timeout, Declare(req, ckpt->Fingerprint(), cpu_offload));
+             !s.ok()) {
+    const bool refused = s.status().code() == absl::StatusCode::kPermissionDenied;
+    reasons.push_back({refused ? ReasonCode::kPermissionDenied : ReasonCode::kDaemonUnavailable,
+                       std::string(s.status().message())});
+  } else {
+    session = std::move(*s);
+    if (session->answer().granted) {
+      segment = session->answer().grant.segment_path;
+      table = ShareGranted(*session, options_, req.shm_dir, env, ckpt->Fingerprint(), layout, shard, cuda, &reasons);
+    } else {
+      mode = session->answer().mode;
+      reasons.insert(reasons.end(), session->answer().reasons.begin(), session->answer().reasons.end());
+    }
+  }
+  if (table == nullptr && req.dp_shared_memory == Choice::kTrue) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("dp_shared_memory is true but the table cannot be shared: ", ReasonList(reasons)));
+  }
+  if (table == nullptr && !req.private_fallback) {
+    // The session (when one opened) ends here: the daemon's status keeps this fallback in its recent history.
+    if (session != nullptr) {
+      (void)session->ReportOutcome(mode, reasons, cuda ? Backend::kCuda : Backend::kCpu, AttachMethod::kNone);
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("not shared (", ModeName(mode), ", no private table built here): ", ReasonList(reasons)));
+  }
+  if (table == nullptr) {
+    const int threads = req.threads > 0 ? req.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    // DP_SHARDED: only this rank's shard of the group's columns (client/dp/plan.h), in host memory or, with
+    // cpu_offload false, on the GPU; the LookupEngine exchanges the rest every step (client/dp/engine.h).
+    bool dp_sharded = mode == Mode::kDpSharded;
+    ShardRange own = shard;
+    if (dp_sharded) {
+      auto plan = PlanDpSharded(layout, req.tp_size, req.tp_rank, req.dp_size, req.dp_rank, req.local_dp_size);
+      if (plan.ok()) {
+        own = plan->owned;
+      } else {  // e.g. more shards than the TP position has columns: a table of its own, and why
+        dp_sharded = false;
+        mode = cpu_offload ? Mode::kPrivatePinned : Mode::kDevice;
+        reasons.push_back({ReasonCode::kDpShardedNotBuilt,
+                           absl::StrCat("embedding_across_dp cannot split this table over the node-local DP group (",
+                                        plan.status().message(), "): this replica holds its own table")});
+      }
+    }
+    ASSIGN_OR_RETURN(table, BuildPrivateTable(*ckpt, layout, own, dp_sharded ? cpu_offload : mode != Mode::kDevice,
+                                              cuda, threads, options_.register_chunk_bytes,
+                                              options_.fail_register_at_chunk, env));
+    if (dp_sharded) table->mode_ = Mode::kDpSharded;
+  }
+  table->reasons_ = std::move(reasons);
+  if (session != nullptr) {  // status lists this replica with exactly what it runs; the session is its lease
+    (void)session->ReportOutcome(table->mode(), table->reasons(), table->backend(), table->attach_method());
+    session->Keep();
+    table->session_ = std::move(session);
+  }
+  if (table->mode() == Mode::kShared) {
+    spdlog::info("engram: event=attached mode=SHARED backend={} attach={} segment={} register_seconds={:.3f}",
+                 BackendName(table->backend()), AttachMethodName(table->attach_method()), segment,
+                 table->register_seconds());
+  } else {
+    spdlog::warn("engram: event=fallback mode={} backend={} reasons={} detail=\"{}\"", ModeName(table->mode()),
+                 BackendName(table->backend()), ReasonCodes(table->reasons()), ReasonList(table->reasons()));
+  }
+  return std::unique_ptr<Table>(std::move(table));
+}
+
+}  // namespace engram::client

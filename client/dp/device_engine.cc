@@ -1,0 +1,428 @@
+#include "client/dp/device_engine.h"
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "client/engine/device_engine.h"
+#include "client/dp/nccl_exchange.h"
+#include "client/dp/step_watch.h"
+#include "spdlog/spdlog.h"
+
+namespace engram::client {
+namespace {
+
+// ENGRAM_DP_A2A: the all-to-all form (agreed group-wide: rank 0's). Unset (or unknown): auto, the CUDA-graph form
+// for group slots up to ENGRAM_DP_GRAPH_MAX_SLOT (also rank 0's), the pipelined form enqueued call by call above.
+constexpr int32_t kA2aPipelined = 0, kA2aSequential = 1, kA2aGraph = 2, kA2aAuto = 3;
+
+int32_t A2aForm(const char* v) {
+  const std::string s = v == nullptr ? "" : v;
+  if (s == "sequential") return kA2aSequential;
+  if (s == "pipelined") return kA2aPipelined;
+  if (s == "graph") return kA2aGraph;
+  return kA2aAuto;
+}
+
+int64_t EnvInt(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == 0) return fallback;
+  return std::strtoll(v, nullptr, 10);
+}
+
+class DpDeviceEngine final : public LookupEngine {
+ public:
+  ~DpDeviceEngine() override {
+    // Drain the streams while the watchdog still runs: a member that died mid-step gets the communicator aborted.
+    if (exchange_ != nullptr && !exchange_->aborted()) {
+      cudaStreamSynchronize(stream_);
+      if (side_ != nullptr) cudaStreamSynchronize(side_);
+    }
+    stop_ = true;
+    if (watchdog_.joinable()) watchdog_.join();
+    for (cudaEvent_t e : {ids_ready_, prefetched_event_}) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    for (cudaEvent_t e : step_events_) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    if (side_ != nullptr) cudaStreamDestroy(side_);
+    if (d_ids_ != nullptr) cudaFree(d_ids_);
+    for (uint16_t* s : staging_) cudaFree(s);
+  }
+  Backend backend() const override { return Backend::kCuda; }
+
+  absl::Status Hash(const int32_t* tokens, const int64_t* positions, const int32_t* qsl, const int32_t* lookback,
+                    const uint8_t* dead, int32_t T, int32_t R, int32_t* out) override {
+    return inner_->Hash(tokens, positions, qsl, lookback, dead, T, R, out);
+  }
+  absl::Status Gate(const GateInputs& g) override { return inner_->Gate(g); }
+  const Table* table_for_checks() const override { return table_; }
+  int32_t max_tokens_for_checks() const override { return max_tokens_; }
+  // Later steps run on `stream` (the exchange takes its stream per step; the side stream forks from this one).
+  absl::Status SetStream(void* stream) override {
+    stream_ = static_cast<cudaStream_t>(stream);
+    return inner_->SetStream(stream);
+  }
+
+  absl::Status Lookup(int l, const int32_t* ids, int32_t T, int64_t stride, void* out, bool packed) override {
+    const int L = static_cast<int>(staging_.size());
+    if (l < 0 || l >= L) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat("layer index ", l, " outside [0, ", L, ")")));
+    }
+    if (T > 0 && (ids == nullptr || out == nullptr || stride < cols_)) {  // T == 0: this rank's empty step
+      return Fail(absl::InvalidArgumentError("lookup: null or bad stride"));
+    }
+    std::vector<void*> outs(static_cast<size_t>(L), nullptr);
+    outs[static_cast<size_t>(l)] = out;
+    // On the engine's stream itself: work queued after Lookup sees the rows.
+    return Step(ids, stride, 0, T, l, 1, outs.data(), packed, stream_);
+  }
+  // The exchange runs on the engine's side stream (as DeviceEngine's prefetch does): it starts after the work queued
+  // on the engine's stream (the hash ids) and Wait(l) joins it back into that stream with an event, never blocking
+  // the host. Host ids are copied to the device first.
+  absl::Status Prefetch(const int32_t* hash_ids, int32_t T) override {
+    if (hash_ids == nullptr && T > 0) return Fail(absl::InvalidArgumentError("prefetch: null hash ids"));
+    if (T < 0 || T > max_tokens_) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(T, " tokens; the engine was sized for ", max_tokens_)));
+    }
+    const int L = static_cast<int>(staging_.size());
+    const int32_t* ids = hash_ids;
+    if (T > 0) {
+      cudaPointerAttributes attr{};
+      if (cudaPointerGetAttributes(&attr, hash_ids) != cudaSuccess) {
+        return Fail(absl::InvalidArgumentError("prefetch: hash id pointer"));
+      }
+      if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
+        // d_ids_ may still be read by the previous Prefetch's exchange on the side stream (two Prefetch calls without
+        // a Wait between them): the copy waits for that step's end (a no-op before the first step).
+        if (cudaStreamWaitEvent(stream_, prefetched_event_, 0) != cudaSuccess) {
+          return Fail(absl::InternalError("prefetch: order after the previous step"));
+        }
+        if (cudaMemcpyAsync(d_ids_, hash_ids, static_cast<size_t>(T) * L * cols_ * 4, cudaMemcpyHostToDevice,
+                            stream_) != cudaSuccess) {
+          return Fail(absl::InternalError("prefetch: hash ids to the device"));
+        }
+        ids = d_ids_;
+      }
+    }
+    if (cudaEventRecord(ids_ready_, stream_) != cudaSuccess || cudaStreamWaitEvent(side_, ids_ready_, 0) != cudaSuccess) {
+      return Fail(absl::InternalError("prefetch: fork of the side stream"));
+    }
+    std::vector<void*> outs(staging_.begin(), staging_.end());
+    prefetched_ = Step(ids, static_cast<int64_t>(L) * cols_, cols_, T, 0, L, outs.data(), false, side_);
+    if (prefetched_.ok() && cudaEventRecord(prefetched_event_, side_) != cudaSuccess) {
+      prefetched_ = Fail(absl::InternalError("prefetch: event"));
+    }
+    return prefetched_;
+  }
+  absl::Status Wait(int l) override {
+    if (l < 0 || l >= static_cast<int>(staging_.size())) return absl::InvalidArgumentError("wait: layer out of range");
+    {
+      // Rows of a step the abort cut short are not rows; a step that finished before the group broke is whole.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (aborted_in_flight_) return absl::AbortedError(abort_reason_);
+    }
+    if (!prefetched_.ok()) return prefetched_;
+    // Work queued on the engine's stream after this sees the rows (one event for every layer: the step's end).
+    if (cudaStreamWaitEvent(stream_, prefetched_event_, 0) != cudaSuccess) {
+      return Fail(absl::InternalError("wait: join of the side stream"));
+    }
+    return absl::OkStatus();
+  }
+  uint16_t* staging(int l) const override {
+    return l < 0 || l >= static_cast<int>(staging_.size()) ? nullptr : staging_[static_cast<size_t>(l)];
+  }
+
+  static absl::StatusOr<std::unique_ptr<LookupEngine>> Create(const Table& table, int32_t max_tokens,
+                                                              cudaStream_t stream, Session& session,
+                                                              const DpShardedPlan& plan, void* nccl_comm) {
+    std::unique_ptr<DpDeviceEngine> e(new DpDeviceEngine());
+    e->stream_ = stream;
+    e->table_ = &table;
+    e->cols_ = table.n_cols();
+    e->max_tokens_ = max_tokens;
+    cudaGetDevice(&e->device_);
+    ASSIGN_OR_RETURN(auto inner, DeviceEngine::Create(table, max_tokens, stream));
+    e->inner_ = std::move(inner);
+    const int64_t L = static_cast<int64_t>(table.layers().size()), D = table.head_dim();
+    for (int64_t l = 0; l < L; ++l) {
+      uint16_t* p = nullptr;
+      const size_t bytes = static_cast<size_t>(max_tokens) * e->cols_ * D * 2;
+      if (cudaMalloc(&p, bytes) != cudaSuccess || cudaMemset(p, 0, bytes) != cudaSuccess) {
+        return absl::ResourceExhaustedError("cannot allocate the DP staging buffers on the GPU");
+      }
+      e->staging_.push_back(p);  // columns outside the group's range stay zero
+    }
+    const int32_t me = static_cast<int32_t>(plan.edp_rank);
+    // The group: rank 0's ncclUniqueId travels through engramd (or a placeholder when the engine brings its own).
+    ASSIGN_OR_RETURN(const NcclApi* nccl, NcclApi::Get());
+    GroupJoinRequest join;
+    join.transport = "nccl";
+    join.max_tokens = max_tokens;
+    join.bytes_per_step = static_cast<uint64_t>(
+        DpShardedStepBytes(table.layout(), plan, std::vector<int64_t>(static_cast<size_t>(plan.edp), max_tokens), me)
+            .total());
+    ncclUniqueId id{};
+    if (me == 0) {
+      if (nccl_comm == nullptr) {
+        if (nccl->GetUniqueId(&id) != ncclSuccess) return absl::InternalError("ncclGetUniqueId failed");
+        join.rendezvous.assign(id.internal, sizeof(id.internal));
+      } else {
+        join.rendezvous = "engine-communicator";
+      }
+    }
+    ASSIGN_OR_RETURN(e->group_, DpGroup::Join(session, join, DpFormTimeout()));
+    const GroupEvent& g = e->group_->formed();
+    if (static_cast<int64_t>(g.members.size()) != plan.edp) {  // never an NCCL communicator of the wrong size
+      return absl::InternalError(absl::StrCat("the daemon formed a group of ", g.members.size(),
+                                              " members, expected ", plan.edp));
+    }
+    auto broken = [grp = e->group_.get()] { return grp->Broken(); };
+    ncclComm_t comm = static_cast<ncclComm_t>(nccl_comm);
+    if (comm == nullptr) {
+      if (g.rendezvous.size() != sizeof(id.internal)) {
+        return absl::FailedPreconditionError("the DP group's rendezvous is not an ncclUniqueId");
+      }
+      std::memcpy(id.internal, g.rendezvous.data(), sizeof(id.internal));
+      ASSIGN_OR_RETURN(comm, DpNcclExchange::InitComm(id, static_cast<int32_t>(plan.edp), me, broken, DpFormTimeout()));
+    }
+    DpExchangeShape shape;
+    shape.members = static_cast<int32_t>(plan.edp);
+    shape.me = me;
+    shape.slot = g.slot;
+    shape.layers = static_cast<int32_t>(L);
+    shape.cols = static_cast<int32_t>(e->cols_);
+    shape.head_dim = static_cast<int32_t>(D);
+    for (const auto& m : plan.members) {
+      shape.col_begin.push_back(static_cast<int32_t>(m.col_begin));
+      shape.col_end.push_back(static_cast<int32_t>(m.col_end));
+    }
+    shape.group_col_begin = static_cast<int32_t>(plan.group_col_begin);
+    shape.group_col_end = static_cast<int32_t>(plan.group_col_end);
+    // Facts every member must share, agreed once through the communicator: whether every shard is in GPU memory
+    // (peer reads need it), and the knobs that decide which collectives a step runs (rank 0's win).
+    const bool on_gpu = table.records(0) == nullptr;  // a DEVICE shard has no host copy
+    const int64_t chunk_kib = EnvInt("ENGRAM_DP_CHUNK_KIB", DpExchangeShape::kDefaultDpChunkBytes >> 10);
+    const char* a2a = std::getenv("ENGRAM_DP_A2A");
+    const std::vector<int32_t> mine = {
+        on_gpu ? 1 : 0,
+        static_cast<int32_t>(std::clamp<int64_t>(EnvInt("ENGRAM_DP_PEER_MAX_SLOT", kDefaultPeerMaxSlot), 0, INT32_MAX)),
+        static_cast<int32_t>(std::clamp<int64_t>(chunk_kib, 0, INT32_MAX)),
+        A2aForm(a2a),
+        static_cast<int32_t>(
+            std::clamp<int64_t>(EnvInt("ENGRAM_DP_GRAPH_MAX_SLOT", DpExchangeShape::kDefaultGraphMaxSlot), 0, INT32_MAX)),
+        EnvInt("ENGRAM_DP_NCCL_BLOCKING", 0) != 0 ? 1 : 0,
+        DpNcclExchange::SplitSupported() ? 1 : 0};
+    auto agreed = e->AllGatherInts(comm, static_cast<int32_t>(plan.edp), mine);
+    if (!agreed.ok()) {
+      if (nccl_comm == nullptr) nccl->CommAbort(comm);  // formed here, not yet owned by an exchange
+      return agreed.status();
+    }
+    const std::vector<int32_t>& all = *agreed;
+    bool all_on_gpu = true;
+    for (int64_t m = 0; m < plan.edp; ++m) all_on_gpu = all_on_gpu && all[static_cast<size_t>(m) * mine.size()] == 1;
+    const int32_t peer_max_slot = all[1];
+    shape.chunk_bytes = int64_t{all[2]} << 10;
+    // The form from group-wide facts only (rank 0's knobs, the group slot): every member takes the same.
+    const int32_t form = all[3] == kA2aAuto ? (g.slot <= all[4] ? kA2aGraph : kA2aPipelined) : all[3];
+    shape.sequential = form == kA2aSequential;
+    shape.graph = form == kA2aGraph;
+    // Opt-in: the steps on a blocking twin of a communicator formed here (rank 0's choice, and only when every
+    // member can split: so every member splits or none does); the engine's own communicator is used as it is.
+    bool blocking = false;
+    bool all_split = true;
+    for (int64_t m = 0; m < plan.edp; ++m) all_split = all_split && all[static_cast<size_t>(m) * mine.size() + 6] == 1;
+    if (nccl_comm == nullptr && all[5] != 0 && all_split) {
+      auto twin = DpNcclExchange::BlockingTwin(comm, me, broken, DpFormTimeout());
+      if (twin.ok()) {
+        comm = *twin;
+        blocking = true;
+      } else if (!absl::IsUnimplemented(twin.status())) {
+        return twin.status();  // both communicators aborted
+      }
+    }
+    std::vector<ShardLayer> shard;
+    for (int64_t l = 0; l < L; ++l) {
+      const auto& li = table.layers()[static_cast<size_t>(l)];
+      shard.push_back({table.device_records(static_cast<int>(l)), li.row_begin, li.row_end});
+    }
+    ASSIGN_OR_RETURN(e->exchange_, DpNcclExchange::Create(shape, comm, /*own_comm=*/nccl_comm == nullptr, stream,
+                                                          std::move(shard), broken, DpStepTimeout()));
+    // Peer reads for small slots, when every member's shard is in GPU memory: all members decide alike, since the
+    // facts (slot, every member's shard kind, the agreed threshold) are the group's.
+    // Every member leaves ExchangePeerShards with the same answer: where the GPUs cannot map each other's memory the
+    // whole group takes the all-to-all path instead.
+    if (g.slot <= peer_max_slot && all_on_gpu) {
+      const absl::Status peer = e->exchange_->ExchangePeerShards(table.device_records(0));
+      if (peer.ok()) {
+        e->peer_ = true;
+      } else if (absl::IsFailedPrecondition(peer)) {
+        spdlog::warn("engram: event=dp_peer_reads_unavailable group={} reason=\"{}\" (the group uses the all-to-all "
+                     "path)", g.group, std::string(peer.message()));
+      } else {
+        return peer;
+      }
+    }
+    for (cudaEvent_t* ev : {&e->ids_ready_, &e->prefetched_event_}) {
+      if (cudaEventCreateWithFlags(ev, cudaEventDisableTiming) != cudaSuccess) {
+        return absl::InternalError("cudaEventCreate failed");
+      }
+    }
+    for (cudaEvent_t& ev : e->step_events_) {
+      if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
+        return absl::InternalError("cudaEventCreate failed");
+      }
+    }
+    if (cudaStreamCreateWithFlags(&e->side_, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaMalloc(&e->d_ids_, static_cast<size_t>(max_tokens) * L * e->cols_ * 4) != cudaSuccess) {
+      return absl::ResourceExhaustedError("cannot create the DP prefetch stream and id buffer");
+    }
+    e->watchdog_ = std::thread([raw = e.get()] { raw->Watch(); });
+    spdlog::info("engram: event=dp_group_formed transport=nccl group={} members={} edp_rank={} slot={} path={} "
+                 "a2a={} nccl={} chunks={} exchange_bytes={}",
+                 g.group, g.members.size(), me, g.slot, e->peer_ ? "nvlink-peer" : "all-to-all",
+                 shape.sequential ? "sequential" : shape.graph ? "graph" : "pipelined",
+                 nccl_comm != nullptr ? "engine's" : blocking ? "blocking" : "non-blocking",
+                 e->exchange_->chunks(static_cast<int32_t>(L)),
+                 e->exchange_->device_bytes());
+    return std::unique_ptr<LookupEngine>(std::move(e));
+  }
+
+ private:
+  DpDeviceEngine() = default;
+
+  // Every member's `mine` (the same length on each), member m's at [m * mine.size(), ...): one all-gather through
+  // the communicator, polled with the group's broken check.
+  absl::StatusOr<std::vector<int32_t>> AllGatherInts(ncclComm_t comm, int32_t n, const std::vector<int32_t>& mine) {
+    std::vector<int32_t> got(static_cast<size_t>(n) * mine.size());
+    RETURN_IF_ERROR(DpNcclExchange::AllGather(comm, stream_, n, mine.data(), mine.size() * 4, got.data(),
+                                              [this] { return group_->Broken(); },
+                                              std::chrono::steady_clock::now() + DpFormTimeout(),
+                                              "the group's first all-gather"));
+    return got;
+  }
+
+  absl::Status Fail(absl::Status st) {
+    if (failed_.ok()) {
+      // A collective that fails because a member died usually races engramd's word on it (NCCL sees the closed
+      // socket first): wait briefly for the group's reason, so that the error names the member that left.
+      if (st.code() == absl::StatusCode::kInternal || st.code() == absl::StatusCode::kDeadlineExceeded) {
+        std::optional<std::string> why = group_->Broken();
+        for (int i = 0; !why && i < 50; ++i) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          why = group_->Broken();
+        }
+        if (why) st = absl::Status(st.code(), absl::StrCat(st.message(), " (", *why, ")"));
+      }
+      failed_ = st;
+      exchange_->Abort(std::string(st.message()));
+      // The others learn it from engramd at once instead of at their step timeout.
+      group_->Leave(absl::StrCat("its DP engine failed a step: ", st.message()));
+    }
+    return failed_;
+  }
+
+  absl::Status Step(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T, int l0, int nl,
+                    void* const* outs, bool packed, cudaStream_t stream) {
+    if (!failed_.ok()) return failed_;
+    if (auto why = group_->Broken()) return Fail(absl::AbortedError(*why));
+    if (auto why = exchange_->aborted()) return Fail(absl::AbortedError(*why));
+    if (T < 0 || T > max_tokens_) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(T, " tokens; the engine was sized for ", max_tokens_)));
+    }
+    if (auto st = exchange_->Step(ids, token_stride, layer_stride, T, l0, nl, outs, packed, peer_, stream);
+        !st.ok()) {
+      if (auto why = exchange_->aborted()) return Fail(absl::AbortedError(*why));
+      return Fail(st);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    // The step's end, for the watchdog: one event per queued step. With the ring full (a host 64 steps ahead) the
+    // step is not tracked: the oldest ones are, and they overstay first if a member stalls.
+    if (queued_ < kStepEvents) {
+      cudaEventRecord(step_events_[(oldest_ + queued_) % kStepEvents], stream);
+      ++queued_;
+      watch_.Enqueued(StepWatch::Clock::now());
+    }
+    return absl::OkStatus();
+  }
+
+  // Aborts the communicator when the group breaks or a step overstays: kernels stuck on a dead member end.
+  // A broken group: a step still queued gets a short grace to finish (a member that left after its last step is
+  // no reason to cut ours), then the communicator is aborted so nothing waits on the member that is gone.
+  void Watch() {
+    cudaSetDevice(device_);
+    std::optional<std::chrono::steady_clock::time_point> broken_at;
+    while (!stop_) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      std::optional<std::string> why = group_->Broken();
+      std::lock_guard<std::mutex> lock(mu_);
+      const auto now = StepWatch::Clock::now();
+      while (queued_ > 0 && cudaEventQuery(step_events_[oldest_]) != cudaErrorNotReady) {
+        oldest_ = (oldest_ + 1) % kStepEvents;
+        --queued_;
+        watch_.Finished(now);
+      }
+      const bool pending = queued_ > 0;
+      if (why && !broken_at) broken_at = now;
+      if (why && (!pending || now - *broken_at > std::chrono::milliseconds(1000))) {
+        aborted_in_flight_ = pending;
+        abort_reason_ = *why;
+        exchange_->Abort(*why);
+        return;
+      }
+      // No queued step has finished for the timeout (enqueueing more does not restart it: client/dp/step_watch.h).
+      if (watch_.Overdue(now)) {
+        aborted_in_flight_ = true;
+        abort_reason_ = absl::StrCat("no queued DP step finished within ", watch_.timeout().count(),
+                                     " ms (a member stalled; ENGRAM_DP_STEP_TIMEOUT_MS)");
+        exchange_->Abort(abort_reason_);
+        return;
+      }
+    }
+  }
+
+  cudaStream_t stream_ = nullptr;
+  cudaStream_t side_ = nullptr;             // the prefetch stream
+  cudaEvent_t ids_ready_ = nullptr;         // recorded on stream_ by Prefetch: the side stream starts after it
+  cudaEvent_t prefetched_event_ = nullptr;  // the prefetch step's end on side_, joined by Wait
+  int32_t* d_ids_ = nullptr;                // host hash ids copied for the device [max_tokens, L, cols]
+  int device_ = 0;
+  int64_t cols_ = 0;
+  int32_t max_tokens_ = 0;
+  const Table* table_ = nullptr;
+  std::unique_ptr<LookupEngine> inner_;
+  std::unique_ptr<DpGroup> group_;
+  std::unique_ptr<DpNcclExchange> exchange_;
+  std::vector<uint16_t*> staging_;
+  bool peer_ = false;
+  absl::Status failed_;
+  absl::Status prefetched_ = absl::FailedPreconditionError("wait before any prefetch");
+  std::mutex mu_;  // the step events, watch_, aborted_in_flight_, abort_reason_
+  static constexpr int kStepEvents = 64;
+  cudaEvent_t step_events_[kStepEvents] = {};  // a ring: queued_ steps' ends from oldest_ on
+  int oldest_ = 0, queued_ = 0;
+  StepWatch watch_{DpStepTimeout()};
+  bool aborted_in_flight_ = false;  // the abort cut a queued step short
+  std::string abort_reason_;
+  std::atomic<bool> stop_{false};
+  std::thread watchdog_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpDeviceEngine(const Table& table, int32_t max_tokens,
+                                                                   cudaStream_t stream, Session& session,
+                                                                   const DpShardedPlan& plan, void* nccl_comm) {
+  return DpDeviceEngine::Create(table, max_tokens, stream, session, plan, nccl_comm);
+}
+
+}  // namespace engram::client

@@ -1,0 +1,173 @@
+// HostGather: the host-gather lookup path. CPU threads gather a batch's rows from the shared host mapping (each
+// distinct row once, client/engine/host_gather_plan.h) into pinned staging, chunk by chunk; each chunk is copied to the
+// GPU as soon as it is full (the copy engine drains chunk k while the threads gather chunk k+1), and a GPU unpack
+// (the lookup kernel over the dense gathered rows, so the same fp8 -> bf16 arithmetic as every other path)
+// writes bf16 rows into the caller's staging buffers. Completion of layer l is an event; Wait(l) orders a stream
+// after it, exactly like kernels::Prefetcher, so the engine code does not change.
+//
+// Split batches (options.uva_share > 0, layers with device_records): the last share of each batch's tokens is
+// served at the same time by the UVA row-order gather (kernels::LaunchLookup with sort scratch) on a stream of
+// its own, reading the same records through their device mapping; the two paths use different resources (the
+// GPU's address translation vs CPU threads and a copy engine) and their bandwidths add up to the PCIe limit.
+//
+// Why: a random gather through UVA from a large host table is bound by the GPU's address translation (8-33 GB/s,
+// bench/RESULTS.md); CPU threads reach several times that, and the bytes then cross PCIe as large DMA copies.
+//
+// Host work by nature: Prefetch runs the gather on a background thread and never enqueues anything that a CUDA
+// graph could capture. It must not be called while `main_stream` is being captured (FailedPrecondition); captured
+// decode steps keep the UVA kernels. Wait(l) blocks the calling thread until layer l's copies and unpack are
+// enqueued (not until they complete), then makes `main_stream` wait for them on the GPU.
+//
+// Ownership: owns its threads, streams, events, pinned staging (per layer) and device scratch; the host records
+// and the bf16 output buffers are the caller's and must outlive it. The host ids passed to Prefetch must stay
+// valid until Wait of the last layer (or Sync) has returned. One thread drives a HostGather.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/engine/host_gather_plan.h"
+
+namespace engram::client {
+
+// The engine's defaults (client/engine/device_engine.cc; bench_kernels measures them and writes the automatic choice's
+// table for them), measured on the H200 (bench/RESULTS.md, 2026-11-30): de-duplication off (it costs more than
+// it saves even at 45% repeats), a quarter of the tokens on the UVA row-order kernel (the best share at 196K rows,
+// the size where the engine takes this path; session 4 measured 0.15-0.4 side by side in four runs: 0.2 and 0.3
+// won some runs by 1-3% and lost others by as much, so a per-size share was tried and reverted).
+inline constexpr bool kEngineHostGatherDedup = false;
+inline constexpr double kEngineHostGatherUvaShare = 0.25;
+
+struct HostGatherOptions {
+  int threads = 0;            // gather threads; 0 = DefaultGatherThreads(the machine's cores)
+  std::vector<int> cpus;      // CPU affinity of the gather threads (worker i on cpus[i % n]); empty = unpinned
+  bool dedup = true;          // fetch each distinct row of a batch once
+  int32_t unpack_blocks = 0;  // grid of the GPU unpack; 0 = the whole GPU (it reads HBM only, briefly)
+  int64_t min_chunk_rows = 256, max_chunk_rows = 1024;  // rows a gather thread takes at a time
+  // Share of each batch's tokens gathered by the UVA row-order kernel concurrently (0 = none; needs every layer's
+  // device_records); batches below uva_min_items items per layer are not split.
+  double uva_share = 0;
+  int64_t uva_min_items = 0;
+  // Grid of the UVA share's kernel: few blocks, so that it disturbs the main stream little (the row-order gather
+  // is as fast on 8 blocks of 8 rows per warp as on 16-32 at these sizes).
+  int32_t uva_blocks = 8;
+
+  // How the batch reaches the copy engine (issue 14: the gap between the pipeline and the CPU gather ceiling). Each
+  // field left at -1 is taken from its environment variable when set, else from the built-in default (in brackets:
+  // chosen from bench_kernels' "host gather variant" lines, bench/RESULTS.md); HostGather::options() shows the result.
+  int32_t prefetch_rows = -1;  // ENGRAM_HOST_GATHER_PREFETCH: rows prefetched ahead in each thread's list (16;
+                               // 0 = none)
+  int32_t stream_stores = -1;  // ENGRAM_HOST_GATHER_NT=1: non-temporal stores into the pinned staging (1)
+  int32_t fused = -1;          // ENGRAM_HOST_GATHER_FUSED=1: without de-duplication, each thread plans its own chunk
+                               // (ids -> rows, index) right before gathering it: one pass, not two (1)
+  int32_t copy_issuer = -1;    // ENGRAM_HOST_GATHER_ISSUER=1: the dispatcher thread enqueues the chunk copies (runs
+                               // of finished chunks merged into one copy); the gather threads never call CUDA (1)
+  int32_t spin_us = -1;        // ENGRAM_HOST_GATHER_SPIN_US: idle gather threads spin this long before sleeping (200)
+  int32_t dispatch_spin_us = -1;  // ENGRAM_HOST_GATHER_DISPATCH_SPIN_US: the same for the dispatcher thread after a
+                                  // batch (200)
+  int32_t pass_spin_us = -1;  // ENGRAM_HOST_GATHER_PASS_SPIN_US: the dispatcher spins this long for a pass of the
+                              // threads to finish before it sleeps (200; a pass longer than that then also pays the
+                              // dispatcher's wake-up before the unpack is launched)
+  int32_t prewake = -1;        // ENGRAM_HOST_GATHER_PREWAKE=1: Prefetch wakes the gather threads itself, so that
+                               // their wake-up overlaps the dispatcher's (1)
+  int32_t issue_min_rows = -1;  // ENGRAM_HOST_GATHER_ISSUE_MIN_ROWS: with copy_issuer, a copy waits until this many
+                                // finished rows are contiguous (the last copy takes the rest): small chunks for the
+                                // threads, large copies for the copy engine (4096)
+  int32_t stream_unpack = -1;   // ENGRAM_HOST_GATHER_STREAM_UNPACK=1: with copy_issuer and fused (every row), each copy
+                                // is unpacked as it lands (its tokens' index copied with it), not all at the end (0)
+};
+
+// The options with every -1 field resolved (environment, then built-in default).
+HostGatherOptions ResolveHostGatherOptions(HostGatherOptions options);
+
+struct HostLayer {
+  const uint8_t* records = nullptr;  // host-readable records, row_begin's first (the shared mapping)
+  int64_t row_begin = 0, row_end = 0;
+  const uint8_t* device_records = nullptr;  // the same records' device (UVA) address; only for uva_share > 0
+};
+
+class HostGather {
+ public:
+  // out[l]: device bf16 [max_tokens, n_cols, head_dim] per layer (the engine's staging buffers).
+  static absl::StatusOr<std::unique_ptr<HostGather>> Create(std::vector<HostLayer> layers, std::vector<uint16_t*> out,
+                                                            int32_t max_tokens, int32_t n_cols, int32_t head_dim,
+                                                            HostGatherOptions options = {});
+  ~HostGather();
+  HostGather(const HostGather&) = delete;
+  HostGather& operator=(const HostGather&) = delete;
+
+  // Host ids: layer l's columns at host_ids + l * n_cols, ids[t * ids_stride + c]. Returns once the batch is handed
+  // to the background thread; `main_stream`'s work queued so far is ordered before the unpack writes out[l].
+  absl::Status Prefetch(const int32_t* host_ids, int32_t num_tokens, int64_t ids_stride, cudaStream_t main_stream);
+  absl::Status Wait(int32_t layer, cudaStream_t main_stream);
+  // Blocks until every layer of the last batch is enqueued; returns the batch's error, if any.
+  absl::Status Sync();
+
+  int threads() const { return pool_->threads(); }
+  // The UVA share of later batches (clamped to [0, 1]; ignored without device records). Call between batches.
+  void set_uva_share(double share) { opt_.uva_share = share; }
+  const HostGatherOptions& options() const { return opt_; }  // as resolved by Create
+  int32_t n_layers() const { return static_cast<int32_t>(layers_.size()); }
+  cudaEvent_t layer_event(int32_t layer) const { return done_[static_cast<size_t>(layer)]; }
+  // Of the last batch, per layer: items served and rows moved over PCIe (after de-duplication).
+  struct LayerStats {
+    int64_t items = 0, rows_moved = 0;  // rows_moved counts the UVA share's items too
+    int64_t uva_items = 0;              // items served by the UVA share
+    double gather_ms = 0;               // host time of the threads' gather pass (the fused plan, the gather, the
+                                        // copy issue; a de-duplicating plan runs before it and is not counted)
+  };
+  LayerStats stats(int32_t layer) const { return stats_[static_cast<size_t>(layer)]; }
+
+ private:
+  HostGather() = default;
+  void Dispatch();
+  absl::Status RunLayer(int32_t l);
+
+  std::vector<HostLayer> layers_;
+  std::vector<uint16_t*> out_;
+  int32_t max_tokens_ = 0, n_cols_ = 0, head_dim_ = 0;
+  int64_t rb_ = 0;
+  HostGatherOptions opt_;
+  int device_ = 0;
+  std::unique_ptr<GatherPool> pool_;
+  std::unique_ptr<RowDeduper> dedup_;
+  cudaStream_t copy_ = nullptr, unpack_ = nullptr, uva_ = nullptr;
+  bool uva_ok_ = false;                 // every layer has device records: batches may be split
+  void* sort_scratch_ = nullptr;        // the UVA share's row-order sort (one launch at a time: one stream)
+  size_t sort_bytes_ = 0;
+  std::vector<cudaEvent_t> uva_done_;
+  cudaEvent_t main_ready_ = nullptr;
+  cudaEvent_t group_copied_ = nullptr;  // stream_unpack: the last group's copies (re-recorded per group)
+  std::vector<cudaEvent_t> copied_, done_;
+  std::vector<uint8_t*> pinned_rows_;   // [max_items, rb] per layer
+  std::vector<int32_t*> pinned_index_;  // [max_items] per layer
+  std::vector<uint8_t*> dev_rows_;
+  std::vector<int32_t*> dev_index_;
+  std::vector<GatherPlan> plans_;
+  std::unique_ptr<std::atomic<uint8_t>[]> chunk_done_;  // copy_issuer: [chunk] gathered (and fenced)
+  std::vector<LayerStats> stats_;
+
+  // The batch handed to the dispatcher thread.
+  std::thread dispatcher_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false, pending_ = false, any_batch_ = false;
+  std::atomic<bool> pending_flag_{false};  // pending_, readable without the lock (the dispatcher's spin)
+  uint64_t batch_ = 0;       // batches handed over
+  int32_t issued_ = 0;       // layers of batch_ enqueued so far
+  absl::Status error_;       // of batch_
+  const int32_t* ids_ = nullptr;
+  int32_t tokens_ = 0;
+  int64_t stride_ = 0;
+};
+
+}  // namespace engram::client

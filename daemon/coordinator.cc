@@ -1,0 +1,205 @@
+#include "daemon/coordinator.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "base/status_macros.h"
+#include "daemon/fallback.h"
+#include "daemon/publisher.h"
+#include "daemon/status_report.h"
+#include "spdlog/spdlog.h"
+
+namespace engram::daemon {
+
+uint64_t DaemonState::NewInstanceId() {
+  std::random_device rd;
+  return (uint64_t{rd()} << 32) ^ rd() ^ static_cast<uint64_t>(::getpid());
+}
+
+int DaemonState::WorkerThreads(int requested) { return requested > 0 ? requested : DefaultPublishThreads(); }
+
+DaemonState::DaemonState(Options opts)
+    : opts_(std::move(opts)),
+      instance_id_(NewInstanceId()),
+      segments_(opts_.shm_dir, WorkerThreads(opts_.threads), instance_id_),
+      replicas_(instance_id_, opts_.tickets) {}
+
+DaemonState::~DaemonState() = default;
+
+Options DaemonState::options() const {
+  std::lock_guard<std::mutex> lock(opts_mu_);
+  return opts_;
+}
+
+absl::Status DaemonState::Start() {
+  const Options o = options();
+  return segments_.Start(o.checkpoints, o.tp_sizes, /*lock_shm_dir=*/true);
+}
+
+bool DaemonState::WaitSettled(std::chrono::milliseconds timeout) { return segments_.WaitSettled(timeout); }
+
+std::string DaemonState::LoadProgressLine() { return segments_.LoadProgressLine(); }
+
+absl::StatusOr<engram::v1::ServerMessage> DaemonState::Attach(
+    const engram::v1::Hello& h, const PeerInfo& peer, std::function<bool()> cancelled,
+    std::function<void(const engram::v1::ServerMessage&)> notify, std::string* lease_id) {
+  if (h.tp_size() < 1 || h.tp_rank() < 0 || h.tp_rank() >= h.tp_size() || h.dp_size() < 1 || h.dp_rank() < 0 ||
+      h.dp_rank() >= h.dp_size() || h.local_dp_size() < 0 || h.local_dp_size() > h.dp_size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "hello: invalid topology tp %d/%d dp %d/%d local %d (need 0 <= rank < size, local <= dp size)",
+        h.tp_rank(), h.tp_size(), h.dp_rank(), h.dp_size(), h.local_dp_size()));
+  }
+  if (draining_) return absl::UnavailableError("engramd is draining: no new sessions");
+  ASSIGN_OR_RETURN(ShardOffer offer, segments_.Offer(h, cancelled, [this] { return draining_.load(); }));
+  Decision d = Decide(h, offer.node);
+  if (d.share && !offer.ready) {
+    // Decide shares only when the node view names no failure, which Offer sets whenever the shard isn't READY.
+    return absl::InternalError("sharing decided without a READY segment");
+  }
+  *lease_id = replicas_.Attach(h, peer, d, d.share ? offer.segment_key() : std::string(), std::move(notify));
+  engram::v1::ServerMessage msg;
+  if (d.share) {
+    auto* g = msg.mutable_grant();
+    g->set_segment_path(offer.segment_path);
+    g->set_segment_bytes(offer.segment_bytes);
+    *g->mutable_segment() = *offer.descriptor;
+    g->set_epoch(segments_.epoch());
+    g->set_lease_id(*lease_id);
+    struct stat st {};
+    if (::stat(offer.segment_path.c_str(), &st) == 0) {
+      g->set_segment_dev(st.st_dev);
+      g->set_segment_ino(st.st_ino);
+    }
+    if (descriptors_ != nullptr) {
+      g->set_fd_socket(descriptors_->socket_name());
+      g->set_fd_token(descriptors_->Issue(*lease_id, peer, offer.segment_path, offer.segment_bytes));
+    }
+    spdlog::info("event=attach decision=shared pid={} uid={} dp_rank={} tp_rank={} segment={} lease={}", peer.pid,
+                 peer.uid, h.dp_rank(), h.tp_rank(), offer.segment_name, *lease_id);
+  } else {
+    auto* f = msg.mutable_fallback();
+    f->set_mode(d.mode);
+    std::vector<std::string> names;
+    for (const auto& reason : d.reasons) {
+      *f->add_reasons() = reason;
+      names.push_back(ReasonName(reason.code()));
+    }
+    spdlog::warn("event=attach decision=fallback pid={} uid={} dp_rank={} tp_rank={} mode={} reasons={}", peer.pid,
+                 peer.uid, h.dp_rank(), h.tp_rank(), ModeName(d.mode), absl::StrJoin(names, ","));
+  }
+  return msg;
+}
+
+bool DaemonState::AcquireTicket(const std::string& lease_id, std::function<bool()> cancelled) {
+  return replicas_.AcquireTicket(lease_id, cancelled);
+}
+
+void DaemonState::ReportRegistration(const std::string& lease_id, const engram::v1::RegisterResult& result) {
+  replicas_.ReportRegistration(lease_id, result);
+}
+
+absl::Status DaemonState::RecordOutcome(const std::string& lease_id, const engram::v1::Outcome& outcome) {
+  return replicas_.RecordOutcome(lease_id, outcome);
+}
+
+absl::Status DaemonState::JoinGroup(const std::string& lease_id, const engram::v1::Hello& hello, const PeerInfo& peer,
+                                   const engram::v1::GroupJoin& join,
+                                   std::function<void(const engram::v1::ServerMessage&)> notify) {
+  return groups_.Join(lease_id, hello, peer, join, std::move(notify));
+}
+
+void DaemonState::Detach(const std::string& lease_id) {
+  groups_.Leave(lease_id);
+  if (descriptors_ != nullptr) descriptors_->Revoke(lease_id);
+  replicas_.Detach(lease_id);
+}
+
+engram::v1::StatusReply DaemonState::Status() {
+  engram::v1::StatusReply reply = BuildStatus(segments_, replicas_, draining_);
+  for (auto& g : groups_.Groups()) *reply.add_groups() = std::move(g);
+  if (descriptors_ != nullptr) {
+    const DescriptorStats d = descriptors_->Stats();
+    reply.mutable_descriptors()->set_socket(d.socket);
+    reply.mutable_descriptors()->set_sent(d.sent);
+    reply.mutable_descriptors()->set_refused(d.refused);
+  }
+  return reply;
+}
+
+std::string DaemonState::MetricsText() {
+  return daemon::MetricsText(Status(), replicas_.Counters());
+}
+
+absl::Status DaemonState::Load(const std::string& dir, const std::vector<int64_t>& tp_sizes) {
+  absl::Status st = segments_.Load(dir, tp_sizes.empty() ? options().tp_sizes : tp_sizes);
+  if (!st.ok()) {
+    const std::string detail(st.message());
+    spdlog::error("event=load_failed dir={} detail=\"{}\"", EchoOf(dir, 512), EchoOf(detail, 1024));
+    segments_.RecordLoadFailure("load", dir, detail);
+  }
+  return st;
+}
+
+absl::Status DaemonState::Unload(const std::string& dir) {
+  RETURN_IF_ERROR(segments_.Unload(dir));
+  replicas_.ForgetSegmentsOf(dir);
+  return absl::OkStatus();
+}
+
+void DaemonState::Drain() {
+  draining_ = true;
+  engram::v1::ServerMessage msg;
+  msg.mutable_event()->set_kind(engram::v1::Event::DRAINING);
+  msg.mutable_event()->set_detail("engramd is stopping; mapped segments stay valid");
+  const size_t n = replicas_.NotifyAll(msg);
+  segments_.Wake();  // hellos waiting for a segment stop waiting
+  spdlog::info("event=drain replicas={}", n);
+}
+
+void DaemonState::NoteReloadFailure(const std::string& config_file, const std::string& detail) {
+  segments_.RecordLoadFailure("reload", config_file, detail + ": nothing changed");
+}
+
+absl::Status DaemonState::Reload(const Options& opts) {
+  // All or nothing: the registry validates the whole new set (opens every new checkpoint, checks every TP size)
+  // before it changes anything; the ticket capacity and the options change only once that succeeded.
+  auto r = segments_.Reconfigure(opts.checkpoints, opts.tp_sizes);
+  if (!r.ok()) {
+    const std::string detail(r.status().message());
+    segments_.RecordLoadFailure("reload", opts.config_file, detail);
+    return absl::Status(r.status().code(),
+                        absl::StrCat(detail, ": nothing changed, still serving ",
+                                     absl::StrJoin(segments_.CheckpointDirs(), ",")));
+  }
+  for (const auto& d : r->removed) replicas_.ForgetSegmentsOf(d);
+  for (const auto& k : r->retired_segment_keys) replicas_.ForgetSegment(k);
+  const Options before = options();
+  {
+    std::lock_guard<std::mutex> lock(opts_mu_);
+    opts_.checkpoints = segments_.CheckpointDirs();
+    opts_.tp_sizes = opts.tp_sizes;
+    opts_.tickets = opts.tickets;
+  }
+  replicas_.SetTicketCapacity(opts.tickets);
+  segments_.BumpEpoch();
+  for (const char* key : {"shm_dir", "socket", "group", "threads"}) {
+    const bool changed = std::string(key) == "shm_dir" ? before.shm_dir != opts.shm_dir
+                         : std::string(key) == "socket" ? before.socket != opts.socket
+                         : std::string(key) == "group"  ? before.group != opts.group
+                                                        : before.threads != opts.threads;
+    if (changed) spdlog::warn("event=reload_ignored key={}: takes effect at the next start", key);
+  }
+  spdlog::info("event=reload added={} removed={} tp={} tp_changed={} retired={} tickets={}",
+               absl::StrJoin(r->added, ","), absl::StrJoin(r->removed, ","), absl::StrJoin(opts.tp_sizes, ","),
+               absl::StrJoin(r->tp_changed, ","), r->retired_segment_keys.size(), opts.tickets);
+  return absl::OkStatus();
+}
+
+}  // namespace engram::daemon

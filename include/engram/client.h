@@ -1,0 +1,123 @@
+// libengram_client: what a serving replica links to get its TP shard's Engram table (DESIGN.md "Data flow" 2-5).
+//
+//   ASSIGN_OR_RETURN(auto client, engram::client::Client::Connect({.socket = "/run/engramd/engramd.sock"}));
+//   ASSIGN_OR_RETURN(auto table, client->Attach(request));   // SHARED, or a fallback table with its reasons
+//   ASSIGN_OR_RETURN(auto engine, engram::client::LookupEngine::Create(*table, max_tokens, stream));
+//   engine->Hash(...);  engine->Prefetch(...);  engine->Wait(layer);  engine->Gate(...);   // lookup_engine.h
+//
+// Attach declares the replica's topology and engram config to engramd (config precedence as SPEC 6: an explicit
+// value, then VLLM_PLE_CPU_OFFLOAD, then the default) and receives a grant or a fallback; the daemon decides the
+// mode (daemon/fallback.h), the client adds only what it alone can know (NO_CUDA_DEVICE, DAEMON_UNAVAILABLE,
+// PERMISSION_DENIED, SHM_NOT_VISIBLE when neither the descriptor nor the granted path reaches the file,
+// REGISTER_FAILED, DP_SHARED_MEMORY_DISABLED) and reports the outcome, so `engramctl status` shows the mode this
+// process runs. Shared: engramd passes the segment's read-only descriptor over its socket directory (no shm
+// directory on the replica's side, any mount or IPC namespace; the path named in the grant is the fallback), the
+// segment is mapped PROT_READ, checked against the grant, the registration ticket taken, the mapping
+// pinned, the result reported; the session stays open for the Table's life (it is the lease). Fallback: a private
+// table for this TP shard is built from the checkpoint, in host memory (PRIVATE_PINNED) or, with cpu_offload
+// false, as the DEVICE table; with dp_shared_memory explicitly true, any fallback is an error carrying the reasons.
+// The pieces: client/session/session.h (the conversation with the daemon), client/table/tables.h (mapping, pinning, building).
+//
+// Backends: with a usable GPU (and a CUDA build) the table is registered read-only in chunks (cuMemHostRegister,
+// rolled back on failure: REGISTER_FAILED names the chunk) or copied to the GPU (DEVICE), and the LookupEngine runs
+// the fused kernels on it. Without one, backend CPU (reason NO_CUDA_DEVICE): the mapping is pinned with mlock and
+// the LookupEngine runs the CPU reference over the same records. Client and Table are thread-compatible: one
+// thread drives a Table; distinct Tables are independent.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "model/layout.h"
+#include "engram/types.h"
+#include "model/token_map.h"
+
+namespace engram {
+class Env;  // shm/env.h
+}
+
+namespace engram::client {
+
+struct ClientOptions {
+  std::string socket = "/run/engramd/engramd.sock";
+  std::chrono::milliseconds timeout{10000};  // connect + answer (the daemon may still be loading)
+  size_t register_chunk_bytes = size_t{16} << 30;  // cudaHostRegister chunk (never >= 512 GiB)
+  bool use_gpu = true;                             // false: CPU backend even where a GPU is present
+  Env* env = nullptr;  // OS seam for mapping, pinning and building tables (shm/env.h); null = the real one
+  int fail_register_at_chunk = -1;  // fault seam for tests: CUDA registration fails at this chunk
+  // Fetch the granted segment as a descriptor over the daemon's descriptor socket (the default); false: open the
+  // segment's path only (for diagnosis; SHM_NOT_VISIBLE where this process cannot see the daemon's directory).
+  bool descriptor_passing = true;
+};
+
+struct AttachRequest {
+  std::string checkpoint;          // the replica's checkpoint directory (fingerprint, fallbacks)
+  int tp_size = 1, tp_rank = 0;
+  int dp_size = 1, dp_rank = 0;
+  int local_dp_size = 0;           // DP replicas on this node; 0 = all of them
+  bool elastic_ep = false;
+  std::optional<bool> cpu_offload;  // unset: VLLM_PLE_CPU_OFFLOAD, then true
+  Choice dp_shared_memory = Choice::kAuto;
+  bool embedding_across_dp = false;
+  // Only for the path fallback, when no descriptor could be passed: where this process sees the daemon's shm
+  // directory if it is mounted elsewhere. Empty (the default): the directory named in the grant.
+  std::string shm_dir;
+  int threads = 0;                 // for building a private table; 0 = hardware concurrency
+  // false: a table that cannot be shared is not built here; Attach returns FailedPrecondition naming every reason
+  // (an engine with a table store of its own, such as vLLM's, keeps that instead of a second private copy).
+  bool private_fallback = true;
+};
+
+struct LayerInfo {
+  int64_t layer_id = 0;
+  int64_t row_begin = 0, row_end = 0;  // this shard's rows of the layer table
+  std::vector<int64_t> multipliers, primes, offsets;
+};
+
+class Table {
+ public:
+  virtual ~Table() = default;
+  virtual Mode mode() const = 0;
+  virtual Backend backend() const = 0;
+  virtual const std::vector<Reason>& reasons() const = 0;
+  virtual const std::vector<LayerInfo>& layers() const = 0;
+  // The hash columns this TP shard owns: [col_begin, col_end) of n_cols.
+  virtual int64_t col_begin() const = 0;
+  virtual int64_t col_end() const = 0;
+  virtual int64_t head_dim() const = 0;
+  virtual int64_t n_cols() const = 0;
+  virtual const TokenMap& token_map() const = 0;
+  virtual const Layout& layout() const = 0;
+  // Host-visible records of layer `l` (row_begin's record first); read-only when shared. Null for a DEVICE table
+  // on the CUDA backend (the copy lives on the GPU only).
+  virtual const uint8_t* records(int l) const = 0;
+  // Device-visible records (UVA host pointer of registered memory, or the GPU copy); null on the CPU backend.
+  virtual const uint8_t* device_records(int l) const = 0;
+  // Seconds spent registering (pinning) the table; -1 when nothing was registered.
+  virtual double register_seconds() const = 0;
+  // How a SHARED table reached its segment: the descriptor engramd passed, or its path; kNone otherwise.
+  virtual AttachMethod attach_method() const { return AttachMethod::kNone; }
+  // Hashing, lookups and the gate go through a LookupEngine (engram/lookup_engine.h): the one lookup API, on the
+  // GPU or the CPU, and on the host records of any table (LookupEngine::CreateOnHost).
+};
+
+class Client {
+ public:
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  absl::StatusOr<std::unique_ptr<Table>> Attach(const AttachRequest& request);
+
+ private:
+  explicit Client(ClientOptions o) : options_(std::move(o)) {}
+  ClientOptions options_;
+};
+
+// SPEC 6 precedence for cpu_offload: explicit, then VLLM_PLE_CPU_OFFLOAD ("0"/"false"/"no"/"off" = false), then true.
+bool ResolveCpuOffload(const std::optional<bool>& explicit_value);
+
+}  // namespace engram::client
