@@ -407,7 +407,7 @@ int main(int argc, char** argv) {
   opts.threads = threads;
   {
     t0 = Clock::now();
-    engram::daemon::DaemonState st(opts);
+    engram::daemon::Coordinator st(opts);
     (void)st.Start();
     st.WaitSettled(std::chrono::seconds(60));
     const double adopt = Since(t0);

@@ -136,7 +136,7 @@ bool ResolveCpuOffload(const std::optional<bool>& explicit_value) {
   return true;
 }
 
-absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& options) {
   if (options.socket.empty()) return absl::InvalidArgumentError("no daemon socket given");
   return std::unique_ptr<Client>(new Client(options));
 }

@@ -18,37 +18,37 @@
 
 namespace engram::daemon {
 
-uint64_t DaemonState::NewInstanceId() {
+uint64_t Coordinator::NewInstanceId() {
   std::random_device rd;
   return (uint64_t{rd()} << 32) ^ rd() ^ static_cast<uint64_t>(::getpid());
 }
 
-int DaemonState::WorkerThreads(int requested) { return requested > 0 ? requested : DefaultPublishThreads(); }
+int Coordinator::WorkerThreads(int requested) { return requested > 0 ? requested : DefaultPublishThreads(); }
 
-DaemonState::DaemonState(Options opts)
+Coordinator::Coordinator(Options opts)
     : opts_(std::move(opts)),
       instance_id_(NewInstanceId()),
       segments_(opts_.shm_dir, WorkerThreads(opts_.threads), instance_id_),
       replicas_(instance_id_, opts_.tickets) {}
 
-DaemonState::~DaemonState() = default;
+Coordinator::~Coordinator() = default;
 
-Options DaemonState::options() const {
+Options Coordinator::options() const {
   std::lock_guard<std::mutex> lock(opts_mu_);
   return opts_;
 }
 
-absl::Status DaemonState::Start() {
+absl::Status Coordinator::Start() {
   const Options o = options();
   return segments_.Start(o.checkpoints, o.tp_sizes, /*lock_shm_dir=*/true);
 }
 
-bool DaemonState::WaitSettled(std::chrono::milliseconds timeout) { return segments_.WaitSettled(timeout); }
+bool Coordinator::WaitSettled(std::chrono::milliseconds timeout) { return segments_.WaitSettled(timeout); }
 
-std::string DaemonState::LoadProgressLine() { return segments_.LoadProgressLine(); }
+std::string Coordinator::LoadProgressLine() { return segments_.LoadProgressLine(); }
 
-absl::StatusOr<engram::v1::ServerMessage> DaemonState::Attach(
-    const engram::v1::Hello& h, const PeerInfo& peer, std::function<bool()> cancelled,
+absl::StatusOr<engram::v1::ServerMessage> Coordinator::Attach(
+    const engram::v1::Hello& h, const PeerCred& peer, std::function<bool()> cancelled,
     std::function<void(const engram::v1::ServerMessage&)> notify, std::string* lease_id) {
   if (h.tp_size() < 1 || h.tp_rank() < 0 || h.tp_rank() >= h.tp_size() || h.dp_size() < 1 || h.dp_rank() < 0 ||
       h.dp_rank() >= h.dp_size() || h.local_dp_size() < 0 || h.local_dp_size() > h.dp_size()) {
@@ -73,7 +73,7 @@ absl::StatusOr<engram::v1::ServerMessage> DaemonState::Attach(
     g->set_epoch(segments_.epoch());
     g->set_lease_id(*lease_id);
     struct stat st {};
-    if (::stat(offer.segment_path.c_str(), &st) == 0) {
+    if (Env::Default()->Stat(offer.segment_path.c_str(), &st) == 0) {
       g->set_segment_dev(st.st_dev);
       g->set_segment_ino(st.st_ino);
     }
@@ -97,31 +97,31 @@ absl::StatusOr<engram::v1::ServerMessage> DaemonState::Attach(
   return msg;
 }
 
-bool DaemonState::AcquireTicket(const std::string& lease_id, std::function<bool()> cancelled) {
+bool Coordinator::AcquireTicket(const std::string& lease_id, std::function<bool()> cancelled) {
   return replicas_.AcquireTicket(lease_id, cancelled);
 }
 
-void DaemonState::ReportRegistration(const std::string& lease_id, const engram::v1::RegisterResult& result) {
+void Coordinator::ReportRegistration(const std::string& lease_id, const engram::v1::RegisterResult& result) {
   replicas_.ReportRegistration(lease_id, result);
 }
 
-absl::Status DaemonState::RecordOutcome(const std::string& lease_id, const engram::v1::Outcome& outcome) {
+absl::Status Coordinator::RecordOutcome(const std::string& lease_id, const engram::v1::Outcome& outcome) {
   return replicas_.RecordOutcome(lease_id, outcome);
 }
 
-absl::Status DaemonState::JoinGroup(const std::string& lease_id, const engram::v1::Hello& hello, const PeerInfo& peer,
+absl::Status Coordinator::JoinGroup(const std::string& lease_id, const engram::v1::Hello& hello, const PeerCred& peer,
                                    const engram::v1::GroupJoin& join,
                                    std::function<void(const engram::v1::ServerMessage&)> notify) {
   return groups_.Join(lease_id, hello, peer, join, std::move(notify));
 }
 
-void DaemonState::Detach(const std::string& lease_id) {
+void Coordinator::Detach(const std::string& lease_id) {
   groups_.Leave(lease_id);
   if (descriptors_ != nullptr) descriptors_->Revoke(lease_id);
   replicas_.Detach(lease_id);
 }
 
-engram::v1::StatusReply DaemonState::Status() {
+engram::v1::StatusReply Coordinator::Status() {
   engram::v1::StatusReply reply = BuildStatus(segments_, replicas_, draining_);
   for (auto& g : groups_.Groups()) *reply.add_groups() = std::move(g);
   if (descriptors_ != nullptr) {
@@ -133,11 +133,11 @@ engram::v1::StatusReply DaemonState::Status() {
   return reply;
 }
 
-std::string DaemonState::MetricsText() {
+std::string Coordinator::MetricsText() {
   return daemon::MetricsText(Status(), replicas_.Counters());
 }
 
-absl::Status DaemonState::Load(const std::string& dir, const std::vector<int64_t>& tp_sizes) {
+absl::Status Coordinator::Load(const std::string& dir, const std::vector<int64_t>& tp_sizes) {
   absl::Status st = segments_.Load(dir, tp_sizes.empty() ? options().tp_sizes : tp_sizes);
   if (!st.ok()) {
     const std::string detail(st.message());
@@ -147,13 +147,13 @@ absl::Status DaemonState::Load(const std::string& dir, const std::vector<int64_t
   return st;
 }
 
-absl::Status DaemonState::Unload(const std::string& dir) {
+absl::Status Coordinator::Unload(const std::string& dir) {
   RETURN_IF_ERROR(segments_.Unload(dir));
   replicas_.ForgetSegmentsOf(dir);
   return absl::OkStatus();
 }
 
-void DaemonState::Drain() {
+void Coordinator::Drain() {
   draining_ = true;
   engram::v1::ServerMessage msg;
   msg.mutable_event()->set_kind(engram::v1::Event::DRAINING);
@@ -163,11 +163,11 @@ void DaemonState::Drain() {
   spdlog::info("event=drain replicas={}", n);
 }
 
-void DaemonState::NoteReloadFailure(const std::string& config_file, const std::string& detail) {
+void Coordinator::NoteReloadFailure(const std::string& config_file, const std::string& detail) {
   segments_.RecordLoadFailure("reload", config_file, detail + ": nothing changed");
 }
 
-absl::Status DaemonState::Reload(const Options& opts) {
+absl::Status Coordinator::Reload(const Options& opts) {
   // All or nothing: the registry validates the whole new set (opens every new checkpoint, checks every TP size)
   // before it changes anything; the ticket capacity and the options change only once that succeeded.
   auto r = segments_.Reconfigure(opts.checkpoints, opts.tp_sizes);

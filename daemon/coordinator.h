@@ -1,4 +1,4 @@
-// DaemonState: the coordinator the gRPC service and main() call. It owns the two registries, the
+// Coordinator: the coordinator the gRPC service and main() call. It owns the two registries, the
 // SegmentRegistry (checkpoints served, their segments: plan, adopt, publish, verify, load/unload; see
 // daemon/segment_registry.h) and the ReplicaRegistry (sessions/leases, registration tickets, recent fallbacks,
 // counters; see daemon/replica_registry.h), and runs the steps that involve both: a hello is offered a shard by
@@ -42,10 +42,10 @@
 
 namespace engram::daemon {
 
-class DaemonState {
+class Coordinator {
  public:
-  explicit DaemonState(Options opts);
-  ~DaemonState();
+  explicit Coordinator(Options opts);
+  ~Coordinator();
 
   absl::Status Start();
   // Blocks until every requested segment is READY or FAILED (or the timeout passes); true once settled.
@@ -54,7 +54,7 @@ class DaemonState {
 
   // Session protocol.
   // Waits until the segment the hello asks for is settled, then decides. On share, a lease is taken.
-  absl::StatusOr<engram::v1::ServerMessage> Attach(const engram::v1::Hello& hello, const PeerInfo& peer,
+  absl::StatusOr<engram::v1::ServerMessage> Attach(const engram::v1::Hello& hello, const PeerCred& peer,
                                                    std::function<bool()> cancelled,
                                                    std::function<void(const engram::v1::ServerMessage&)> notify,
                                                    std::string* lease_id);
@@ -66,7 +66,7 @@ class DaemonState {
   absl::Status RecordOutcome(const std::string& lease_id, const engram::v1::Outcome& outcome);
   void Detach(const std::string& lease_id);
   // A DP_SHARDED replica joins its node-local group (daemon/group_registry.h); Detach leaves it.
-  absl::Status JoinGroup(const std::string& lease_id, const engram::v1::Hello& hello, const PeerInfo& peer,
+  absl::Status JoinGroup(const std::string& lease_id, const engram::v1::Hello& hello, const PeerCred& peer,
                          const engram::v1::GroupJoin& join,
                          std::function<void(const engram::v1::ServerMessage&)> notify);
 

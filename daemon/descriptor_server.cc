@@ -55,7 +55,7 @@ bool SameSecret(const std::string& a, const std::string& b) {
 
 }  // namespace
 
-DescriptorChannel::DescriptorChannel(std::function<bool(const PeerInfo&)> allowed) : allowed_(std::move(allowed)) {}
+DescriptorChannel::DescriptorChannel(std::function<bool(const PeerCred&)> allowed) : allowed_(std::move(allowed)) {}
 
 DescriptorChannel::~DescriptorChannel() { Stop(); }
 
@@ -91,7 +91,7 @@ void DescriptorChannel::Stop() {
   }
 }
 
-std::string DescriptorChannel::Issue(const std::string& lease, const PeerInfo& peer, const std::string& segment_path,
+std::string DescriptorChannel::Issue(const std::string& lease, const PeerCred& peer, const std::string& segment_path,
                                      uint64_t segment_bytes) {
   Pending p{lease, RandomToken(), segment_path, segment_bytes, peer};
   std::string token = p.token;
@@ -123,7 +123,7 @@ DescriptorStats DescriptorChannel::Stats() const {
   return s;
 }
 
-absl::StatusOr<int> DescriptorChannel::Redeem(const std::string& request_line, const PeerInfo& peer) {
+absl::StatusOr<int> DescriptorChannel::Redeem(const std::string& request_line, const PeerCred& peer) {
   auto refuse = [this](absl::Status st) {
     ++refused_;
     return st;
@@ -176,7 +176,7 @@ absl::StatusOr<int> DescriptorChannel::Redeem(const std::string& request_line, c
 void DescriptorChannel::Serve() {
   struct Conn {
     int fd;
-    PeerInfo peer;
+    PeerCred peer;
     std::string buf;
     Clock::time_point deadline;
   };
@@ -217,7 +217,7 @@ void DescriptorChannel::Serve() {
         if (nl != std::string::npos) {
           auto fd = Redeem(c.buf.substr(0, nl), c.peer);
           if (fd.ok()) {
-            const PeerInfo peer = c.peer;
+            const PeerCred peer = c.peer;
             if (finish(c, "OK\n", *fd)) {
               ++sent_;
             } else {
@@ -259,7 +259,7 @@ void DescriptorChannel::Serve() {
         break;
       }
       backoff_logged = false;
-      std::optional<PeerInfo> peer = ReadPeer(s);
+      std::optional<PeerCred> peer = ReadPeerCred(s);
       // A peer the daemon refuses is answered at once and holds no slot; one uid holds at most a quarter of them.
       const auto held = peer ? per_uid.find(peer->uid) : per_uid.end();
       const int open_of_uid = held == per_uid.end() ? 0 : held->second;

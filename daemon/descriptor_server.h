@@ -48,7 +48,7 @@ struct DescriptorStats {
 class DescriptorChannel {
  public:
   // `allowed`: the listener's authorisation (daemon/listener.h UdsListener::Allowed).
-  explicit DescriptorChannel(std::function<bool(const PeerInfo&)> allowed);
+  explicit DescriptorChannel(std::function<bool(const PeerCred&)> allowed);
   ~DescriptorChannel();  // Stop()
   DescriptorChannel(const DescriptorChannel&) = delete;
   DescriptorChannel& operator=(const DescriptorChannel&) = delete;
@@ -62,7 +62,7 @@ class DescriptorChannel {
 
   // A one-time token for lease `lease`: `peer` may fetch the descriptor of `segment_path` (a regular file of
   // `segment_bytes` bytes owned by this process's uid) once. Replaces any earlier token of the lease.
-  std::string Issue(const std::string& lease, const PeerInfo& peer, const std::string& segment_path,
+  std::string Issue(const std::string& lease, const PeerCred& peer, const std::string& segment_path,
                     uint64_t segment_bytes);
   void Revoke(const std::string& lease);
   // The file name clients look for next to the gRPC socket ("" before Bind).
@@ -71,17 +71,17 @@ class DescriptorChannel {
 
   // One request, as the serving thread handles it (public for the unit tests): the descriptor to send (the caller
   // closes it), or the reason for refusing. Counts the refusal.
-  absl::StatusOr<int> Redeem(const std::string& request_line, const PeerInfo& peer);
+  absl::StatusOr<int> Redeem(const std::string& request_line, const PeerCred& peer);
 
  private:
   struct Pending {
     std::string lease, token, path;
     uint64_t bytes = 0;
-    PeerInfo peer;
+    PeerCred peer;
   };
   void Serve();
 
-  std::function<bool(const PeerInfo&)> allowed_;
+  std::function<bool(const PeerCred&)> allowed_;
   std::string path_;
   int fd_ = -1;
   std::atomic<bool> stop_{false};

@@ -32,7 +32,7 @@ int32_t GroupRegistry::EdpSize(const engram::v1::Hello& h) {
   return std::gcd(dp, local);
 }
 
-absl::Status GroupRegistry::Join(const std::string& lease_id, const engram::v1::Hello& h, const PeerInfo& peer,
+absl::Status GroupRegistry::Join(const std::string& lease_id, const engram::v1::Hello& h, const PeerCred& peer,
                                  const engram::v1::GroupJoin& join, Notify notify) {
   if (!h.config().embedding_across_dp()) {
     return absl::FailedPreconditionError("group join: this session's hello did not ask for embedding_across_dp");
@@ -175,7 +175,7 @@ void GroupRegistry::RetireLocked(std::map<std::string, Group>::iterator it) {
   // another uid's and the daemon is not root) the log says so.
   const Group& g = it->second;
   if (g.status.transport() == "host" && IsDpRegionName(g.rendezvous)) {
-    if (::shm_unlink(g.rendezvous.c_str()) == 0) {
+    if (env_->ShmUnlink(g.rendezvous.c_str()) == 0) {
       spdlog::info("event=group_region_removed group={} region={}", it->first, g.rendezvous);
     } else if (errno != ENOENT) {
       spdlog::warn("event=group_region_left group={} region={} errno={}: remove it by hand", it->first,

@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "shm/env.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "net/peer_cred.h"
@@ -48,13 +49,16 @@ class GroupRegistry {
  public:
   using Notify = std::function<void(const engram::v1::ServerMessage&)>;
 
+  // `env` (not owned, outlives the registry) removes a retired group's host region.
+  explicit GroupRegistry(Env* env = Env::Default()) : env_(env) {}
+
   // The group size for a hello: gcd(dp_size, local_dp_size or dp_size).
   static int32_t EdpSize(const engram::v1::Hello& hello);
 
   // A session's join. InvalidArgument for malformed fields, FailedPrecondition for a join this session may not
   // make (no embedding_across_dp, group of one, joined already, another transport), AlreadyExists when the edp rank
   // is taken in the group. On success the member is recorded; the last member's join forms the group.
-  absl::Status Join(const std::string& lease_id, const engram::v1::Hello& hello, const PeerInfo& peer,
+  absl::Status Join(const std::string& lease_id, const engram::v1::Hello& hello, const PeerCred& peer,
                     const engram::v1::GroupJoin& join, Notify notify);
   // The session ended: a forming group forgets the member, a formed one breaks and tells the others.
   void Leave(const std::string& lease_id);
@@ -71,7 +75,7 @@ class GroupRegistry {
  private:
   struct Member {
     std::string lease_id;
-    PeerInfo peer;
+    PeerCred peer;
     engram::v1::GroupMember info;  // info.left(): it departed (the group keeps it for status)
     Notify notify;
     uint64_t join_id = 0;  // echoed in its updates
@@ -114,6 +118,7 @@ class GroupRegistry {
   void RetireLocked(std::map<std::string, Group>::iterator it);
   static void RefreshStatus(Group& g);
 
+  Env* const env_;
   mutable std::mutex mu_;
   std::map<std::string, Group> groups_;            // by key
   std::map<std::string, std::string> lease_group_;  // lease id -> key

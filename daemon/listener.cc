@@ -74,12 +74,12 @@ void UdsListener::Start(std::function<void(int, bool)> on_connection) {
         spdlog::info("event=accept_resumed");
         backoff_ms = 0;
       }
-      const std::optional<PeerInfo> read = ReadPeer(c);
+      const std::optional<PeerCred> read = ReadPeerCred(c);
       if (!read) {
         ::close(c);
         continue;
       }
-      const PeerInfo peer = *read;
+      const PeerCred peer = *read;
       {
         std::lock_guard<std::mutex> lock(mu_);
         peers_[c] = peer;
@@ -103,7 +103,7 @@ void UdsListener::Stop() {
 
 UdsListener::~UdsListener() { Stop(); }
 
-std::optional<PeerInfo> UdsListener::PeerOf(const std::string& grpc_peer) {
+std::optional<PeerCred> UdsListener::PeerOf(const std::string& grpc_peer) {
   // gRPC names a connection added from an fd "fd:<n>".
   const auto pos = grpc_peer.rfind("fd:");
   if (pos == std::string::npos) return std::nullopt;
@@ -116,7 +116,7 @@ std::optional<PeerInfo> UdsListener::PeerOf(const std::string& grpc_peer) {
 
 namespace {
 
-bool InGroup(const PeerInfo& p, int gid) {
+bool InGroup(const PeerCred& p, int gid) {
   if (gid < 0) return false;
   if (p.gid == static_cast<uint32_t>(gid)) return true;
   for (uint32_t g : p.groups) {
@@ -127,11 +127,11 @@ bool InGroup(const PeerInfo& p, int gid) {
 
 }  // namespace
 
-bool UdsListener::Operator(const PeerInfo& p) const {
+bool UdsListener::Operator(const PeerCred& p) const {
   return p.uid == 0 || p.uid == ::geteuid() || InGroup(p, admin_gid_);
 }
 
-bool UdsListener::Allowed(const PeerInfo& p) const {
+bool UdsListener::Allowed(const PeerCred& p) const {
   if (p.uid == 0 || p.uid == ::geteuid()) return true;
   if (InGroup(p, admin_gid_)) return true;
   if (group_gid_ < 0) return false;

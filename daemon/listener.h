@@ -34,12 +34,12 @@ class UdsListener {
   // Starts accepting; each connection's fd goes to `on_connection`, with whether its peer is Allowed.
   void Start(std::function<void(int fd, bool allowed)> on_connection);
   void Stop();  // stops accepting (existing connections stay)
-  std::optional<PeerInfo> PeerOf(const std::string& grpc_peer);
+  std::optional<PeerCred> PeerOf(const std::string& grpc_peer);
   // Whether a peer may use the daemon: root, the daemon's own uid, or a member of the configured group.
-  bool Allowed(const PeerInfo& p) const;
+  bool Allowed(const PeerCred& p) const;
   // Whether a peer may run the operator calls: root, the daemon's own uid, or a member of the admin group (an
   // allowed peer that is not one attaches and reads status only).
-  bool Operator(const PeerInfo& p) const;
+  bool Operator(const PeerCred& p) const;
 
  private:
   std::string path_;
@@ -49,7 +49,7 @@ class UdsListener {
   std::atomic<bool> stop_{false};
   std::thread thread_;
   std::mutex mu_;
-  std::map<int, PeerInfo> peers_;
+  std::map<int, PeerCred> peers_;
 };
 
 }  // namespace engram::daemon

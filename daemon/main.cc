@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "engramd: %s\n", std::string(st.message()).c_str());
     return 1;
   }
-  DaemonState state(*opts);
+  Coordinator state(*opts);
   if (auto st = state.Start(); !st.ok()) {
     std::fprintf(stderr, "engramd: %s\n", std::string(st.message()).c_str());
     return 1;
@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
   auto* health = server->GetHealthCheckService();
   health->SetServingStatus(false);
   // Descriptor passing: a side socket next to the gRPC one, same mode and group, same authorisation.
-  DescriptorChannel descriptors([&listener](const PeerInfo& p) { return listener.Allowed(p); });
+  DescriptorChannel descriptors([&listener](const PeerCred& p) { return listener.Allowed(p); });
   {
     const struct group* g = opts->group.empty() ? nullptr : ::getgrnam(opts->group.c_str());
     // Without it replicas in containers could only fall back: a startup error, not a silent degradation.

@@ -85,7 +85,7 @@ void ReplicaRegistry::AddRecentFallbackLocked(std::string line) {
   while (recent_fallbacks_.size() > kMaxRecentFallbacks) recent_fallbacks_.pop_front();
 }
 
-std::string ReplicaRegistry::Attach(const engram::v1::Hello& h, const PeerInfo& peer, const Decision& d,
+std::string ReplicaRegistry::Attach(const engram::v1::Hello& h, const PeerCred& peer, const Decision& d,
                                     const std::string& segment_key,
                                     std::function<void(const engram::v1::ServerMessage&)> notify) {
   std::lock_guard<std::mutex> lock(mu_);

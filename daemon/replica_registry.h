@@ -53,7 +53,7 @@ absl::Status ValidateOutcome(const engram::v1::Outcome& outcome, engram::v1::Out
 // A copy of one replica's record, for status and tests.
 struct ReplicaInfo {
   std::string lease_id;
-  PeerInfo peer;
+  PeerCred peer;
   engram::v1::Hello hello;
   engram::v1::Mode mode = engram::v1::MODE_UNSPECIFIED;
   // "unknown" until the replica reports one; status shows "registering" while it holds a ticket instead.
@@ -83,7 +83,7 @@ class ReplicaRegistry {
   // Records a new session after the daemon decided (`decision`). On share, `segment_key` names the segment the
   // replica is granted (a lease on it); on fallback the decision goes to the recent fallbacks and counters.
   // `notify` pushes an event to the session. Returns the lease id.
-  std::string Attach(const engram::v1::Hello& hello, const PeerInfo& peer, const Decision& decision,
+  std::string Attach(const engram::v1::Hello& hello, const PeerCred& peer, const Decision& decision,
                      const std::string& segment_key,
                      std::function<void(const engram::v1::ServerMessage&)> notify);
   // Queues the replica for a ticket and blocks until it is at the head of the queue and a ticket is free (true),
@@ -120,7 +120,7 @@ class ReplicaRegistry {
  private:
   struct Replica {
     std::string lease_id;
-    PeerInfo peer;
+    PeerCred peer;
     engram::v1::Hello hello;
     engram::v1::Mode mode = engram::v1::MODE_UNSPECIFIED;
     std::string backend = "unknown";

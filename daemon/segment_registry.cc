@@ -9,6 +9,7 @@
 #include <cstring>
 #include <set>
 
+#include "daemon/segment_files.h"
 #include "base/utf8.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -22,13 +23,13 @@
 
 namespace engram::daemon {
 
-std::string_view Name(SegState s) {
+std::string_view Name(ServingState s) {
   switch (s) {
-    case SegState::kPending: return "PENDING";
-    case SegState::kLoading: return "LOADING";
-    case SegState::kReady: return "READY";
-    case SegState::kFailed: return "FAILED";
-    case SegState::kRetired: return "RETIRED";
+    case ServingState::kPending: return "PENDING";
+    case ServingState::kLoading: return "LOADING";
+    case ServingState::kReady: return "READY";
+    case ServingState::kFailed: return "FAILED";
+    case ServingState::kRetired: return "RETIRED";
   }
   return "UNKNOWN";
 }
@@ -43,57 +44,14 @@ std::string_view Name(ChecksumState s) {
   return "unknown";
 }
 
-std::string_view Name(SegOrigin o) {
+std::string_view Name(SegmentOrigin o) {
   switch (o) {
-    case SegOrigin::kNone: return "";
-    case SegOrigin::kPublished: return "published";
-    case SegOrigin::kAdopted: return "adopted";
+    case SegmentOrigin::kNone: return "";
+    case SegmentOrigin::kPublished: return "published";
+    case SegmentOrigin::kAdopted: return "adopted";
   }
   return "";
 }
-
-namespace {
-
-bool Unsettled(SegState s) { return s == SegState::kPending || s == SegState::kLoading; }
-
-// What occupies a segment's `path`: nothing (or a foreign file, now removed) -> false; this daemon's own regular
-// file -> true; a foreign file that cannot be removed -> FailedPrecondition naming its owner. Foreign: a symlink,
-// anything but a regular file, another owner, or writable by group/others (a world-writable shm directory lets
-// anyone plant a file under our name before we start).
-absl::StatusOr<bool> OursOrClear(const std::string& path) {
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return false;
-    return absl::InternalError(absl::StrCat("lstat ", path, ": ", std::strerror(errno)));
-  }
-  if (S_ISREG(st.st_mode) && st.st_uid == ::geteuid() && (st.st_mode & (S_IWGRP | S_IWOTH)) == 0) return true;
-  const char* kind = S_ISLNK(st.st_mode) ? "symlink" : S_ISREG(st.st_mode) ? "file" : "special";
-  if (::unlink(path.c_str()) == 0 || errno == ENOENT) {
-    spdlog::warn("event=segment_foreign path={} owner={} mode={:04o} kind={}: not this daemon's, removed", path,
-                 st.st_uid, st.st_mode & 07777, kind);
-    return false;
-  }
-  const int err = errno;
-  spdlog::error("event=segment_foreign path={} owner={} mode={:04o} kind={} detail=\"{}\": cannot be removed", path,
-                st.st_uid, st.st_mode & 07777, kind, std::strerror(err));
-  return absl::FailedPreconditionError(absl::StrFormat(
-      "a file owned by uid %d occupies %s (mode %04o) and cannot be removed (%s): it is not this daemon's (uid %d)",
-      st.st_uid, path, st.st_mode & 07777, std::strerror(err), ::geteuid()));
-}
-
-std::string Bounded(const std::string& s, size_t max) {
-  return s.size() <= max ? s : Utf8Prefix(s, max) + "...";
-}
-
-std::shared_ptr<const engram::v1::SegmentDescriptor> ReadDescriptor(const std::string& path) {
-  auto reader = SegmentReader::Open(path);
-  if (!reader.ok()) return nullptr;
-  auto d = std::make_shared<engram::v1::SegmentDescriptor>();
-  if (!d->ParseFromString((*reader)->descriptor_bytes())) return nullptr;
-  return d;
-}
-
-}  // namespace
 
 SegmentRegistry::SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id, Env* env)
     : shm_dir_(std::move(shm_dir)), threads_(std::max(1, threads)), instance_id_(instance_id),
@@ -135,51 +93,6 @@ absl::StatusOr<std::unique_ptr<SegmentRegistry::ServedCheckpoint>> SegmentRegist
     }
   }
   return c;
-}
-
-void SegmentRegistry::ScanShmDirLocked() {
-  // Debris (anything not READY) goes; READY segments that no configured checkpoint wants are retired (unlinked:
-  // a replica that maps one keeps its mapping, the memory returns when the last mapping goes).
-  for (const std::string& name : ListSegments(shm_dir_)) {
-    const std::string path = shm_dir_ + "/" + name;
-    auto ours = OursOrClear(path);
-    if (!ours.ok() || !*ours) continue;  // foreign: removed, or left (its segment fails when planned)
-    auto h = ReadOwnedSegmentHeader(path, ::geteuid());
-    if (!h.ok() || h->state != static_cast<uint32_t>(SegmentState::kReady)) {
-      spdlog::warn("event=segment_debris path={} state={} detail=\"{}\": removed", path,
-                   h.ok() ? SegmentStateName(static_cast<SegmentState>(h->state)) : "unreadable",
-                   h.ok() ? "left by a crash during loading" : std::string(h.status().message()));
-      ::unlink(path.c_str());
-      continue;
-    }
-    bool wanted = false;
-    for (const auto& [dir, c] : checkpoints_) {
-      for (const auto& [key, seg] : c->segments) wanted = wanted || seg.name == name;
-    }
-    if (!wanted) {
-      spdlog::info("event=segment_retired path={}: not served by this configuration", path);
-      RetireFileLocked(path);
-      continue;
-    }
-    // A segment an older engramd left 0640 becomes 0600 like a new one: only the daemon hands it out.
-    int fd = RetryEintr([&] { return env_->Open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0); });
-    if (fd >= 0) {
-      env_->Fchmod(fd, 0600);
-      env_->Close(fd);
-    }
-  }
-}
-
-void SegmentRegistry::RetireFileLocked(const std::string& path) const {
-  // Only a file of ours is written to (never through a link, never someone else's file).
-  if (ReadOwnedSegmentHeader(path, ::geteuid()).ok()) (void)SetSegmentState(path, SegmentState::kRetired);
-  ::unlink(path.c_str());
-}
-
-void SegmentRegistry::DropQueuedLocked(const std::string& dir, const Key* key) {
-  publish_queue_.erase(std::remove_if(publish_queue_.begin(), publish_queue_.end(),
-                                      [&](const auto& q) { return q.first == dir && (key == nullptr || q.second == *key); }),
-                       publish_queue_.end());
 }
 
 void SegmentRegistry::PlanSegmentsLocked(ServedCheckpoint& c) const {
@@ -229,7 +142,7 @@ absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
                   std::string(shm_.status().message()));
     for (auto& [dir, c] : checkpoints_) {
       for (auto& [key, e] : c->segments) {
-        e.state = SegState::kFailed;
+        e.state = ServingState::kFailed;
         e.error = std::string(shm_.status().message());
       }
     }
@@ -240,20 +153,20 @@ absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
   ScanShmDirLocked();
   for (auto& [dir, c] : checkpoints_) {
     for (auto& [key, e] : c->segments) {
-      auto ours = OursOrClear(e.path);
+      auto ours = OursOrClear(e.path, env_);
       if (!ours.ok()) {
-        e.state = SegState::kFailed;
+        e.state = ServingState::kFailed;
         e.error = std::string(ours.status().message());
         continue;
       }
-      auto h = *ours ? ReadOwnedSegmentHeader(e.path, ::geteuid()) : absl::StatusOr<SegmentHeader>(
+      auto h = *ours ? ReadOwnedSegmentHeader(e.path, ::geteuid(), env_) : absl::StatusOr<SegmentHeader>(
                                                                           absl::NotFoundError("no segment"));
       if (h.ok() && h->state == static_cast<uint32_t>(SegmentState::kReady) && h->fingerprint == c->fingerprint &&
           h->total_bytes == e.bytes) {
-        if (auto desc = ReadDescriptor(e.path)) {
+        if (auto desc = ReadDescriptor(e.path, env_)) {
           e.descriptor = std::move(desc);
-          e.state = SegState::kReady;
-          e.origin = SegOrigin::kAdopted;
+          e.state = ServingState::kReady;
+          e.origin = SegmentOrigin::kAdopted;
           e.load_seconds = h->load_seconds;
           e.checksum = ChecksumState::kVerifying;
           spdlog::info("event=segment_adopted path={} bytes={} load_seconds={:.2f}", e.path, e.bytes, e.load_seconds);
@@ -261,7 +174,7 @@ absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
           continue;
         }
       }
-      if (h.ok()) ::unlink(e.path.c_str());  // stale: wrong size or fingerprint
+      if (h.ok()) env_->Unlink(e.path.c_str());  // stale: wrong size or fingerprint
       publish_queue_.push_back({dir, key});
     }
   }
@@ -274,150 +187,6 @@ SegmentRegistry::Segment* SegmentRegistry::FindLocked(const std::string& dir, Ke
   if (it == checkpoints_.end() || (serial != 0 && it->second->serial != serial)) return nullptr;
   auto s = it->second->segments.find(key);
   return s == it->second->segments.end() ? nullptr : &s->second;
-}
-
-void SegmentRegistry::VerifyAdopted(const std::string& dir, Key key) {
-  std::string path;
-  std::shared_ptr<std::atomic<uint64_t>> progress;
-  uint64_t serial = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    Segment* e = FindLocked(dir, key);
-    if (e == nullptr) return;
-    serial = checkpoints_.at(dir)->serial;
-    path = e->path;
-    progress = e->rows_done;
-  }
-  absl::Status st = VerifyChecksums(path, std::max(1, threads_ / 2), progress.get());
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    Segment* e = FindLocked(dir, key, serial);
-    if (e == nullptr) return;
-    e->checksum = st.ok() ? ChecksumState::kOk : ChecksumState::kMismatch;
-    if (!st.ok()) {
-      spdlog::error("event=segment_checksum_mismatch path={} detail=\"{}\": republishing", path,
-                    std::string(st.message()));
-      e->state = SegState::kPending;
-      e->descriptor.reset();
-      ::unlink(path.c_str());
-      publish_queue_.push_back({dir, key});
-    }
-  }
-  cv_.notify_all();
-}
-
-void SegmentRegistry::PublishLoop() {
-  while (true) {
-    std::string dir;
-    Key key;
-    std::shared_ptr<const Checkpoint> ckpt;
-    std::shared_ptr<const Layout> layout;
-    std::shared_ptr<const TokenMap> map;
-    uint64_t serial = 0;
-    std::shared_ptr<std::atomic<uint64_t>> progress;
-    uint64_t bytes = 0;
-    std::string path;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !publish_queue_.empty(); });
-      if (stopping_) return;
-      std::tie(dir, key) = publish_queue_.front();
-      publish_queue_.pop_front();
-      auto it = checkpoints_.find(dir);
-      if (it == checkpoints_.end()) continue;
-      Segment* e = FindLocked(dir, key);
-      if (e == nullptr) continue;
-      // Shared: an Unload during the publish erases the entry, not what the publisher reads.
-      ckpt = it->second->ckpt;
-      layout = it->second->layout;
-      map = it->second->map;
-      serial = it->second->serial;
-      progress = e->rows_done;
-      progress->store(0);
-      bytes = e->bytes;
-      path = e->path;
-      // Capacity: the segment must fit in what the mount has free now.
-      auto cap = ProbeShm(shm_dir_, env_);
-      if (!cap.ok() || cap->free_bytes < bytes) {
-        e->state = SegState::kFailed;
-        e->too_small = cap.ok();
-        e->error = cap.ok() ? absl::StrFormat("%s has %d bytes free, the segment needs %d", shm_dir_,
-                                              cap->free_bytes, bytes)
-                            : std::string(cap.status().message());
-        spdlog::error("event=segment_not_created path={} reason={} detail=\"{}\"", path,
-                      cap.ok() ? "SHM_TOO_SMALL" : "SHM_MISSING", e->error);
-        cv_.notify_all();
-        continue;
-      }
-      // The name must be free: a stale file of ours goes, a foreign one is removed or fails the segment.
-      auto ours = OursOrClear(path);
-      if (ours.ok() && *ours) ::unlink(path.c_str());
-      if (!ours.ok()) {
-        e->state = SegState::kFailed;
-        e->error = std::string(ours.status().message());
-        spdlog::error("event=segment_not_created path={} reason=SEGMENT_NOT_READY detail=\"{}\"", path, e->error);
-        cv_.notify_all();
-        continue;
-      }
-      e->state = SegState::kLoading;
-      e->origin = SegOrigin::kPublished;
-    }
-    spdlog::info("event=publish_start path={} bytes={} threads={}", path, bytes, threads_);
-    auto r = Publish(*ckpt, *layout, *map, key.first, key.second, shm_dir_, instance_id_, epoch_.load(), threads_,
-                     progress.get(), env_);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      // Unloaded (and maybe loaded again) while publishing: Unload/Load unlinked the file already, nothing to record.
-      Segment* e = FindLocked(dir, key, serial);
-      if (e == nullptr) {
-        // Its shard was unloaded (or dropped by a reload) meanwhile: the file just made is nobody's.
-        if (r.ok()) RetireFileLocked(path);
-        spdlog::info("event=publish_discarded path={}: the shard was unloaded meanwhile", path);
-      } else if (r.ok()) {
-        e->descriptor = ReadDescriptor(path);
-        e->state = SegState::kReady;
-        e->load_seconds = r->seconds;
-        e->checksum = ChecksumState::kOk;
-        spdlog::info("event=publish_done path={} bytes={} seconds={:.2f} gib_per_s={:.2f} page_bytes={} "
-                     "populated_by_writers={} streamed_bytes={} prefetched_bytes={}", path, r->bytes, r->seconds,
-                     r->bytes / 1073741824.0 / std::max(r->seconds, 1e-9), r->page_bytes, r->populated,
-                     r->streamed_bytes, r->prefetched_bytes);
-      } else {
-        e->state = SegState::kFailed;
-        e->too_small = r.status().code() == absl::StatusCode::kResourceExhausted;
-        e->error = std::string(r.status().message());
-        spdlog::error("event=publish_failed path={} detail=\"{}\"", path, e->error);
-      }
-    }
-    cv_.notify_all();
-  }
-}
-
-bool SegmentRegistry::WaitSettled(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  return cv_.wait_for(lock, timeout, [&] {
-    for (const auto& [dir, c] : checkpoints_) {
-      for (const auto& [k, e] : c->segments) {
-        if (Unsettled(e.state)) return false;
-      }
-    }
-    return true;
-  });
-}
-
-std::string SegmentRegistry::LoadProgressLine() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  int ready = 0, total = 0;
-  uint64_t done = 0, all = 0;
-  for (const auto& [dir, c] : checkpoints_) {
-    for (const auto& [k, e] : c->segments) {
-      ++total;
-      ready += e.state == SegState::kReady;
-      all += e.rows_total;
-      done += e.state == SegState::kReady ? e.rows_total : e.rows_done->load();
-    }
-  }
-  return absl::StrFormat("%d/%d segments ready, %.0f%% of rows", ready, total, all ? 100.0 * done / all : 100.0);
 }
 
 absl::StatusOr<ShardOffer> SegmentRegistry::Offer(const engram::v1::Hello& h, const std::function<bool()>& cancelled,
@@ -458,7 +227,7 @@ absl::StatusOr<ShardOffer> SegmentRegistry::Offer(const engram::v1::Hello& h, co
     for (const auto& [k, e] : c->segments) {
       if (k.first == h.tp_size()) node.tables_bytes += e.bytes;
     }
-    if (seg.state == SegState::kReady && seg.descriptor) {
+    if (seg.state == ServingState::kReady && seg.descriptor) {
       offer.ready = true;
       offer.segment_name = seg.name;
       offer.segment_path = seg.path;
@@ -650,9 +419,5 @@ std::vector<SegmentInfo> SegmentRegistry::Segments() const {
   return out;
 }
 
-void SegmentRegistry::Wake() {
-  { std::lock_guard<std::mutex> lock(mu_); }
-  cv_.notify_all();
-}
 
 }  // namespace engram::daemon

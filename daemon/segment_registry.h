@@ -53,18 +53,19 @@
 
 namespace engram::daemon {
 
-// The daemon's view of a segment (distinct from the header state shm/segment.h writes into the file).
-enum class SegState { kPending, kLoading, kReady, kFailed, kRetired };
+// Where the daemon is with serving a segment (its own bookkeeping; the state written into the file's header is
+// shm/segment.h's SegmentState).
+enum class ServingState { kPending, kLoading, kReady, kFailed, kRetired };
 // "PENDING", "LOADING", "READY", "FAILED", "RETIRED" (as shown in status and metrics).
-std::string_view Name(SegState s);
+std::string_view Name(ServingState s);
 
 enum class ChecksumState { kPending, kVerifying, kOk, kMismatch };
 // "pending", "verifying", "ok", "mismatch".
 std::string_view Name(ChecksumState s);
 
-enum class SegOrigin { kNone, kPublished, kAdopted };
+enum class SegmentOrigin { kNone, kPublished, kAdopted };
 // "", "published", "adopted".
-std::string_view Name(SegOrigin o);
+std::string_view Name(SegmentOrigin o);
 
 // A copy of one segment's state, for status and tests.
 struct SegmentInfo {
@@ -72,8 +73,8 @@ struct SegmentInfo {
   std::string name, path;
   int64_t tp_size = 0, tp_rank = 0;
   uint64_t bytes = 0;
-  SegState state = SegState::kPending;
-  SegOrigin origin = SegOrigin::kNone;
+  ServingState state = ServingState::kPending;
+  SegmentOrigin origin = SegmentOrigin::kNone;
   double load_seconds = 0;
   ChecksumState checksum = ChecksumState::kPending;
   uint64_t rows_done = 0, rows_total = 0;
@@ -152,8 +153,8 @@ class SegmentRegistry {
     std::string name, path;
     int64_t tp_size = 0, tp_rank = 0;
     uint64_t bytes = 0;
-    SegState state = SegState::kPending;
-    SegOrigin origin = SegOrigin::kNone;
+    ServingState state = ServingState::kPending;
+    SegmentOrigin origin = SegmentOrigin::kNone;
     double load_seconds = 0;
     ChecksumState checksum = ChecksumState::kPending;
     std::shared_ptr<std::atomic<uint64_t>> rows_done = std::make_shared<std::atomic<uint64_t>>(0);

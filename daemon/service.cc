@@ -47,7 +47,7 @@ class GroupSink {
 
 }  // namespace
 
-grpc::Status EngramService::AuthorizeOperator(grpc::ServerContext* ctx, const char* call, PeerInfo* peer) {
+grpc::Status EngramService::AuthorizeOperator(grpc::ServerContext* ctx, const char* call, PeerCred* peer) {
   if (auto st = Authorize(ctx, peer); !st.ok()) return st;
   if (listener_->Operator(*peer)) return grpc::Status::OK;
   spdlog::warn("event=refused pid={} uid={} call={} reason=NOT_OPERATOR", peer->pid, peer->uid, call);
@@ -56,7 +56,7 @@ grpc::Status EngramService::AuthorizeOperator(grpc::ServerContext* ctx, const ch
                                    ": operator calls take root, the daemon's uid or a member of --admin-group"));
 }
 
-grpc::Status EngramService::Authorize(grpc::ServerContext* ctx, PeerInfo* peer) {
+grpc::Status EngramService::Authorize(grpc::ServerContext* ctx, PeerCred* peer) {
   auto p = listener_->PeerOf(ctx->peer());
   if (!p) return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, "cannot identify the peer (SO_PEERCRED)");
   if (!listener_->Allowed(*p)) {
@@ -68,7 +68,7 @@ grpc::Status EngramService::Authorize(grpc::ServerContext* ctx, PeerInfo* peer) 
   return grpc::Status::OK;
 }
 
-grpc::Status EngramService::AdmitSession(const PeerInfo& peer) {
+grpc::Status EngramService::AdmitSession(const PeerCred& peer) {
   std::lock_guard<std::mutex> lock(sessions_mu_);
   int& mine = sessions_by_uid_[peer.uid];
   if (sessions_ >= max_sessions_ || mine >= max_sessions_per_uid_) {
@@ -97,7 +97,7 @@ void EngramService::EndSession(uint32_t uid) {
 
 grpc::Status EngramService::Session(
     grpc::ServerContext* ctx, grpc::ServerReaderWriter<engram::v1::ServerMessage, engram::v1::ClientMessage>* stream) {
-  PeerInfo peer;
+  PeerCred peer;
   if (auto st = Authorize(ctx, &peer); !st.ok()) return st;
   if (auto st = AdmitSession(peer); !st.ok()) return st;
   struct Admitted {
@@ -250,7 +250,7 @@ grpc::Status EngramService::Session(
 
 grpc::Status EngramService::Status(grpc::ServerContext* ctx, const engram::v1::StatusRequest*,
                                    engram::v1::StatusReply* reply) {
-  PeerInfo peer;
+  PeerCred peer;
   if (auto st = Authorize(ctx, &peer); !st.ok()) return st;
   *reply = state_->Status();
   std::lock_guard<std::mutex> lock(sessions_mu_);
@@ -264,7 +264,7 @@ grpc::Status EngramService::Status(grpc::ServerContext* ctx, const engram::v1::S
 
 grpc::Status EngramService::Load(grpc::ServerContext* ctx, const engram::v1::LoadRequest* req,
                                  engram::v1::LoadReply*) {
-  PeerInfo peer;
+  PeerCred peer;
   if (auto st = AuthorizeOperator(ctx, "load", &peer); !st.ok()) return st;
   if (auto st = Bounded("checkpoint", req->checkpoint()); !st.ok()) return st;
   if (req->tp_sizes_size() > 64) {
@@ -281,14 +281,14 @@ grpc::Status EngramService::Load(grpc::ServerContext* ctx, const engram::v1::Loa
 
 grpc::Status EngramService::Unload(grpc::ServerContext* ctx, const engram::v1::UnloadRequest* req,
                                    engram::v1::UnloadReply*) {
-  PeerInfo peer;
+  PeerCred peer;
   if (auto st = AuthorizeOperator(ctx, "unload", &peer); !st.ok()) return st;
   if (auto st = Bounded("checkpoint", req->checkpoint()); !st.ok()) return st;
   return ToGrpc(state_->Unload(req->checkpoint()));
 }
 
 grpc::Status EngramService::Drain(grpc::ServerContext* ctx, const engram::v1::DrainRequest*, engram::v1::DrainReply*) {
-  PeerInfo peer;
+  PeerCred peer;
   if (auto st = AuthorizeOperator(ctx, "drain", &peer); !st.ok()) return st;
   state_->Drain();
   return grpc::Status::OK;

@@ -1,4 +1,4 @@
-// EngramService: the gRPC service of engramd (proto/engram/v1/engram.proto) over DaemonState. Session is one
+// EngramService: the gRPC service of engramd (proto/engram/v1/engram.proto) over Coordinator. Session is one
 // long-lived bidirectional stream per replica: hello -> grant or fallback; ticket requests and registration
 // results; then once the replica settled, its outcome (at most one, never while it holds a ticket); daemon events.
 // The stream is the lease: when it ends for any reason the replica is detached. Every
@@ -23,7 +23,7 @@ inline constexpr size_t kMaxBackendBytes = 64;
 
 class EngramService final : public engram::v1::Engram::Service {
  public:
-  EngramService(DaemonState* state, UdsListener* listener, int max_sessions = 2048, int max_sessions_per_uid = 512)
+  EngramService(Coordinator* state, UdsListener* listener, int max_sessions = 2048, int max_sessions_per_uid = 512)
       : state_(state), listener_(listener), max_sessions_(max_sessions), max_sessions_per_uid_(max_sessions_per_uid) {}
 
   grpc::Status Session(grpc::ServerContext* ctx,
@@ -39,13 +39,13 @@ class EngramService final : public engram::v1::Engram::Service {
 
  private:
   // Authorize, and the peer is an operator (UdsListener::Operator); `call` names the refused call.
-  grpc::Status AuthorizeOperator(grpc::ServerContext* ctx, const char* call, PeerInfo* peer);
+  grpc::Status AuthorizeOperator(grpc::ServerContext* ctx, const char* call, PeerCred* peer);
   // The caller's credentials, or PERMISSION_DENIED.
-  grpc::Status Authorize(grpc::ServerContext* ctx, PeerInfo* peer);
+  grpc::Status Authorize(grpc::ServerContext* ctx, PeerCred* peer);
   // Admits one more session of `uid` within the bounds, or RESOURCE_EXHAUSTED; EndSession gives it back.
-  grpc::Status AdmitSession(const PeerInfo& peer);
+  grpc::Status AdmitSession(const PeerCred& peer);
   void EndSession(uint32_t uid);
-  DaemonState* state_;
+  Coordinator* state_;
   UdsListener* listener_;
   const int max_sessions_, max_sessions_per_uid_;
   std::mutex sessions_mu_;  // guards the three below

@@ -22,15 +22,15 @@ absl::Status Errno(const std::string& what) {
 }
 
 // The file on `fd` is ours: a regular file of this uid that nobody else may write.
-bool Ours(int fd) {
+bool Ours(Env* env, int fd) {
   struct stat st {};
-  return ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() &&
+  return env->Fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() &&
          (st.st_mode & (S_IWGRP | S_IWOTH)) == 0;
 }
 
-std::string PidIn(int fd) {
+std::string PidIn(Env* env, int fd) {
   char buf[32] = {};
-  const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+  const ssize_t n = env->Pread(fd, buf, sizeof(buf) - 1, 0);
   int64_t pid = 0;
   if (n > 0 && absl::SimpleAtoi(absl::StripAsciiWhitespace(absl::string_view(buf, static_cast<size_t>(n))), &pid)) {
     return std::to_string(pid);
@@ -40,34 +40,37 @@ std::string PidIn(int fd) {
 
 }  // namespace
 
-ShmDirLock::ShmDirLock(ShmDirLock&& o) noexcept : fd_(std::exchange(o.fd_, -1)), path_(std::move(o.path_)) {}
+ShmDirLock::ShmDirLock(ShmDirLock&& o) noexcept
+    : env_(o.env_), fd_(std::exchange(o.fd_, -1)), path_(std::move(o.path_)) {}
 
 ShmDirLock& ShmDirLock::operator=(ShmDirLock&& o) noexcept {
+  std::swap(env_, o.env_);
   std::swap(fd_, o.fd_);
   std::swap(path_, o.path_);
   return *this;
 }
 
 ShmDirLock::~ShmDirLock() {
-  if (fd_ >= 0) ::close(fd_);
+  if (fd_ >= 0) env_->Close(fd_);
 }
 
-absl::StatusOr<ShmDirLock> ShmDirLock::Acquire(const std::string& shm_dir) {
+absl::StatusOr<ShmDirLock> ShmDirLock::Acquire(const std::string& shm_dir, Env* env) {
   ShmDirLock lock;
+  lock.env_ = env;
   lock.path_ = shm_dir + "/" + kShmLockName;
   struct stat dst {};
-  if (::stat(shm_dir.c_str(), &dst) != 0 && errno == ENOENT) {
+  if (env->Stat(shm_dir.c_str(), &dst) != 0 && errno == ENOENT) {
     spdlog::warn("event=shm_lock_skipped dir={}: the directory does not exist", shm_dir);
     return lock;
   }
   for (int attempt = 0; attempt < 3; ++attempt) {
-    int fd = ::open(lock.path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
+    int fd = env->Open(lock.path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
     if (fd < 0 && errno != ELOOP && errno != EACCES && errno != EPERM) return Errno(absl::StrCat("open ", lock.path_));
-    if (fd >= 0 && Ours(fd)) {
-      if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    if (fd >= 0 && Ours(env, fd)) {
+      if (env->Flock(fd, LOCK_EX | LOCK_NB) != 0) {
         const int err = errno;
-        const std::string pid = PidIn(fd);
-        ::close(fd);
+        const std::string pid = PidIn(env, fd);
+        env->Close(fd);
         if (err == EWOULDBLOCK) {
           return absl::FailedPreconditionError(absl::StrCat("another engramd (pid ", pid, ") owns ", shm_dir,
                                                             " (", lock.path_, " is locked)"));
@@ -76,10 +79,10 @@ absl::StatusOr<ShmDirLock> ShmDirLock::Acquire(const std::string& shm_dir) {
         return Errno(absl::StrCat("flock ", lock.path_));
       }
       const std::string text = absl::StrCat(::getpid(), "\n");
-      if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
+      if (env->Ftruncate(fd, 0) != 0 || env->Pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
         spdlog::warn("event=shm_lock_pid_not_written path={} errno={}", lock.path_, errno);
       }
-      ::fchmod(fd, 0600);
+      env->Fchmod(fd, 0600);
       lock.fd_ = fd;
       spdlog::info("event=shm_lock path={} pid={}", lock.path_, ::getpid());
       return lock;
@@ -87,24 +90,24 @@ absl::StatusOr<ShmDirLock> ShmDirLock::Acquire(const std::string& shm_dir) {
     // Not ours: planted by another user, a symlink, or the lock of another engramd running as another uid. A file
     // that some process holds locked is a live daemon's: refuse to start (removing it would let both run).
     if (fd >= 0 || errno == EACCES || errno == EPERM) {
-      const int probe = fd >= 0 ? ::dup(fd) : ::open(lock.path_.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+      const int probe = fd >= 0 ? env->Dup(fd) : env->Open(lock.path_.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0);
       if (probe >= 0) {
-        const bool held = ::flock(probe, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
-        const std::string pid = held ? PidIn(probe) : "";
-        ::close(probe);
+        const bool held = env->Flock(probe, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+        const std::string pid = held ? PidIn(env, probe) : "";
+        env->Close(probe);
         if (held) {
-          if (fd >= 0) ::close(fd);
+          if (fd >= 0) env->Close(fd);
           return absl::FailedPreconditionError(absl::StrCat("another engramd (pid ", pid, ", another user) owns ",
                                                             shm_dir, " (", lock.path_, " is locked)"));
         }
       }
     }
     struct stat st {};
-    ::lstat(lock.path_.c_str(), &st);
+    env->Lstat(lock.path_.c_str(), &st);
     spdlog::warn("event=segment_foreign path={} owner={} mode={:04o}: not this daemon's lock file, removed",
                  lock.path_, st.st_uid, st.st_mode & 07777);
-    if (fd >= 0) ::close(fd);
-    if (::unlink(lock.path_.c_str()) != 0 && errno != ENOENT) {
+    if (fd >= 0) env->Close(fd);
+    if (env->Unlink(lock.path_.c_str()) != 0 && errno != ENOENT) {
       // Refusing to start would let any local user stop a non-root engramd by planting the file: run unlocked.
       spdlog::error("event=shm_lock_unavailable path={} owner={} detail=\"{}\": a file owned by uid {} occupies it; "
                     "running without the one-daemon-per-directory lock", lock.path_, st.st_uid, std::strerror(errno),

@@ -16,6 +16,7 @@
 
 #include <string>
 
+#include "shm/env.h"
 #include "absl/status/statusor.h"
 
 namespace engram::daemon {
@@ -31,12 +32,13 @@ class ShmDirLock {
 
   // Takes the lock of `shm_dir`. FailedPrecondition "another engramd (pid N) owns DIR" when a live process holds
   // it; other errors when the lock file cannot be created.
-  static absl::StatusOr<ShmDirLock> Acquire(const std::string& shm_dir);
+  static absl::StatusOr<ShmDirLock> Acquire(const std::string& shm_dir, Env* env = Env::Default());
 
   bool held() const { return fd_ >= 0; }
   const std::string& path() const { return path_; }
 
  private:
+  Env* env_ = Env::Default();  // not owned
   int fd_ = -1;
   std::string path_;
 };

@@ -33,11 +33,11 @@ engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const Repli
     seg->set_origin(std::string(Name(e.origin)));
     seg->set_load_seconds(e.load_seconds);
     seg->set_checksum_state(std::string(Name(e.checksum)));
-    seg->set_progress(e.state == SegState::kReady && e.checksum != ChecksumState::kVerifying
+    seg->set_progress(e.state == ServingState::kReady && e.checksum != ChecksumState::kVerifying
                           ? 1.0
                           : e.rows_total ? static_cast<double>(e.rows_done) / e.rows_total : 0.0);
     seg->set_error(e.error);
-    if (e.state == SegState::kReady) engram_bytes += e.bytes;
+    if (e.state == ServingState::kReady) engram_bytes += e.bytes;
   }
   shm->set_engram_bytes(engram_bytes);
   // Bounded whatever the clients do: at most kMaxStatusReplicas replicas and kMaxStatusReplicaBytes of them (each
@@ -103,7 +103,7 @@ std::string MetricsText(const engram::v1::StatusReply& s, const ReplicaCounters&
   absl::StrAppend(&out, "# HELP engram_publish_gib_per_second Publish rate of each published segment.\n"
                         "# TYPE engram_publish_gib_per_second gauge\n");
   for (const auto& g : s.segments()) {
-    if (g.origin() == Name(SegOrigin::kPublished) && g.state() == Name(SegState::kReady) && g.load_seconds() > 0) {
+    if (g.origin() == Name(SegmentOrigin::kPublished) && g.state() == Name(ServingState::kReady) && g.load_seconds() > 0) {
       line("engram_publish_gib_per_second", "segment=\"" + g.name() + "\"",
            g.bytes() / 1073741824.0 / g.load_seconds());
     }

@@ -6,11 +6,11 @@
 
 namespace engram::daemon {
 
-std::optional<PeerInfo> ReadPeer(int fd) {
+std::optional<PeerCred> ReadPeerCred(int fd) {
   ucred cred{};
   socklen_t len = sizeof(cred);
   if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return std::nullopt;
-  PeerInfo p{cred.pid, cred.uid, cred.gid, {}};
+  PeerCred p{cred.pid, cred.uid, cred.gid, {}};
   // SO_PEERGROUPS (Linux 4.13+): the groups the peer had when it connected, whatever its PID namespace.
   std::vector<gid_t> groups(64);
   socklen_t glen = static_cast<socklen_t>(groups.size() * sizeof(gid_t));

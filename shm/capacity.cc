@@ -97,7 +97,7 @@ absl::StatusOr<ShmCapacity> ProbeShm(const std::string& dir, Env* env) {
   }
   c.path = real;
   struct stat st {};
-  if (::stat(real, &st) != 0 || !S_ISDIR(st.st_mode)) {
+  if (env->Stat(real, &st) != 0 || !S_ISDIR(st.st_mode)) {
     return absl::NotFoundError(absl::StrCat(dir, ": not a directory"));
   }
   c.device = st.st_dev;

@@ -1,8 +1,12 @@
 #include "shm/env.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+#include <string_view>
 
 namespace engram {
 
@@ -14,7 +18,23 @@ Env* Env::Default() {
 int PosixEnv::Open(const char* path, int flags, mode_t mode) { return ::open(path, flags, mode); }
 int PosixEnv::Close(int fd) { return ::close(fd); }
 int PosixEnv::Unlink(const char* path) { return ::unlink(path); }
+int PosixEnv::ShmUnlink(const char* name) { return ::shm_unlink(name); }
 int PosixEnv::Fstat(int fd, struct stat* st) { return ::fstat(fd, st); }
+int PosixEnv::Stat(const char* path, struct stat* st) { return ::stat(path, st); }
+int PosixEnv::Lstat(const char* path, struct stat* st) { return ::lstat(path, st); }
+int PosixEnv::ListDirectory(const char* dir, std::vector<std::string>* names) {
+  DIR* d = ::opendir(dir);
+  if (d == nullptr) return -1;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string_view n(e->d_name);
+    if (n != "." && n != "..") names->emplace_back(n);
+  }
+  ::closedir(d);
+  return 0;
+}
+int PosixEnv::Flock(int fd, int operation) { return ::flock(fd, operation); }
+int PosixEnv::Ftruncate(int fd, off_t length) { return ::ftruncate(fd, length); }
+int PosixEnv::Dup(int fd) { return ::dup(fd); }
 int PosixEnv::Fchmod(int fd, mode_t mode) { return ::fchmod(fd, mode); }
 int PosixEnv::PosixFallocate(int fd, off_t offset, off_t len) { return ::posix_fallocate(fd, offset, len); }
 ssize_t PosixEnv::Pread(int fd, void* buf, size_t n, off_t offset) { return ::pread(fd, buf, n, offset); }

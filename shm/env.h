@@ -1,6 +1,7 @@
 // Env: the seam between engram and the operating system for segments and tables (LevelDB's Env is the model).
-// Everything that creates, sizes, maps, pins or removes shared memory goes through an Env: the daemon's publisher
-// and scans (shm/segment.h), the capacity probe (shm/capacity.h) and the client's tables (client/table/tables.h). The
+// Every OS call of shm/ and daemon/ on files, directories and shared memory goes through an Env: the daemon's
+// publisher, its shm-directory scan and lock, its segment registry and DP regions, the capacity probe
+// (shm/capacity.h) and the client's tables (client/table/tables.h). The
 // default, Env::Default(), makes the system calls; a test derives from PosixEnv and overrides one call to inject a
 // fault (ENOSPC from fallocate after the capacity probe passed, EINTR, a failed mlock, a small statvfs) without
 // root and without filling a real filesystem.
@@ -10,6 +11,9 @@
 // retry EINTR where POSIX allows it (RetryEintr below). Env::Default() lives for the whole process; every method is
 // thread-safe in PosixEnv, and overrides must be too.
 #pragma once
+
+#include <string>
+#include <vector>
 
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -28,7 +32,15 @@ class Env {
   virtual int Open(const char* path, int flags, mode_t mode) = 0;
   virtual int Close(int fd) = 0;
   virtual int Unlink(const char* path) = 0;
+  virtual int ShmUnlink(const char* name) = 0;  // a POSIX shared-memory object's name ("/engram-...")
   virtual int Fstat(int fd, struct stat* st) = 0;
+  virtual int Stat(const char* path, struct stat* st) = 0;
+  virtual int Lstat(const char* path, struct stat* st) = 0;
+  // The entries of directory `dir` (without "." and ".."), appended to `names`: 0, or -1 with errno (opendir's).
+  virtual int ListDirectory(const char* dir, std::vector<std::string>* names) = 0;
+  virtual int Flock(int fd, int operation) = 0;
+  virtual int Ftruncate(int fd, off_t length) = 0;
+  virtual int Dup(int fd) = 0;
   virtual int Fchmod(int fd, mode_t mode) = 0;
   virtual int PosixFallocate(int fd, off_t offset, off_t len) = 0;  // 0 or an error number (not errno)
   virtual ssize_t Pread(int fd, void* buf, size_t n, off_t offset) = 0;
@@ -51,7 +63,14 @@ class PosixEnv : public Env {
   int Open(const char* path, int flags, mode_t mode) override;
   int Close(int fd) override;
   int Unlink(const char* path) override;
+  int ShmUnlink(const char* name) override;
   int Fstat(int fd, struct stat* st) override;
+  int Stat(const char* path, struct stat* st) override;
+  int Lstat(const char* path, struct stat* st) override;
+  int ListDirectory(const char* dir, std::vector<std::string>* names) override;
+  int Flock(int fd, int operation) override;
+  int Ftruncate(int fd, off_t length) override;
+  int Dup(int fd) override;
   int Fchmod(int fd, mode_t mode) override;
   int PosixFallocate(int fd, off_t offset, off_t len) override;
   ssize_t Pread(int fd, void* buf, size_t n, off_t offset) override;

@@ -338,16 +338,14 @@ SegmentReader::~SegmentReader() {
   if (base_ != nullptr) env_->Munmap(const_cast<uint8_t*>(base_), size_);
 }
 
-std::vector<std::string> ListSegments(const std::string& dir) {
-  std::vector<std::string> out;
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return out;
-  while (dirent* e = ::readdir(d)) {
+std::vector<std::string> ListSegments(const std::string& dir, Env* env) {
+  std::vector<std::string> names, out;
+  if (env->ListDirectory(dir.c_str(), &names) != 0) return out;
+  for (const std::string& name : names) {
     uint64_t fp;
     int64_t n, r;
-    if (ParseSegmentName(e->d_name, &fp, &n, &r)) out.push_back(e->d_name);
+    if (ParseSegmentName(name, &fp, &n, &r)) out.push_back(name);
   }
-  ::closedir(d);
   std::sort(out.begin(), out.end());
   return out;
 }

@@ -170,6 +170,6 @@ absl::StatusOr<SegmentHeader> ReadOwnedSegmentHeader(const std::string& path, ui
 absl::Status SetSegmentState(const std::string& path, SegmentState state, Env* env = Env::Default());
 
 // The segment files (by name) in `dir`.
-std::vector<std::string> ListSegments(const std::string& dir);
+std::vector<std::string> ListSegments(const std::string& dir, Env* env = Env::Default());
 
 }  // namespace engram

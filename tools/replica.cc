@@ -195,7 +195,7 @@ int main(int argc, char** argv) {
   req.dp_shared_memory = dsm == "true"    ? engram::client::Choice::kTrue
                          : dsm == "false" ? engram::client::Choice::kFalse
                                           : engram::client::Choice::kAuto;
-  auto client = engram::client::Client::Connect(opts);
+  auto client = engram::client::Client::Create(opts);
   auto table = client.ok() ? (*client)->Attach(req) : absl::StatusOr<std::unique_ptr<engram::client::Table>>(client.status());
   if (!table.ok()) {
     std::cout << json{{"error", std::string(table.status().message())}}.dump() << std::endl;

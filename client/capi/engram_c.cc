@@ -156,7 +156,7 @@ int engram_attach(const char* socket, int timeout_ms, const engram_attach_reques
     if (req->shm_dir != nullptr) r.shm_dir = req->shm_dir;
     r.private_fallback = req->private_fallback != 0;
     if (auto st = GrpcHere(); !st.ok()) return Fail(st, err, err_len);
-    auto client = engram::client::Client::Connect(o);
+    auto client = engram::client::Client::Create(o);
     if (!client.ok()) return Fail(client.status(), err, err_len);
     auto table = (*client)->Attach(r);
     if (!table.ok()) return Fail(table.status(), err, err_len);

@@ -1,6 +1,6 @@
 // libengram_client: what a serving replica links to get its TP shard's Engram table (DESIGN.md "Data flow" 2-5).
 //
-//   ASSIGN_OR_RETURN(auto client, engram::client::Client::Connect({.socket = "/run/engramd/engramd.sock"}));
+//   ASSIGN_OR_RETURN(auto client, engram::client::Client::Create({.socket = "/run/engramd/engramd.sock"}));
 //   ASSIGN_OR_RETURN(auto table, client->Attach(request));   // SHARED, or a fallback table with its reasons
 //   ASSIGN_OR_RETURN(auto engine, engram::client::LookupEngine::Create(*table, max_tokens, stream));
 //   engine->Hash(...);  engine->Prefetch(...);  engine->Wait(layer);  engine->Gate(...);   // lookup_engine.h
@@ -109,7 +109,8 @@ class Table {
 
 class Client {
  public:
-  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  // Checks the options; nothing connects until Attach (each attach opens its own session).
+  static absl::StatusOr<std::unique_ptr<Client>> Create(const ClientOptions& options);
   absl::StatusOr<std::unique_ptr<Table>> Attach(const AttachRequest& request);
 
  private:

@@ -42,7 +42,7 @@ TEST(GpuClientTest, PrivateAndDeviceTablesMatchTheCpuReference) {
   opts.socket = dir / "no-daemon.sock";
   opts.timeout = std::chrono::milliseconds(200);
   opts.register_chunk_bytes = size_t{2} << 20;  // many chunks: exercises chunked registration
-  auto c = client::Client::Connect(opts);
+  auto c = client::Client::Create(opts);
   ASSERT_TRUE(c.ok());
   client::AttachRequest req;
   req.checkpoint = spec.out_dir;
@@ -225,7 +225,7 @@ TEST(GpuClientTest, SharedSegmentRegisteredReadOnlyServesTheOraclesRows) {
   absl::StatusOr<std::unique_ptr<client::Table>> table = absl::UnavailableError("not yet");
   // The daemon answers once its socket is up: retry the connect until it does (an event, not a sleep).
   ASSERT_TRUE(testing::WaitFor([&] {
-    auto c = client::Client::Connect(opts);
+    auto c = client::Client::Create(opts);
     if (!c.ok()) return false;
     table = (*c)->Attach(req);
     return table.ok();

@@ -278,7 +278,7 @@ TEST(GpuHostGatherTest, EngineTakesTheChosenPathAndEveryPathServesTheReferenceRo
   client::ClientOptions opts;
   opts.socket = dir / "no-daemon.sock";
   opts.timeout = std::chrono::milliseconds(200);
-  auto c = client::Client::Connect(opts);
+  auto c = client::Client::Create(opts);
   ASSERT_TRUE(c.ok());
   client::AttachRequest req;
   req.checkpoint = spec.out_dir;

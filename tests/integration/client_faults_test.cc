@@ -135,7 +135,7 @@ class ClientFaultsTest : public ::testing::Test {
 
 TEST_F(ClientFaultsTest, SharedTableServesTheCheckpointsRows) {
   FaultEnv env;
-  auto c = client::Client::Connect(Options(&env));
+  auto c = client::Client::Create(Options(&env));
   auto t = (*c)->Attach(Request(2));
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ((*t)->mode(), client::Mode::kShared);
@@ -150,7 +150,7 @@ TEST_F(ClientFaultsTest, SharedTableServesTheCheckpointsRows) {
 TEST_F(ClientFaultsTest, FailedPinIsRegisterFailedWithAPrivateTableAndStatusSaysSo) {
   FaultEnv env;
   env.mlock_errno = ENOMEM;  // what a zero RLIMIT_MEMLOCK without CAP_IPC_LOCK gives
-  auto c = client::Client::Connect(Options(&env));
+  auto c = client::Client::Create(Options(&env));
   auto t = (*c)->Attach(Request(2));
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ((*t)->mode(), client::Mode::kPrivatePinned);
@@ -164,7 +164,7 @@ TEST_F(ClientFaultsTest, FailedPinIsRegisterFailedWithAPrivateTableAndStatusSays
   EXPECT_EQ(listed, Names((*t)->reasons())) << "status lists exactly the reasons the replica runs with";
   // The registration ticket went back: a second replica shares.
   FaultEnv ok_env;
-  auto c2 = client::Client::Connect(Options(&ok_env));
+  auto c2 = client::Client::Create(Options(&ok_env));
   auto t2 = (*c2)->Attach(Request(2));
   ASSERT_TRUE(t2.ok()) << t2.status();
   EXPECT_EQ((*t2)->mode(), client::Mode::kShared);
@@ -184,7 +184,7 @@ TEST_F(ClientFaultsTest, StatusShowsTheModeTheReplicaRuns) {
   };
   for (const auto& k : cases) {
     FaultEnv env;
-    auto c = client::Client::Connect(Options(&env));
+    auto c = client::Client::Create(Options(&env));
     auto req = Request(k.dp_size);
     req.embedding_across_dp = k.across_dp;
     req.dp_shared_memory = k.shared;
@@ -201,7 +201,7 @@ TEST_F(ClientFaultsTest, StatusShowsTheModeTheReplicaRuns) {
 
 TEST_F(ClientFaultsTest, SharingTurnedOffNeverAsksTheDaemon) {
   FaultEnv env;
-  auto c = client::Client::Connect(Options(&env));
+  auto c = client::Client::Create(Options(&env));
   auto req = Request(4);
   req.dp_shared_memory = client::Choice::kFalse;
   auto t = (*c)->Attach(req);
@@ -215,7 +215,7 @@ TEST_F(ClientFaultsTest, SharingTurnedOffNeverAsksTheDaemon) {
 TEST_F(ClientFaultsTest, PrivateTableThatCannotBeMappedIsAClearError) {
   FaultEnv env;
   env.fail_anonymous_mmap = true;
-  auto c = client::Client::Connect(Options(&env));
+  auto c = client::Client::Create(Options(&env));
   auto req = Request(1);
   req.elastic_ep = true;  // a fallback to a private table, which cannot be mapped
   auto t = (*c)->Attach(req);
@@ -274,7 +274,7 @@ TEST(SegmentIdentityTest, ARewrittenCheckpointIsRepublishedNotAdopted) {
   r.checkpoint = dir / "ck";
   r.dp_size = 2;
   r.shm_dir = dir / "shm";
-  auto t = (*client::Client::Connect(o))->Attach(r);
+  auto t = (*client::Client::Create(o))->Attach(r);
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ((*t)->mode(), client::Mode::kShared);
   EXPECT_EQ(RowMismatches(**t, 2), 0) << "the replica must read the new revision's rows";
@@ -285,7 +285,7 @@ TEST(SegmentIdentityTest, ARewrittenCheckpointIsRepublishedNotAdopted) {
 // remapped) still serves the checkpoint's rows.
 TEST_F(ClientFaultsTest, ALostLeaseIsReestablishedAfterTheDaemonRestarts) {
   FaultEnv env;
-  auto c = client::Client::Connect(Options(&env));
+  auto c = client::Client::Create(Options(&env));
   auto t = (*c)->Attach(Request(2));
   ASSERT_TRUE(t.ok()) << t.status();
   ASSERT_EQ((*t)->mode(), client::Mode::kShared);
@@ -308,7 +308,7 @@ TEST_F(ClientFaultsTest, ALostLeaseIsReestablishedAfterTheDaemonRestarts) {
 // so it publishes anew): the replica keeps reading its own mapping, which no one shares any more, and says so.
 TEST_F(ClientFaultsTest, AReconnectToAnotherFileReportsWhatTheReplicaReallyRuns) {
   FaultEnv env;
-  auto c = client::Client::Connect(Options(&env));
+  auto c = client::Client::Create(Options(&env));
   auto t = (*c)->Attach(Request(2));
   ASSERT_TRUE(t.ok()) << t.status();
   ASSERT_EQ((*t)->mode(), client::Mode::kShared);

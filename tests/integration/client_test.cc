@@ -283,7 +283,7 @@ TEST_F(ClientTest, SharedAndPrivateRowsEqualTheGeneratorsFormula) {
       opts.socket = shared ? socket_ : dir_ / "nobody.sock";
       opts.timeout = std::chrono::milliseconds(shared ? 30000 : 200);
       opts.use_gpu = false;
-      auto c = client::Client::Connect(opts);
+      auto c = client::Client::Create(opts);
       ASSERT_TRUE(c.ok()) << c.status();
       client::AttachRequest req;
       req.checkpoint = ckpt_;

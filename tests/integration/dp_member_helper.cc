@@ -51,7 +51,7 @@ int main(int argc, char** argv) {
   req.embedding_across_dp = true;
   req.dp_shared_memory = engram::client::Choice::kFalse;
   const int32_t T = std::atoi(argv[5]);
-  auto client = engram::client::Client::Connect(opts);
+  auto client = engram::client::Client::Create(opts);
   if (!client.ok()) {
     Say({{"error", std::string(client.status().message())}});
     return 1;

@@ -31,7 +31,7 @@ TEST(LookupEngineTest, CpuBackendRunsTheSameCallsAsTheGpu) {
   opts.socket = dir / "none.sock";
   opts.timeout = std::chrono::milliseconds(100);
   opts.use_gpu = false;
-  auto c = client::Client::Connect(opts);
+  auto c = client::Client::Create(opts);
   client::AttachRequest req;
   req.checkpoint = spec.out_dir;
   req.dp_size = 2;
@@ -133,7 +133,7 @@ TEST(LookupEngineTest, PleCheckpointsAreRefusedHonestly) {
   client::ClientOptions opts;
   opts.socket = dir / "none.sock";
   opts.timeout = std::chrono::milliseconds(100);
-  auto c = client::Client::Connect(opts);
+  auto c = client::Client::Create(opts);
   client::AttachRequest req;
   req.checkpoint = dir / "ple";
   auto table = (*c)->Attach(req);

@@ -26,11 +26,11 @@ namespace engram {
 namespace {
 
 using daemon::DescriptorChannel;
-using daemon::PeerInfo;
+using daemon::PeerCred;
 using testing::TempDir;
 using namespace std::chrono_literals;
 
-PeerInfo Me() { return PeerInfo{static_cast<int32_t>(::getpid()), ::geteuid(), ::getegid()}; }
+PeerCred Me() { return PeerCred{static_cast<int32_t>(::getpid()), ::geteuid(), ::getegid()}; }
 
 int OpenFds() {
   int n = 0;
@@ -49,7 +49,7 @@ class DescriptorChannelTest : public ::testing::Test {
     for (size_t i = 0; i < content_.size(); ++i) content_[i] = static_cast<char>('a' + i % 26);
     testing::WriteFile(file_, content_);
     ::chmod(file_.c_str(), 0600);
-    channel_ = std::make_unique<DescriptorChannel>([this](const PeerInfo&) { return allowed_.load(); });
+    channel_ = std::make_unique<DescriptorChannel>([this](const PeerCred&) { return allowed_.load(); });
     ASSERT_TRUE(channel_->Bind(grpc_socket_, -1).ok());
     channel_->Start();
     path_ = *client::ChannelPath(grpc_socket_, channel_->socket_name());
@@ -179,7 +179,7 @@ TEST_F(DescriptorChannelTest, WrongTokenOtherProcessUnknownLeaseAndRevokedLeaseG
   EXPECT_NE(wrong.status().message().find("wrong token"), std::string::npos) << wrong.status();
   EXPECT_FALSE(Fetch("lease-2", token).ok());
   // A token bound to another process (pid) is refused to this one.
-  PeerInfo other = Me();
+  PeerCred other = Me();
   other.pid += 1;
   const std::string theirs = channel_->Issue("lease-3", other, file_, content_.size());
   auto stolen = Fetch("lease-3", theirs);

@@ -85,8 +85,8 @@ engram::v1::GroupLeave MakeLeave(const std::string& reason, const std::string& g
 TEST(GroupRegistryTest, ALeaveBreaksAFormedGroupNamingTheMemberAndTheSessionMayJoinAgain) {
   GroupRegistry r;
   Inbox a, b;
-  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerInfo(100, 1, 1), MakeJoin(0, 7), a.notify()).ok());
-  ASSERT_TRUE(r.Join("lease-b", MakeHello(1), PeerInfo(101, 1, 1), MakeJoin(1, 9), b.notify()).ok());
+  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerCred(100, 1, 1), MakeJoin(0, 7), a.notify()).ok());
+  ASSERT_TRUE(r.Join("lease-b", MakeHello(1), PeerCred(101, 1, 1), MakeJoin(1, 9), b.notify()).ok());
   ASSERT_EQ(a.all().size(), 1u);
   const GroupUpdate formed = a.all()[0];
   EXPECT_EQ(formed.state(), GroupUpdate::FORMED);
@@ -118,13 +118,13 @@ TEST(GroupRegistryTest, ALeaveBreaksAFormedGroupNamingTheMemberAndTheSessionMayJ
 
   // b may join again (a new group under the key: a must leave the broken one before it joins again).
   Inbox b2;
-  EXPECT_EQ(r.Join("lease-a", MakeHello(0), PeerInfo(100, 1, 1), MakeJoin(0), a.notify()).code(),
+  EXPECT_EQ(r.Join("lease-a", MakeHello(0), PeerCred(100, 1, 1), MakeJoin(0), a.notify()).code(),
             absl::StatusCode::kFailedPrecondition);
-  ASSERT_TRUE(r.Join("lease-b", MakeHello(1), PeerInfo(101, 1, 1), MakeJoin(1, 10), b2.notify()).ok());
+  ASSERT_TRUE(r.Join("lease-b", MakeHello(1), PeerCred(101, 1, 1), MakeJoin(1, 10), b2.notify()).ok());
   // The broken group went to the history when b's join replaced it: a is no longer a member of anything.
   EXPECT_EQ(r.LeaveGroup("lease-a", MakeLeave("bye")).status().code(), absl::StatusCode::kFailedPrecondition);
   Inbox a2;
-  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerInfo(100, 1, 1), MakeJoin(0, 8), a2.notify()).ok());
+  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerCred(100, 1, 1), MakeJoin(0, 8), a2.notify()).ok());
   ASSERT_EQ(b2.all().size(), 1u);
   EXPECT_EQ(b2.all()[0].state(), GroupUpdate::FORMED);
   EXPECT_EQ(b2.all()[0].join_id(), 10u);
@@ -134,8 +134,8 @@ TEST(GroupRegistryTest, ALeaveBreaksAFormedGroupNamingTheMemberAndTheSessionMayJ
 TEST(GroupRegistryTest, ALeaveBreaksAFormingGroupButASessionEndOnlyForgetsTheMember) {
   GroupRegistry r;
   Inbox a, b;
-  ASSERT_TRUE(r.Join("lease-a", MakeHello(0, 3), PeerInfo(100, 1, 1), MakeJoin(0), a.notify()).ok());
-  ASSERT_TRUE(r.Join("lease-b", MakeHello(1, 3), PeerInfo(101, 1, 1), MakeJoin(1), b.notify()).ok());
+  ASSERT_TRUE(r.Join("lease-a", MakeHello(0, 3), PeerCred(100, 1, 1), MakeJoin(0), a.notify()).ok());
+  ASSERT_TRUE(r.Join("lease-b", MakeHello(1, 3), PeerCred(101, 1, 1), MakeJoin(1), b.notify()).ok());
   // b's session ends while forming: forgotten, a waits on (another process may take dp rank 1).
   r.Leave("lease-b");
   EXPECT_TRUE(a.all().empty());
@@ -144,7 +144,7 @@ TEST(GroupRegistryTest, ALeaveBreaksAFormingGroupButASessionEndOnlyForgetsTheMem
   EXPECT_EQ(r.Groups()[0].members_size(), 1);
   // c joins as dp rank 1 and gives up: a's wait ends at once, naming c and why.
   Inbox c;
-  ASSERT_TRUE(r.Join("lease-c", MakeHello(1, 3), PeerInfo(102, 1, 1), MakeJoin(1), c.notify()).ok());
+  ASSERT_TRUE(r.Join("lease-c", MakeHello(1, 3), PeerCred(102, 1, 1), MakeJoin(1), c.notify()).ok());
   ASSERT_TRUE(r.LeaveGroup("lease-c", MakeLeave("gave up waiting")).ok());
   ASSERT_EQ(a.all().size(), 1u);
   EXPECT_EQ(a.all()[0].state(), GroupUpdate::BROKEN);
@@ -161,11 +161,11 @@ TEST(GroupRegistryTest, ALeaveBreaksAFormingGroupButASessionEndOnlyForgetsTheMem
 TEST(GroupRegistryTest, RefusedLeavesChangeNothing) {
   GroupRegistry r;
   Inbox a, b, c;
-  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerInfo(100, 1, 1), MakeJoin(0), a.notify()).ok());
-  ASSERT_TRUE(r.Join("lease-b", MakeHello(1), PeerInfo(101, 1, 1), MakeJoin(1), b.notify()).ok());
+  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerCred(100, 1, 1), MakeJoin(0), a.notify()).ok());
+  ASSERT_TRUE(r.Join("lease-b", MakeHello(1), PeerCred(101, 1, 1), MakeJoin(1), b.notify()).ok());
   auto named = MakeJoin(0);
   named.set_name("other");
-  ASSERT_TRUE(r.Join("lease-c", MakeHello(0), PeerInfo(102, 1, 1), named, c.notify()).ok());
+  ASSERT_TRUE(r.Join("lease-c", MakeHello(0), PeerCred(102, 1, 1), named, c.notify()).ok());
   const GroupUpdate formed = a.all().at(0);
   const auto before = r.Groups();
 
@@ -193,10 +193,10 @@ TEST(GroupRegistryTest, ABlockedMemberDoesNotStallTheRegistry) {
   GroupRegistry r;
   BlockedMember a;
   Inbox b;
-  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerInfo(100, 1, 1), MakeJoin(0), a.notify(/*every=*/true)).ok());
+  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerCred(100, 1, 1), MakeJoin(0), a.notify(/*every=*/true)).ok());
   // b's join forms the group and notifies a: that call blocks in a's notification.
   auto forming = std::async(std::launch::async, [&] {
-    return r.Join("lease-b", MakeHello(1), PeerInfo(101, 1, 1), MakeJoin(1), b.notify());
+    return r.Join("lease-b", MakeHello(1), PeerCred(101, 1, 1), MakeJoin(1), b.notify());
   });
   ASSERT_TRUE(a.Entered());
   // Meanwhile the registry serves everyone else.
@@ -206,8 +206,8 @@ TEST(GroupRegistryTest, ABlockedMemberDoesNotStallTheRegistry) {
     j.set_name("second");
     auto k = MakeJoin(1);
     k.set_name("second");
-    bool ok = r.Join("lease-c", MakeHello(0), PeerInfo(102, 1, 1), j, c.notify()).ok() &&
-              r.Join("lease-d", MakeHello(1), PeerInfo(103, 1, 1), k, d.notify()).ok() &&
+    bool ok = r.Join("lease-c", MakeHello(0), PeerCred(102, 1, 1), j, c.notify()).ok() &&
+              r.Join("lease-d", MakeHello(1), PeerCred(103, 1, 1), k, d.notify()).ok() &&
               r.LeaveGroup("lease-d", MakeLeave("bye")).ok();
     return ok && r.Groups().size() == 2 && c.all().size() == 2;
   });
@@ -227,9 +227,9 @@ TEST(GroupRegistryTest, AMemberGetsFormedBeforeBroken) {
   GroupRegistry r;
   BlockedMember a;
   Inbox b;
-  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerInfo(100, 1, 1), MakeJoin(0), a.notify(/*every=*/false)).ok());
+  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerCred(100, 1, 1), MakeJoin(0), a.notify(/*every=*/false)).ok());
   auto forming = std::async(std::launch::async, [&] {
-    return r.Join("lease-b", MakeHello(1), PeerInfo(101, 1, 1), MakeJoin(1), b.notify());
+    return r.Join("lease-b", MakeHello(1), PeerCred(101, 1, 1), MakeJoin(1), b.notify());
   });
   ASSERT_TRUE(a.Entered());
   auto leaving = std::async(std::launch::async, [&] { r.Leave("lease-a"); });

@@ -1,5 +1,5 @@
 // ReplicaRegistry (daemon/replica_registry.h), in-process: leases, FIFO registration tickets (capacity 1 and 2),
-// tickets given back on detach, queued waiters removed on detach, capacity changes (also through DaemonState's
+// tickets given back on detach, queued waiters removed on detach, capacity changes (also through Coordinator's
 // SIGHUP path), outcomes recorded and validated, recent fallbacks bounded. Threads wait on conditions, not sleeps.
 #include <atomic>
 #include <functional>
@@ -85,9 +85,9 @@ TicketState TicketOf(const ReplicaRegistry& reg, const std::string& lease) {
 
 TEST(ReplicaRegistryTest, LeasesFollowSharedSessions) {
   ReplicaRegistry reg(7, 1);
-  const std::string a = reg.Attach(MakeHello(0), PeerInfo{100, 1, 1}, Shared(), kSegment, nullptr);
-  const std::string b = reg.Attach(MakeHello(1), PeerInfo{101, 1, 1}, Shared(), kSegment, nullptr);
-  const std::string c = reg.Attach(MakeHello(2), PeerInfo{102, 1, 1}, Fallback(), kSegment, nullptr);
+  const std::string a = reg.Attach(MakeHello(0), PeerCred{100, 1, 1}, Shared(), kSegment, nullptr);
+  const std::string b = reg.Attach(MakeHello(1), PeerCred{101, 1, 1}, Shared(), kSegment, nullptr);
+  const std::string c = reg.Attach(MakeHello(2), PeerCred{102, 1, 1}, Fallback(), kSegment, nullptr);
   EXPECT_NE(a, b);
   EXPECT_EQ(reg.leases_on(kSegment), 2) << "a fallback holds no lease";
   EXPECT_EQ(reg.Replicas().size(), 3u);
@@ -104,7 +104,7 @@ TEST(ReplicaRegistryTest, LeasesFollowSharedSessions) {
 
 TEST(ReplicaRegistryTest, FailedRegistrationReleasesTheLeaseAndFallsBack) {
   ReplicaRegistry reg(7, 1);
-  const std::string a = reg.Attach(MakeHello(), PeerInfo{100, 1, 1}, Shared(), kSegment, nullptr);
+  const std::string a = reg.Attach(MakeHello(), PeerCred{100, 1, 1}, Shared(), kSegment, nullptr);
   ASSERT_TRUE(reg.AcquireTicket(a, [] { return false; }));
   EXPECT_EQ(TicketOf(reg, a), TicketState::kHeld);
   engram::v1::RegisterResult res;
@@ -240,17 +240,17 @@ TEST(ReplicaRegistryTest, TicketCapacityChangesTakeEffect) {
   EXPECT_EQ(reg.ticket_capacity(), 1);
 }
 
-// The same through DaemonState::Reload, the SIGHUP path main() calls (before the fix it changed the option only).
+// The same through Coordinator::Reload, the SIGHUP path main() calls (before the fix it changed the option only).
 TEST(ReplicaRegistryTest, ReloadChangesTheTicketCapacity) {
   testing::TempDir dir;
   Options opts;
   opts.shm_dir = dir.path();
   opts.tickets = 1;
-  DaemonState state(opts);
+  Coordinator state(opts);
   ASSERT_TRUE(state.Start().ok());
   std::vector<std::string> leases(2);
   for (int i = 0; i < 2; ++i) {
-    auto m = state.Attach(MakeHello(i), PeerInfo{}, [] { return false; }, nullptr, &leases[i]);
+    auto m = state.Attach(MakeHello(i), PeerCred{}, [] { return false; }, nullptr, &leases[i]);
     ASSERT_TRUE(m.ok()) << m.status();
   }
   ASSERT_TRUE(state.AcquireTicket(leases[0], [] { return false; }));
@@ -268,7 +268,7 @@ TEST(ReplicaRegistryTest, StatusShowsRegisteringWhileATicketIsHeld) {
   testing::TempDir dir;
   SegmentRegistry segments(dir.path(), 1, 7);
   ReplicaRegistry reg(7, 1);
-  const std::string a = reg.Attach(MakeHello(), PeerInfo{55, 0, 0}, Shared(), kSegment, nullptr);
+  const std::string a = reg.Attach(MakeHello(), PeerCred{55, 0, 0}, Shared(), kSegment, nullptr);
   EXPECT_EQ(BuildStatus(segments, reg, false).replicas(0).backend(), "unknown");
   ASSERT_TRUE(reg.AcquireTicket(a, [] { return false; }));
   EXPECT_EQ(BuildStatus(segments, reg, false).replicas(0).backend(), "registering");
@@ -314,7 +314,7 @@ TEST(ReplicaRegistryTest, OutcomeOtherThanSharedReleasesTheLease) {
   testing::TempDir dir;
   SegmentRegistry segments(dir.path(), 1, 7);
   ReplicaRegistry reg(7, 1);
-  const std::string a = reg.Attach(MakeHello(0), PeerInfo{9, 0, 0}, Shared(), kSegment, nullptr);
+  const std::string a = reg.Attach(MakeHello(0), PeerCred{9, 0, 0}, Shared(), kSegment, nullptr);
   ASSERT_EQ(reg.leases_on(kSegment), 1);
   ASSERT_TRUE(reg.RecordOutcome(a, MakeOutcome(engram::v1::PRIVATE_PINNED, "cpu", {engram::v1::NO_CUDA_DEVICE}))
                   .ok());
@@ -422,7 +422,7 @@ TEST(ReplicaRegistryTest, LongHintsAreCutAtACharacterBoundary) {
 TEST(ReplicaRegistryTest, RecentFallbacksAreBounded) {
   ReplicaRegistry reg(7, 1);
   for (int i = 0; i < 40; ++i) {
-    reg.Attach(MakeHello(i), PeerInfo{1000 + i, 0, 0}, Fallback(), "", nullptr);
+    reg.Attach(MakeHello(i), PeerCred{1000 + i, 0, 0}, Fallback(), "", nullptr);
   }
   const auto recent = reg.RecentFallbacks();
   ASSERT_EQ(recent.size(), kMaxRecentFallbacks);

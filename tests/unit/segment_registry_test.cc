@@ -204,7 +204,7 @@ TEST_F(SegmentRegistryTest, CorruptedAdoptedSegmentIsRepublished) {
   EXPECT_EQ(Name(second.Segments()[0].origin), "adopted");
   WaitUntil([&] {
     const auto s = second.Segments()[0];
-    return s.origin == SegOrigin::kPublished && s.state == SegState::kReady;
+    return s.origin == SegmentOrigin::kPublished && s.state == ServingState::kReady;
   });
   const auto s = second.Segments()[0];
   EXPECT_EQ(Name(s.checksum), "ok");
@@ -257,18 +257,18 @@ TEST_F(SegmentRegistryTest, BadCheckpointIsAStartupError) {
 }
 
 TEST(SegmentNamesTest, StatusStringsStayAsTheyWere) {
-  EXPECT_EQ(Name(SegState::kPending), "PENDING");
-  EXPECT_EQ(Name(SegState::kLoading), "LOADING");
-  EXPECT_EQ(Name(SegState::kReady), "READY");
-  EXPECT_EQ(Name(SegState::kFailed), "FAILED");
-  EXPECT_EQ(Name(SegState::kRetired), "RETIRED");
+  EXPECT_EQ(Name(ServingState::kPending), "PENDING");
+  EXPECT_EQ(Name(ServingState::kLoading), "LOADING");
+  EXPECT_EQ(Name(ServingState::kReady), "READY");
+  EXPECT_EQ(Name(ServingState::kFailed), "FAILED");
+  EXPECT_EQ(Name(ServingState::kRetired), "RETIRED");
   EXPECT_EQ(Name(ChecksumState::kPending), "pending");
   EXPECT_EQ(Name(ChecksumState::kVerifying), "verifying");
   EXPECT_EQ(Name(ChecksumState::kOk), "ok");
   EXPECT_EQ(Name(ChecksumState::kMismatch), "mismatch");
-  EXPECT_EQ(Name(SegOrigin::kPublished), "published");
-  EXPECT_EQ(Name(SegOrigin::kAdopted), "adopted");
-  EXPECT_EQ(Name(SegOrigin::kNone), "");
+  EXPECT_EQ(Name(SegmentOrigin::kPublished), "published");
+  EXPECT_EQ(Name(SegmentOrigin::kAdopted), "adopted");
+  EXPECT_EQ(Name(SegmentOrigin::kNone), "");
 }
 
 }  // namespace
