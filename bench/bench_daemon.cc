@@ -70,7 +70,7 @@ void ParallelCopy(uint8_t* dst, const uint8_t* src, size_t n, int threads) {
   for (auto& th : pool) th.join();
 }
 
-// A copy of `src` into a fresh file in `dir` by `threads` threads: `fallocate` first (the old publish's way) or not
+// A copy of `src` into a fresh file in `dir` by `threads` threads: `fallocate` first (SegmentReserve::kWhole) or not
 // (first touch: each thread's page faults allocate and zero its pages). GiB/s from open to the last byte.
 double CopyInto(const std::string& dir, const uint8_t* src, size_t bytes, int threads, bool fallocate) {
   const std::string path = dir + "/probe";
@@ -127,7 +127,7 @@ double Median(std::vector<double> v) {
 
 // Not cached: the checkpoint's pages dropped (fadvise) before each step. The disk ceiling is a plain read of every
 // file, one sequential reader per file in 8 MiB reads, timed before and after the publishes; then Publish() with the
-// cold-cache readers off (the workers read for themselves, the way before), and with 1, 2 (the default) and 4
+// cold-cache readers off (the workers read for themselves), and with 1, 2 (the default) and 4
 // readers, each as GiB/s of records and the ratio to the better disk read. The last publish (the default) stays for
 // the adopt step.
 void ColdPublishes(const engram::Checkpoint& ckpt, const engram::Layout& layout, const engram::TokenMap& map,
@@ -167,7 +167,7 @@ void ColdPublishes(const engram::Checkpoint& ckpt, const engram::Layout& layout,
                       {"4 cold readers", 4}, {"2 cold readers (the default)", 2}};
   for (size_t i = 0; i < std::size(runs); ++i) {
     drop();
-    engram::daemon::PublishTuning tuning = engram::daemon::PublishTuning::FromEnv();
+    engram::daemon::PublishTuning tuning = engram::daemon::PublishTuning::FromEnvironment();
     tuning.cold_readers = runs[i].readers;
     auto r = engram::daemon::Publish(ckpt, layout, map, 1, 0, shm, 1, 1, threads, nullptr,
                                      engram::Env::Default(), tuning);
@@ -291,7 +291,7 @@ int main(int argc, char** argv) {
     {
       // The default fill (records packed and hashed in the cache, then written with non-temporal stores: no
       // read-for-ownership of the segment's fresh lines, as the first-touch copy's memcpy streams its stores too)
-      // against plain stores (before session 5) and ShardFillOptions::direct_read.
+      // against plain stores and ShardFillOptions::direct_read.
       Tuning packed = Tuning{};
       packed.drop_cache = Tuning::DropCache::kKeep;
       packed.direct_read = false;

@@ -1,4 +1,4 @@
-// bench_dp: the DP-sharded exchange on two GPUs of one host (issue 12), per tokens-per-rank, each path next to its
+// bench_dp: the DP-sharded exchange on two GPUs of one host, per tokens-per-rank, each path next to its
 // ceilings measured in the same run:
 //   all-to-all   the collective path (the product default: the pipelined step (own columns read in place, ids to
 //                each member, records packed, sent and unpacked chunk by chunk), replayed as a CUDA graph up to

@@ -297,7 +297,7 @@ int main(int argc, char** argv) {
   }
   }
   }  // !variants_only
-  // --- Every lookup path, bf16 out, against the same run's H2D ceiling (issue 14) --------------------------------
+  // --- Every lookup path, bf16 out, against the same run's H2D ceiling ------------------------------------------
   {
     const size_t scratch_bytes = engram::kernels::LookupSortScratchBytes(max_items);
     void* scratch = nullptr;
@@ -341,7 +341,7 @@ int main(int argc, char** argv) {
     std::printf("host gather: %d threads (default share of %d cores); engine default: dedup %d, UVA share %.2f\n",
                 hg[0]->threads(), cores, engram::client::kEngineHostGatherDedup ? 1 : 0,
                 engram::client::kEngineHostGatherUvaShare);
-    // Every row: the engine's share and its neighbours; de-duplicated: 0.4 (its best in earlier runs).
+    // Every row: the engine's share and its neighbours; de-duplicated: 0.4 (its best measured share).
     const std::vector<double> shares_every = {0.0, 0.15, 0.2, 0.25, 0.3, 0.4}, shares_dedup = {0.0, 0.4};
     for (double repeat : {0.0, 0.45}) {
       for (int64_t n_rows : {int64_t{6144}, int64_t{24576}, int64_t{196608}, int64_t{1} << 20}) {
@@ -435,12 +435,12 @@ int main(int argc, char** argv) {
       }
     }
     }  // !variants_only
-    // Host-gather variants side by side (issue 14: what separates the pipeline from the CPU gather ceiling): every
-    // HostGatherOptions knob of the copy pipeline, each alone and together, against the earlier settings; every row, 0 and
+    // Host-gather variants side by side (what separates the pipeline from the CPU gather ceiling): every
+    // HostGatherOptions knob of the copy pipeline, each alone and together, against no knob set; every row, 0 and
     // the engine's UVA share; fresh ids per call. "b2b" = batches back to back (threads and dispatcher may still be
     // spinning); "idle" = 2 ms without work before each batch (everything asleep: a serving engine's case).
     {
-      struct HgVariant {  // the settings before session 3's defaults unless named
+      struct HgVariant {  // no pipeline knob set (the "before" row) unless named
         const char* name;
         int32_t prefetch = 16, nt = 0, fused = 0, issuer = 0, spin = 200, dspin = 0, prewake = 0;
         int64_t min_chunk = 1024, max_chunk = 8192;
@@ -468,7 +468,7 @@ int main(int argc, char** argv) {
            .min_chunk = 512, .max_chunk = 4096},
           {.name = "default: all, chunks 256-1024, copies >= 4096", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200,
            .prewake = 1, .min_chunk = 256, .max_chunk = 1024, .issue_min = 4096},
-          // Session 5: copy sizes and thread counts around the default.
+          // Copy sizes and thread counts around the default.
           {.name = "default, copies >= 2048", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,
            .min_chunk = 256, .max_chunk = 1024, .issue_min = 2048},
           {.name = "default, copies >= 8192", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,

@@ -6,13 +6,14 @@
 //                  population and the registration are timed apart: this is today's client, the baseline
 //   T x C GiB      prefaulted, then chunks of C GiB registered from T threads (HostRegistration's threads option)
 //   T x C, no pf   the same without the prefault
-//   rw (MEASURED)  the writer's own read-write mapping, DEVICEMAP only (how MEASURED.md's ceiling was taken)
+//   rw DEVICEMAP   the writer's own read-write mapping, DEVICEMAP only (how the reference figure is taken)
 // Each line: population seconds, registration seconds (and per 16 GiB), ms/GiB, unregister seconds, the ratio to the
-// same kind's seq+pf registration in this run and to MEASURED.md's single-process figure for that kind.
-// Usage: bench_register [--gib N] [--kind LABEL:DIR:MEASURED_S]... [--threads 2,4,8,16] [--chunks-gib 1,2,4]
+// same kind's seq+pf registration in this run and to the reference single-process figure given for that kind.
+// Usage: bench_register [--gib N] [--kind LABEL:DIR:REF_S]... [--threads 2,4,8,16] [--chunks-gib 1,2,4]
 //   DIR is a directory on the mount to measure (a tmpfs with huge=never or huge=always, or a hugetlbfs mount: the
-//   file is then sized in whole huge pages and written through the mapping); MEASURED_S is MEASURED.md's seconds
-//   per 16 GiB for that kind (0: none).
+//   file is then sized in whole huge pages and written through the mapping); REF_S is a reference time in seconds
+//   per 16 GiB for that kind (0: none), e.g. a plain cudaHostRegister in one process (bench/RESULTS.md
+//   "Registration and attach": about 0.64 s on 4 KiB shm).
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
@@ -32,6 +33,7 @@
 #include <thread>
 #include <vector>
 
+#include "client/fault_points.h"
 #include "client/table/cuda_backend.h"
 
 #ifndef MADV_POPULATE_READ
@@ -84,7 +86,7 @@ int ParallelMadvise(uint8_t* p, size_t n, int advice, int threads) {
 
 struct Kind {
   std::string label, dir;
-  double measured_s = 0;  // MEASURED.md, per 16 GiB
+  double measured_s = 0;  // the reference seconds per 16 GiB (REF_S)
 };
 
 struct Variant {
@@ -152,7 +154,7 @@ int main(int argc, char** argv) {
   for (int t : threads_list) {
     if (t >= 8) variants.push_back({std::to_string(t) + "thr x 1GiB no pf", 0, t, size_t{1} << 30, false});
   }
-  variants.push_back({"rw DEVICEMAP (MEASURED's way)", pf_threads, 1, 0, true});
+  variants.push_back({"rw DEVICEMAP", pf_threads, 1, 0, true});
 
   // The rollback with threads: chunk 5 of 16 fails while other threads register theirs; the error names chunk 5 and
   // no chunk stays registered (the whole range registers again afterwards).
@@ -161,8 +163,11 @@ int main(int argc, char** argv) {
     auto* buf = static_cast<uint8_t*>(::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
     std::memset(buf, 1, n);
     int failed = -1;
-    auto bad = engram::client::HostRegistration::Register(buf, n, {size_t{2} << 20, 8, 5}, &failed);
-    auto good = engram::client::HostRegistration::Register(buf, n, {size_t{2} << 20, 8, -1}, &failed);
+    engram::client::SetFaultHook(
+        [](engram::client::FaultPoint f, int64_t chunk) { return f == engram::client::FaultPoint::kRegisterChunk && chunk == 5; });
+    auto bad = engram::client::HostRegistration::Register(buf, n, {size_t{2} << 20, 8}, &failed);
+    engram::client::SetFaultHook(nullptr);
+    auto good = engram::client::HostRegistration::Register(buf, n, {size_t{2} << 20, 8}, &failed);
     std::printf("rollback check (16 chunks, 8 threads, chunk 5 fails): %s, failed chunk %d, re-register %s\n",
                 bad.ok() ? "UNEXPECTED SUCCESS" : std::string(bad.status().message()).c_str(), failed,
                 good.ok() ? "ok" : std::string(good.status().message()).c_str());

@@ -1,8 +1,8 @@
-// bench_soak: the session rate the soak test (tests/integration/daemon_test.cc, SoakSessionsKillsAndStatusLeakNothing)
-// no longer asserts. Starts engramd on a small synthetic checkpoint in a private temporary directory (its own shm
-// directory and socket), then runs `--clients` threads of attach/detach sessions (every fourth takes and returns a
-// registration ticket) for `--seconds`, while one thread polls Status; prints sessions/s, failures and the status
-// latency p50 / max. No threshold: numbers for bench/RESULTS.md.
+// bench_soak: the session rate, which the soak test (tests/integration/daemon_test.cc,
+// SoakSessionsKillsAndStatusLeakNothing) does not assert. Starts engramd on a small synthetic checkpoint in a private
+// temporary directory (its own shm directory and socket), then runs `--clients` threads of attach/detach sessions
+// (every fourth takes and returns a registration ticket) for `--seconds`, while one thread polls Status; prints
+// sessions/s, failures and the status latency p50 / max. No threshold: numbers for bench/RESULTS.md.
 // Usage: bench_soak [--seconds S] [--clients N] [--engramd PATH]
 #include <grpcpp/grpcpp.h>
 #include <signal.h>

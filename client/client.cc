@@ -3,6 +3,8 @@
 #include <cstdlib>
 #include <thread>
 
+#include "client/log.h"
+#include "client/environment.h"
 #include "shm/descriptor_protocol.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -12,7 +14,6 @@
 #include "client/session/session.h"
 #include "client/table/tables.h"
 #include "model/checkpoint.h"
-#include "spdlog/spdlog.h"
 
 #ifdef ENGRAM_HAVE_CUDA
 #include "client/table/cuda_backend.h"
@@ -34,7 +35,7 @@ std::string ReasonCodes(const std::vector<Reason>& reasons) {
 }
 
 // Whether this process can use a GPU: false with the reason when not; an error when cpu_offload needs UVA that the
-// GPU lacks (SPEC 6: fail fast).
+// GPU lacks (docs/math.md section 9: fail fast).
 absl::StatusOr<bool> ProbeGpu(const ClientOptions& options, bool cpu_offload, std::string* no_gpu) {
   *no_gpu = "this build has no CUDA";
 #ifdef ENGRAM_HAVE_CUDA
@@ -105,7 +106,7 @@ std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& o
                                        "next to the gRPC socket), or give this replica the daemon's shm directory")});
       return nullptr;
     }
-    if (table.ok()) spdlog::warn("engram: event=attach_by_path path={} detail=\"{}\"", path, no_descriptor);
+    if (table.ok()) Log().warn("engram: event=attach_by_path path={} detail=\"{}\"", path, no_descriptor);
   }
   if (!table.ok()) {
     reasons->push_back({ReasonCode::kFingerprintMismatch, std::string(table.status().message())});
@@ -116,7 +117,7 @@ std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& o
     reasons->push_back({ReasonCode::kDaemonUnavailable, absl::StrCat("no registration ticket: ", st.message())});
     return nullptr;
   }
-  RegistrationReport rep = PinTable(**table, cuda, options.register_chunk_bytes, options.fail_register_at_chunk);
+  RegistrationReport rep = PinTable(**table, cuda, options.register_chunk_bytes);
   (void)session.ReportRegistration(rep);
   if (!rep.ok) {
     reasons->push_back({ReasonCode::kRegisterFailed, rep.error + " (raise ulimit -l / LimitMEMLOCK)"});
@@ -129,11 +130,7 @@ std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& o
 
 bool ResolveCpuOffload(const std::optional<bool>& explicit_value) {
   if (explicit_value) return *explicit_value;
-  if (const char* env = std::getenv("VLLM_PLE_CPU_OFFLOAD")) {
-    const std::string v = absl::AsciiStrToLower(env);
-    if (v == "0" || v == "false" || v == "no" || v == "off") return false;
-  }
-  return true;
+  return Environment().vllm_ple_cpu_offload.value_or(true);
 }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& options) {
@@ -212,8 +209,7 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
       }
     }
     ASSIGN_OR_RETURN(table, BuildPrivateTable(*ckpt, layout, own, dp_sharded ? cpu_offload : mode != Mode::kDevice,
-                                              cuda, threads, options_.register_chunk_bytes,
-                                              options_.fail_register_at_chunk, env));
+                                              cuda, threads, options_.register_chunk_bytes, env));
     if (dp_sharded) table->mode_ = Mode::kDpSharded;
   }
   table->reasons_ = std::move(reasons);
@@ -223,11 +219,11 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
     table->session_ = std::move(session);
   }
   if (table->mode() == Mode::kShared) {
-    spdlog::info("engram: event=attached mode=SHARED backend={} attach={} segment={} register_seconds={:.3f}",
+    Log().info("engram: event=attached mode=SHARED backend={} attach={} segment={} register_seconds={:.3f}",
                  BackendName(table->backend()), AttachMethodName(table->attach_method()), segment,
                  table->register_seconds());
   } else {
-    spdlog::warn("engram: event=fallback mode={} backend={} reasons={} detail=\"{}\"", ModeName(table->mode()),
+    Log().warn("engram: event=fallback mode={} backend={} reasons={} detail=\"{}\"", ModeName(table->mode()),
                  BackendName(table->backend()), ReasonCodes(table->reasons()), ReasonList(table->reasons()));
   }
   return std::unique_ptr<Table>(std::move(table));

@@ -28,7 +28,7 @@ int Coordinator::WorkerThreads(int requested) { return requested > 0 ? requested
 Coordinator::Coordinator(Options opts)
     : opts_(std::move(opts)),
       instance_id_(NewInstanceId()),
-      segments_(opts_.shm_dir, WorkerThreads(opts_.threads), instance_id_),
+      segments_(opts_.shm_dir, WorkerThreads(opts_.threads), instance_id_, Env::Default(), opts_.publish_tuning),
       replicas_(instance_id_, opts_.tickets) {}
 
 Coordinator::~Coordinator() = default;

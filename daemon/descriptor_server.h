@@ -1,8 +1,8 @@
 // DescriptorChannel: how engramd hands a granted segment to a replica without the replica opening a path
-// (DESIGN.md "Data flow" 4). gRPC cannot carry file descriptors, so this is a second, tiny Unix socket in the same
-// directory as the gRPC socket (`<socket>.fds`, same mode and group). For each grant the daemon issues a one-time
-// token bound to the session's lease and to the process that opened it (SO_PEERCRED pid and uid); the grant carries
-// the token and the channel's file name. The replica connects, sends one line
+// (docs/architecture.md, "Data flow" step 3). gRPC cannot carry file descriptors, so this is a second, tiny Unix
+// socket in the same directory as the gRPC socket (`<socket>.fds`, same mode and group). For each grant the daemon
+// issues a one-time token bound to the session's lease and to the process that opened it (SO_PEERCRED pid and uid);
+// the grant carries the token and the channel's file name. The replica connects, sends one line
 //     ENGRAM-FD/1 <lease_id> <token>\n
 // and receives one line back, "OK\n" with the segment's descriptor attached (SCM_RIGHTS), or
 // "ERR <reason>\n" with none. The descriptor is opened O_RDONLY by the daemon for that request (the file is 0600,

@@ -1,6 +1,6 @@
-// The sharing decision (SPEC 6, DESIGN.md "Fallback reasons"): given what a replica declared and what the node
-// offers, either the replica may share the node's segment, or it falls back to a mode with every reason that
-// applies, each with a hint that says what to do about it. Pure function; thread-safe.
+// The sharing decision (docs/math.md section 9, docs/operations.md "Troubleshooting by fallback reason"): given what a
+// replica declared and what the node offers, either the replica may share the node's segment, or it falls back to a
+// mode with every reason that applies, each with a hint that says what to do about it. Pure function; thread-safe.
 #pragma once
 
 #include <cstddef>

@@ -43,6 +43,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "engramd: %s\n", std::string(opts.status().message()).c_str());
     return 2;
   }
+  opts->publish_tuning = engram::daemon::PublishTuning::FromEnvironment();  // the environment, read once
   auto logger = spdlog::stderr_color_mt("engramd");
   spdlog::set_default_logger(logger);
   spdlog::set_level(spdlog::level::from_str(opts->log_level));

@@ -12,12 +12,15 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "daemon/publish_tuning.h"
 
 namespace engram::daemon {
 
 struct Options {
   std::vector<std::string> checkpoints;
   std::vector<int64_t> tp_sizes = {1};
+  // How segments are published: the ENGRAM_PUBLISH_* variables, read once by main() (PublishTuning::FromEnvironment).
+  PublishTuning publish_tuning;
   std::string shm_dir = "/dev/shm";
   std::string socket = "/run/engramd/engramd.sock";
   std::string group;        // members may connect; empty: the daemon's own uid and root only

@@ -88,7 +88,7 @@ void SegmentRegistry::PublishLoop() {
     }
     spdlog::info("event=publish_start path={} bytes={} threads={}", path, bytes, threads_);
     auto r = Publish(*ckpt, *layout, *map, key.first, key.second, shm_dir_, instance_id_, epoch_.load(), threads_,
-                     progress.get(), env_);
+                     progress.get(), env_, publish_tuning_);
     {
       std::lock_guard<std::mutex> lock(mu_);
       // Unloaded (and maybe loaded again) while publishing: Unload/Load unlinked the file already, nothing to record.

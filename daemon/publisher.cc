@@ -36,7 +36,7 @@ int DefaultPublishThreads() {
   return static_cast<int>(std::min(32u, std::max(1u, std::thread::hardware_concurrency())));
 }
 
-PublishTuning PublishTuning::FromEnv() {
+PublishTuning PublishTuning::FromEnvironment() {
   PublishTuning t;
   const char* reserve = std::getenv("ENGRAM_PUBLISH_RESERVE");
   const std::string r = reserve == nullptr ? "" : reserve;
@@ -134,7 +134,7 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
     fill.before_write = [env](uint8_t* p, uint64_t n) { return PopulateForWrite(p, n, env); };
   }
   // The checkpoint's pages leave the page cache after READY, on a thread of their own (not job by job inside the
-  // fill, where the eviction cost ~2 s per 16 GiB), unless tuning keeps them or drops them inline as before.
+  // fill, where the eviction cost ~2 s per 16 GiB), unless tuning keeps them or drops them inline.
   fill.drop_cache = tuning.drop_cache == PublishTuning::DropCache::kInline;
   if (tuning.sub_rows) fill.sub_rows = *tuning.sub_rows;
   fill.direct_read = tuning.direct_read;

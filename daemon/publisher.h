@@ -1,4 +1,4 @@
-// Publisher: builds one TP shard's segment from a checkpoint (DESIGN.md "Data flow" step 1): reserves and maps the
+// Publisher: builds one TP shard's segment from a checkpoint (docs/architecture.md, "Data flow", publish): reserves and maps the
 // segment, fills it with ReadShardRecords (io/shard_records.h: parallel ranged reads, repacked records,
 // checksums), writes the final descriptor, then READY.
 //
@@ -21,6 +21,7 @@
 #include "engram/v1/engram.pb.h"
 #include "model/checkpoint.h"
 #include "shm/env.h"
+#include "daemon/publish_tuning.h"
 #include "shm/segment.h"
 #include "model/layout.h"
 #include "model/token_map.h"
@@ -48,43 +49,17 @@ engram::v1::SegmentDescriptor MakeDescriptor(const Checkpoint& ckpt, const Layou
 // at most 32 (bench_daemon: 32 threads publish 24 GiB/s on huge pages).
 int DefaultPublishThreads();
 
-// A publish's diagnosis knobs; the defaults are the product's. FromEnv reads them from the environment:
-//   ENGRAM_PUBLISH_RESERVE=whole|writers forces a SegmentReserve (else kAuto: populated by the filling threads on
-//     hugetlbfs, reserved whole on tmpfs);
-//   ENGRAM_PUBLISH_DROP_CACHE: unset, "after" or "1" drops the checkpoint's pages from the page cache after READY
-//     (a detached thread), "inline" drops them job by job inside the fill (the old way), anything else ("0") keeps
-//     them;
-//   ENGRAM_PUBLISH_SUB_ROWS=N rows per read-pack-hash step (unset: ShardFillOptions' default, 1024).
-//   ENGRAM_PUBLISH_DIRECT_READ=1 reads the weights straight into their records (ShardFillOptions::direct_read).
-//   ENGRAM_PUBLISH_COLD_READERS=N readers stream a checkpoint that is not in the page cache ahead of the workers
-//     (ShardFillOptions::cold_readers; 0: none).
-struct PublishTuning {
-  enum class DropCache { kAfterReady, kInline, kKeep };
-  SegmentReserve reserve = SegmentReserve::kAuto;
-  DropCache drop_cache = DropCache::kAfterReady;
-  std::optional<int64_t> sub_rows;  // unset: ShardFillOptions' default
-  bool direct_read = false;         // ShardFillOptions::direct_read (ENGRAM_PUBLISH_DIRECT_READ=1: on)
-  // ShardFillOptions::stream_stores: -1 (default) where the segment's pages are huge, 0 never, 1 always
-  // (ENGRAM_PUBLISH_NT=-1|0|1). Measured (bench/RESULTS.md, session 5): faster on huge pages in every run (huge tmpfs
-  // 0.74-0.79 vs 0.65-0.77 of the first-touch copy, hugetlbfs 0.86 vs 0.73); on 4 KiB /dev/shm two runs disagree
-  // (3.43 vs 2.55 s, 3.24 vs 4.05 s per 16 GiB), so plain stores stay there.
-  int stream_stores = -1;
-  std::optional<int> cold_readers;  // unset: ShardFillOptions' default
-
-  static PublishTuning FromEnv();
-};
-
 // Whether a publish streams its stores, for PublishTuning::stream_stores `setting` (-1: only into a segment on huge
 // pages, SegmentWriter::huge_pages).
 bool PublishStreamsStores(int setting, bool huge_pages);
 
-// `tuning`: read from the environment at each call unless given (bench_daemon passes its variants).
+// `tuning`: the daemon's (Options::publish_tuning, read from the environment once at start); bench_daemon passes
+// its variants.
 absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layout, const TokenMap& map,
                                       int64_t tp_size, int64_t tp_rank, const std::string& shm_dir,
                                       uint64_t instance_id, uint64_t epoch, int threads,
                                       std::atomic<uint64_t>* rows_done = nullptr,
-                                      Env* env = Env::Default(),
-                                      const PublishTuning& tuning = PublishTuning::FromEnv());
+                                      Env* env = Env::Default(), const PublishTuning& tuning = PublishTuning{});
 
 // Recomputes a READY segment's per-layer checksums from its records and compares them with the descriptor's.
 // `rows_done` reports progress. OK when all match; DataLoss naming the layer otherwise.

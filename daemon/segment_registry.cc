@@ -1,3 +1,6 @@
+// SegmentRegistry's catalogue (daemon/segment_registry.h): checkpoints served, their planned segments, offers,
+// load, unload and reconfiguration. Kept whole: these are the transitions of one table under one lock. The publish
+// queue is in publish_queue.cc, the shm directory's scan and adoption in segment_adoption.cc.
 #include "daemon/segment_registry.h"
 
 #include <fcntl.h>
@@ -53,9 +56,10 @@ std::string_view Name(SegmentOrigin o) {
   return "";
 }
 
-SegmentRegistry::SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id, Env* env)
+SegmentRegistry::SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id, Env* env,
+                                 PublishTuning publish_tuning)
     : shm_dir_(std::move(shm_dir)), threads_(std::max(1, threads)), instance_id_(instance_id),
-      env_(env), shm_(absl::UnknownError("not probed yet")) {}
+      env_(env), publish_tuning_(publish_tuning), shm_(absl::UnknownError("not probed yet")) {}
 
 SegmentRegistry::~SegmentRegistry() {
   {

@@ -49,6 +49,7 @@
 #include "model/layout.h"
 #include "model/token_map.h"
 #include "shm/capacity.h"
+#include "daemon/publish_tuning.h"
 #include "shm/env.h"
 
 namespace engram::daemon {
@@ -105,8 +106,9 @@ class SegmentRegistry {
  public:
   // `threads`: publish/verify workers (>= 1). `instance_id`: written into the headers of published segments.
   // `env`: the OS seam for the shm directory (capacity probe, segment files); tests inject faults through it.
-  SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id,
-                  Env* env = Env::Default());
+  // `publish_tuning`: how every publish of this registry runs (the daemon's Options::publish_tuning).
+  SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id, Env* env = Env::Default(),
+                  PublishTuning publish_tuning = PublishTuning{});
   ~SegmentRegistry();  // stops the workers (a publish in progress finishes first)
   SegmentRegistry(const SegmentRegistry&) = delete;
   SegmentRegistry& operator=(const SegmentRegistry&) = delete;
@@ -192,6 +194,7 @@ class SegmentRegistry {
   const int threads_;
   const uint64_t instance_id_;
   Env* const env_;
+  const PublishTuning publish_tuning_;
   std::atomic<uint64_t> epoch_{1};
   std::deque<std::string> load_failures_;
   ShmDirLock shm_lock_;

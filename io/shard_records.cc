@@ -61,7 +61,8 @@ absl::Status RunJobs(const std::vector<Job>& jobs, int threads, const std::funct
       }
     }
   };
-  // A refused thread is one worker fewer, never an exception (in engramd's publish loop that was std::terminate).
+  // A refused thread is one worker fewer, never an exception (in engramd's publish loop an exception would be
+  // std::terminate).
   RunWorkers(threads, [&](bool /*own_thread*/) { worker(); });
   return first_error;
 }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/alignment.h"
 #include "kernels/dp_kernels.h"
 #include "kernels/engram_kernels.h"
 #include "model/fp8.h"
@@ -241,8 +242,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) DpUnpackKernel(DpUnpackAr
 }
 
 __global__ void DpSetTokensKernel(int32_t* dst, int32_t value) { *dst = value; }
-
-bool Aligned(const void* p, uintptr_t n) { return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0; }
 
 bool ColsOk(const int32_t* col_begin, int32_t members, int32_t cols) {
   if (members < 1 || members > kMaxGatherMembers || col_begin[0] < 0 || col_begin[members] > cols ||

@@ -1,4 +1,4 @@
-// The DP-sharded exchange kernels (issue 12). Callable from plain C++; launches are asynchronous on the given stream;
+// The DP-sharded exchange kernels. Callable from plain C++; launches are asynchronous on the given stream;
 // misuse is cudaErrorInvalidValue. Dequantisation gives model/fp8.h's DequantBf16 bits (the CPU reference's; on sm_89+
 // through the hardware's exact fp8/bf16 conversions), so rows are bit-exact with it. Records are head_dim e4m3 bytes then head_dim/32 ue8m0 scales (record_bytes = head_dim * 33/32).
 // Stateless; thread-safe as far as the CUDA runtime is.

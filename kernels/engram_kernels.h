@@ -1,11 +1,13 @@
-// The fused Engram GPU kernels (SPEC 2.4 hash, 3 lookup, 4 gate) and their launch wrappers. Callable from plain
+// The fused Engram GPU kernels (the hash, lookup and gate of docs/math.md) and their launch wrappers. Callable from plain
 // C++ (no CUDA compiler needed to include this header). Every pointer is a device pointer (or, for lookup records,
 // a host pointer registered with CUDA and usable through UVA); shapes are runtime values, so one build serves any
 // batch. Launches are asynchronous on the given stream; the wrappers validate what they can see on the host
 // (shapes, nulls) and return cudaErrorInvalidValue for misuse, or the launch's error. Results equal the CPU
 // reference in model/reference.h bit for bit (hash, lookup) or within bf16 rounding of a float64 oracle (gate).
 //
-// Stateless; thread-safe as far as the CUDA runtime is.
+// One piece of process-wide state: the row-order gather's tuning (LookupTuning below: atomics, set by the engine
+// from its configuration and by benchmarks; a launch reads it once). Otherwise stateless; thread-safe as far as the
+// CUDA runtime is. The kernels live in hash_kernels.cu, lookup_kernels.cu and gate_kernels.cu.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,5 +1,5 @@
-// Checkpoint: a Hugging Face model directory opened for Engram (SPEC 1): config.json, the safetensors shards
-// (through model.safetensors.index.json, a single model.safetensors, or every *.safetensors in the directory),
+// Checkpoint: a Hugging Face model directory opened for Engram (docs/math.md, section 1): config.json, the safetensors
+// shards (through model.safetensors.index.json, a single model.safetensors, or every *.safetensors in the directory),
 // and the path of tokenizer.json. Tensor names are accepted with or without a `model.` prefix.
 //
 //   ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(dir));

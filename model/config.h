@@ -1,4 +1,4 @@
-// EngramConfig: the Engram fields of a Hugging Face config.json (SPEC 1.1), parsed and validated.
+// EngramConfig: the Engram fields of a Hugging Face config.json (docs/math.md, section 1), parsed and validated.
 //
 // ParseEngramConfig accepts the whole config.json text (or the path of the file) and finds the text config, which
 // may be nested under `text_config` for multimodal checkpoints. It recognises DeepseekV41ForCausalLM

@@ -1,4 +1,4 @@
-// Number formats of the Engram tables (SPEC 1.2, 3), usable from host and device code:
+// Number formats of the Engram tables (docs/math.md, sections 1 and 6), usable from host and device code:
 //   e4m3  OCP FP8 E4M3 (__nv_fp8_e4m3): 1 sign, 4 exponent (bias 7), 3 mantissa bits; S.1111.111 is NaN, no inf.
 //   ue8m0 an unsigned power-of-two scale, decoded exactly as the float whose bits are `byte << 23`
 //         (byte 0 -> +0.0, 127 -> 1.0, 255 -> +inf).

@@ -26,8 +26,8 @@ std::vector<int64_t> EngramMultipliers(int64_t layer_id, int64_t max_ngram, int6
 
 namespace {
 
-// SPEC 2.3 restarts every search at engram_vocab_size - 1 and takes the smallest prime above it not yet seen. By
-// induction the seen set is always the k smallest primes above the start (each search skips exactly those and
+// docs/math.md section 4 restarts every search at engram_vocab_size - 1 and takes the smallest prime above it not yet
+// seen. By induction the seen set is always the k smallest primes above the start (each search skips exactly those and
 // takes the next one), so search k+1 returns the (k+1)-th prime above the start: a running cursor yields the same
 // sequence with one NextPrime per bucket instead of re-testing every prime already taken (quadratic in layers).
 class PrimeCursor {

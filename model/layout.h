@@ -1,5 +1,5 @@
-// Layout: everything about an Engram model's tables that derives from config.json and the compressed vocabulary
-// size alone (SPEC 2.2, 2.3, 5): the hash multipliers (bit-exact with NumPy), the prime bucket of every
+// Layout: everything about an Engram model's tables that derives from config.json and the compressed vocabulary size
+// alone (docs/math.md, sections 3, 4 and 8): the hash multipliers (bit-exact with NumPy), the prime bucket of every
 // (layer, order, head) column, the column offsets inside each layer's table, and how TP shards split the columns.
 //
 //   ASSIGN_OR_RETURN(Layout layout, Layout::Build(config));
@@ -53,8 +53,8 @@ class Layout {
   int64_t total_rows() const;
   int64_t table_bytes() const { return total_rows() * record_bytes(); }
 
-  // SPEC 5: part = ceil(n_cols / tp_size); shard r owns [r*part, min((r+1)*part, n_cols)); every shard must own at
-  // least one column.
+  // docs/math.md section 8: part = ceil(n_cols / tp_size); shard r owns [r*part, min((r+1)*part, n_cols)); every shard
+  // must own at least one column.
   absl::StatusOr<ShardRange> Shard(int64_t tp_size, int64_t tp_rank) const;
 
  private:
@@ -70,7 +70,8 @@ class Layout {
 // NumPy's multipliers for one layer id: default_rng(10007 * layer_id).integers(0, bound, N, int64) * 2 + 1.
 std::vector<int64_t> EngramMultipliers(int64_t layer_id, int64_t max_ngram, int64_t compressed_vocab);
 
-// The prime buckets of SPEC 2.3 for every layer (config order), per layer n_cols primes, order-major then head.
+// The prime buckets (docs/math.md section 4) of every layer (config order), per layer n_cols primes, order-major
+// then head.
 std::vector<std::vector<int64_t>> EngramPrimes(const std::vector<int64_t>& layer_ids, int64_t max_ngram,
                                                int64_t n_heads, int64_t vocab_size_engram);
 

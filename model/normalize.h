@@ -1,6 +1,6 @@
-// The Engram key normaliser of SPEC 2.1 step 3, built on ICU so that it equals the Hugging Face `tokenizers`
-// normalizer sequence NFKC, NFD, StripAccents, Lowercase, Replace([ \t\r\n]+ -> " "), Replace(^ $ -> U+E000),
-// Strip, Replace(U+E000 -> " "):
+// The Engram key normaliser of docs/math.md section 2 step 3, built on ICU so that it equals the Hugging Face
+// `tokenizers` normalizer sequence NFKC, NFD, StripAccents, Lowercase, Replace([ \t\r\n]+ -> " "),
+// Replace(^ $ -> U+E000), Strip, Replace(U+E000 -> " "):
 //   - StripAccents drops every code point of General_Category Mark (Mn, Mc, Me), as the library does;
 //   - Lowercase maps each code point on its own (full mapping, no final-sigma context), as the library does;
 //   - Strip removes Unicode White_Space from both ends.

@@ -1,6 +1,6 @@
-// The CPU reference of the Engram kernels (SPEC 2.4 hash ids, 3 lookup, 4 gate): the ground truth every GPU kernel
-// is compared against, bit for bit (hash, lookup) or within bf16 rounding of a float64 oracle (gate). Written for
-// clarity first; hashing is also the CPU backend's hot path, so it avoids per-token allocation.
+// The CPU reference of the Engram kernels (docs/math.md: section 5 hash ids, 6 lookup, 7 gate): the ground truth every
+// GPU kernel is compared against, bit for bit (hash, lookup) or within bf16 rounding of a float64 oracle (gate).
+// Written for clarity first; hashing is also the CPU backend's hot path, so it avoids per-token allocation.
 //
 // Inputs are spans with explicit shapes; every inconsistency is an InvalidArgument status, never a crash.
 // Pure functions; thread-safe.

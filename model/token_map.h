@@ -1,6 +1,6 @@
-// TokenMap: the many-to-one compression of a tokenizer's raw ids (SPEC 2.1). Every raw id gets a dense compressed
-// id, in order of first appearance of its key; the key is the normalised decode of the id alone, or the raw piece
-// when the decode is lossy (contains U+FFFD), or the decode itself when normalising leaves nothing.
+// TokenMap: the many-to-one compression of a tokenizer's raw ids (docs/math.md, section 2). Every raw id gets a dense
+// compressed id, in order of first appearance of its key; the key is the normalised decode of the id alone, or the raw
+// piece when the decode is lossy (contains U+FFFD), or the decode itself when normalising leaves nothing.
 //
 //   ASSIGN_OR_RETURN(Tokenizer tokenizer, Tokenizer::Load(path));
 //   TokenMap map = TokenMap::Build(tokenizer);

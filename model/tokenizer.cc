@@ -1,3 +1,5 @@
+// Tokenizer (model/tokenizer.h). One concern kept whole: the tokenizer.json parser, the pre-tokenizer and the
+// byte-level BPE decode are one format's reader.
 #include "model/tokenizer.h"
 
 #include <unicode/regex.h>

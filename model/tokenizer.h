@@ -1,6 +1,6 @@
-// Tokenizer: the parts of a Hugging Face `tokenizer.json` that the Engram token map needs (SPEC 2.1): the id ->
-// piece table (model vocab plus added tokens, added tokens taking precedence as in the `tokenizers` library) and
-// the decoder pipeline applied to a single id, special tokens kept, no clean-up. Added tokens take the ids the
+// Tokenizer: the parts of a Hugging Face `tokenizer.json` that the Engram token map needs (docs/math.md, section 2):
+// the id -> piece table (model vocab plus added tokens, added tokens taking precedence as in the `tokenizers` library)
+// and the decoder pipeline applied to a single id, special tokens kept, no clean-up. Added tokens take the ids the
 // reference library gives them on load (see Parse), which equal the JSON's ids in every well-formed tokenizer.
 //
 // Supported models: BPE, WordLevel (vocab maps) and Unigram (vocab list). Supported decoders: ByteLevel, Metaspace,

@@ -10,7 +10,7 @@ PKGS=(
   libabsl-dev libspdlog-dev libfmt-dev libboost-dev nlohmann-json3-dev
   libicu-dev libsystemd-dev libxxhash-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-numpy python3-yaml python3-pytest util-linux
+  python3 python3-numpy python3-yaml python3-pytest util-linux clang-format
 )
 
 missing=()

@@ -7,7 +7,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${ENGRAM_BUILD_DIR:-$root/build}
 if [ "${1:-}" = dp ]; then  # only its targets, in an already configured build directory
-  cmake --build "$build" --target gpu_dp_test bench_dp engramd engramctl engram-replica engram-mkckpt > /dev/null
+  cmake --build "$build" --target gpu_dp_test bench_dp engramd engramctl engram-replica engram-replica-faults engram-mkckpt > /dev/null
 elif [ "${1:-}" = hostgather ]; then  # only its targets, in an already configured build directory
   cmake --build "$build" --target gpu_host_gather_test gpu_kernels_test gpu_prefetch_test uva_lookup_helper \
     bench_kernels > /dev/null
@@ -35,19 +35,19 @@ case "${1:-kernels}" in
   # and bench_kernels and bench_dp, so one run can check the final tree and measure the lookup paths and the DP step.
   tests) bins=("$build/tests/gpu_kernels_test" "$build/tests/gpu_prefetch_test" "$build/tests/uva_lookup_helper"
                "$build/tests/gpu_client_test" "$build/tests/gpu_host_gather_test" "$build/tests/gpu_dp_test"
-               "$build/daemon/engramd" "$build/tools/engramctl" "$build/tools/engram-replica"
+               "$build/daemon/engramd" "$build/tools/engramctl" "$build/tools/engram-replica" "$build/tools/engram-replica-faults"
                "$build/tools/engram-mkckpt" "$build/bench/bench_kernels" "$build/bench/bench_dp") ;;
   # The Python package: libengram_c.so with engramd/engramctl/engram-mkckpt, the python/ tree, its tests and
   # bench/decode_step.py, run with the GPU machine's own python3, torch, CuPy, NumPy (run.sh python).
   python) bins=("$build/client/libengram_c.so" "$build/daemon/engramd" "$build/tools/engramctl"
                 "$build/tools/engram-mkckpt") ;;
-  # DP_SHARDED on two GPUs (issue 12): its GPU test (engramd + two replicas), bench_dp (run.sh dp).
+  # DP_SHARDED on two GPUs: its GPU test (engramd + two replicas), bench_dp (run.sh dp).
   dp) bins=("$build/tests/gpu_dp_test" "$build/bench/bench_dp" "$build/daemon/engramd" "$build/tools/engramctl"
-            "$build/tools/engram-replica" "$build/tools/engram-mkckpt") ;;
-  # The host-gather lookup path (issue 14): its GPU test, the kernel tests, bench_kernels (run.sh hostgather).
+            "$build/tools/engram-replica" "$build/tools/engram-replica-faults" "$build/tools/engram-mkckpt") ;;
+  # The host-gather lookup path: its GPU test, the kernel tests, bench_kernels (run.sh hostgather).
   hostgather) bins=("$build/tests/gpu_host_gather_test" "$build/tests/gpu_kernels_test" "$build/tests/gpu_prefetch_test"
                     "$build/tests/uva_lookup_helper" "$build/bench/bench_kernels") ;;
-  # Registration and publishing on each page kind (issue 14): bench_register, bench_daemon (run.sh register).
+  # Registration and publishing on each page kind: bench_register, bench_daemon (run.sh register).
   register) bins=("$build/bench/bench_register" "$build/bench/bench_daemon" "$build/daemon/engramd") ;;
   *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon|client|tests|python|dp|hostgather|register]" >&2; exit 2 ;;
 esac

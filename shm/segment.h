@@ -75,7 +75,8 @@ uint64_t SegmentFileBytes(uint64_t desc_bytes, uint64_t data_bytes);
 //   kAuto     kWriters on huge pages: hugetlbfs (its fallocate zeroes every huge page in the calling thread: a 16 GiB
 //             publish ran at 0.17 of the first-touch copy, 0.74 with kWriters, H200 host 2026-11-30) and a
 //             huge=always tmpfs (its fallocate allocates the 2 MiB pages in the calling thread: since the publish
-//             streams its stores, kWriters won 3 of 4 same-run comparisons there, 0.74-0.86 vs 0.73-0.79, session 5);
+//             streams its stores, kWriters won 3 of 4 same-run comparisons there, 0.74-0.86 vs 0.73-0.79,
+//             bench/RESULTS.md "Publish");
 //             kWhole on 4 KiB pages (a tmpfs's fallocate only allocates, its pages are zeroed at first touch in
 //             parallel anyway, and parallel allocation contends on the file's page index: 4 KiB tmpfs publish
 //             4.3-4.8 GiB/s with kWriters, 5.2-5.8 with kWhole).

@@ -1,5 +1,5 @@
-// Float64 oracles shared by the CPU-reference tests and the GPU tests: the gate of SPEC 4 computed in double.
-// Test-only; pure functions.
+// Float64 oracles shared by the CPU-reference tests and the GPU tests: the gate of docs/math.md section 7 computed in
+// double. Test-only; pure functions.
 #pragma once
 
 #include <algorithm>

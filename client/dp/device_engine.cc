@@ -1,3 +1,5 @@
+// DpDeviceEngine (client/dp/device_engine.h). One concern kept whole: the engine's creation (the group's agreed
+// facts, the exchange) and its steps with their watchdog share the same state and read best together.
 #include "client/dp/device_engine.h"
 
 #include <algorithm>
@@ -10,12 +12,13 @@
 #include <string>
 #include <thread>
 
+#include "client/log.h"
+#include "client/environment.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "client/engine/device_engine.h"
 #include "client/dp/nccl_exchange.h"
 #include "client/dp/step_watch.h"
-#include "spdlog/spdlog.h"
 
 namespace engram::client {
 namespace {
@@ -24,18 +27,11 @@ namespace {
 // for group slots up to ENGRAM_DP_GRAPH_MAX_SLOT (also rank 0's), the pipelined form enqueued call by call above.
 constexpr int32_t kA2aPipelined = 0, kA2aSequential = 1, kA2aGraph = 2, kA2aAuto = 3;
 
-int32_t A2aForm(const char* v) {
-  const std::string s = v == nullptr ? "" : v;
+int32_t A2aForm(const std::string& s) {
   if (s == "sequential") return kA2aSequential;
   if (s == "pipelined") return kA2aPipelined;
   if (s == "graph") return kA2aGraph;
   return kA2aAuto;
-}
-
-int64_t EnvInt(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == 0) return fallback;
-  return std::strtoll(v, nullptr, 10);
 }
 
 class DpDeviceEngine final : public LookupEngine {
@@ -211,16 +207,16 @@ class DpDeviceEngine final : public LookupEngine {
     // Facts every member must share, agreed once through the communicator: whether every shard is in GPU memory
     // (peer reads need it), and the knobs that decide which collectives a step runs (rank 0's win).
     const bool on_gpu = table.records(0) == nullptr;  // a DEVICE shard has no host copy
-    const int64_t chunk_kib = EnvInt("ENGRAM_DP_CHUNK_KIB", DpExchangeShape::kDefaultDpChunkBytes >> 10);
-    const char* a2a = std::getenv("ENGRAM_DP_A2A");
+    const ClientEnvironment& env = Environment();
+    const int64_t chunk_kib = env.dp_chunk_kib.value_or(DpExchangeShape::kDefaultDpChunkBytes >> 10);
     const std::vector<int32_t> mine = {
         on_gpu ? 1 : 0,
-        static_cast<int32_t>(std::clamp<int64_t>(EnvInt("ENGRAM_DP_PEER_MAX_SLOT", kDefaultPeerMaxSlot), 0, INT32_MAX)),
+        static_cast<int32_t>(std::clamp<int64_t>(env.dp_peer_max_slot.value_or(kDefaultPeerMaxSlot), 0, INT32_MAX)),
         static_cast<int32_t>(std::clamp<int64_t>(chunk_kib, 0, INT32_MAX)),
-        A2aForm(a2a),
+        A2aForm(env.dp_a2a),
         static_cast<int32_t>(
-            std::clamp<int64_t>(EnvInt("ENGRAM_DP_GRAPH_MAX_SLOT", DpExchangeShape::kDefaultGraphMaxSlot), 0, INT32_MAX)),
-        EnvInt("ENGRAM_DP_NCCL_BLOCKING", 0) != 0 ? 1 : 0,
+            std::clamp<int64_t>(env.dp_graph_max_slot.value_or(DpExchangeShape::kDefaultGraphMaxSlot), 0, INT32_MAX)),
+        env.dp_nccl_blocking.value_or(0) != 0 ? 1 : 0,
         DpNcclExchange::SplitSupported() ? 1 : 0};
     auto agreed = e->AllGatherInts(comm, static_cast<int32_t>(plan.edp), mine);
     if (!agreed.ok()) {
@@ -266,7 +262,7 @@ class DpDeviceEngine final : public LookupEngine {
       if (peer.ok()) {
         e->peer_ = true;
       } else if (absl::IsFailedPrecondition(peer)) {
-        spdlog::warn("engram: event=dp_peer_reads_unavailable group={} reason=\"{}\" (the group uses the all-to-all "
+        Log().warn("engram: event=dp_peer_reads_unavailable group={} reason=\"{}\" (the group uses the all-to-all "
                      "path)", g.group, std::string(peer.message()));
       } else {
         return peer;
@@ -287,7 +283,7 @@ class DpDeviceEngine final : public LookupEngine {
       return absl::ResourceExhaustedError("cannot create the DP prefetch stream and id buffer");
     }
     e->watchdog_ = std::thread([raw = e.get()] { raw->Watch(); });
-    spdlog::info("engram: event=dp_group_formed transport=nccl group={} members={} edp_rank={} slot={} path={} "
+    Log().info("engram: event=dp_group_formed transport=nccl group={} members={} edp_rank={} slot={} path={} "
                  "a2a={} nccl={} chunks={} exchange_bytes={}",
                  g.group, g.members.size(), me, g.slot, e->peer_ ? "nvlink-peer" : "all-to-all",
                  shape.sequential ? "sequential" : shape.graph ? "graph" : "pipelined",

@@ -31,7 +31,7 @@
 
 namespace engram::client {
 
-// bench_dp, 2 x H200 (RESULTS.md, session 4): peer reads win at every slot measured, 1-16384 tokens per rank
+// bench_dp, 2 x H200 (bench/RESULTS.md, 2026-11-30): peer reads win at every slot measured, 1-16384 tokens per rank
 // (6 us at 1 token; 384 us at 16384 against the all-to-all's 669 and the NCCL ceiling's 375): no limit by default.
 // Where the GPUs cannot map each other's memory the group agrees on the all-to-all path instead.
 inline constexpr int32_t kDefaultPeerMaxSlot = INT32_MAX;

@@ -8,6 +8,8 @@
 #include <numeric>
 #include <vector>
 
+#include "client/log.h"
+#include "client/fault_points.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status_macros.h"
@@ -19,19 +21,9 @@
 #endif
 #include "client/table/tables.h"
 #include "model/reference.h"
-#include "spdlog/spdlog.h"
 
 namespace engram::client {
 namespace {
-
-// A test-only fault point of the host transport's setup (ENGRAM_DP_FAULT; unset in production): the
-// multi-process tests make a member die or give up at a chosen moment of forming the exchange.
-//   rank0-dies-after-creating-region   rank 0 SIGKILLs itself right after creating the region's name
-//   give-up-before-mapping             a member other than rank 0 gives up before opening the region
-std::string DpFaultPoint() {
-  const char* v = std::getenv("ENGRAM_DP_FAULT");
-  return v == nullptr ? std::string() : std::string(v);
-}
 
 // Where one step's ids come from: id(t, li, c) = base[t * token_stride + li * layer_stride + c].
 struct StepIds {
@@ -288,12 +280,11 @@ absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpEngine(const Table& table,
   shape.record_bytes = static_cast<int32_t>(table.layout().record_bytes());
   shape.part = static_cast<int32_t>(DpHostEngine::PartOf(plan));
   auto broken = [grp = group.get()] { return grp->Broken(); };
-  const std::string fault = DpFaultPoint();
   if (me == 0) {
     if (auto st = region->Init(shape, me); !st.ok()) return give_up(st);
-    if (fault == "rank0-dies-after-creating-region") ::raise(SIGKILL);
+    if (Fault(FaultPoint::kDpRank0DiesAfterRegion)) ::raise(SIGKILL);
   } else {
-    if (fault == "give-up-before-mapping") {
+    if (Fault(FaultPoint::kDpGiveUpBeforeMapping)) {
       return give_up(absl::UnavailableError("fault injection: this member gave up before mapping the region"));
     }
     auto opened = DpHostRegion::Open(region_name, shape, me, broken, DpStepTimeout());
@@ -304,7 +295,7 @@ absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpEngine(const Table& table,
   region->Publish(1);
   if (auto st = region->WaitAll(1, broken, DpStepTimeout()); !st.ok()) return give_up(st);
   if (me == 0) region->Unlink();
-  spdlog::info("engram: event=dp_group_formed group={} members={} edp_rank={} slot={} region_bytes={}", g.group,
+  Log().info("engram: event=dp_group_formed group={} members={} edp_rank={} slot={} region_bytes={}", g.group,
                g.members.size(), me, g.slot, region->bytes());
   return std::unique_ptr<LookupEngine>(
       new DpHostEngine(table, max_tokens, std::move(plan), std::move(group), std::move(region)));

@@ -4,9 +4,10 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "client/log.h"
+#include "client/environment.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "spdlog/spdlog.h"
 
 namespace engram::client {
 
@@ -30,7 +31,7 @@ absl::StatusOr<std::unique_ptr<DpGroup>> DpGroup::Join(Session& session, const G
     } else if (e.broken && !state->broken) {
       state->detail = e.group.empty() ? e.detail : absl::StrCat("DP group ", e.group, " broken: ", e.detail);
       state->broken.store(true, std::memory_order_release);
-      spdlog::error("engram: event=dp_group_broken detail=\"{}\"", state->detail);
+      Log().error("engram: event=dp_group_broken detail=\"{}\"", state->detail);
     }
     state->cv.notify_all();
   };
@@ -72,7 +73,7 @@ void DpGroup::Leave(const std::string& reason) {
     }
   }
   if (auto st = session_->LeaveGroup(join_id_, formed_.group, formed_.generation, reason); !st.ok()) {
-    spdlog::warn("engram: event=dp_group_leave_failed detail=\"{}\"", std::string(st.message()));
+    Log().warn("engram: event=dp_group_leave_failed detail=\"{}\"", std::string(st.message()));
   }
 }
 
@@ -83,16 +84,12 @@ std::optional<std::string> DpGroup::Broken() const {
 }
 
 namespace {
-std::chrono::milliseconds EnvMs(const char* name, int64_t def) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == 0) return std::chrono::milliseconds(def);
-  char* end = nullptr;
-  const long long x = std::strtoll(v, &end, 10);
-  return std::chrono::milliseconds(end != nullptr && *end == 0 && x > 0 ? x : def);
+std::chrono::milliseconds PositiveMs(const std::optional<int64_t>& v, int64_t def) {
+  return std::chrono::milliseconds(v.value_or(0) > 0 ? *v : def);
 }
 }  // namespace
 
-std::chrono::milliseconds DpFormTimeout() { return EnvMs("ENGRAM_DP_FORM_TIMEOUT_MS", 300000); }
-std::chrono::milliseconds DpStepTimeout() { return EnvMs("ENGRAM_DP_STEP_TIMEOUT_MS", 60000); }
+std::chrono::milliseconds DpFormTimeout() { return PositiveMs(Environment().dp_form_timeout_ms, 300000); }
+std::chrono::milliseconds DpStepTimeout() { return PositiveMs(Environment().dp_step_timeout_ms, 60000); }
 
 }  // namespace engram::client

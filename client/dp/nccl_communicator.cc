@@ -9,6 +9,7 @@
 #include <numeric>
 #include <thread>
 
+#include "client/environment.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status_macros.h"
@@ -100,8 +101,7 @@ bool DpNcclExchange::SplitSupported() {
   auto api = NcclApi::Get();
   if (!api.ok() || (*api)->CommSplit == nullptr) return false;
   // NCCL_COMM_SPLIT_SHARE_RESOURCES=1 overrides the config: the twin would share (and die with) its parent.
-  const char* share = std::getenv("NCCL_COMM_SPLIT_SHARE_RESOURCES");
-  return share == nullptr || std::atoi(share) == 0;
+  return !Environment().nccl_split_shares_resources;
 }
 
 absl::StatusOr<ncclComm_t> DpNcclExchange::BlockingTwin(ncclComm_t comm, int32_t me, const BrokenFn& broken,

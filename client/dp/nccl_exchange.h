@@ -19,7 +19,7 @@
 //               instantiate: the pipelined form becomes part of the caller's graph). Abort destroys the graphs
 //               before aborting the communicator (NCCL does not release a communicator while a graph that captured
 //               it lives; a graph in flight is freed as it completes).
-//               (sequential) the earlier form, kept for packed output and as DpExchangeShape::sequential: all-gather
+//               (sequential) the simpler form, for packed output and as DpExchangeShape::sequential: all-gather
 //               of every member's ids, lookup of members x slot tokens, one send/recv, own block copied, unpack;
 //   peer reads  (slots up to a threshold, every member's shard in GPU memory) each rank reads the other members'
 //               shards directly over NVLink (CUDA IPC mappings exchanged once through the communicator): no
@@ -65,7 +65,7 @@ struct DpExchangeShape {
   std::vector<int32_t> col_begin, col_end;  // per member (edp rank)
   int32_t group_col_begin = 0, group_col_end = 0;
   // Collective path: record bytes a member sends per chunk, at most (0: one chunk per step); `sequential`: the
-  // earlier unpipelined form. Both must be alike on every member (they decide which collectives run).
+  // unpipelined form. Both must be alike on every member (they decide which collectives run).
   // `own_concurrent`: this rank's own columns are read on a side stream from the step's start (else on the step's
   // stream after the packs, while the records travel); a local choice.
   int64_t chunk_bytes = kDefaultDpChunkBytes;

@@ -14,6 +14,7 @@
 #include "base/status_macros.h"
 #include "kernels/dp_kernels.h"
 #include "kernels/engram_kernels.h"
+#include "client/fault_points.h"
 
 namespace engram::client {
 
@@ -39,9 +40,7 @@ absl::Status DpNcclExchange::ExchangePeerShards(const void* alloc_base) {
     return broken_ ? broken_() : std::nullopt;
   };
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
-  // Test-only fault point (ENGRAM_DP_FAULT=peer-open; unset in production): this member cannot map the others.
-  const char* fault = std::getenv("ENGRAM_DP_FAULT");
-  const bool fail_open = fault != nullptr && std::strcmp(fault, "peer-open") == 0;
+  const bool fail_open = Fault(FaultPoint::kDpPeerOpen);  // fault injection (client/fault_points.h)
   // 1. Every member's export, with whether it could make one (a local failure still takes part in the all-gather).
   PeerExport mine{};
   std::string why;

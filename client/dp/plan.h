@@ -1,6 +1,6 @@
-// The DP-sharded topology (`embedding_across_dp`, SPEC 5): which rows a rank holds and what a step moves. The hash
+// The DP-sharded topology (`embedding_across_dp`, docs/math.md section 8): which rows a rank holds and what a step moves. The hash
 // columns are split over tp_size * edp shards, TP-major, where edp = gcd(dp_size, local_dp_size) is the node-local
-// Engram DP group at each TP position (all DP replicas on one node: edp = dp_size, SPEC 5's split). A rank's shard
+// Engram DP group at each TP position (all DP replicas on one node: edp = dp_size). A rank's shard
 // index is tp_rank * edp + edp_rank (edp_rank = dp_rank % edp); the usual column split over the shards decides which
 // columns (and so which contiguous rows of each layer) it owns. The edp shards of one TP position together cover
 // that position's columns [group_col_begin, group_col_end); the exchange never leaves the group. Per step:

@@ -3,7 +3,7 @@
 // order: a younger step's finish is then reported late, when the older one's is, never early); a step is overdue
 // when steps are queued and none has finished for `timeout`, counted from the later of the moment the queue became
 // non-empty and the last finish. A host that keeps
-// enqueueing steps behind a stalled member therefore does not push the deadline back (each enqueue used to restart
+// enqueueing steps behind a stalled member therefore does not push the deadline back (were each enqueue to restart
 // it). Pure bookkeeping (the caller observes the finishes, e.g. by querying one CUDA event per step); not
 // thread-safe: the caller's lock guards it. Header-only.
 #pragma once

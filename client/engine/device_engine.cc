@@ -1,6 +1,7 @@
 #include "client/engine/device_engine.h"
 
 #include <algorithm>
+#include <mutex>
 #include <cmath>
 #include <iterator>
 #include <limits>
@@ -10,9 +11,10 @@
 #include <cstring>
 #include <thread>
 
+#include "client/log.h"
+#include "client/environment.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "spdlog/spdlog.h"
 
 namespace engram::client {
 namespace {
@@ -27,13 +29,11 @@ constexpr PathPoint kDefaultPathTable[] = {
 
 // ENGRAM_HOST_GATHER_MIN_ITEMS=N: host gather from N items (a plain threshold, a single point marked `threshold`);
 // else the table bench_kernels writes (ENGRAM_LOOKUP_PATH_TABLE: lines "ITEMS host|uva"); else the measured default.
-std::vector<PathPoint> PathTable() {
-  if (const char* v = std::getenv("ENGRAM_HOST_GATHER_MIN_ITEMS"); v != nullptr && std::atoll(v) > 0) {
-    return {{std::atoll(v), true, true}};
-  }
-  if (const char* path = std::getenv("ENGRAM_LOOKUP_PATH_TABLE"); path != nullptr) {
+std::vector<PathPoint> PathTable(const ClientEnvironment& env) {
+  if (env.host_gather_min_items.value_or(0) > 0) return {{*env.host_gather_min_items, true, true}};
+  if (!env.lookup_path_table.empty()) {
     std::vector<PathPoint> table;
-    if (FILE* f = std::fopen(path, "r")) {
+    if (FILE* f = std::fopen(env.lookup_path_table.c_str(), "r")) {
       long long n = 0;
       char what[16] = {};
       while (std::fscanf(f, "%lld %15s", &n, what) == 2) {
@@ -46,12 +46,22 @@ std::vector<PathPoint> PathTable() {
   return std::vector<PathPoint>(std::begin(kDefaultPathTable), std::end(kDefaultPathTable));
 }
 
-LookupPath PathFromEnv() {
-  const char* v = std::getenv("ENGRAM_LOOKUP_PATH");
-  if (v == nullptr) return LookupPath::kAuto;
-  if (std::strcmp(v, "uva") == 0) return LookupPath::kUva;
-  if (std::strcmp(v, "host") == 0 || std::strcmp(v, "host_gather") == 0) return LookupPath::kHostGather;
+LookupPath PathFromEnv(const ClientEnvironment& env) {
+  if (env.lookup_path == "uva") return LookupPath::kUva;
+  if (env.lookup_path == "host" || env.lookup_path == "host_gather") return LookupPath::kHostGather;
   return LookupPath::kAuto;
+}
+
+// The UVA gather's tuning from the environment, applied once per process (before the first engine's launches).
+void ApplyLookupTuningFromEnvironment(const ClientEnvironment& env) {
+  static std::once_flag once;
+  std::call_once(once, [&env] {
+    kernels::LookupTuning t = kernels::GetLookupTuning();
+    if (env.lookup_sort_min_items) t.sort_min_items = *env.lookup_sort_min_items;
+    if (env.lookup_sort_variant) t.sort_variant = static_cast<int32_t>(std::clamp<int64_t>(*env.lookup_sort_variant, 0, 3));
+    if (env.lookup_sort_blocks) t.sort_blocks = static_cast<int32_t>(std::clamp<int64_t>(*env.lookup_sort_blocks, 0, 1 << 20));
+    kernels::SetLookupTuning(t);
+  });
 }
 
 }  // namespace
@@ -78,32 +88,28 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
   }
   e->sort_bytes_ = kernels::LookupSortScratchBytes(static_cast<int64_t>(max_tokens) * table.n_cols());
   RETURN_IF_ERROR(kernels::CudaStatus(cudaMalloc(&e->sort_scratch_, e->sort_bytes_), "sort scratch"));
-  e->path_ = PathFromEnv();
-  e->path_table_ = PathTable();
+  const ClientEnvironment& env = Environment();
+  ApplyLookupTuningFromEnvironment(env);
+  e->path_ = PathFromEnv(env);
+  e->path_table_ = PathTable(env);
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   e->host_options_.threads = DefaultGatherThreads(cores);
   // The gather threads and their CPUs: ENGRAM_HOST_GATHER_THREADS=N, ENGRAM_HOST_GATHER_CPUS=LIST (e.g. "8-15").
-  if (const char* v = std::getenv("ENGRAM_HOST_GATHER_THREADS"); v != nullptr && std::atoi(v) > 0) {
-    e->host_options_.threads = std::atoi(v);
+  if (env.host_gather_threads.value_or(0) > 0) {
+    e->host_options_.threads = static_cast<int>(std::min<int64_t>(*env.host_gather_threads, 1024));
   }
-  if (const char* v = std::getenv("ENGRAM_HOST_GATHER_CPUS"); v != nullptr && *v != '\0') {
-    ASSIGN_OR_RETURN(e->host_options_.cpus, ParseCpuList(v));
+  if (!env.host_gather_cpus.empty()) {
+    ASSIGN_OR_RETURN(e->host_options_.cpus, ParseCpuList(env.host_gather_cpus));
   }
   // De-duplication and the UVA share of a split batch: the measured defaults (host_gather.h, bench/RESULTS.md);
   // ENGRAM_HOST_GATHER_DEDUP=0|1 and ENGRAM_HOST_GATHER_UVA_SHARE=0..1 override them.
-  e->host_options_.dedup = kEngineHostGatherDedup;
-  if (const char* v = std::getenv("ENGRAM_HOST_GATHER_DEDUP"); v != nullptr && *v != '\0') {
-    e->host_options_.dedup = std::strcmp(v, "1") == 0;
-  }
-  e->host_options_.uva_share = kEngineHostGatherUvaShare;
-  if (const char* v = std::getenv("ENGRAM_HOST_GATHER_UVA_SHARE"); v != nullptr && *v != '\0') {
-    e->host_options_.uva_share = std::clamp(std::atof(v), 0.0, 1.0);
-  }
-  if (std::getenv("ENGRAM_LOOKUP_SORT_MIN_ITEMS") == nullptr) RETURN_IF_ERROR(e->Calibrate());
+  e->host_options_.dedup = env.host_gather_dedup.value_or(kEngineHostGatherDedup);
+  e->host_options_.uva_share = std::clamp(env.host_gather_uva_share.value_or(kEngineHostGatherUvaShare), 0.0, 1.0);
+  if (!env.lookup_sort_min_items) RETURN_IF_ERROR(e->Calibrate());
   const bool host_records = table.layers().empty() || table.records(0) != nullptr;
   std::string table_text;
   for (const auto& p : e->path_table_) table_text += absl::StrCat(table_text.empty() ? "" : ",", p.items, ":", p.threshold ? "host_from" : p.host ? "host" : "uva");
-  spdlog::info("engram: event=lookup_engine backend=cuda lookup_path={} path_table={} host_gather_threads={} "
+  Log().info("engram: event=lookup_engine backend=cuda lookup_path={} path_table={} host_gather_threads={} "
                "host_gather_dedup={} host_gather_uva_share={:.2f} host_records={} (uva under CUDA graph capture and for device "
                "ids)",
                LookupPathName(e->path_), table_text, e->host_options_.threads, e->host_options_.dedup,
@@ -200,7 +206,7 @@ absl::Status DeviceEngine::Calibrate() {
   cudaFree(d_ids);
   cudaFree(d_out);
   if (!st.ok()) return st;
-  spdlog::info("engram: event=lookup_calibrated row_order_from_items={} table_rows={}", text, rows);
+  Log().info("engram: event=lookup_calibrated row_order_from_items={} table_rows={}", text, rows);
   return absl::OkStatus();
 }
 
@@ -209,7 +215,7 @@ void DeviceEngine::NotePath(LookupPath path, int64_t items) {
   const unsigned bit = path == LookupPath::kHostGather ? 2u : 1u;
   if ((paths_logged_ & bit) != 0) return;
   paths_logged_ |= bit;  // the first batch of each path is logged, not every batch
-  spdlog::info("engram: event=lookup_path_used lookup_path={} items_per_layer={}", LookupPathName(path), items);
+  Log().info("engram: event=lookup_path_used lookup_path={} items_per_layer={}", LookupPathName(path), items);
 }
 
 bool DeviceEngine::HostWins(int64_t items) const {
@@ -231,7 +237,7 @@ absl::Status DeviceEngine::SetLookupPath(LookupPath path) {
     return absl::FailedPreconditionError("the host-gather path needs host records (a DEVICE table has none)");
   }
   path_ = path;
-  spdlog::info("engram: event=lookup_path lookup_path={}", LookupPathName(path));
+  Log().info("engram: event=lookup_path lookup_path={}", LookupPathName(path));
   return absl::OkStatus();
 }
 

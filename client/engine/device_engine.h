@@ -72,7 +72,7 @@ class DeviceEngine final : public LookupEngine {
   bool has_staging_ = true;  // false: created without staging (no Prefetch)
   void* sort_scratch_ = nullptr;
   size_t sort_bytes_ = 0;
-  // Lookup path choice (issue 14).
+  // Lookup path choice.
   LookupPath path_ = LookupPath::kAuto, last_path_ = LookupPath::kAuto;
   std::vector<PathPoint> path_table_;
   unsigned paths_logged_ = 0;

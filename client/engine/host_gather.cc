@@ -1,3 +1,5 @@
+// HostGather (client/engine/host_gather.h). One concern kept whole: the gather threads, the dispatcher that issues
+// the copies and the GPU unpack are one pipeline whose hand-offs read best side by side.
 #include "client/engine/host_gather.h"
 
 #include <algorithm>
@@ -7,6 +9,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "client/environment.h"
 #include "absl/strings/str_cat.h"
 #include "base/spin.h"
 #include "base/status_macros.h"
@@ -18,24 +21,24 @@ namespace engram::client {
 using kernels::CudaStatus;
 
 // The built-in defaults are bench_kernels' fastest "host gather variant" at 196K rows with the engine's UVA share
-// (2 x H200 run of 2026-11-30, session 3: "all, chunks 256-1024, copies >= 4096": non-temporal stores, fused
+// (2 x H200, bench/RESULTS.md 2026-11-30: "all, chunks 256-1024, copies >= 4096": non-temporal stores, fused
 // plan + gather, the dispatcher issuing merged copies of >= 4096 rows, pre-wake, dispatcher spin 200 us).
 HostGatherOptions ResolveHostGatherOptions(HostGatherOptions o) {
-  auto resolve = [](int32_t* field, const char* env, int32_t fallback) {
+  const ClientEnvironment& env = Environment();
+  auto resolve = [](int32_t* field, const std::optional<int64_t>& from_env, int32_t fallback) {
     if (*field >= 0) return;
-    const char* v = std::getenv(env);
-    *field = v != nullptr && *v != '\0' ? std::max(0, std::atoi(v)) : fallback;
+    *field = from_env ? static_cast<int32_t>(std::clamp<int64_t>(*from_env, 0, INT32_MAX)) : fallback;
   };
-  resolve(&o.prefetch_rows, "ENGRAM_HOST_GATHER_PREFETCH", 16);
-  resolve(&o.stream_stores, "ENGRAM_HOST_GATHER_NT", 1);
-  resolve(&o.fused, "ENGRAM_HOST_GATHER_FUSED", 1);
-  resolve(&o.copy_issuer, "ENGRAM_HOST_GATHER_ISSUER", 1);
-  resolve(&o.spin_us, "ENGRAM_HOST_GATHER_SPIN_US", 200);
-  resolve(&o.dispatch_spin_us, "ENGRAM_HOST_GATHER_DISPATCH_SPIN_US", 200);
-  resolve(&o.pass_spin_us, "ENGRAM_HOST_GATHER_PASS_SPIN_US", 200);
-  resolve(&o.prewake, "ENGRAM_HOST_GATHER_PREWAKE", 1);
-  resolve(&o.issue_min_rows, "ENGRAM_HOST_GATHER_ISSUE_MIN_ROWS", 4096);
-  resolve(&o.stream_unpack, "ENGRAM_HOST_GATHER_STREAM_UNPACK", 0);
+  resolve(&o.prefetch_rows, env.host_gather_prefetch, 16);
+  resolve(&o.stream_stores, env.host_gather_nt, 1);
+  resolve(&o.fused, env.host_gather_fused, 1);
+  resolve(&o.copy_issuer, env.host_gather_issuer, 1);
+  resolve(&o.spin_us, env.host_gather_spin_us, 200);
+  resolve(&o.dispatch_spin_us, env.host_gather_dispatch_spin_us, 200);
+  resolve(&o.pass_spin_us, env.host_gather_pass_spin_us, 200);
+  resolve(&o.prewake, env.host_gather_prewake, 1);
+  resolve(&o.issue_min_rows, env.host_gather_issue_min_rows, 4096);
+  resolve(&o.stream_unpack, env.host_gather_stream_unpack, 0);
   return o;
 }
 

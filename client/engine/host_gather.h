@@ -42,8 +42,8 @@ namespace engram::client {
 // The engine's defaults (client/engine/device_engine.cc; bench_kernels measures them and writes the automatic choice's
 // table for them), measured on the H200 (bench/RESULTS.md, 2026-11-30): de-duplication off (it costs more than
 // it saves even at 45% repeats), a quarter of the tokens on the UVA row-order kernel (the best share at 196K rows,
-// the size where the engine takes this path; session 4 measured 0.15-0.4 side by side in four runs: 0.2 and 0.3
-// won some runs by 1-3% and lost others by as much, so a per-size share was tried and reverted).
+// the size where the engine takes this path; 0.15-0.4 measured side by side in four runs: 0.2 and 0.3 won some
+// runs by 1-3% and lost others by as much, and a per-size share gained nothing).
 inline constexpr bool kEngineHostGatherDedup = false;
 inline constexpr double kEngineHostGatherUvaShare = 0.25;
 
@@ -61,7 +61,7 @@ struct HostGatherOptions {
   // is as fast on 8 blocks of 8 rows per warp as on 16-32 at these sizes).
   int32_t uva_blocks = 8;
 
-  // How the batch reaches the copy engine (issue 14: the gap between the pipeline and the CPU gather ceiling). Each
+  // How the batch reaches the copy engine (what closes the gap between the pipeline and the CPU gather ceiling). Each
   // field left at -1 is taken from its environment variable when set, else from the built-in default (in brackets:
   // chosen from bench_kernels' "host gather variant" lines, bench/RESULTS.md); HostGather::options() shows the result.
   int32_t prefetch_rows = -1;  // ENGRAM_HOST_GATHER_PREFETCH: rows prefetched ahead in each thread's list (16;

@@ -1,5 +1,8 @@
+// Session (client/session/session.h). One concern kept whole: the hello, the grant, the event stream and the lease
+// re-establishment are one conversation with engramd over one stream.
 #include "client/session/session.h"
 
+#include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -10,12 +13,12 @@
 #include <vector>
 #include <thread>
 
+#include "client/log.h"
 #include "base/utf8.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "client/session/descriptor_client.h"
 #include "engram/v1/engram.grpc.pb.h"
-#include "spdlog/spdlog.h"
 
 namespace engram::client {
 namespace {
@@ -147,9 +150,9 @@ struct Session::Impl {
   }
   void DeliverGroupLeft(const v1::GroupLeft& l) {
     if (l.code() == 0) {
-      spdlog::info("engram: event=dp_group_left group={} generation={}", l.group(), l.generation());
+      Log().info("engram: event=dp_group_left group={} generation={}", l.group(), l.generation());
     } else {
-      spdlog::warn("engram: event=dp_group_leave_refused code={} detail=\"{}\"", l.code(), l.error());
+      Log().warn("engram: event=dp_group_leave_refused code={} detail=\"{}\"", l.code(), l.error());
     }
   }
   // The session ended: a group this session joined cannot go on (its membership was this lease); the reconnect
@@ -191,7 +194,7 @@ struct Session::Impl {
       v1::ServerMessage m;
       while (c->stream->Read(&m)) {
         if (m.has_event() && m.event().kind() == v1::Event::DRAINING) {
-          spdlog::warn("engram: event=daemon_draining detail=\"{}\"", m.event().detail());
+          Log().warn("engram: event=daemon_draining detail=\"{}\"", m.event().detail());
         }
         if (m.has_group_update()) DeliverGroupUpdate(m.group_update());
         if (m.has_group_left()) DeliverGroupLeft(m.group_left());
@@ -201,7 +204,7 @@ struct Session::Impl {
         if (closing) return;
       }
       LoseGroup();
-      spdlog::warn("engram: event=lease_lost socket={} detail=\"engramd ended the session; the mapping stays valid, "
+      Log().warn("engram: event=lease_lost socket={} detail=\"engramd ended the session; the mapping stays valid, "
                    "reconnecting\"", socket);
       auto backoff = std::chrono::milliseconds(100);
       while (true) {
@@ -236,7 +239,7 @@ struct Session::Impl {
         std::unique_ptr<Connection> old = std::move(conn);
         conn = std::move(*next);
         (void)old->stream->Finish();  // it ended (Read returned false): collect its status, then let it go
-        spdlog::info("engram: event=lease_restored socket={} same_segment={}", socket, same);
+        Log().info("engram: event=lease_restored socket={} same_segment={}", socket, same);
         break;
       }
     }
@@ -414,6 +417,27 @@ absl::Status Session::LeaveGroup(uint64_t join_id, const std::string& group, uin
   impl_->on_group = nullptr;
   impl_->join_id = 0;
   return impl_->Write(m);
+}
+
+absl::StatusOr<std::string> FetchStatusJson(const std::string& socket, std::chrono::milliseconds timeout) {
+  auto channel = grpc::CreateChannel(absl::StrCat("unix:", socket), grpc::InsecureChannelCredentials());
+  auto stub = v1::Engram::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  v1::StatusReply reply;
+  const grpc::Status rpc = stub->Status(&ctx, v1::StatusRequest(), &reply);
+  if (!rpc.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(rpc.error_code()),
+                        absl::StrCat("engramd at ", socket, ": ", rpc.error_message()));
+  }
+  google::protobuf::util::JsonPrintOptions o;
+  o.preserve_proto_field_names = true;
+  o.always_print_primitive_fields = true;
+  std::string text;
+  if (!google::protobuf::util::MessageToJsonString(reply, &text, o).ok()) {
+    return absl::InternalError("status: cannot print the reply as JSON");
+  }
+  return text;
 }
 
 }  // namespace engram::client

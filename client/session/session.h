@@ -1,5 +1,5 @@
-// Session: one replica's whole conversation with engramd (DESIGN.md "Data flow" 2-4), over gRPC on the daemon's
-// Unix socket. The only client file that speaks the wire protocol: everything it returns is plain C++.
+// Session: one replica's whole conversation with engramd (docs/architecture.md, "Data flow" step 3), over gRPC on the
+// daemon's Unix socket. The only client file that speaks the wire protocol: everything it returns is plain C++.
 //
 //   ASSIGN_OR_RETURN(auto s, Session::Open(socket, timeout, declaration));   // hello -> grant or fallback
 //   if (s->answer().granted) { RETURN_IF_ERROR(s->AcquireTicket()); ...pin...; s->ReportRegistration(result); }
@@ -141,5 +141,9 @@ class Session {
   std::unique_ptr<Impl> impl_;
   Answer answer_;
 };
+
+// The daemon's status (what `engramctl status --json` prints) as JSON, from a Status call on `socket` within
+// `timeout`. The gRPC error's code with "engramd at SOCKET: ..." when no daemon answers or it refuses.
+absl::StatusOr<std::string> FetchStatusJson(const std::string& socket, std::chrono::milliseconds timeout);
 
 }  // namespace engram::client

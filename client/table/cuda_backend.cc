@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 
+#include "client/fault_points.h"
 #include "absl/strings/str_cat.h"
 #include "base/worker_threads.h"
 
@@ -96,7 +97,7 @@ absl::StatusOr<std::unique_ptr<HostRegistration>> HostRegistration::Register(con
     if (own_thread && ctx != nullptr && drv.set_ctx != nullptr) drv.set_ctx(ctx);  // the caller's context
     for (size_t k = next++; k < n_chunks && !failed.load(std::memory_order_relaxed); k = next++) {
       const size_t off = k * chunk_bytes, n = std::min(chunk_bytes, bytes - off);
-      const CUresult e = static_cast<int>(k) == options.fail_at_chunk
+      const CUresult e = Fault(FaultPoint::kRegisterChunk, static_cast<int64_t>(k))
                              ? CUDA_ERROR_OUT_OF_MEMORY
                              : drv.reg(p + off, n, CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_READ_ONLY);
       result[k] = e;

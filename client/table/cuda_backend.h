@@ -18,12 +18,11 @@ enum class CudaState { kUsable, kNoDevice, kNoUva };
 CudaState ProbeCuda(std::string* why_not);
 
 // How to register: chunks of at most `chunk_bytes` (clamped to [2 MiB, 511 GiB]) handed out to `threads` workers
-// (at most one per chunk; 1 = the calling thread, in order). `fail_at_chunk` >= 0 is a fault-injection seam for
-// tests: that chunk fails as if the driver had refused it.
+// (at most one per chunk; 1 = the calling thread, in order). Tests make a chunk fail as if the driver had refused
+// it through the fault point kRegisterChunk (client/fault_points.h).
 struct RegisterOptions {
   size_t chunk_bytes = size_t{16} << 30;
   int threads = 1;
-  int fail_at_chunk = -1;
 };
 
 class HostRegistration {
@@ -36,8 +35,8 @@ class HostRegistration {
                                                                     const RegisterOptions& options, int* failed_chunk);
   // The same, one thread (the original interface).
   static absl::StatusOr<std::unique_ptr<HostRegistration>> Register(const void* ptr, size_t bytes, size_t chunk_bytes,
-                                                                    int* failed_chunk, int fail_at_chunk = -1) {
-    return Register(ptr, bytes, RegisterOptions{chunk_bytes, 1, fail_at_chunk}, failed_chunk);
+                                                                    int* failed_chunk) {
+    return Register(ptr, bytes, RegisterOptions{chunk_bytes, 1}, failed_chunk);
   }
   ~HostRegistration();
   double seconds() const { return seconds_; }

@@ -98,14 +98,14 @@ absl::StatusOr<std::unique_ptr<TableImpl>> OpenSharedTable(const Grant& g, int f
   return t;
 }
 
-RegistrationReport PinTable(TableImpl& t, bool cuda, size_t chunk_bytes, int fail_at_chunk) {
+RegistrationReport PinTable(TableImpl& t, bool cuda, size_t chunk_bytes) {
   RegistrationReport rep;
   const auto t0 = Clock::now();
 #ifdef ENGRAM_HAVE_CUDA
   if (cuda) {
     rep.backend = Backend::kCuda;
     int failed = -1;
-    auto reg = HostRegistration::Register(t.base(), t.bytes(), chunk_bytes, &failed, fail_at_chunk);
+    auto reg = HostRegistration::Register(t.base(), t.bytes(), chunk_bytes, &failed);
     rep.ok = reg.ok();
     if (reg.ok()) {
       t.keep_.push_back(std::shared_ptr<HostRegistration>(std::move(*reg)));
@@ -118,7 +118,6 @@ RegistrationReport PinTable(TableImpl& t, bool cuda, size_t chunk_bytes, int fai
   }
 #else
   (void)chunk_bytes;
-  (void)fail_at_chunk;
 #endif
   if (!cuda) {
     rep.backend = Backend::kCpu;
@@ -137,7 +136,7 @@ RegistrationReport PinTable(TableImpl& t, bool cuda, size_t chunk_bytes, int fai
 
 absl::StatusOr<std::unique_ptr<TableImpl>> BuildPrivateTable(const Checkpoint& ckpt, const Layout& layout,
                                                              const ShardRange& shard, bool cpu_offload, bool cuda,
-                                                             int threads, size_t chunk_bytes, int fail_at_chunk,
+                                                             int threads, size_t chunk_bytes,
                                                              Env* env) {
   auto t = std::make_unique<TableImpl>(env);
   t->mode_ = cpu_offload ? Mode::kPrivatePinned : Mode::kDevice;
@@ -170,7 +169,7 @@ absl::StatusOr<std::unique_ptr<TableImpl>> BuildPrivateTable(const Checkpoint& c
   if (cuda) {
     const auto t0 = Clock::now();
     if (cpu_offload) {
-      RegistrationReport rep = PinTable(*t, true, chunk_bytes, fail_at_chunk);
+      RegistrationReport rep = PinTable(*t, true, chunk_bytes);
       if (!rep.ok) return absl::InternalError(absl::StrCat("registering the private table failed: ", rep.error));
     } else {
       ASSIGN_OR_RETURN(auto copy, DeviceCopy::Create(t->private_, bytes));
@@ -187,7 +186,6 @@ absl::StatusOr<std::unique_ptr<TableImpl>> BuildPrivateTable(const Checkpoint& c
 #else
   (void)cuda;
   (void)chunk_bytes;
-  (void)fail_at_chunk;
 #endif
   return t;
 }

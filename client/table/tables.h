@@ -1,4 +1,4 @@
-// Tables: where a replica's rows live and how they got there (DESIGN.md "Data flow" 4).
+// Tables: where a replica's rows live and how they got there (docs/architecture.md, "Data flow" step 3).
 //   OpenSharedTable   maps the granted segment PROT_READ (from the descriptor engramd passed, or by path), checks
 //                     it against the grant (the same file, READY, fingerprint, size), and prefaults this process's
 //                     page tables (outside the node's registration ticket).
@@ -82,15 +82,14 @@ absl::StatusOr<std::unique_ptr<TableImpl>> OpenSharedTable(const Grant& grant, i
                                                            uint64_t fingerprint, const Layout& layout,
                                                            const ShardRange& shard, Env* env);
 
-// Pins the table's records: CUDA registration (chunks of `chunk_bytes`; `fail_at_chunk` >= 0 injects a driver
-// refusal) when `cuda`, else mlock. On success the table's backend and register_seconds are set.
-RegistrationReport PinTable(TableImpl& table, bool cuda, size_t chunk_bytes, int fail_at_chunk);
+// Pins the table's records: CUDA registration (chunks of `chunk_bytes`) when `cuda`, else mlock. On success the table's backend and register_seconds are set.
+RegistrationReport PinTable(TableImpl& table, bool cuda, size_t chunk_bytes);
 
 // A private copy of this TP shard from the checkpoint: host memory (then pinned/registered like a shared table,
 // PRIVATE_PINNED) or a GPU copy (DEVICE) when `cpu_offload` is false and `cuda` is true.
 absl::StatusOr<std::unique_ptr<TableImpl>> BuildPrivateTable(const Checkpoint& ckpt, const Layout& layout,
                                                              const ShardRange& shard, bool cpu_offload, bool cuda,
-                                                             int threads, size_t chunk_bytes, int fail_at_chunk,
+                                                             int threads, size_t chunk_bytes,
                                                              Env* env);
 
 }  // namespace engram::client

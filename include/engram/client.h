@@ -1,11 +1,11 @@
-// libengram_client: what a serving replica links to get its TP shard's Engram table (DESIGN.md "Data flow" 2-5).
+// libengram_client: what a serving replica links to get its TP shard's Engram table (docs/architecture.md, "Data flow").
 //
 //   ASSIGN_OR_RETURN(auto client, engram::client::Client::Create({.socket = "/run/engramd/engramd.sock"}));
 //   ASSIGN_OR_RETURN(auto table, client->Attach(request));   // SHARED, or a fallback table with its reasons
 //   ASSIGN_OR_RETURN(auto engine, engram::client::LookupEngine::Create(*table, max_tokens, stream));
 //   engine->Hash(...);  engine->Prefetch(...);  engine->Wait(layer);  engine->Gate(...);   // lookup_engine.h
 //
-// Attach declares the replica's topology and engram config to engramd (config precedence as SPEC 6: an explicit
+// Attach declares the replica's topology and engram config to engramd (config precedence as docs/math.md section 9: an explicit
 // value, then VLLM_PLE_CPU_OFFLOAD, then the default) and receives a grant or a fallback; the daemon decides the
 // mode (daemon/fallback.h), the client adds only what it alone can know (NO_CUDA_DEVICE, DAEMON_UNAVAILABLE,
 // PERMISSION_DENIED, SHM_NOT_VISIBLE when neither the descriptor nor the granted path reaches the file,
@@ -50,7 +50,6 @@ struct ClientOptions {
   size_t register_chunk_bytes = size_t{16} << 30;  // cudaHostRegister chunk (never >= 512 GiB)
   bool use_gpu = true;                             // false: CPU backend even where a GPU is present
   Env* env = nullptr;  // OS seam for mapping, pinning and building tables (shm/env.h); null = the real one
-  int fail_register_at_chunk = -1;  // fault seam for tests: CUDA registration fails at this chunk
   // Fetch the granted segment as a descriptor over the daemon's descriptor socket (the default); false: open the
   // segment's path only (for diagnosis; SHM_NOT_VISIBLE where this process cannot see the daemon's directory).
   bool descriptor_passing = true;
@@ -118,7 +117,7 @@ class Client {
   ClientOptions options_;
 };
 
-// SPEC 6 precedence for cpu_offload: explicit, then VLLM_PLE_CPU_OFFLOAD ("0"/"false"/"no"/"off" = false), then true.
+// The precedence for cpu_offload (docs/math.md section 9): explicit, then VLLM_PLE_CPU_OFFLOAD ("0"/"false"/"no"/"off" = false), then true.
 bool ResolveCpuOffload(const std::optional<bool>& explicit_value);
 
 }  // namespace engram::client

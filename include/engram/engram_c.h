@@ -129,7 +129,7 @@ void engram_engine_free(engram_engine* e);
 const char* engram_engine_backend(const engram_engine* e); /* "cuda" or "cpu" */
 int32_t engram_engine_max_tokens(const engram_engine* e);
 
-/* A flattened batch of `num_requests` requests (SPEC 2.4): tokens [T] int32 raw ids, positions [T] int64 (contiguous
+/* A flattened batch of `num_requests` requests (docs/math.md section 5): tokens [T] int32 raw ids, positions [T] int64 (contiguous
  * within a request), query_start_loc [R+1] int32, lookback [R, max_ngram-1] int32 raw ids oldest first, -1 unknown
  * (NULL: all unknown), dead [T] uint8 nonzero = DEAD (NULL: none) -> out [T, num_layers, num_cols] int32. */
 int engram_engine_hash(engram_engine* e, const int32_t* tokens, const int64_t* positions, const int32_t* query_start_loc,
@@ -165,7 +165,7 @@ int engram_engine_prefetch(engram_engine* e, const int32_t* hash_ids, int32_t nu
 int engram_engine_wait(engram_engine* e, int layer, uintptr_t stream, char* err, size_t err_len);
 void* engram_engine_staging(const engram_engine* e, int layer); /* NULL for a layer out of range */
 
-/* SPEC 4: out[t, c, :] = hidden[t, c, :] + g * value, bf16 bits; mask [T] nonzero = DEAD (gate 0), may be NULL. */
+/* The gate (docs/math.md section 7): out[t, c, :] = hidden[t, c, :] + g * value, bf16 bits; mask [T] nonzero = DEAD (gate 0), may be NULL. */
 typedef struct {
   const uint16_t* hidden;   /* [T, hc_mult, dim] */
   const uint16_t* kv;       /* [T, (hc_mult + 1) * dim] */
@@ -183,6 +183,14 @@ int engram_engine_gate(engram_engine* e, const engram_gate_args* args, uintptr_t
  * JSON text in *json (free it with engram_string_free). UNAVAILABLE / DEADLINE_EXCEEDED when no daemon answers. */
 int engram_status_json(const char* socket, int timeout_ms, char** json, char* err, size_t err_len);
 void engram_string_free(char* s);
+
+/* ---- The library's log ----
+ * Lines go to stderr unless a callback is set: then every line at or above the level goes to `fn(level, line,
+ * user)` (level 0 debug, 1 info, 2 warning, 3 error; `line` valid during the call only), from any of the
+ * library's threads; the callback must not call into the library. fn NULL restores stderr. */
+typedef void (*engram_log_fn)(int level, const char* line, void* user);
+void engram_set_log_callback(engram_log_fn fn, void* user);
+void engram_set_log_level(int level); /* lines below it are dropped (default 1, info); clamped to 0..3 */
 
 #ifdef __cplusplus
 }

@@ -63,8 +63,8 @@ class Layout(namedtuple("Layout", "layers n_cols col_begin col_end head_dim reco
 
 
 def _tp_columns(n_cols, tp_size, tp_rank):
-    # The TP shard's hash columns as SPEC 5 splits them (model/layout.cc Layout::Shard): contiguous parts of
-    # ceil(n_cols / tp_size) columns. The cross-check of the library's staging columns (a second computation).
+    # The TP shard's hash columns as docs/math.md section 8 splits them (model/layout.cc Layout::Shard): contiguous
+    # parts of ceil(n_cols / tp_size) columns. The cross-check of the library's staging columns (a second computation).
     part = -(-n_cols // tp_size)
     return tp_rank * part, min((tp_rank + 1) * part, n_cols)
 
@@ -157,7 +157,8 @@ class Table:
             layers.append(LayerLayout(L.engram_table_layer_id(h, i), b.value, e.value, tuple(rows)))
         cb, ce = ctypes.c_int(), ctypes.c_int()
         _check_rc(L.engram_table_col_range(h, ctypes.byref(cb), ctypes.byref(ce)), "column range")
-        # The staging's columns come from the library; SPEC 5's TP split, recomputed here, must agree with them.
+        # The staging's columns come from the library; the TP split of docs/math.md section 8, recomputed here, must
+        # agree with them.
         stb, ste = ctypes.c_int(), ctypes.c_int()
         _check_rc(L.engram_table_staging_col_range(h, ctypes.byref(stb), ctypes.byref(ste)), "staging columns")
         sb, se = stb.value, ste.value
@@ -335,9 +336,9 @@ class Engine:
 
     # -- the calls --------------------------------------------------------------------------------------------
     def hash(self, tokens, positions, query_start_loc, lookback=None, dead=None, out=None):
-        """Hash ids of a flattened batch of requests (SPEC 2.4). tokens int32 [T] raw ids; positions int64 [T]
-        (contiguous within each request); query_start_loc int32 [R+1] (0 .. T); lookback int32 [R, N-1], the N-1
-        raw ids before each request's chunk, oldest first, -1 unknown (None: all unknown); dead bool/uint8 [T]
+        """Hash ids of a flattened batch of requests (docs/math.md section 5). tokens int32 [T] raw ids; positions
+        int64 [T] (contiguous within each request); query_start_loc int32 [R+1] (0 .. T); lookback int32 [R, N-1], the
+        N-1 raw ids before each request's chunk, oldest first, -1 unknown (None: all unknown); dead bool/uint8 [T]
         (DEAD spans: no n-grams across them). Returns (or writes) out int32 [T, n_layers, n_cols]."""
         L, C, N = len(self.layout.layers), self.layout.n_cols, self.layout.max_ngram
         tv = self._v(tokens, "tokens", ("int32",), (None,))
@@ -485,9 +486,9 @@ class Engine:
         return np.asarray(arr)
 
     def gate(self, hidden, kv, q_weight, k_weight, dead=None, out=None, eps=None):
-        """SPEC 4: out[t, c] = hidden[t, c] + g * value, g = 0 for DEAD tokens. hidden bf16 [T, hc_mult, D], kv bf16
-        [T, (hc_mult + 1) * D], q_weight / k_weight bf16 [hc_mult, D], dead bool/uint8 [T] or None; eps defaults to
-        the checkpoint's rms_norm_eps. Returns (or writes) out bf16 [T, hc_mult, D]."""
+        """docs/math.md section 7: out[t, c] = hidden[t, c] + g * value, g = 0 for DEAD tokens. hidden bf16
+        [T, hc_mult, D], kv bf16 [T, (hc_mult + 1) * D], q_weight / k_weight bf16 [hc_mult, D], dead bool/uint8 [T]
+        or None; eps defaults to the checkpoint's rms_norm_eps. Returns (or writes) out bf16 [T, hc_mult, D]."""
         bf = self._bf16(None)
         hv = self._v(hidden, "hidden", bf, (None, None, None))
         T, HC, D = hv.shape

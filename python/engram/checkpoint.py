@@ -7,7 +7,7 @@ through here: they come from the attached Table.
     q, k = ck.bf16(f"layers.{layer_id}.engram.q_weight"), ...   # uint16 bf16 bits
 
 Headers are checked (length, JSON, dtype, shape against byte ranges inside the file) and tensors are memory-mapped
-read-only. `model.`-prefixed names are accepted as SPEC 1.2 says. Needs NumPy; not thread-safe.
+read-only. `model.`-prefixed names are accepted (docs/math.md section 1). Needs NumPy; not thread-safe.
 """
 import json
 import os

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A DeepSeek-V4.1 Engram layer on the engram package: hash once per step, prefetch every Engram layer's rows on a
 side stream, then per layer wait, the wkv projection (the checkpoint's FP8 wkv dequantised with its 32x32 block
-scales; a plain matmul) and the gate (SPEC 2.4, 3, 4).
+scales; a plain matmul) and the gate (docs/math.md sections 5-7).
 
     step = EngramStep(table, max_tokens)                  # one per replica: the engine and its staging buffers
     layers = [EngramLayer(step, ckpt, i) for i in range(len(table.layout.layers))]

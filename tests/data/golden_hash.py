@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Golden hash ids: an independent Python rendering of SPEC 2.4 (not a port of the C++), fed by NumPy's
+"""Golden hash ids: an independent Python rendering of docs/math.md section 5 (not a port of the C++), fed by NumPy's
 multipliers and the reference token map, over fixed cases with pad blocking, DEAD spans, lookback and several
 requests. Usage: golden_hash.py CONFIG MULTIPLIER_GOLDEN TOKENMAP_BIN > hash-cases.json
 """

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Golden hash multipliers, primes and offsets of SPEC 2.2-2.3, drawn by NumPy itself (the reference library).
+"""Golden hash multipliers, primes and offsets of docs/math.md sections 3-4, drawn by NumPy itself (the reference
+library).
 
     /usr/bin/python3 tests/data/golden_multipliers.py CONFIG_JSON [COMPRESSED_VOCAB] > golden.json
 

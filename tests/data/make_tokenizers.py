@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the small tokenizer.json files of tests/data/tokenizers (committed; rerun only to change them).
 
-Each exercises a part of SPEC 2.1 against the real Hugging Face library (goldens: scripts/gen-goldens.sh):
+Each exercises a part of docs/math.md section 2 against the real Hugging Face library (goldens: scripts/gen-goldens.sh):
 byte-level BPE with accents, case, NFKC, whitespace runs, lossy byte pieces, added tokens and a hole in the ids;
 a Llama-style Metaspace + ByteFallback + Fuse + Strip pipeline; a Unigram model with a Metaspace decoder; and a
 WordLevel model without a decoder.

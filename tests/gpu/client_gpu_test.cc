@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "client/fault_points.h"
 #include "client/table/cuda_backend.h"
 #include "client/engine/device_engine.h"
 #include "engram/lookup_engine.h"
@@ -117,7 +118,9 @@ TEST(GpuClientTest, ChunkedRegistrationRollsBackOnFailure) {
   std::vector<uint8_t> buf;
   uint8_t* p = PageAligned(&buf, bytes);
   int failed = -1;
-  auto bad = client::HostRegistration::Register(p, bytes, chunk, &failed, /*fail_at_chunk=*/3);
+  client::SetFaultHook([](client::FaultPoint f, int64_t chunk) { return f == client::FaultPoint::kRegisterChunk && chunk == 3; });
+  auto bad = client::HostRegistration::Register(p, bytes, chunk, &failed);
+  client::SetFaultHook(nullptr);
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(failed, 3);
   EXPECT_NE(bad.status().message().find("chunk 3"), std::string::npos) << bad.status();
@@ -129,9 +132,9 @@ TEST(GpuClientTest, ChunkedRegistrationRollsBackOnFailure) {
 
 // A registration released on a thread that never touched CUDA (no current context: an engine closed from a
 // serving framework's worker thread) still unregisters its chunks: the same range registers again afterwards (it
-// would fail as already registered if the pages had stayed pinned). Session 4's review suspected a leak here; on
-// driver 580 cuMemHostUnregister needs no current context (this test passed with and without making the
-// registering context current first, bench/logs/2026-11-30-s5-gpu_client_test-registration*.log).
+// would fail as already registered if the pages had stayed pinned). On driver 580 cuMemHostUnregister needs no
+// current context (this test passed with and without making the registering context current first,
+// bench/logs/2026-11-30-s5-gpu_client_test-registration*.log).
 TEST(GpuClientTest, RegistrationReleasedOnAThreadWithoutAContextUnregisters) {
   REQUIRE_GPU();
   const size_t bytes = size_t{8} << 20, chunk = size_t{2} << 20;
@@ -149,8 +152,8 @@ TEST(GpuClientTest, RegistrationReleasedOnAThreadWithoutAContextUnregisters) {
 
 // The threaded form (RegisterOptions::threads): a failing chunk still rolls back every chunk any worker registered
 // (the whole range registers again afterwards) and names the chunk that failed; where no worker thread can start
-// (pthread_create refused: here a default stack larger than the address space) the caller registers alone, where
-// std::thread's exception escaped before (a half-built pool of joinable threads is std::terminate).
+// (pthread_create refused: here a default stack larger than the address space) the caller registers alone instead of
+// letting std::thread's exception escape (a half-built pool of joinable threads is std::terminate).
 TEST(GpuClientTest, ThreadedRegistrationRollsBackAndSurvivesRefusedThreads) {
   REQUIRE_GPU();
   const size_t bytes = size_t{20} << 20, chunk = size_t{2} << 20;
@@ -159,13 +162,13 @@ TEST(GpuClientTest, ThreadedRegistrationRollsBackAndSurvivesRefusedThreads) {
   client::RegisterOptions o;
   o.chunk_bytes = chunk;
   o.threads = 4;
-  o.fail_at_chunk = 3;
+  client::SetFaultHook([](client::FaultPoint f, int64_t chunk) { return f == client::FaultPoint::kRegisterChunk && chunk == 3; });
   int failed = -1;
   auto bad = client::HostRegistration::Register(p, bytes, o, &failed);
+  client::SetFaultHook(nullptr);
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(failed, 3);
   EXPECT_NE(bad.status().message().find("chunk 3"), std::string::npos) << bad.status();
-  o.fail_at_chunk = -1;
   {
     auto good = client::HostRegistration::Register(p, bytes, o, &failed);
     ASSERT_TRUE(good.ok()) << good.status() << " (a chunk of the failed registration stayed registered)";

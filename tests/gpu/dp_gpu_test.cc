@@ -1,4 +1,4 @@
-// DP_SHARDED on two GPUs (issue 12, step 2): a real engramd brokers the group, two engram-replica processes (one per
+// DP_SHARDED on two GPUs: a real engramd brokers the group, two engram-replica processes (one per
 // GPU, --device 0/1) form it, exchange over NCCL (the all-to-all path: as a replayed CUDA graph and enqueued call by
 // call, each with the default chunks and with chunks so small that they split layers and tokens unevenly, and the
 // sequential form) or read each other's shards over NVLink (the peer path, forced with ENGRAM_DP_PEER_MAX_SLOT), and
@@ -45,7 +45,8 @@ class DpGpuTest : public ::testing::Test {
                                  std::chrono::seconds(60)));
   }
   // One group of two replicas, one per GPU; returns each replica's last JSON line.
-  // `env1`: one NAME=VALUE in rank 1's environment only (a fault point).
+  // `env1`: one NAME=VALUE in rank 1's environment only (a fault point: rank 1 then runs engram-replica-faults, the
+  // same tool with the test fault hook, tests/support/fault_from_env.cc).
   std::vector<json> RunPair(int t0, int t1, const std::string& extra, const std::string& tag,
                             const std::string& env1 = "") {
     std::vector<Process> ps;
@@ -53,7 +54,8 @@ class DpGpuTest : public ::testing::Test {
     for (int r = 0; r < 2; ++r) {
       std::vector<std::string> argv;
       if (r == 1 && !env1.empty()) argv = {"/usr/bin/env", env1};
-      for (const std::string& a : std::vector<std::string>{BinPath("engram-replica"), "--socket", dir_ / "d.sock", "--checkpoint", ckpt_,
+      const std::string tool = r == 1 && !env1.empty() ? "engram-replica-faults" : "engram-replica";
+      for (const std::string& a : std::vector<std::string>{BinPath(tool), "--socket", dir_ / "d.sock", "--checkpoint", ckpt_,
                                        "--embedding-across-dp", "--dp-shared-memory", "false", "--dp-size", "2",
                                        "--dp-rank", std::to_string(r), "--device", std::to_string(r), "--tokens",
                                        std::to_string(tokens[r]), "--batches", "2", "--verify", "3000"}) {
@@ -151,12 +153,12 @@ TEST_F(DpGpuTest, PinnedHostShardsAndARankWithoutTokens) {
   UnsetCase();
 }
 
-// GPUs that cannot map each other's memory (fault point ENGRAM_DP_FAULT=peer-open on rank 1 only: its
+// GPUs that cannot map each other's memory (fault point dp_peer_open on rank 1 only, through engram-replica-faults: its
 // cudaIpcOpenMemHandle fails): the whole group agrees on the all-to-all path instead of failing or splitting up, and
 // the rows are still the checkpoint's.
 TEST_F(DpGpuTest, APeerThatCannotMapTheOthersMovesTheGroupToTheAllToAll) {
   SetCase({"peer", "1000000", nullptr, nullptr, {}});
-  for (const json& j : RunPair(300, 200, "--cpu-offload false", "no-peer", "ENGRAM_DP_FAULT=peer-open")) {
+  for (const json& j : RunPair(300, 200, "--cpu-offload false", "no-peer", "ENGRAM_TEST_FAULT=dp_peer_open")) {
     EXPECT_EQ(j["mode"], "DP_SHARDED") << j.dump();
     EXPECT_EQ(j["mismatches"], 0) << j.dump();
     EXPECT_GT(j["verified"].get<int64_t>(), 0) << j.dump();

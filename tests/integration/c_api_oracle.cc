@@ -47,8 +47,8 @@ extern "C" int oracle_hash_ids(const char* checkpoint_dir, const char* plan_json
   for (int64_t pos = 0; pos < n; ++pos) {
     for (int64_t l = 0; l < L; ++l) {
       const auto& lay = layers[static_cast<size_t>(l)];
-      // SPEC 2.4: a rolling XOR of (compressed token x multiplier) over the n-gram ending here; once a position is
-      // missing (before the request), it and everything older count as the pad token.
+      // docs/math.md section 5: a rolling XOR of (compressed token x multiplier) over the n-gram ending here; once a
+      // position is missing (before the request), it and everything older count as the pad token.
       int64_t rolling = 0;
       bool blocked = false;
       for (int64_t s = 0; s < ngram; ++s) {

@@ -1,8 +1,9 @@
 /* Independent expectations for the C API test (c_api_test.c), implemented in C++ beside it (c_api_oracle.cc):
- * hash ids recomputed from SPEC 2.4's formula over the layout `engramctl plan --json` printed (multipliers, primes,
- * offsets; the layout is NumPy-golden-tested) and the token map `engramctl tokenmap` wrote (HF-golden-tested), and
- * table rows read by the independent row oracle (tools/row_oracle.h). Shares no code with the client's hash or
- * lookup. Test-only; each call reads its files again. Return 0 on success, -1 with a message on stderr otherwise. */
+ * hash ids recomputed from docs/math.md section 5's formula over the layout `engramctl plan --json` printed
+ * (multipliers, primes, offsets; the layout is NumPy-golden-tested) and the token map `engramctl tokenmap` wrote
+ * (HF-golden-tested), and table rows read by the independent row oracle (tools/row_oracle.h). Shares no code with the
+ * client's hash or lookup. Test-only; each call reads its files again. Return 0 on success, -1 with a message on
+ * stderr otherwise. */
 #ifndef ENGRAM_TESTS_C_API_ORACLE_H_
 #define ENGRAM_TESTS_C_API_ORACLE_H_
 

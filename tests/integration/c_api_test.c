@@ -1,6 +1,6 @@
 /* The C API from C: attach with no daemon (a private table from the checkpoint), read mode and reasons, hash one
- * request and compare every id with an independent recomputation of SPEC 2.4, look layer 0's rows up and compare
- * each with the independent row oracle (c_api_oracle.h), and hit every refusal. Prints "N passed, N failed".
+ * request and compare every id with an independent recomputation of docs/math.md section 5, look layer 0's rows up and
+ * compare each with the independent row oracle (c_api_oracle.h), and hit every refusal. Prints "N passed, N failed".
  * Usage: c_api_test CHECKPOINT_DIR PLAN_JSON TOKENMAP_BIN (from `engramctl plan --json` and `engramctl tokenmap`) */
 #include <stdio.h>
 #include <stdlib.h>

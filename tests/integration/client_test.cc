@@ -217,7 +217,7 @@ TEST_F(ClientTest, GrantedSegmentWithAnotherFingerprintIsNotShared) {
   EXPECT_EQ(j["mismatches"], 0);
 }
 
-// cpu_offload precedence (SPEC 6): an explicit flag wins, else VLLM_PLE_CPU_OFFLOAD, else true.
+// cpu_offload precedence (docs/math.md section 9): an explicit flag wins, else VLLM_PLE_CPU_OFFLOAD, else true.
 TEST_F(ClientTest, CpuOffloadFlagBeatsEnvironmentWhichBeatsDefault) {
   struct Case {
     const char* env;  // null: unset

@@ -78,7 +78,7 @@ bool SegmentsReady(const json& s, size_t n) {
   return true;
 }
 
-// --- item 2: forged segments -------------------------------------------------------------------------------------
+// --- forged segments ---------------------------------------------------------------------------------------------
 
 // A file with a segment's name and a valid READY header, planted before engramd starts, is not adopted: a copy of a
 // real segment made writable by others (mode 0666), and (as root) one owned by another uid. The daemon logs it,
@@ -214,7 +214,7 @@ TEST(DaemonHardeningTest, PlantedSymlinkIsNotWrittenThrough) {
   EXPECT_TRUE(S_ISREG(st.st_mode)) << "a's name is still a link";
 }
 
-// --- item 3: aliases and neighbours ------------------------------------------------------------------------------
+// --- aliases and neighbours --------------------------------------------------------------------------------------
 
 TEST(DaemonHardeningTest, AliasesOfACheckpointAreTheSameCheckpoint) {
   TempDir dir;
@@ -304,7 +304,7 @@ TEST(DaemonHardeningTest, SecondDaemonOnTheSameShmDirRefuses) {
   EXPECT_EQ(third.Status()["segments"][0]["origin"], "adopted");
 }
 
-// --- item 4: SIGHUP is all or nothing ---------------------------------------------------------------------------
+// --- SIGHUP is all or nothing -----------------------------------------------------------------------------------
 
 TEST(DaemonHardeningTest, ReloadWithABrokenCheckpointChangesNothing) {
   TempDir dir;
@@ -375,7 +375,7 @@ TEST(DaemonHardeningTest, ReloadChangingTpPublishesAndRetiresShards) {
   EXPECT_FALSE(std::filesystem::exists(shm + "/" + tp1));
 }
 
-// --- item 10: descriptor exhaustion ------------------------------------------------------------------------------
+// --- descriptor exhaustion ---------------------------------------------------------------------------------------
 
 int CountFds(pid_t pid) {
   int n = 0;
@@ -458,7 +458,7 @@ TEST(DaemonHardeningTest, RunningOutOfDescriptorsDoesNotSpinAndKeepsServing) {
   EXPECT_TRUE(WaitFor([&] { return !d.Status().is_null(); }, 30s)) << "new connections are accepted again";
 }
 
-// --- item 11: client strings are bounded -------------------------------------------------------------------------
+// --- client strings are bounded ----------------------------------------------------------------------------------
 
 TEST(DaemonHardeningTest, LongClientStringsCannotBreakStatus) {
   TempDir dir;
@@ -519,7 +519,7 @@ TEST(DaemonHardeningTest, LongClientStringsCannotBreakStatus) {
   EXPECT_TRUE(d.proc().Running());
 }
 
-// --- item 12: --group members can map the segments (through the descriptor the daemon passes) --------------------
+// --- --group members can map the segments (through the descriptor the daemon passes) -----------------------------
 
 TEST(DaemonHardeningTest, GroupMemberMapsTheSegments) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root: setpriv changes uid";
@@ -550,7 +550,7 @@ TEST(DaemonHardeningTest, GroupMemberMapsTheSegments) {
   EXPECT_NE(p["mismatches"], 0) << p.dump();
 }
 
-// --- item 13: failed loads are visible; refused uids get nothing from any service --------------------------------
+// --- failed loads are visible; refused uids get nothing from any service -----------------------------------------
 
 TEST(DaemonHardeningTest, FailedLoadIsLoggedAndShownInStatus) {
   TempDir dir;

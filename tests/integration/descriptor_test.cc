@@ -1,4 +1,4 @@
-// Descriptor passing end to end (issue #11), with a real engramd and real replica processes: replicas in their own
+// Descriptor passing end to end, with a real engramd and real replica processes: replicas in their own
 // mount and IPC namespaces, replicas of another uid, a uid that may not connect, and a thousand attaches with kills.
 // Needs root for namespaces and uids (the tests say so and skip otherwise); everything else runs anywhere.
 #include <dirent.h>

@@ -1,4 +1,4 @@
-// The DP-sharded topology (embedding_across_dp, issue 12) on the CPU path, with real processes: a real engramd
+// The DP-sharded topology (embedding_across_dp) on the CPU path, with real processes: a real engramd
 // brokers the groups, real engram-replica processes form them over their sessions and exchange rows through the
 // host transport every step. Rows are checked by each replica against the checkpoint through the independent row
 // oracle (tools/row_oracle.h): every row of every token, for DP 2, DP 4 and TP 2 x DP 2, with uneven token counts
@@ -235,7 +235,8 @@ TEST_F(DpGroupTest, AKilledMemberBreaksTheGroupAndTheOthersFailFast) {
 
 TEST(DpPlanTest, EngramctlPlanShowsEachRanksShardAndStepBytes) {
   // V4.1-Flash, TP 2 x DP 4: 8 shards of 3 columns, 1/8 of the table each; per-step bytes from client/dp/plan.h's
-  // formula, checked here against the arithmetic of SPEC 5 (ids: T*L*C*4 each way; records: 264 bytes per row).
+  // formula, checked here against the arithmetic of docs/math.md section 8 (ids: T*L*C*4 each way; records: 264 bytes
+  // per row).
   auto r = testing::RunCmd(BinPath("engramctl") + " plan --config " + testing::DataPath("configs/v41-flash.json") +
                            " --tp 2 --dp 4 --embedding-across-dp --tokens 100 --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -544,7 +545,11 @@ class DpLifecycleTest : public DpGroupTest {
                      const std::vector<std::string>& env) {
     std::vector<std::string> argv = {"/usr/bin/env"};
     argv.insert(argv.end(), env.begin(), env.end());
-    for (const std::string& a : {BinPath("engram-replica"), std::string("--socket"), daemon_->socket(),
+    // A fault point needs the tool built with the test fault hook (tests/support/fault_from_env.cc).
+    bool fault = false;
+    for (const std::string& e : env) fault = fault || e.rfind("ENGRAM_TEST_FAULT=", 0) == 0;
+    for (const std::string& a : {BinPath(fault ? "engram-replica-faults" : "engram-replica"), std::string("--socket"),
+                                 daemon_->socket(),
                                  std::string("--checkpoint"), ckpt_, std::string("--timeout-ms"),
                                  std::string("10000"), std::string("--embedding-across-dp"),
                                  std::string("--dp-shared-memory"), std::string("false"), std::string("--dp-size"),
@@ -632,7 +637,7 @@ TEST_F(DpLifecycleTest, AMemberThatGivesUpBeforeMappingStopsTheOthersAtOnce) {
   const std::vector<std::string> patient = {"ENGRAM_DP_STEP_TIMEOUT_MS=600000"};
   Process r0 = EnvReplica(3, 0, "--tokens 4 --batches 2 --verify 0", "giveup0.log", patient);
   Process r2 = EnvReplica(3, 2, "--tokens 4 --batches 2 --verify 0", "giveup2.log", patient);
-  Process m1 = Member(3, 1, 4, "engine hold", "giveup1.log", {"ENGRAM_DP_FAULT=give-up-before-mapping"});
+  Process m1 = Member(3, 1, 4, "engine hold", "giveup1.log", {"ENGRAM_TEST_FAULT=dp_give_up_before_mapping"});
   for (Process* p : {&r0, &r2}) {
     // A bound for a hang (the step timeout is 10 minutes), not a timing assertion.
     const int code = p->Wait(std::chrono::seconds(60));
@@ -721,7 +726,7 @@ TEST_F(DpLifecycleTest, AStalledMemberIsNamedByTheSurvivor) {
 
 TEST_F(DpLifecycleTest, Rank0KilledAfterCreatingTheRegionLeavesNoRegion) {
   Process r0 = EnvReplica(2, 0, "--tokens 4 --batches 1 --verify 0", "created0.log",
-                          {"ENGRAM_DP_FAULT=rank0-dies-after-creating-region"});
+                          {"ENGRAM_TEST_FAULT=dp_rank0_dies_after_region"});
   Process r1 = EnvReplica(2, 1, "--tokens 4 --batches 1 --verify 0", "created1.log", {});
   EXPECT_EQ(r0.Wait(std::chrono::seconds(60)), 128 + SIGKILL) << r0.Output();
   EXPECT_EQ(r1.Wait(std::chrono::seconds(60)), 1) << r1.Output();

@@ -1,6 +1,6 @@
 """Fixtures of the Python tests: the build's binaries (ENGRAM_BUILD_DIR, set by ctest), a small real checkpoint made
 by engram-mkckpt, an engramd started on a test's own socket and shm directory (removed at the end), and the
-independent SPEC reference (spec_reference.py) of that checkpoint."""
+independent reference (spec_reference.py, written from docs/math.md) of that checkpoint."""
 import glob
 import os
 import shutil

@@ -1,8 +1,8 @@
-"""An independent reference of one DeepSeek-V4.1 Engram layer, written from SPEC.md alone in NumPy and the Python
+"""An independent reference of one DeepSeek-V4.1 Engram layer, written from docs/math.md alone in NumPy and the Python
 standard library: its own safetensors reader (8-byte little-endian header length, JSON header, raw bytes), its own
 token map (tokenizer.json decoded piece by piece, Hugging Face normalisation rebuilt with unicodedata), NumPy's
-default_rng multipliers, its own prime search, the hash (SPEC 2.4) with Python integers, FP8 e4m3 decoded by its
-formula, the wkv GEMM in float64 and the gate in float64.
+default_rng multipliers, its own prime search, the hash (docs/math.md section 5) with Python integers, FP8 e4m3
+decoded by its formula, the wkv GEMM in float64 and the gate in float64.
 
 It never imports the engram package and never calls the project's C++ (that is what it checks).
 """
@@ -87,7 +87,7 @@ def bf16_bits_to_f64(bits):
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-# ---- tokenizer compression (SPEC 2.1) ---------------------------------------------------------------------------
+# ---- tokenizer compression (docs/math.md section 2) -------------------------------------------------------------
 def _bytes_to_unicode():
     bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
     cs = bs[:]
@@ -149,7 +149,7 @@ def token_map(tokenizer_json_path):
     return out, len(keys)
 
 
-# ---- layout (SPEC 2.2, 2.3) -------------------------------------------------------------------------------------
+# ---- layout (docs/math.md sections 3, 4) ------------------------------------------------------------------------
 def is_prime(n):
     if n < 2:
         return False
@@ -174,7 +174,7 @@ def is_prime(n):
 
 
 class Spec:
-    """What SPEC derives from a checkpoint directory: config, token map, multipliers, primes, offsets."""
+    """What docs/math.md derives from a checkpoint directory: config, token map, multipliers, primes, offsets."""
 
     def __init__(self, ckpt):
         with open(os.path.join(ckpt, "config.json")) as f:
@@ -215,7 +215,7 @@ class Spec:
             self.offsets.append([sum(ps[:c]) for c in range(len(ps))])
         self.tensors = Tensors(ckpt)
 
-    # SPEC 2.4
+    # docs/math.md section 5
     def hash(self, tokens, positions, qsl, lookback, dead):
         T = len(tokens)
         DEAD = None
@@ -252,7 +252,7 @@ class Spec:
                                 out[t, li, c] = rolling % self.primes[li][c] + self.offsets[li][c]
         return out
 
-    # SPEC 3: float64 dequantised rows (exact), then bf16
+    # docs/math.md section 6: float64 dequantised rows (exact), then bf16
     def rows(self, li, ids):
         L = self.layer_ids[li]
         _, wshape, w = self.tensors.get(f"layers.{L}.engram.embed.weight")
@@ -285,7 +285,7 @@ class Spec:
             out.append(bf16_bits_to_f64(np.frombuffer(raw, dtype=np.uint16).reshape(shape)))
         return out
 
-    # SPEC 4, float64
+    # docs/math.md section 7, float64
     def gate(self, hidden, kv, qw, kw, dead):
         T, HC, D = hidden.shape
         out = np.empty_like(hidden)

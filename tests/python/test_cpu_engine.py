@@ -1,5 +1,5 @@
 """The package on the CPU backend with NumPy arrays: attach without a daemon (reasons surfaced), layout, hash,
-lookup (bf16 and packed), prefetch/wait/staging and gate, each against the independent SPEC reference."""
+lookup (bf16 and packed), prefetch/wait/staging and gate, each against the independent reference (spec_reference.py)."""
 import numpy as np
 import pytest
 

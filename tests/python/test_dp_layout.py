@@ -67,7 +67,7 @@ def test_outside_dp_sharded_owned_and_staging_columns_are_the_same(daemon, check
         lay = t.layout
         assert t.mode != "DP_SHARDED"
         assert lay.owned_cols == lay.staging_cols == (lay.n_cols // 2, lay.n_cols), lay
-        # A layout built positionally the old way still works and reports the one range for both.
+        # A layout built positionally from its first 12 fields (no staging range) reports the one range for both.
         old = engram.Layout(*lay[:12])
         assert old.staging_cols == old.owned_cols == (lay.col_begin, lay.col_end)
     finally:

@@ -1,5 +1,5 @@
 """The example Engram layer (python/examples/engram_layer.py, on the package) against the independent reference
-(spec_reference.py: SPEC alone, NumPy, float64 gate) on fresh random token streams: several requests, lookback
+(spec_reference.py: docs/math.md alone, NumPy, float64 gate) on fresh random token streams: several requests, lookback
 (some unknown), DEAD spans, every Engram layer. NumPy on the CPU backend; torch on CUDA where the GPU machine has it."""
 import numpy as np
 import pytest

@@ -1,7 +1,7 @@
 """Lifetimes across the ctypes boundary: nothing the library owns is freed while Python can still reach it. A
 staging view keeps its engine alive, an engine keeps its table alive, and close() ends use (calls raise) without
-freeing what a live array points into. Each case below was a SIGSEGV before (a freed engine's staging read, an
-engine used after its table was closed). Also: empty arrays (a DP rank with no tokens) are accepted."""
+freeing what a live array points into. Without that, each case below is a SIGSEGV (a freed engine's staging read,
+an engine used after its table was closed). Also: empty arrays (a DP rank with no tokens) are accepted."""
 import gc
 import subprocess
 import sys
@@ -78,7 +78,7 @@ def test_empty_batches_are_accepted(checkpoint, tmp_path):
 
 
 def test_the_crash_cases_exit_cleanly_in_a_fresh_process(checkpoint, tmp_path):
-    # The reviewer's reproductions, each in its own interpreter: a crash would be a signal exit, not 0.
+    # The crash cases, each in its own interpreter: a crash would be a signal exit, not 0.
     code = textwrap.dedent(f"""
         import gc, numpy as np, engram
         t = engram.attach({checkpoint!r}, dp_size=2, socket={str(tmp_path / 'none.sock')!r}, timeout_ms=300,

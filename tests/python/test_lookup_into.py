@@ -1,6 +1,6 @@
 """Engine.lookup_into: rows written straight into an engine's own layout (a TP rank's window of hash columns, packed
 records at a token stride of the caller's choice), Table.records (the host records read in place) and the lookup
-path controls, on the CPU backend against the independent SPEC reference (spec_reference.py reads the checkpoint's
+path controls, on the CPU backend against the independent reference (spec_reference.py reads the checkpoint's
 tensors itself). Outputs are poisoned first, so a row not written or written at the wrong place shows."""
 import numpy as np
 import pytest

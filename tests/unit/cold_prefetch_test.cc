@@ -1,6 +1,6 @@
 // The cold-cache fill (io/cold_prefetch.h) and the probe it rests on (SafetensorsFile::ReadIfCached): a probe
 // that copies the cached prefix of a range and stops at the first page not cached, whoever owns the file (mincore
-// told a non-owner that everything was cached); a prefetch that makes a job's ranges resident before its worker goes
+// tells a non-owner that everything is cached); a prefetch that makes a job's ranges resident before its worker goes
 // on, stays within its window, and does not read again what is cached; a fill from a dropped page cache that streams
 // the table through the readers and gives the same records and checksums as a fill with no readers (and rows equal to
 // the independent row oracle's); a cached checkpoint that starts no readers; a file truncated under a cold fill that

@@ -183,7 +183,7 @@ TEST(DecideTest, EmbeddingAcrossDpFallsBackToDpShardedWhereItCan) {
   d = Decide(h, CleanNode());
   EXPECT_EQ(d.mode, engram::v1::DP_SHARDED);
   EXPECT_EQ(Codes(d), (std::set<FallbackReason>{engram::v1::DP_SHARED_MEMORY_DISABLED}));
-  // Not with elastic EP (SPEC 6): a table of its own, never DP_SHARDED_NOT_BUILT any more.
+  // Not with elastic EP (docs/math.md section 9): a table of its own, never DP_SHARDED_NOT_BUILT.
   h.set_elastic_ep(true);
   d = Decide(h, CleanNode());
   EXPECT_EQ(d.mode, engram::v1::PRIVATE_PINNED);

@@ -10,7 +10,7 @@ TEST(DpShardedTest, TpTimesDpShardsTileTheColumns) {
   auto cfg = LoadEngramConfig(testing::DataPath("configs/v41-flash.json"));
   auto layout = Layout::Build(*cfg);
   ASSERT_TRUE(layout.ok());
-  // TP 2 x DP 4 (the seed document's example): 8 shards of 3 columns each, one copy of the table in total.
+  // TP 2 x DP 4: 8 shards of 3 columns each, one copy of the table in total.
   int64_t next_col = 0, bytes = 0;
   for (int tp = 0; tp < 2; ++tp) {
     for (int dp = 0; dp < 4; ++dp) {

@@ -122,8 +122,8 @@ TEST(LayoutTest, RejectsRowsThatDoNotMatchThePrimes) {
   EXPECT_NE(layout.status().message().find("engram_num_embeddings[1]"), std::string::npos) << layout.status();
 }
 
-// SPEC 2.3 as written: every search restarts at engram_vocab_size - 1 and skips the primes already seen. Primality
-// from a sieve, so that this stays independent of IsPrime / NextPrime.
+// docs/math.md section 4 as written: every search restarts at engram_vocab_size - 1 and skips the primes already seen.
+// Primality from a sieve, so that this stays independent of IsPrime / NextPrime.
 std::vector<std::vector<int64_t>> SpecPrimes(int64_t n_layers, int64_t max_ngram, int64_t n_heads, int64_t vocab,
                                              int64_t sieve_limit) {
   std::vector<bool> composite(static_cast<size_t>(sieve_limit) + 1, false);
@@ -153,7 +153,7 @@ std::vector<std::vector<int64_t>> SpecPrimes(int64_t n_layers, int64_t max_ngram
   return out;
 }
 
-// A config of `n_layers` Engram layers whose tables match SPEC 2.3's primes.
+// A config of `n_layers` Engram layers whose tables match docs/math.md section 4's primes.
 EngramConfig ManyLayers(int64_t n_layers, const std::vector<std::vector<int64_t>>& primes) {
   auto cfg = LoadEngramConfig(DataPath("configs/small-two-layers.json"));
   EXPECT_TRUE(cfg.ok()) << cfg.status();

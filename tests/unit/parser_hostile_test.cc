@@ -47,7 +47,7 @@ std::string TokenizerWith(const std::string& decoder, const std::string& vocab =
   return R"({"model": {"type": "BPE", "vocab": )" + vocab + R"(}, "decoder": )" + decoder + "}";
 }
 
-// ---- Item 5: nesting depth and error excerpts ----
+// ---- Nesting depth and error excerpts ----
 
 TEST(HostileJsonTest, DeepNestingInConfigIsRefused) {
   // The bad element is an array nested a million deep: printing it in the error recursed once per level.
@@ -144,7 +144,7 @@ TEST(HostileJsonTest, HugeValuesAreExcerptedInErrors) {
   EXPECT_LT(t.status().message().size(), kMaxMessage) << t.status().message().substr(0, 300);
 }
 
-// ---- Item 6: type errors become statuses naming the file and the field ----
+// ---- Type errors become statuses naming the file and the field ----
 
 TEST(HostileJsonTest, StripDecoderWithAStringStartIsAnError) {
   auto t = Tokenizer::Parse(TokenizerWith(R"({"type": "Strip", "content": " ", "start": "x", "stop": 0})"),
@@ -233,10 +233,10 @@ TEST(HostileJsonTest, SafetensorsHeaderEdgeCases) {
   EXPECT_NE(r.status().message().find("dimensions"), std::string::npos) << r.status();
 }
 
-// ---- Item 7: FIFOs and other non-regular files ----
+// ---- FIFOs and other non-regular files ----
 
-// Runs `fn` on its own thread. The fixed code returns at once; code that blocks in open() on the FIFO (the defect)
-// never would, so after a generous wait the test fails and opens the FIFO for writing to release the thread. This
+// Runs `fn` on its own thread. The parsers return at once; code that blocks in open() on the FIFO would never
+// return, so after a generous wait the test fails and opens the FIFO for writing to release the thread. This
 // is a watchdog against a hang, not a timing assertion.
 absl::Status NoHang(const std::string& fifo, std::function<absl::Status()> fn) {
   auto fut = std::async(std::launch::async, std::move(fn));
@@ -316,7 +316,7 @@ TEST(HostileFileTest, SymlinksToRegularFilesStillWork) {
   ExpectNotRegular(ReadSmallFile(dir / "blobs").status(), dir / "blobs");
 }
 
-// ---- Item 8: regex work is bounded ----
+// ---- Regex work is bounded ----
 
 TEST(HostileRegexTest, CatastrophicBacktrackingFailsTheLoad) {
   const std::string decoder = R"({"type": "Replace", "pattern": {"Regex": "^(x+x+)+y$"}, "content": "z"})";

@@ -116,8 +116,8 @@ TEST(HashReferenceTest, MalformedBatchesAreErrors) {
       {"qsl end", {tokens, pos, bad_qsl, {}, {}}, out.size(), "must run from 0 to 3"},
       {"qsl decreasing", {tokens, pos, dec_qsl, {}, {}}, out.size(), "decreases"},
       {"qsl too short", {tokens, pos, one, {}, {}}, out.size(), "at least two"},
-      // A middle boundary past T: refused before the first request reads tokens 0..8 (the old check, request by
-      // request, hashed it first: reads past tokens and positions, writes past out). The guarded output shows it.
+      // A middle boundary past T: refused before the first request reads tokens 0..8 (a check request by request
+      // would hash it first: reads past tokens and positions, writes past out). The guarded output shows it.
       {"qsl past the tokens", {tokens, pos, past_qsl, {}, {}}, out.size(), "outside [0, 3]"},
       {"token out of range", {big, pos, qsl, {}, {}}, out.size(), "token id 999999"},
       {"lookback size", {tokens, pos, qsl, lb_short, {}}, out.size(), "lookback has 1"},

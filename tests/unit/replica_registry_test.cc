@@ -240,7 +240,8 @@ TEST(ReplicaRegistryTest, TicketCapacityChangesTakeEffect) {
   EXPECT_EQ(reg.ticket_capacity(), 1);
 }
 
-// The same through Coordinator::Reload, the SIGHUP path main() calls (before the fix it changed the option only).
+// The same through Coordinator::Reload, the SIGHUP path main() calls: the registry's capacity changes, not only the
+// option.
 TEST(ReplicaRegistryTest, ReloadChangesTheTicketCapacity) {
   testing::TempDir dir;
   Options opts;
@@ -391,7 +392,7 @@ TEST(ReplicaRegistryTest, MalformedOutcomesAreRefused) {
 }
 
 // A replica's hints reach status and the operator's terminal: control characters cannot forge a status row or
-// drive the terminal (they were printed raw).
+// drive the terminal (printed raw, they could).
 TEST(ReplicaRegistryTest, HintsLoseTheirControlCharacters) {
   engram::v1::Outcome o = MakeOutcome(engram::v1::PRIVATE_PINNED, "cpu", {engram::v1::NO_CUDA_DEVICE});
   o.mutable_reasons(0)->set_hint("fine\n4242   0      0/1    0/1    SHARED \x1b[2Jforged\r\x7f\t\xC3\xA9");

@@ -266,9 +266,9 @@ TEST_F(PublishReserveTest, APopulateFailureFailsThePublishAsOutOfRoomAndLeavesNo
   std::filesystem::create_directories(shm);
   PopulateEnv env;
   env.populate_errno = ENOMEM;
-  ::setenv("ENGRAM_PUBLISH_RESERVE", "writers", 1);  // what a hugetlbfs directory gets
-  auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2, nullptr, &env);
-  ::unsetenv("ENGRAM_PUBLISH_RESERVE");
+  daemon::PublishTuning writers;
+  writers.reserve = SegmentReserve::kWriters;  // what a hugetlbfs directory gets
+  auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2, nullptr, &env, writers);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
   EXPECT_TRUE(ListSegments(shm).empty());
@@ -382,7 +382,7 @@ TEST(PublishTuningTest, FromEnvReadsEachKnob) {
     }
   };
   unset_all();
-  daemon::PublishTuning t = daemon::PublishTuning::FromEnv();
+  daemon::PublishTuning t = daemon::PublishTuning::FromEnvironment();
   EXPECT_EQ(t.reserve, SegmentReserve::kAuto);
   EXPECT_EQ(t.drop_cache, Drop::kAfterReady);
   EXPECT_FALSE(t.sub_rows.has_value());
@@ -390,44 +390,44 @@ TEST(PublishTuningTest, FromEnvReadsEachKnob) {
   EXPECT_EQ(t.stream_stores, -1);
   EXPECT_FALSE(t.cold_readers.has_value());
   ::setenv("ENGRAM_PUBLISH_COLD_READERS", "0", 1);
-  EXPECT_EQ(daemon::PublishTuning::FromEnv().cold_readers.value_or(-1), 0);
+  EXPECT_EQ(daemon::PublishTuning::FromEnvironment().cold_readers.value_or(-1), 0);
   ::setenv("ENGRAM_PUBLISH_COLD_READERS", "4", 1);
-  EXPECT_EQ(daemon::PublishTuning::FromEnv().cold_readers.value_or(-1), 4);
+  EXPECT_EQ(daemon::PublishTuning::FromEnvironment().cold_readers.value_or(-1), 4);
   ::setenv("ENGRAM_PUBLISH_COLD_READERS", "-3", 1);
-  EXPECT_EQ(daemon::PublishTuning::FromEnv().cold_readers.value_or(-1), 0);
+  EXPECT_EQ(daemon::PublishTuning::FromEnvironment().cold_readers.value_or(-1), 0);
   ::setenv("ENGRAM_PUBLISH_NT", "0", 1);
-  EXPECT_EQ(daemon::PublishTuning::FromEnv().stream_stores, 0);
+  EXPECT_EQ(daemon::PublishTuning::FromEnvironment().stream_stores, 0);
   ::setenv("ENGRAM_PUBLISH_NT", "1", 1);
-  EXPECT_EQ(daemon::PublishTuning::FromEnv().stream_stores, 1);
+  EXPECT_EQ(daemon::PublishTuning::FromEnvironment().stream_stores, 1);
   ::setenv("ENGRAM_PUBLISH_NT", "7", 1);
-  EXPECT_EQ(daemon::PublishTuning::FromEnv().stream_stores, 1);
-  // Streamed stores by default only into huge pages (on 4 KiB pages they lost: bench/RESULTS.md, session 5).
+  EXPECT_EQ(daemon::PublishTuning::FromEnvironment().stream_stores, 1);
+  // Streamed stores by default only into huge pages (on 4 KiB pages they did not win: bench/RESULTS.md "Publish").
   // (a 64 KiB system page is not huge: On64KiBPageKernelsTmpfsIsNotHugetlbfsAndPopulatesWholePages)
   EXPECT_FALSE(daemon::PublishStreamsStores(-1, /*huge_pages=*/false));
   EXPECT_TRUE(daemon::PublishStreamsStores(-1, true));
   EXPECT_TRUE(daemon::PublishStreamsStores(1, false));
   EXPECT_FALSE(daemon::PublishStreamsStores(0, true));
   ::setenv("ENGRAM_PUBLISH_DIRECT_READ", "1", 1);
-  EXPECT_TRUE(daemon::PublishTuning::FromEnv().direct_read);
+  EXPECT_TRUE(daemon::PublishTuning::FromEnvironment().direct_read);
   ::setenv("ENGRAM_PUBLISH_DIRECT_READ", "0", 1);
-  EXPECT_FALSE(daemon::PublishTuning::FromEnv().direct_read);
+  EXPECT_FALSE(daemon::PublishTuning::FromEnvironment().direct_read);
   ::setenv("ENGRAM_PUBLISH_RESERVE", "whole", 1);
   ::setenv("ENGRAM_PUBLISH_DROP_CACHE", "inline", 1);
   ::setenv("ENGRAM_PUBLISH_SUB_ROWS", "4096", 1);
-  t = daemon::PublishTuning::FromEnv();
+  t = daemon::PublishTuning::FromEnvironment();
   EXPECT_EQ(t.reserve, SegmentReserve::kWhole);
   EXPECT_EQ(t.drop_cache, Drop::kInline);
   EXPECT_EQ(t.sub_rows.value_or(0), 4096);
   ::setenv("ENGRAM_PUBLISH_RESERVE", "writers", 1);
   ::setenv("ENGRAM_PUBLISH_DROP_CACHE", "0", 1);
-  EXPECT_EQ(daemon::PublishTuning::FromEnv().reserve, SegmentReserve::kWriters);
-  EXPECT_EQ(daemon::PublishTuning::FromEnv().drop_cache, Drop::kKeep);
+  EXPECT_EQ(daemon::PublishTuning::FromEnvironment().reserve, SegmentReserve::kWriters);
+  EXPECT_EQ(daemon::PublishTuning::FromEnvironment().drop_cache, Drop::kKeep);
   ::setenv("ENGRAM_PUBLISH_RESERVE", "bogus", 1);
   ::setenv("ENGRAM_PUBLISH_DROP_CACHE", "1", 1);
-  EXPECT_EQ(daemon::PublishTuning::FromEnv().reserve, SegmentReserve::kAuto);
-  EXPECT_EQ(daemon::PublishTuning::FromEnv().drop_cache, Drop::kAfterReady);
+  EXPECT_EQ(daemon::PublishTuning::FromEnvironment().reserve, SegmentReserve::kAuto);
+  EXPECT_EQ(daemon::PublishTuning::FromEnvironment().drop_cache, Drop::kAfterReady);
   ::setenv("ENGRAM_PUBLISH_DROP_CACHE", "after", 1);
-  EXPECT_EQ(daemon::PublishTuning::FromEnv().drop_cache, Drop::kAfterReady);
+  EXPECT_EQ(daemon::PublishTuning::FromEnvironment().drop_cache, Drop::kAfterReady);
   unset_all();
 }
 
@@ -459,9 +459,9 @@ TEST_F(PublishReserveTest, On64KiBPageKernelsTmpfsIsNotHugetlbfsAndPopulatesWhol
     EXPECT_TRUE(st.ok()) << st;
   }
   BigPageEnv env;
-  ::setenv("ENGRAM_PUBLISH_RESERVE", "writers", 1);
-  auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2, nullptr, &env);
-  ::unsetenv("ENGRAM_PUBLISH_RESERVE");
+  daemon::PublishTuning writers;
+  writers.reserve = SegmentReserve::kWriters;
+  auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 2, nullptr, &env, writers);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_GT(env.populates.load(), 1);
   EXPECT_EQ(env.misaligned.load(), 0);

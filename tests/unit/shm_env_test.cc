@@ -218,8 +218,8 @@ TEST(SegmentHeaderTest, SizesThatWrapOrOverlapAreRefusedBeforeAnythingIsRead) {
 }
 
 // The header SegmentReader validated (read with pread) and the one in its mapping must be the same: here the file's
-// desc_bytes is rewritten between the two (an Env whose Mmap writes first). The reader used the mapping's sizes
-// unchecked before, and hashed a near-2^64 descriptor past its mapping.
+// desc_bytes is rewritten between the two (an Env whose Mmap writes first). A reader that used the mapping's sizes
+// unchecked would hash a near-2^64 descriptor past its mapping.
 class RewriteBeforeMapEnv : public PosixEnv {
  public:
   uint64_t desc_bytes = 0;

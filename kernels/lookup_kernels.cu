@@ -1,4 +1,6 @@
-// Implementation of the kernels declared in engram_kernels.h. See that header for the contract.
+// The lookup kernels (plain and row-order gathers, bf16 and packed outputs), the row-order tuning and the launch
+// (kernels/engram_kernels.h has the contract; docs/math.md the definition). One kernel family kept whole: the
+// variants share their geometry, helpers and launch choice.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -10,81 +12,14 @@
 #include <cstdlib>
 #include <cub/device/device_radix_sort.cuh>
 
+#include "kernels/alignment.h"
 #include "kernels/engram_kernels.h"
 #include "model/fast_mod.h"
 #include "model/fp8.h"
 
+
 namespace engram::kernels {
 namespace {
-
-// ---------------------------------------------------------------------------------------------------------------
-// Hash: one thread per (token, layer, head). Each recomputes the rolling n-gram hash (N multiply-xors) and writes
-// the N-1 bucket ids of its head: threads of consecutive heads write consecutive columns.
-
-__device__ __forceinline__ int32_t CompressOrDead(int64_t raw, const LayoutView& L, int32_t* error_flag) {
-  if (raw < 0 || raw >= L.vocab) {
-    if (error_flag) atomicExch(error_flag, 1);
-    return -1;
-  }
-  return L.token_map[raw];
-}
-
-__global__ void HashKernel(LayoutView L, HashArgs a) {
-  const int32_t H = L.n_heads, NL = L.n_layers, N = L.max_ngram, C = (N - 1) * H;
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= static_cast<int64_t>(a.num_tokens) * NL * H) return;
-  const int32_t h = static_cast<int32_t>(idx % H);
-  const int32_t l = static_cast<int32_t>((idx / H) % NL);
-  const int32_t t = static_cast<int32_t>(idx / (static_cast<int64_t>(H) * NL));
-  // Request of token t: the last r with qsl[r] <= t.
-  int32_t lo = 0, hi = a.num_requests - 1;
-  while (lo < hi) {
-    const int32_t mid = (lo + hi + 1) >> 1;
-    if (a.query_start_loc[mid] <= t) lo = mid; else hi = mid - 1;
-  }
-  const int32_t r = lo;
-  const int32_t begin = a.query_start_loc[r];
-  // A request start outside [0, t] (boundaries that decrease, start past 0 or lie past T) reads nothing: the token
-  // is refused (the error flag) and hashed as blocked.
-  const bool in_range = begin >= 0 && begin <= t;
-  const int64_t start_pos = in_range ? a.positions[begin] : 0;
-  const int64_t pos = a.positions[t];
-  bool blocked = false;
-  if (!in_range || pos != start_pos + (t - begin) || pos < 0) {
-    if (a.error_flag) atomicExch(a.error_flag, 1);
-    blocked = true;
-  }
-  const int64_t* mult = L.multipliers + static_cast<int64_t>(l) * N;
-  const int64_t base = static_cast<int64_t>(l) * C;
-  int32_t* out = a.out + (static_cast<int64_t>(t) * NL + l) * C;
-  int64_t rolling = 0;
-  for (int32_t s = 0; s < N; ++s) {
-    const int64_t lb = pos - s;
-    int32_t src = -1;
-    if (!blocked && lb >= 0) {
-      if (lb >= start_pos) {
-        const int64_t tt = begin + (lb - start_pos);
-        if (a.dead == nullptr || a.dead[tt] == 0) src = CompressOrDead(a.tokens[tt], L, a.error_flag);
-      } else {
-        // An unknown lookback id (-1, or no lookback given) hashes as the pad token and does not block: older
-        // known ids still count.
-        const int32_t raw = a.lookback == nullptr
-                                ? -1
-                                : a.lookback[static_cast<int64_t>(r) * (N - 1) + (lb - start_pos + (N - 1))];
-        src = raw == -1 ? static_cast<int32_t>(L.pad_compressed) : CompressOrDead(raw, L, a.error_flag);
-      }
-    }
-    blocked = blocked || src < 0;
-    const int64_t v = blocked ? L.pad_compressed : src;
-    rolling ^= v * mult[s];
-    if (s > 0) {
-      const int32_t c = (s - 1) * H + h;
-      const uint64_t bucket = FastMod(static_cast<uint64_t>(rolling), static_cast<uint64_t>(L.primes[base + c]),
-                                      L.magics[base + c]);
-      out[c] = static_cast<int32_t>(static_cast<int64_t>(bucket) + L.offsets[base + c]);
-    }
-  }
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Lookup: one warp per (token, column) item, kRows items in flight per warp, a persistent grid-stride loop.
@@ -327,111 +262,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) LookupBytesKernel(LookupA
   }
 }
 
-// ---------------------------------------------------------------------------------------------------------------
-// Gate: one block per (token, branch). Pass 1 reduces dot(h*q*k, key), |h|^2, |key|^2 in fp32 over 8-value vectors;
-// pass 2 writes h + g * value.
-
-constexpr int kGateThreads = 256;
-
-__device__ __forceinline__ void Unpack8(uint4 v, float* f) {
-  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    f[2 * k] = Bf16ToFloat(static_cast<uint16_t>(u[k] & 0xFFFF));
-    f[2 * k + 1] = Bf16ToFloat(static_cast<uint16_t>(u[k] >> 16));
-  }
-}
-
-__global__ void __launch_bounds__(kGateThreads) GateKernel(GateArgs a) {
-  const int32_t HC = a.hc_mult, D = a.dim, V = D / 8;
-  const int64_t t = blockIdx.x / HC;
-  const int32_t c = blockIdx.x % HC;
-  const uint4* h = reinterpret_cast<const uint4*>(a.hidden + (t * HC + c) * D);
-  const uint4* key = reinterpret_cast<const uint4*>(a.kv + (t * (HC + 1) + c) * D);
-  const uint4* value = reinterpret_cast<const uint4*>(a.kv + (t * (HC + 1) + HC) * D);
-  const uint4* q = reinterpret_cast<const uint4*>(a.q_weight + static_cast<int64_t>(c) * D);
-  const uint4* k = reinterpret_cast<const uint4*>(a.k_weight + static_cast<int64_t>(c) * D);
-  uint4* out = reinterpret_cast<uint4*>(a.out + (t * HC + c) * D);
-  const bool dead = a.mask != nullptr && a.mask[t] != 0;
-
-  __shared__ float red[3][kGateThreads / 32];
-  __shared__ float gate;
-  if (!dead) {
-    float dot = 0.f, hh = 0.f, kk = 0.f;
-    for (int32_t v = threadIdx.x; v < V; v += kGateThreads) {
-      float fh[8], fk[8], fq[8], fw[8];
-      Unpack8(h[v], fh);
-      Unpack8(key[v], fk);
-      Unpack8(q[v], fq);
-      Unpack8(k[v], fw);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        dot += fh[j] * fq[j] * fw[j] * fk[j];
-        hh += fh[j] * fh[j];
-        kk += fk[j] * fk[j];
-      }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      dot += __shfl_xor_sync(0xffffffffu, dot, off);
-      hh += __shfl_xor_sync(0xffffffffu, hh, off);
-      kk += __shfl_xor_sync(0xffffffffu, kk, off);
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) {
-      red[0][warp] = dot;
-      red[1][warp] = hh;
-      red[2][warp] = kk;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float sd = 0.f, sh = 0.f, sk = 0.f;
-      for (int w = 0; w < kGateThreads / 32; ++w) {
-        sd += red[0][w];
-        sh += red[1][w];
-        sk += red[2][w];
-      }
-      const float Df = static_cast<float>(D);
-      const float x = sd / sqrtf(sh / Df + a.eps) / sqrtf(sk / Df + a.eps) / sqrtf(Df);
-      const float mag = sqrtf(fmaxf(fabsf(x), 1e-6f));
-      const float z = x > 0.f ? mag : (x < 0.f ? -mag : 0.f);
-      gate = 1.f / (1.f + expf(-z));
-    }
-    __syncthreads();
-  }
-  const float g = dead ? 0.f : gate;
-  for (int32_t v = threadIdx.x; v < V; v += kGateThreads) {
-    float fh[8], fv[8];
-    Unpack8(h[v], fh);
-    Unpack8(value[v], fv);
-    uint32_t u[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      u[j] = static_cast<uint32_t>(FloatToBf16(fh[2 * j] + g * fv[2 * j])) |
-             (static_cast<uint32_t>(FloatToBf16(fh[2 * j + 1] + g * fv[2 * j + 1])) << 16);
-    }
-    out[v] = make_uint4(u[0], u[1], u[2], u[3]);
-  }
-}
-
-bool Aligned(const void* p, uintptr_t n) { return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0; }
-
 struct TuningState {
   std::atomic<int64_t> sort_min_items{kDefaultSortMinItems};
   std::atomic<int32_t> sort_variant{kDefaultSortVariant};
   std::atomic<int32_t> sort_blocks{kDefaultSortBlocks};
   std::atomic<bool> sort_only{false};
-  TuningState() {
-    if (const char* v = std::getenv("ENGRAM_LOOKUP_SORT_MIN_ITEMS"); v != nullptr && *v != '\0') {
-      sort_min_items.store(std::atoll(v));
-    }
-    if (const char* v = std::getenv("ENGRAM_LOOKUP_SORT_VARIANT"); v != nullptr && *v != '\0') {
-      sort_variant.store(std::clamp(std::atoi(v), 0, 3));
-    }
-    if (const char* v = std::getenv("ENGRAM_LOOKUP_SORT_BLOCKS"); v != nullptr && *v != '\0') {
-      sort_blocks.store(std::max(std::atoi(v), 0));
-    }
-  }
 };
 
 TuningState& Tuning() {
@@ -493,20 +328,6 @@ int DeviceSmCount() {
   if (cudaGetDevice(&dev) != cudaSuccess) return 1;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 1;
   return sms > 0 ? sms : 1;
-}
-
-cudaError_t LaunchHash(const LayoutView& layout, const HashArgs& a, cudaStream_t stream) {
-  if (a.num_tokens < 0 || a.num_requests < 1 || layout.n_layers < 1 || layout.max_ngram < 2 || layout.n_heads < 1 ||
-      layout.multipliers == nullptr || layout.primes == nullptr || layout.offsets == nullptr ||
-      layout.magics == nullptr || layout.token_map == nullptr || a.query_start_loc == nullptr) {
-    return cudaErrorInvalidValue;
-  }
-  if (a.num_tokens == 0) return cudaSuccess;
-  if (a.tokens == nullptr || a.positions == nullptr || a.out == nullptr) return cudaErrorInvalidValue;
-  const int64_t threads = static_cast<int64_t>(a.num_tokens) * layout.n_layers * layout.n_heads;
-  const int block = 256;
-  HashKernel<<<static_cast<unsigned>((threads + block - 1) / block), block, 0, stream>>>(layout, a);
-  return cudaGetLastError();
 }
 
 cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
@@ -620,23 +441,6 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
   } else {
     LookupBytesKernel<<<grid, block, 0, stream>>>(a, g);
   }
-  return cudaGetLastError();
-}
-
-cudaError_t LaunchGate(const GateArgs& a, cudaStream_t stream) {
-  if (a.num_tokens < 0 || a.hc_mult < 1 || a.dim < 8 || a.dim % 8 != 0) return cudaErrorInvalidValue;
-  if (a.num_tokens == 0) return cudaSuccess;
-  if (a.hidden == nullptr || a.kv == nullptr || a.q_weight == nullptr || a.k_weight == nullptr || a.out == nullptr) {
-    return cudaErrorInvalidValue;
-  }
-  for (const void* p : {static_cast<const void*>(a.hidden), static_cast<const void*>(a.kv),
-                        static_cast<const void*>(a.q_weight), static_cast<const void*>(a.k_weight),
-                        static_cast<const void*>(a.out)}) {
-    if (!Aligned(p, 16)) return cudaErrorInvalidValue;
-  }
-  const int64_t blocks = static_cast<int64_t>(a.num_tokens) * a.hc_mult;
-  if (blocks > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  GateKernel<<<static_cast<unsigned>(blocks), kGateThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

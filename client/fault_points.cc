@@ -1,0 +1,45 @@
+#include "client/fault_points.h"
+
+#include <atomic>
+#include <mutex>
+
+namespace engram::client {
+namespace {
+
+std::atomic<bool> g_installed{false};
+
+std::mutex& HookMutex() {
+  static auto* mu = new std::mutex();
+  return *mu;
+}
+
+FaultHook& Hook() {
+  static auto* hook = new FaultHook();
+  return *hook;
+}
+
+}  // namespace
+
+std::string_view FaultPointName(FaultPoint p) {
+  switch (p) {
+    case FaultPoint::kRegisterChunk: return "register_chunk";
+    case FaultPoint::kDpRank0DiesAfterRegion: return "dp_rank0_dies_after_region";
+    case FaultPoint::kDpGiveUpBeforeMapping: return "dp_give_up_before_mapping";
+    case FaultPoint::kDpPeerOpen: return "dp_peer_open";
+  }
+  return "unknown";
+}
+
+void SetFaultHook(FaultHook hook) {
+  std::lock_guard<std::mutex> lock(HookMutex());
+  g_installed.store(static_cast<bool>(hook), std::memory_order_release);
+  Hook() = std::move(hook);
+}
+
+bool Fault(FaultPoint point, int64_t arg) {
+  if (!g_installed.load(std::memory_order_acquire)) return false;
+  std::lock_guard<std::mutex> lock(HookMutex());
+  return Hook() ? Hook()(point, arg) : false;
+}
+
+}  // namespace engram::client

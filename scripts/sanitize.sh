@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Builds the host code under a sanitizer (CMakePresets.json: asan-ubsan or tsan; CUDA off, so no GPU code) into
+# build-asan / build-tsan and runs the CPU tests there. Any report fails the run (the runtimes halt on the first).
+#   scripts/sanitize.sh asan-ubsan   AddressSanitizer + UndefinedBehaviorSanitizer: every unit and integration test,
+#                                    then the Python package's tests with the runtime preloaded into python3
+#   scripts/sanitize.sh tsan         ThreadSanitizer: the tests labelled `unit` (the daemon's and client's threads
+#                                    against their own locks; gRPC, uninstrumented, stays outside)
+# Suppressions (tests/sanitizers/*.supp) name only third-party code.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+preset=${1:-asan-ubsan}
+case "$preset" in
+  asan-ubsan) build=$root/build-asan ;;
+  tsan) build=$root/build-tsan ;;
+  *) echo "sanitize: unknown preset '$preset' (asan-ubsan | tsan)" >&2; exit 2 ;;
+esac
+"$root/scripts/bootstrap.sh"
+cd "$root"
+cmake --preset "$preset" -DENGRAM_WERROR="${ENGRAM_WERROR:-OFF}" > /dev/null
+cmake --build --preset "$preset" -j "$(nproc)"
+supp=$root/tests/sanitizers
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:strict_string_checks=1:detect_stack_use_after_return=0"
+export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
+export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
+if [ "$preset" = tsan ]; then
+  ctest --test-dir "$build" -L unit -j "$(nproc)" --output-on-failure
+  exit 0
+fi
+ctest --test-dir "$build" -L "unit|integration" -j "$(nproc)" --output-on-failure
+# The Python package loads build-asan's libengram_c.so into Debian's uninstrumented python3: the runtime must come
+# first in the process; python3's own allocations at exit are not ours (leak detection off there).
+ASAN_OPTIONS="$ASAN_OPTIONS:detect_leaks=0" LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" \
+  PYTHONPATH="$root/python" ENGRAM_LIB="$build/client/libengram_c.so" ENGRAM_BUILD_DIR="$build" \
+  /usr/bin/python3 -m pytest -q -p no:cacheprovider "$root/tests/python"

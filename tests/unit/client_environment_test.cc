@@ -1,0 +1,125 @@
+// The client's environment (client/environment.h) and fault hook (client/fault_points.h): every variable parses
+// into its typed field, malformed and empty values leave the field unset, and the hook answers only while installed.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+
+#include "client/environment.h"
+#include "client/fault_points.h"
+#include "client/log.h"
+#include "engram/engram_c.h"
+#include "engram/log.h"
+#include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/spdlog.h"
+
+#include <sstream>
+#include <vector>
+
+namespace engram::client {
+namespace {
+
+ClientEnvironment From(const std::map<std::string, std::string>& vars) {
+  return ParseClientEnvironment([&vars](const char* name) -> const char* {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  });
+}
+
+TEST(ClientEnvironment, UnsetLeavesEveryFieldEmpty) {
+  const ClientEnvironment e = From({});
+  EXPECT_TRUE(e.lookup_path.empty());
+  EXPECT_FALSE(e.lookup_sort_min_items.has_value());
+  EXPECT_FALSE(e.host_gather_dedup.has_value());
+  EXPECT_FALSE(e.host_gather_uva_share.has_value());
+  EXPECT_FALSE(e.dp_step_timeout_ms.has_value());
+  EXPECT_FALSE(e.vllm_ple_cpu_offload.has_value());
+  EXPECT_FALSE(e.nccl_split_shares_resources);
+}
+
+TEST(ClientEnvironment, TypedFields) {
+  const ClientEnvironment e = From({{"ENGRAM_LOOKUP_PATH", "host"},
+                                    {"ENGRAM_LOOKUP_SORT_MIN_ITEMS", "4096"},
+                                    {"ENGRAM_HOST_GATHER_CPUS", "8-15"},
+                                    {"ENGRAM_HOST_GATHER_DEDUP", "1"},
+                                    {"ENGRAM_HOST_GATHER_UVA_SHARE", "0.25"},
+                                    {"ENGRAM_HOST_GATHER_ISSUE_MIN_ROWS", "2048"},
+                                    {"ENGRAM_DP_STEP_TIMEOUT_MS", "1500"},
+                                    {"ENGRAM_DP_A2A", "graph"},
+                                    {"VLLM_PLE_CPU_OFFLOAD", "Off"},
+                                    {"NCCL_COMM_SPLIT_SHARE_RESOURCES", "1"}});
+  EXPECT_EQ(e.lookup_path, "host");
+  EXPECT_EQ(e.lookup_sort_min_items, 4096);
+  EXPECT_EQ(e.host_gather_cpus, "8-15");
+  EXPECT_EQ(e.host_gather_dedup, true);
+  EXPECT_DOUBLE_EQ(e.host_gather_uva_share.value_or(-1), 0.25);
+  EXPECT_EQ(e.host_gather_issue_min_rows, 2048);
+  EXPECT_EQ(e.dp_step_timeout_ms, 1500);
+  EXPECT_EQ(e.dp_a2a, "graph");
+  EXPECT_EQ(e.vllm_ple_cpu_offload, false);
+  EXPECT_TRUE(e.nccl_split_shares_resources);
+}
+
+TEST(ClientEnvironment, MalformedAndEmptyNumbersAreIgnored) {
+  const ClientEnvironment e = From({{"ENGRAM_LOOKUP_SORT_MIN_ITEMS", "12k"},
+                                    {"ENGRAM_HOST_GATHER_UVA_SHARE", ""},
+                                    {"ENGRAM_DP_CHUNK_KIB", "9999999999999999999999"},
+                                    {"NCCL_COMM_SPLIT_SHARE_RESOURCES", "yes"}});
+  EXPECT_FALSE(e.lookup_sort_min_items.has_value());
+  EXPECT_FALSE(e.host_gather_uva_share.has_value());
+  EXPECT_FALSE(e.dp_chunk_kib.has_value());
+  EXPECT_FALSE(e.nccl_split_shares_resources);
+}
+
+TEST(FaultPoints, FalseWithoutAHookAndOnlyWhereTheHookSays) {
+  EXPECT_FALSE(Fault(FaultPoint::kRegisterChunk, 3));
+  SetFaultHook([](FaultPoint p, int64_t arg) { return p == FaultPoint::kRegisterChunk && arg == 3; });
+  EXPECT_TRUE(Fault(FaultPoint::kRegisterChunk, 3));
+  EXPECT_FALSE(Fault(FaultPoint::kRegisterChunk, 2));
+  EXPECT_FALSE(Fault(FaultPoint::kDpPeerOpen));
+  SetFaultHook(nullptr);
+  EXPECT_FALSE(Fault(FaultPoint::kRegisterChunk, 3));
+  EXPECT_EQ(FaultPointName(FaultPoint::kDpPeerOpen), "dp_peer_open");
+}
+
+// The library's lines reach the host's callback (C++ and C), never the host's own default logger, and the level
+// filters them.
+TEST(LibraryLog, LinesGoToTheCallbackNotToTheHostsDefaultLogger) {
+  std::ostringstream host_out;
+  auto host = std::make_shared<spdlog::logger>("host", std::make_shared<spdlog::sinks::ostream_sink_mt>(host_out));
+  auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(host);
+  std::vector<std::pair<LogLevel, std::string>> got;
+  SetLogCallback([&got](LogLevel l, std::string_view line) { got.emplace_back(l, std::string(line)); });
+  Log().warn("engram: event=test_line n={}", 7);
+  Log().debug("engram: event=dropped");
+  SetLogLevel(LogLevel::kWarning);
+  Log().info("engram: event=dropped_too");
+  SetLogLevel(LogLevel::kInfo);
+  SetLogCallback(nullptr);
+  spdlog::set_default_logger(previous);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].first, LogLevel::kWarning);
+  EXPECT_NE(got[0].second.find("event=test_line n=7"), std::string::npos) << got[0].second;
+  EXPECT_EQ(got[0].second.back(), '7') << "the line carries no newline";
+  EXPECT_TRUE(host_out.str().empty()) << host_out.str();
+
+  struct Seen {
+    int level = -1;
+    std::string line;
+  } seen;
+  engram_set_log_callback(
+      [](int level, const char* line, void* user) {
+        auto* s = static_cast<Seen*>(user);
+        s->level = level;
+        s->line = line;
+      },
+      &seen);
+  Log().error("engram: event=c_line");
+  engram_set_log_callback(nullptr, nullptr);
+  EXPECT_EQ(seen.level, 3);
+  EXPECT_NE(seen.line.find("event=c_line"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace engram::client
