@@ -36,9 +36,9 @@
 #include <thread>
 #include <vector>
 
+#include "daemon/coordinator.h"
 #include "daemon/options.h"
 #include "daemon/publisher.h"
-#include "daemon/coordinator.h"
 #include "engram/v1/engram.grpc.pb.h"
 #include "model/checkpoint.h"
 #include "model/tokenizer.h"
@@ -78,8 +78,8 @@ double CopyInto(const std::string& dir, const uint8_t* src, size_t bytes, int th
   const auto t0 = Clock::now();
   int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
   if (fd < 0) return 0;
-  const int e = fallocate ? ::posix_fallocate(fd, 0, static_cast<off_t>(size))
-                          : ::ftruncate(fd, static_cast<off_t>(size));
+  const int e =
+      fallocate ? ::posix_fallocate(fd, 0, static_cast<off_t>(size)) : ::ftruncate(fd, static_cast<off_t>(size));
   auto* dst = static_cast<uint8_t*>(::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
   ::close(fd);
   if (e != 0 || dst == MAP_FAILED) {
@@ -163,14 +163,16 @@ void ColdPublishes(const engram::Checkpoint& ckpt, const engram::Layout& layout,
     int readers;
   };
   std::vector<std::pair<const char*, double>> results;
-  const Run runs[] = {{"no cold readers (workers read, as before)", 0}, {"1 cold reader", 1},
-                      {"4 cold readers", 4}, {"2 cold readers (the default)", 2}};
+  const Run runs[] = {{"no cold readers (workers read, as before)", 0},
+                      {"1 cold reader", 1},
+                      {"4 cold readers", 4},
+                      {"2 cold readers (the default)", 2}};
   for (size_t i = 0; i < std::size(runs); ++i) {
     drop();
     engram::daemon::PublishTuning tuning = engram::daemon::PublishTuning::FromEnvironment();
     tuning.cold_readers = runs[i].readers;
-    auto r = engram::daemon::Publish(ckpt, layout, map, 1, 0, shm, 1, 1, threads, nullptr,
-                                     engram::Env::Default(), tuning);
+    auto r =
+        engram::daemon::Publish(ckpt, layout, map, 1, 0, shm, 1, 1, threads, nullptr, engram::Env::Default(), tuning);
     if (!r.ok()) {
       std::printf("cold     %s: FAILED: %s\n", runs[i].name, std::string(r.status().message()).c_str());
       continue;
@@ -298,8 +300,8 @@ int main(int argc, char** argv) {
       variants.push_back({"reserve auto, packed, non-temporal stores on huge pages (default)", packed, threads});
       Tuning always = packed;
       always.stream_stores = 1;
-      variants.push_back({"reserve auto, packed, non-temporal stores on any page (ENGRAM_PUBLISH_NT=1)", always,
-                          threads});
+      variants.push_back(
+          {"reserve auto, packed, non-temporal stores on any page (ENGRAM_PUBLISH_NT=1)", always, threads});
       Tuning plain = packed;
       plain.stream_stores = 0;
       variants.push_back({"reserve auto, packed, plain stores (ENGRAM_PUBLISH_NT=0)", plain, threads});
@@ -318,10 +320,11 @@ int main(int argc, char** argv) {
       const double first_touch = std::max(first_touch_cold, CopyInto(dir, src, bytes, threads, false));
       const double falloc = CopyInto(dir, src, bytes, threads, true);
       const double first_touch2 = threads2 > 0 ? CopyInto(dir, src, bytes, threads2, false) : 0;
-      std::printf("\n[%s] %s: first-touch copy %.2f GiB/s (ceiling, %d threads, better of two: %.2f first; %.2f "
-                  "GiB/s with %d); fallocate-first copy %.2f GiB/s (%.2f)\n",
-                  label.c_str(), dir_root.c_str(), first_touch, threads, first_touch_cold, first_touch2, threads2, falloc,
-                  first_touch > 0 ? falloc / first_touch : 0.0);
+      std::printf(
+          "\n[%s] %s: first-touch copy %.2f GiB/s (ceiling, %d threads, better of two: %.2f first; %.2f "
+          "GiB/s with %d); fallocate-first copy %.2f GiB/s (%.2f)\n",
+          label.c_str(), dir_root.c_str(), first_touch, threads, first_touch_cold, first_touch2, threads2, falloc,
+          first_touch > 0 ? falloc / first_touch : 0.0);
       std::vector<Variant> vs = variants;
       if (m + 1 == mounts.size()) {
         vs.push_back({"product default (reserve auto; cache dropped after READY)", Tuning{}, threads});
@@ -393,9 +396,10 @@ int main(int argc, char** argv) {
   const double pub_gibs = bytes / 1073741824.0 / publish->seconds;
   std::printf("\nceiling  memcpy warm->warm %.2f GiB/s; single-pass copy into a fresh shm file %.2f GiB/s\n",
               memcpy_gibs, shm_gibs);
-  std::printf("publish  %.2f GiB in %.2f s = %.2f GiB/s: %.2f of the shm copy, %.2f of memcpy "
-              "(first run, partly cold cache: %.2f s)\n",
-              bytes / 1073741824.0, publish->seconds, pub_gibs, pub_gibs / shm_gibs, pub_gibs / memcpy_gibs, cold_s);
+  std::printf(
+      "publish  %.2f GiB in %.2f s = %.2f GiB/s: %.2f of the shm copy, %.2f of memcpy "
+      "(first run, partly cold cache: %.2f s)\n",
+      bytes / 1073741824.0, publish->seconds, pub_gibs, pub_gibs / shm_gibs, pub_gibs / memcpy_gibs, cold_s);
 
   ::unlink(publish->path.c_str());
   ColdPublishes(**ckpt, *layout, map, spec.out_dir, shm, threads, bytes, gen->file_bytes);
@@ -412,15 +416,16 @@ int main(int argc, char** argv) {
     st.WaitSettled(std::chrono::seconds(60));
     const double adopt = Since(t0);
     auto status = st.Status();
-    std::printf("adopt    start to READY %.3f s for %.2f GiB (%s) = %.3f s per 16 GiB if it scaled with size "
-                "(it does not: headers only)\n",
-                adopt, bytes / 1073741824.0, status.segments(0).origin().c_str(), adopt / (bytes / 17179869184.0));
+    std::printf(
+        "adopt    start to READY %.3f s for %.2f GiB (%s) = %.3f s per 16 GiB if it scaled with size "
+        "(it does not: headers only)\n",
+        adopt, bytes / 1073741824.0, status.segments(0).origin().c_str(), adopt / (bytes / 17179869184.0));
   }
 
   // Attach and status against a real engramd.
   const std::string sock = work + "/engramd.sock";
-  std::vector<std::string> args = {engramd, "--checkpoint", spec.out_dir, "--shm-dir", shm, "--socket", sock,
-                                   "--log-level", "warn"};
+  std::vector<std::string> args = {engramd,    "--checkpoint", spec.out_dir,  "--shm-dir", shm,
+                                   "--socket", sock,           "--log-level", "warn"};
   std::vector<char*> cargs;
   for (auto& a : args) cargs.push_back(a.data());
   cargs.push_back(nullptr);
@@ -430,7 +435,9 @@ int main(int argc, char** argv) {
   for (int i = 0; i < 200; ++i) {
     grpc::ClientContext ctx;
     engram::v1::StatusReply r;
-    if (stub->Status(&ctx, engram::v1::StatusRequest(), &r).ok() && r.segments_size() && r.segments(0).state() == "READY") break;
+    if (stub->Status(&ctx, engram::v1::StatusRequest(), &r).ok() && r.segments_size() &&
+        r.segments(0).state() == "READY")
+      break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   engram::v1::ClientMessage hello;

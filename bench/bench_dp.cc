@@ -2,9 +2,9 @@
 // ceilings measured in the same run:
 //   all-to-all   the collective path (the product default: the pipelined step (own columns read in place, ids to
 //                each member, records packed, sent and unpacked chunk by chunk), replayed as a CUDA graph up to
-//                kDefaultGraphMaxSlot tokens per rank; client/dp/nccl_exchange.h), and its variants side by side (--variants: "seq" the sequential form,
-//                a number the pipelined form enqueued call by call with that chunk size in KiB, 0 one chunk; a
-//                leading g: the same as a replayed CUDA graph)
+//                kDefaultGraphMaxSlot tokens per rank; client/dp/nccl_exchange.h), and its variants side by side
+//                (--variants: "seq" the sequential form, a number the pipelined form enqueued call by call with that
+//                chunk size in KiB, 0 one chunk; a leading g: the same as a replayed CUDA graph)
 //   peer         the NVLink peer-read path (each GPU reads the other's shard directly)
 //   a2a ceiling  NCCL grouped send/recv of exactly the records the collective path moves (no lookup, no unpack)
 //   peer gather  the lookup kernel reading the same rows from the peer GPU's shard (no placement)
@@ -102,7 +102,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> variants = {"seq", "32768", "g32768", "g16384", "g8192", "g4096", "g2048", "g0"};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--tokens") tokens = ParseList(v);
+    if (k == "--tokens")
+      tokens = ParseList(v);
     else if (k == "--variants") {
       variants.clear();
       for (size_t p = 0; p <= v.size();) {
@@ -111,11 +112,14 @@ int main(int argc, char** argv) {
         p = q + 1;
       }
       if (variants.size() > static_cast<size_t>(kMaxVariants)) variants.resize(kMaxVariants);
-    }
-    else if (k == "--iters") iters = std::stoi(v);
-    else if (k == "--rows") rows = std::stoll(v);
-    else if (k == "--uva-rows") uva_rows = std::stoll(v);
-    else if (k == "--uneven") uneven = std::stoi(v) != 0;
+    } else if (k == "--iters")
+      iters = std::stoi(v);
+    else if (k == "--rows")
+      rows = std::stoll(v);
+    else if (k == "--uva-rows")
+      uva_rows = std::stoll(v);
+    else if (k == "--uneven")
+      uneven = std::stoi(v) != 0;
   }
   // Fork first: CUDA must not be initialised in the parent.
   int id_pipe[2], res_pipe[2][2];
@@ -143,8 +147,10 @@ int main(int argc, char** argv) {
       for (int k = 1; k < kMembers; ++k) {
         if (::write(id_pipe[1], &id, sizeof(id)) != static_cast<ssize_t>(sizeof(id))) ::_exit(1);
       }
-      std::fprintf(stderr, "bench_dp: NCCL %d, %d GPUs, %lld rows per column (shard %.2f GB per layer and GPU), %d "
-                   "iterations\n", nccl->version, n, static_cast<long long>(rows), 12.0 * rows * kRb / 1e9, iters);
+      std::fprintf(stderr,
+                   "bench_dp: NCCL %d, %d GPUs, %lld rows per column (shard %.2f GB per layer and GPU), %d "
+                   "iterations\n",
+                   nccl->version, n, static_cast<long long>(rows), 12.0 * rows * kRb / 1e9, iters);
     } else if (::read(id_pipe[0], &id, sizeof(id)) != static_cast<ssize_t>(sizeof(id))) {
       ::_exit(1);
     }
@@ -163,7 +169,7 @@ int main(int argc, char** argv) {
     CUDA_CHECK(cudaMalloc(&base, layer_bytes * kL));
     for (size_t off = 0; off < layer_bytes * kL; off += pattern.size()) {
       CUDA_CHECK(cudaMemcpy(base + off, pattern.data(), std::min(pattern.size(), layer_bytes * kL - off),
-                    cudaMemcpyHostToDevice));
+                            cudaMemcpyHostToDevice));
     }
     std::vector<ShardLayer> shard;
     for (int l = 0; l < kL; ++l) shard.push_back({base + l * layer_bytes, 12 * g * rows, 12 * (g + 1) * rows});
@@ -250,13 +256,16 @@ int main(int argc, char** argv) {
           ::_exit(1);
         }
         res.variant_chunks[vi] = vs.sequential ? 1 : (*vx)->chunks(kL);
-        res.variant_ms[vi] = TimeMs(stream, iters, [&] {
-          auto st = (*vx)->Step(ids, kL * kC, kC, Ta, 0, kL, outs, false, false, stream);
-          if (!st.ok()) {
-            std::fprintf(stderr, "step: %s\n", std::string(st.message()).c_str());
-            ::_exit(1);
-          }
-        }, "all-to-all variant", &res.variant_host_ms[vi]);
+        res.variant_ms[vi] = TimeMs(
+            stream, iters,
+            [&] {
+              auto st = (*vx)->Step(ids, kL * kC, kC, Ta, 0, kL, outs, false, false, stream);
+              if (!st.ok()) {
+                std::fprintf(stderr, "step: %s\n", std::string(st.message()).c_str());
+                ::_exit(1);
+              }
+            },
+            "all-to-all variant", &res.variant_host_ms[vi]);
         CUDA_CHECK(cudaStreamSynchronize(stream));
         std::fprintf(stderr, "rank %d tokens %d variant %s: %.1f us (host %.1f us, %d chunks)\n", g, T,
                      variants[vi].c_str(), res.variant_ms[vi] * 1e3, res.variant_host_ms[vi] * 1e3,
@@ -274,58 +283,69 @@ int main(int argc, char** argv) {
           ::_exit(1);
         }
       };
-      res.a2a = TimeMs(stream, iters, [&] { step(false); }, "all-to-all path");
-      res.peer = TimeMs(stream, iters, [&] { step(true); }, "peer path");
+      res.a2a = TimeMs(
+          stream, iters, [&] { step(false); }, "all-to-all path");
+      res.peer = TimeMs(
+          stream, iters, [&] { step(true); }, "peer path");
       // The all-to-all alone, of the same bytes.
       uint8_t *sb = nullptr, *rbuf = nullptr;
       const size_t chunk = static_cast<size_t>(res.record_bytes);
       CUDA_CHECK(cudaMalloc(&sb, chunk));
       CUDA_CHECK(cudaMalloc(&rbuf, chunk));
-      res.a2a_ceiling = TimeMs(stream, iters, [&] {
-        nccl->GroupStart();
-        nccl->Send(sb, chunk, ncclUint8, 1 - g, *comm, stream);
-        nccl->Recv(rbuf, chunk, ncclUint8, 1 - g, *comm, stream);
-        ncclResult_t st = nccl->GroupEnd();
-        while (st == ncclInProgress) nccl->CommGetAsyncError(*comm, &st);
-      }, "all-to-all ceiling", &res.ceiling_host_ms);
+      res.a2a_ceiling = TimeMs(
+          stream, iters,
+          [&] {
+            nccl->GroupStart();
+            nccl->Send(sb, chunk, ncclUint8, 1 - g, *comm, stream);
+            nccl->Recv(rbuf, chunk, ncclUint8, 1 - g, *comm, stream);
+            ncclResult_t st = nccl->GroupEnd();
+            while (st == ncclInProgress) nccl->CommGetAsyncError(*comm, &st);
+          },
+          "all-to-all ceiling", &res.ceiling_host_ms);
       cudaFree(sb);
       cudaFree(rbuf);
       // The peer gather alone: the peer's 12 columns of both layers for my T tokens, straight from its HBM (the
       // mapping the exchange opened).
-      res.peer_gather = TimeMs(stream, iters, [&] {
-        for (int l = 0; l < kL; ++l) {
-          engram::kernels::LookupArgs a;
-          const ShardLayer& src = (*x)->peer_shard(1 - g, l);
-          a.records = src.records;
-          a.row_begin = src.row_begin;
-          a.row_end = src.row_end;
-          a.head_dim = kD;
-          a.ids = ids + l * kC + 12 * (1 - g);
-          a.num_tokens = T;
-          a.num_cols = 12;
-          a.ids_stride = kL * kC;
-          a.out = out[l];
-          engram::kernels::LaunchLookup(a, stream);
-        }
-      }, "peer gather");
+      res.peer_gather = TimeMs(
+          stream, iters,
+          [&] {
+            for (int l = 0; l < kL; ++l) {
+              engram::kernels::LookupArgs a;
+              const ShardLayer& src = (*x)->peer_shard(1 - g, l);
+              a.records = src.records;
+              a.row_begin = src.row_begin;
+              a.row_end = src.row_end;
+              a.head_dim = kD;
+              a.ids = ids + l * kC + 12 * (1 - g);
+              a.num_tokens = T;
+              a.num_cols = 12;
+              a.ids_stride = kL * kC;
+              a.out = out[l];
+              engram::kernels::LaunchLookup(a, stream);
+            }
+          },
+          "peer gather");
       if (g == 0) {
-        res.uva = TimeMs(stream, iters, [&] {
-          for (int l = 0; l < kL; ++l) {
-            engram::kernels::LookupArgs a;
-            a.records = uva + static_cast<size_t>(l) * kC * uva_rows * kRb;
-            a.row_begin = 0;
-            a.row_end = kC * uva_rows;
-            a.head_dim = kD;
-            a.ids = uva_ids + l * kC;
-            a.num_tokens = T;
-            a.num_cols = kC;
-            a.ids_stride = kL * kC;
-            a.out = out[l];
-            a.sort_scratch = sort_scratch;
-            a.sort_scratch_bytes = sort_bytes;
-            engram::kernels::LaunchLookup(a, stream);
-          }
-        }, "UVA lookup");
+        res.uva = TimeMs(
+            stream, iters,
+            [&] {
+              for (int l = 0; l < kL; ++l) {
+                engram::kernels::LookupArgs a;
+                a.records = uva + static_cast<size_t>(l) * kC * uva_rows * kRb;
+                a.row_begin = 0;
+                a.row_end = kC * uva_rows;
+                a.head_dim = kD;
+                a.ids = uva_ids + l * kC;
+                a.num_tokens = T;
+                a.num_cols = kC;
+                a.ids_stride = kL * kC;
+                a.out = out[l];
+                a.sort_scratch = sort_scratch;
+                a.sort_scratch_bytes = sort_bytes;
+                engram::kernels::LaunchLookup(a, stream);
+              }
+            },
+            "UVA lookup");
       }
       CUDA_CHECK(cudaStreamSynchronize(stream));
     }
@@ -339,8 +359,8 @@ int main(int argc, char** argv) {
     const size_t bytes = tokens.size() * sizeof(Result);
     size_t got = 0;
     while (got < bytes) {
-      const ssize_t r = ::read(res_pipe[g][0], reinterpret_cast<char*>(results[static_cast<size_t>(g)].data()) + got,
-                               bytes - got);
+      const ssize_t r =
+          ::read(res_pipe[g][0], reinterpret_cast<char*>(results[static_cast<size_t>(g)].data()) + got, bytes - got);
       if (r <= 0) break;
       got += static_cast<size_t>(r);
     }
@@ -373,15 +393,17 @@ int main(int argc, char** argv) {
     }
     const double best_dp = std::min(r.a2a, r.peer);
     std::printf("%-8d %-12.1f %-12.1f %-14.1f %-10.1f %-12.2f %-14.1f %-12.1f %s\n", tokens[ti], r.a2a * 1e3,
-                r.peer * 1e3, r.a2a_ceiling * 1e3, r.record_bytes / (r.a2a_ceiling * 1e-3) / 1e9,
-                r.a2a_ceiling / r.a2a, r.peer_gather * 1e3, r.uva * 1e3,
+                r.peer * 1e3, r.a2a_ceiling * 1e3, r.record_bytes / (r.a2a_ceiling * 1e-3) / 1e9, r.a2a_ceiling / r.a2a,
+                r.peer_gather * 1e3, r.uva * 1e3,
                 r.uva < best_dp ? "UVA shared" : (r.peer < r.a2a ? "DP peer" : "DP all-to-all"));
   }
   // Every all-to-all variant: step time (GPU), ceiling / step, host enqueue time per step, chunks.
-  std::printf("\nall-to-all variants (us per step, the slower rank; ratio = a2a ceiling / step; host = enqueue time; "
-              "k = chunks)\n%-8s %-16s", "tokens", "ceiling (host)");
+  std::printf(
+      "\nall-to-all variants (us per step, the slower rank; ratio = a2a ceiling / step; host = enqueue time; "
+      "k = chunks)\n%-8s %-16s",
+      "tokens", "ceiling (host)");
   for (const auto& v : variants) {
-    std::printf(" %-28s", (v == "seq"     ? std::string("sequential")
+    std::printf(" %-28s", (v == "seq"    ? std::string("sequential")
                            : v[0] == 'g' ? "graph " + v.substr(1) + " KiB"
                                          : "chunk " + v + " KiB")
                               .c_str());
@@ -403,8 +425,8 @@ int main(int argc, char** argv) {
     std::printf("%-8d %-16s", tokens[ti], head);
     for (size_t vi = 0; vi < variants.size(); ++vi) {
       char cell[64];
-      std::snprintf(cell, sizeof(cell), "%.1f %.2f h%.1f k%d", r.variant_ms[vi] * 1e3,
-                    r.a2a_ceiling / r.variant_ms[vi], r.variant_host_ms[vi] * 1e3, r.variant_chunks[vi]);
+      std::snprintf(cell, sizeof(cell), "%.1f %.2f h%.1f k%d", r.variant_ms[vi] * 1e3, r.a2a_ceiling / r.variant_ms[vi],
+                    r.variant_host_ms[vi] * 1e3, r.variant_chunks[vi]);
       std::printf(" %-28s", cell);
     }
     std::printf("\n");

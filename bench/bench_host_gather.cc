@@ -1,5 +1,5 @@
-// bench_host_gather: the CPU half of the host-gather path (client/engine/host_gather_plan.h) without a GPU: random 264 B
-// rows gathered from a /dev/shm segment (4 KiB pages, as the shared table) by a GatherPool into plain memory, per
+// bench_host_gather: the CPU half of the host-gather path (client/engine/host_gather_plan.h) without a GPU: random 264
+// B rows gathered from a /dev/shm segment (4 KiB pages, as the shared table) by a GatherPool into plain memory, per
 // batch the plan pass + the chunked gather (today) or one fused pass, for each gather variant (software prefetch
 // distance, non-temporal stores), and the pool's pass latency with sleeping workers, spinning workers, and after a
 // Wake() hint. Fresh ids per batch (rotating over several random batches); the variants run round robin, and each

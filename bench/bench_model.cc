@@ -92,10 +92,10 @@ int main(int argc, char** argv) {
   const double s_bf = SecondsPerCall([&] { (void)engram::LookupBf16Cpu(rt, ids, bf); });
   const double s_pk = SecondsPerCall([&] { (void)engram::LookupPackedCpu(rt, ids, packed); });
   std::printf("\nlookup   1 GiB table, %d random rows, 1 thread\n", n);
-  std::printf("  bf16    %.2f Mrows/s, %.2f GB/s of records (%.3f of memcpy)\n", n / s_bf / 1e6,
-              n * rb / s_bf / 1e9, 2 * n * rb / s_bf / 1e9 / memcpy_gbs);
-  std::printf("  packed  %.2f Mrows/s, %.2f GB/s of records (%.3f of memcpy)\n", n / s_pk / 1e6,
-              n * rb / s_pk / 1e9, 2 * n * rb / s_pk / 1e9 / memcpy_gbs);
+  std::printf("  bf16    %.2f Mrows/s, %.2f GB/s of records (%.3f of memcpy)\n", n / s_bf / 1e6, n * rb / s_bf / 1e9,
+              2 * n * rb / s_bf / 1e9 / memcpy_gbs);
+  std::printf("  packed  %.2f Mrows/s, %.2f GB/s of records (%.3f of memcpy)\n", n / s_pk / 1e6, n * rb / s_pk / 1e9,
+              2 * n * rb / s_pk / 1e9 / memcpy_gbs);
 
   for (int i = 2; i < argc; ++i) {
     const auto t0 = Clock::now();
@@ -107,8 +107,8 @@ int main(int argc, char** argv) {
     }
     engram::TokenMap m = engram::TokenMap::Build(*tok);
     const auto t2 = Clock::now();
-    std::printf("\ntokenmap %s\n  %lld raw -> %lld compressed: parse %.1f ms, build %.1f ms (%.2f us per id)\n", argv[i],
-                static_cast<long long>(m.raw_size()), static_cast<long long>(m.compressed_size()),
+    std::printf("\ntokenmap %s\n  %lld raw -> %lld compressed: parse %.1f ms, build %.1f ms (%.2f us per id)\n",
+                argv[i], static_cast<long long>(m.raw_size()), static_cast<long long>(m.compressed_size()),
                 std::chrono::duration<double, std::milli>(t1 - t0).count(),
                 std::chrono::duration<double, std::milli>(t2 - t1).count(),
                 std::chrono::duration<double, std::micro>(t2 - t1).count() / static_cast<double>(m.raw_size()));

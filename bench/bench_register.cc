@@ -163,8 +163,9 @@ int main(int argc, char** argv) {
     auto* buf = static_cast<uint8_t*>(::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
     std::memset(buf, 1, n);
     int failed = -1;
-    engram::client::SetFaultHook(
-        [](engram::client::FaultPoint f, int64_t chunk) { return f == engram::client::FaultPoint::kRegisterChunk && chunk == 5; });
+    engram::client::SetFaultHook([](engram::client::FaultPoint f, int64_t chunk) {
+      return f == engram::client::FaultPoint::kRegisterChunk && chunk == 5;
+    });
     auto bad = engram::client::HostRegistration::Register(buf, n, {size_t{2} << 20, 8}, &failed);
     engram::client::SetFaultHook(nullptr);
     auto good = engram::client::HostRegistration::Register(buf, n, {size_t{2} << 20, 8}, &failed);
@@ -219,10 +220,11 @@ int main(int argc, char** argv) {
     const double fill_s = Since(t0);
     const long shmem_huge1 = MeminfoKb("ShmemHugePages:"), hugetlb_free1 = MeminfoKb("HugePages_Free:");
     for (size_t off = 0; off < bytes; off += 4096) w[off] = static_cast<uint8_t>(off >> 12);
-    std::printf("%-10s %s (%s, page %zu KiB): %.2f GiB, first touch from %d threads %.2f s = %.1f GiB/s; "
-                "ShmemHugePages +%ld MiB, HugePages_Free -%ld\n",
-                k.label.c_str(), k.dir.c_str(), hugetlb ? "hugetlbfs" : "tmpfs", page >> 10, bytes / kGiB, pf_threads,
-                fill_s, bytes / kGiB / fill_s, (shmem_huge1 - shmem_huge0) >> 10, hugetlb_free0 - hugetlb_free1);
+    std::printf(
+        "%-10s %s (%s, page %zu KiB): %.2f GiB, first touch from %d threads %.2f s = %.1f GiB/s; "
+        "ShmemHugePages +%ld MiB, HugePages_Free -%ld\n",
+        k.label.c_str(), k.dir.c_str(), hugetlb ? "hugetlbfs" : "tmpfs", page >> 10, bytes / kGiB, pf_threads, fill_s,
+        bytes / kGiB / fill_s, (shmem_huge1 - shmem_huge0) >> 10, hugetlb_free0 - hugetlb_free1);
     double base_reg = 0;
     for (const Variant& v : variants) {
       for (int rep = 0; rep < repeat; ++rep) {

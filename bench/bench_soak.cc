@@ -48,8 +48,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "checkpoint: %s\n", std::string(r.status().message()).c_str());
     return 1;
   }
-  std::vector<std::string> args = {engramd, "--checkpoint", spec.out_dir, "--shm-dir", shm, "--socket", sock,
-                                   "--tickets", "4", "--log-level", "warn"};
+  std::vector<std::string> args = {engramd, "--checkpoint", spec.out_dir, "--shm-dir",   shm,   "--socket",
+                                   sock,    "--tickets",    "4",          "--log-level", "warn"};
   std::vector<char*> av;
   for (auto& s : args) av.push_back(s.data());
   av.push_back(nullptr);
@@ -113,10 +113,10 @@ int main(int argc, char** argv) {
   poller.join();
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::sort(status_ms.begin(), status_ms.end());
-  std::printf("soak: %d clients, %.1f s: %ld sessions (%.0f/s), %ld failed; status polls %zu, p50 %.3f ms, max %.3f ms\n",
-              clients, elapsed, sessions.load(), static_cast<double>(sessions) / elapsed, failures.load(),
-              status_ms.size(), status_ms.empty() ? 0.0 : status_ms[status_ms.size() / 2],
-              status_ms.empty() ? 0.0 : status_ms.back());
+  std::printf(
+      "soak: %d clients, %.1f s: %ld sessions (%.0f/s), %ld failed; status polls %zu, p50 %.3f ms, max %.3f ms\n",
+      clients, elapsed, sessions.load(), static_cast<double>(sessions) / elapsed, failures.load(), status_ms.size(),
+      status_ms.empty() ? 0.0 : status_ms[status_ms.size() / 2], status_ms.empty() ? 0.0 : status_ms.back());
   ::kill(pid, SIGTERM);
   ::waitpid(pid, nullptr, 0);
   std::error_code ec;

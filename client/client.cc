@@ -3,17 +3,17 @@
 #include <cstdlib>
 #include <thread>
 
-#include "client/log.h"
-#include "client/environment.h"
-#include "shm/descriptor_protocol.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "client/dp/plan.h"
+#include "client/environment.h"
+#include "client/log.h"
 #include "client/session/session.h"
 #include "client/table/tables.h"
 #include "model/checkpoint.h"
+#include "shm/descriptor_protocol.h"
 
 #ifdef ENGRAM_HAVE_CUDA
 #include "client/table/cuda_backend.h"
@@ -45,8 +45,8 @@ absl::StatusOr<bool> ProbeGpu(const ClientOptions& options, bool cpu_offload, st
   }
   const CudaState gpu = ProbeCuda(no_gpu);
   if (gpu == CudaState::kNoUva && cpu_offload) {
-    return absl::FailedPreconditionError(absl::StrCat("cpu_offload needs a GPU that reads host memory through UVA: ",
-                                                      *no_gpu, "; set cpu_offload false"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cpu_offload needs a GPU that reads host memory through UVA: ", *no_gpu, "; set cpu_offload false"));
   }
   return gpu == CudaState::kUsable;
 #else
@@ -75,8 +75,8 @@ Declaration Declare(const AttachRequest& req, uint64_t fingerprint, bool cpu_off
 // A shared table from the daemon's grant: map and check, take the node's ticket, pin, report. Null (with the reason
 // added) when this replica must fall back; the session stays usable for reporting that.
 std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& options, const std::string& shm_dir,
-                                        Env* env, uint64_t fingerprint, const Layout& layout,
-                                        const ShardRange& shard, bool cuda, std::vector<Reason>* reasons) {
+                                        Env* env, uint64_t fingerprint, const Layout& layout, const ShardRange& shard,
+                                        bool cuda, std::vector<Reason>* reasons) {
   const Grant& g = session.answer().grant;
   // The descriptor first (any namespace that reaches the socket), the path where it cannot be passed.
   absl::StatusOr<std::unique_ptr<TableImpl>> table = absl::UnavailableError("not attached");
@@ -162,12 +162,13 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
   // embedding_across_dp asks the daemon even with dp_shared_memory false: it brokers the DP group (and names
   // DP_SHARED_MEMORY_DISABLED itself).
   if (req.dp_shared_memory == Choice::kFalse && !req.embedding_across_dp) {
-    reasons.push_back({ReasonCode::kDpSharedMemoryDisabled, "dp_shared_memory is false: this replica holds its own table"});
+    reasons.push_back(
+        {ReasonCode::kDpSharedMemoryDisabled, "dp_shared_memory is false: this replica holds its own table"});
   } else if (auto s = Session::Open(options_.socket, options_.timeout, Declare(req, ckpt->Fingerprint(), cpu_offload));
              !s.ok()) {
     const bool refused = s.status().code() == absl::StatusCode::kPermissionDenied;
-    reasons.push_back({refused ? ReasonCode::kPermissionDenied : ReasonCode::kDaemonUnavailable,
-                       std::string(s.status().message())});
+    reasons.push_back(
+        {refused ? ReasonCode::kPermissionDenied : ReasonCode::kDaemonUnavailable, std::string(s.status().message())});
   } else {
     session = std::move(*s);
     if (session->answer().granted) {
@@ -191,7 +192,8 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
         absl::StrCat("not shared (", ModeName(mode), ", no private table built here): ", ReasonList(reasons)));
   }
   if (table == nullptr) {
-    const int threads = req.threads > 0 ? req.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int threads =
+        req.threads > 0 ? req.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     // DP_SHARDED: only this rank's shard of the group's columns (client/dp/plan.h), in host memory or, with
     // cpu_offload false, on the GPU; the LookupEngine exchanges the rest every step (client/dp/engine.h).
     bool dp_sharded = mode == Mode::kDpSharded;
@@ -220,11 +222,11 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
   }
   if (table->mode() == Mode::kShared) {
     Log().info("engram: event=attached mode=SHARED backend={} attach={} segment={} register_seconds={:.3f}",
-                 BackendName(table->backend()), AttachMethodName(table->attach_method()), segment,
-                 table->register_seconds());
+               BackendName(table->backend()), AttachMethodName(table->attach_method()), segment,
+               table->register_seconds());
   } else {
     Log().warn("engram: event=fallback mode={} backend={} reasons={} detail=\"{}\"", ModeName(table->mode()),
-                 BackendName(table->backend()), ReasonCodes(table->reasons()), ReasonList(table->reasons()));
+               BackendName(table->backend()), ReasonCodes(table->reasons()), ReasonList(table->reasons()));
   }
   return std::unique_ptr<Table>(std::move(table));
 }

@@ -52,9 +52,9 @@ absl::StatusOr<engram::v1::ServerMessage> Coordinator::Attach(
     std::function<void(const engram::v1::ServerMessage&)> notify, std::string* lease_id) {
   if (h.tp_size() < 1 || h.tp_rank() < 0 || h.tp_rank() >= h.tp_size() || h.dp_size() < 1 || h.dp_rank() < 0 ||
       h.dp_rank() >= h.dp_size() || h.local_dp_size() < 0 || h.local_dp_size() > h.dp_size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "hello: invalid topology tp %d/%d dp %d/%d local %d (need 0 <= rank < size, local <= dp size)",
-        h.tp_rank(), h.tp_size(), h.dp_rank(), h.dp_size(), h.local_dp_size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("hello: invalid topology tp %d/%d dp %d/%d local %d (need 0 <= rank < size, local <= dp size)",
+                        h.tp_rank(), h.tp_size(), h.dp_rank(), h.dp_size(), h.local_dp_size()));
   }
   if (draining_) return absl::UnavailableError("engramd is draining: no new sessions");
   ASSIGN_OR_RETURN(ShardOffer offer, segments_.Offer(h, cancelled, [this] { return draining_.load(); }));
@@ -110,8 +110,8 @@ absl::Status Coordinator::RecordOutcome(const std::string& lease_id, const engra
 }
 
 absl::Status Coordinator::JoinGroup(const std::string& lease_id, const engram::v1::Hello& hello, const PeerCred& peer,
-                                   const engram::v1::GroupJoin& join,
-                                   std::function<void(const engram::v1::ServerMessage&)> notify) {
+                                    const engram::v1::GroupJoin& join,
+                                    std::function<void(const engram::v1::ServerMessage&)> notify) {
   return groups_.Join(lease_id, hello, peer, join, std::move(notify));
 }
 
@@ -133,9 +133,7 @@ engram::v1::StatusReply Coordinator::Status() {
   return reply;
 }
 
-std::string Coordinator::MetricsText() {
-  return daemon::MetricsText(Status(), replicas_.Counters());
-}
+std::string Coordinator::MetricsText() { return daemon::MetricsText(Status(), replicas_.Counters()); }
 
 absl::Status Coordinator::Load(const std::string& dir, const std::vector<int64_t>& tp_sizes) {
   absl::Status st = segments_.Load(dir, tp_sizes.empty() ? options().tp_sizes : tp_sizes);
@@ -174,9 +172,8 @@ absl::Status Coordinator::Reload(const Options& opts) {
   if (!r.ok()) {
     const std::string detail(r.status().message());
     segments_.RecordLoadFailure("reload", opts.config_file, detail);
-    return absl::Status(r.status().code(),
-                        absl::StrCat(detail, ": nothing changed, still serving ",
-                                     absl::StrJoin(segments_.CheckpointDirs(), ",")));
+    return absl::Status(r.status().code(), absl::StrCat(detail, ": nothing changed, still serving ",
+                                                        absl::StrJoin(segments_.CheckpointDirs(), ",")));
   }
   for (const auto& d : r->removed) replicas_.ForgetSegmentsOf(d);
   for (const auto& k : r->retired_segment_keys) replicas_.ForgetSegment(k);
@@ -190,7 +187,7 @@ absl::Status Coordinator::Reload(const Options& opts) {
   replicas_.SetTicketCapacity(opts.tickets);
   segments_.BumpEpoch();
   for (const char* key : {"shm_dir", "socket", "group", "threads"}) {
-    const bool changed = std::string(key) == "shm_dir" ? before.shm_dir != opts.shm_dir
+    const bool changed = std::string(key) == "shm_dir"  ? before.shm_dir != opts.shm_dir
                          : std::string(key) == "socket" ? before.socket != opts.socket
                          : std::string(key) == "group"  ? before.group != opts.group
                                                         : before.threads != opts.threads;

@@ -35,10 +35,10 @@
 #include "daemon/descriptor_server.h"
 #include "daemon/group_registry.h"
 #include "daemon/options.h"
-#include "net/peer_cred.h"
 #include "daemon/replica_registry.h"
 #include "daemon/segment_registry.h"
 #include "engram/v1/engram.pb.h"
+#include "net/peer_cred.h"
 
 namespace engram::daemon {
 

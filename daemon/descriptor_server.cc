@@ -15,11 +15,11 @@
 #include <optional>
 #include <vector>
 
-#include "shm/descriptor_protocol.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "base/status_macros.h"
 #include "net/unix_socket.h"
-#include "absl/strings/str_split.h"
+#include "shm/descriptor_protocol.h"
 #include "spdlog/spdlog.h"
 
 namespace engram::daemon {
@@ -134,8 +134,8 @@ absl::StatusOr<int> DescriptorChannel::Redeem(const std::string& request_line, c
   }
   std::vector<std::string> parts = absl::StrSplit(request_line, ' ');
   if (parts.size() != 3 || parts[0] != kProtocol || parts[1].empty() || parts[2].empty()) {
-    return refuse(absl::InvalidArgumentError(absl::StrCat("malformed request: expected \"", kProtocol,
-                                                          " <lease> <token>\"")));
+    return refuse(
+        absl::InvalidArgumentError(absl::StrCat("malformed request: expected \"", kProtocol, " <lease> <token>\"")));
   }
   Pending p;
   {
@@ -149,26 +149,28 @@ absl::StatusOr<int> DescriptorChannel::Redeem(const std::string& request_line, c
     // The session's uid, and its process where the daemon can tell processes apart (a peer in another PID
     // namespace, a pod or container, shows pid 0 on every connection: then the token alone says who it is).
     if (it->second.peer.uid != peer.uid) {
-      return refuse(absl::PermissionDeniedError(absl::StrCat("the lease belongs to uid ", it->second.peer.uid,
-                                                             ", not to uid ", peer.uid)));
+      return refuse(absl::PermissionDeniedError(
+          absl::StrCat("the lease belongs to uid ", it->second.peer.uid, ", not to uid ", peer.uid)));
     }
     if (it->second.peer.pid != 0 && it->second.peer.pid != peer.pid) {
-      return refuse(absl::PermissionDeniedError(absl::StrCat("the lease belongs to pid ", it->second.peer.pid,
-                                                             ", not to pid ", peer.pid)));
+      return refuse(absl::PermissionDeniedError(
+          absl::StrCat("the lease belongs to pid ", it->second.peer.pid, ", not to pid ", peer.pid)));
     }
     p = std::move(it->second);
     by_lease_.erase(it);
   }
   int fd = ::open(p.path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0 && errno == ENOENT) {  // retired or unloaded between the grant and this fetch
-    return refuse(absl::NotFoundError(absl::StrCat(kSegmentGone, ": ", p.path, " was retired or unloaded since the grant")));
+    return refuse(
+        absl::NotFoundError(absl::StrCat(kSegmentGone, ": ", p.path, " was retired or unloaded since the grant")));
   }
   if (fd < 0) return refuse(absl::NotFoundError(absl::StrCat("open ", p.path, ": ", std::strerror(errno))));
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid() ||
       static_cast<uint64_t>(st.st_size) != p.bytes) {
     ::close(fd);
-    return refuse(absl::FailedPreconditionError(absl::StrCat(kSegmentGone, ": ", p.path, " is no longer the granted segment")));
+    return refuse(
+        absl::FailedPreconditionError(absl::StrCat(kSegmentGone, ": ", p.path, " is no longer the granted segment")));
   }
   return fd;
 }
@@ -198,8 +200,8 @@ void DescriptorChannel::Serve() {
   while (!stop_) {
     // Full (kMaxPendingDescriptorRequests open) or out of descriptors: leave new connections in the backlog.
     const auto now0 = Clock::now();
-    const bool accepting = conns.size() < static_cast<size_t>(kMaxPendingDescriptorRequests) &&
-                           now0 >= accept_paused_until;
+    const bool accepting =
+        conns.size() < static_cast<size_t>(kMaxPendingDescriptorRequests) && now0 >= accept_paused_until;
     std::vector<pollfd> fds;
     fds.push_back({fd_, static_cast<short>(accepting ? POLLIN : 0), 0});
     for (const Conn& c : conns) fds.push_back({c.fd, POLLIN, 0});
@@ -263,10 +265,10 @@ void DescriptorChannel::Serve() {
       // A peer the daemon refuses is answered at once and holds no slot; one uid holds at most a quarter of them.
       const auto held = peer ? per_uid.find(peer->uid) : per_uid.end();
       const int open_of_uid = held == per_uid.end() ? 0 : held->second;
-      const char* refusal = !peer               ? "ERR no peer credentials\n"
-                            : !allowed_(*peer)  ? "ERR this uid may not use engramd\n"
+      const char* refusal = !peer                                              ? "ERR no peer credentials\n"
+                            : !allowed_(*peer)                                 ? "ERR this uid may not use engramd\n"
                             : open_of_uid >= kMaxPendingDescriptorRequests / 4 ? "ERR too many requests from this uid\n"
-                                                : nullptr;
+                                                                               : nullptr;
       if (refusal != nullptr) {
         ++refused_;
         net::SendWithDescriptor(s, refusal, -1);

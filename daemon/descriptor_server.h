@@ -41,7 +41,7 @@ inline constexpr size_t kMaxDescriptorRequestBytes = 256;
 inline constexpr int kMaxPendingDescriptorRequests = 64;
 
 struct DescriptorStats {
-  std::string socket;  // the channel's path ("" when not bound)
+  std::string socket;              // the channel's path ("" when not bound)
   uint64_t sent = 0, refused = 0;  // sent: the reply with the descriptor reached the peer's socket
 };
 

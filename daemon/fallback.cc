@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <numeric>
 
-#include "base/utf8.h"
 #include "absl/strings/str_format.h"
+#include "base/utf8.h"
 
 namespace engram::daemon {
 
@@ -73,8 +73,8 @@ Decision Decide(const engram::v1::Hello& h, const NodeView& node) {
     add(engram::v1::SHM_TOO_SMALL,
         absl::StrFormat("%s holds %s free, the tables need %s: run the container with --ipc=host or "
                         "--shm-size, or give engramd a larger --shm-dir",
-                        node.shm_path, node.shm_free_bytes < (1ull << 30) ? MiB(node.shm_free_bytes)
-                                                                           : GiB(node.shm_free_bytes),
+                        node.shm_path,
+                        node.shm_free_bytes < (1ull << 30) ? MiB(node.shm_free_bytes) : GiB(node.shm_free_bytes),
                         GiB(node.tables_bytes)));
   }
   // SHM_NOT_VISIBLE is not the daemon's to decide: a replica that reaches the socket receives the segment's
@@ -97,8 +97,7 @@ Decision Decide(const engram::v1::Hello& h, const NodeView& node) {
       return d;
     }
     if (h.dp_size() <= 1) {
-      add(engram::v1::DP_SIZE_ONE,
-          "data_parallel_size is 1: embedding_across_dp has no group to split the table over");
+      add(engram::v1::DP_SIZE_ONE, "data_parallel_size is 1: embedding_across_dp has no group to split the table over");
     } else {
       add(engram::v1::NOT_COLOCATED,
           absl::StrFormat("%d of %d DP replicas run on this node, which holds no embedding_across_dp group of two "

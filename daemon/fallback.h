@@ -14,14 +14,14 @@ namespace engram::daemon {
 
 // What the daemon knows about the node and the checkpoint the replica asked for.
 struct NodeView {
-  bool checkpoint_served = false;   // a configured checkpoint has the replica's fingerprint
-  bool model_shareable = true;      // false for Qwen4Exp PLE
+  bool checkpoint_served = false;  // a configured checkpoint has the replica's fingerprint
+  bool model_shareable = true;     // false for Qwen4Exp PLE
   bool shm_exists = true;
   std::string shm_path;
-  uint64_t shm_free_bytes = 0;      // at the time the tables were planned
-  uint64_t tables_bytes = 0;        // all TP shards of the replica's TP size
-  bool shm_too_small = false;       // the daemon could not create the segments for lack of room
-  bool segment_failed = false;      // loading failed for another reason
+  uint64_t shm_free_bytes = 0;  // at the time the tables were planned
+  uint64_t tables_bytes = 0;    // all TP shards of the replica's TP size
+  bool shm_too_small = false;   // the daemon could not create the segments for lack of room
+  bool segment_failed = false;  // loading failed for another reason
   std::string segment_error;
 };
 

@@ -9,8 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/utf8.h"
-#include "shm/dp_region_name.h"
 #include "daemon/fallback.h"
+#include "shm/dp_region_name.h"
 #include "spdlog/spdlog.h"
 
 namespace engram::daemon {
@@ -18,11 +18,10 @@ namespace {
 
 bool NameOk(const std::string& name) {
   return std::all_of(name.begin(), name.end(), [](char ch) {
-    return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '-' ||
-           ch == '_' || ch == '.';
+    return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '-' || ch == '_' ||
+           ch == '.';
   });
 }
-
 
 }  // namespace
 
@@ -40,16 +39,16 @@ absl::Status GroupRegistry::Join(const std::string& lease_id, const engram::v1::
   const int32_t edp = EdpSize(h);
   if (edp < 2) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "group join: dp %d with %d replicas on this node gives a DP group of %d: nothing to shard across",
-        h.dp_size(), h.local_dp_size(), edp));
+        "group join: dp %d with %d replicas on this node gives a DP group of %d: nothing to shard across", h.dp_size(),
+        h.local_dp_size(), edp));
   }
   if (join.name().size() > kMaxGroupNameBytes || !NameOk(join.name())) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "group join: the name must be at most %d bytes of [A-Za-z0-9._-]", kMaxGroupNameBytes));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("group join: the name must be at most %d bytes of [A-Za-z0-9._-]", kMaxGroupNameBytes));
   }
   if (join.transport() != "host" && join.transport() != "nccl") {
-    return absl::InvalidArgumentError(absl::StrCat("group join: transport \"", EchoOf(join.transport(), 32),
-                                                   "\" is neither \"host\" nor \"nccl\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("group join: transport \"", EchoOf(join.transport(), 32), "\" is neither \"host\" nor \"nccl\""));
   }
   if (join.max_tokens() < 1 || join.max_tokens() > kMaxGroupSlot) {
     return absl::InvalidArgumentError(
@@ -60,13 +59,13 @@ absl::Status GroupRegistry::Join(const std::string& lease_id, const engram::v1::
   }
   const int32_t edp_rank = h.dp_rank() % edp, index = h.dp_rank() / edp;
   if (join.rendezvous().size() > kMaxRendezvousBytes || (edp_rank == 0 && join.rendezvous().empty())) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "group join: rendezvous is %d bytes; the rank-0 member must give 1..%d bytes", join.rendezvous().size(),
-        kMaxRendezvousBytes));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("group join: rendezvous is %d bytes; the rank-0 member must give 1..%d bytes",
+                        join.rendezvous().size(), kMaxRendezvousBytes));
   }
   const std::string key =
-      absl::StrFormat("%s%016x/tp%dof%d/dp%d/e%d/g%d", join.name().empty() ? "" : join.name() + "/",
-                      h.fingerprint(), h.tp_rank(), h.tp_size(), h.dp_size(), edp, index);  // edp: one size a group
+      absl::StrFormat("%s%016x/tp%dof%d/dp%d/e%d/g%d", join.name().empty() ? "" : join.name() + "/", h.fingerprint(),
+                      h.tp_rank(), h.tp_size(), h.dp_size(), edp, index);  // edp: one size a group
 
   Outbox out;
   {
@@ -115,8 +114,8 @@ absl::Status GroupRegistry::Join(const std::string& lease_id, const engram::v1::
     }
     for (const auto& m : g.members) {
       if (m.info.edp_rank() == edp_rank) {
-        return absl::AlreadyExistsError(absl::StrFormat("group join: edp rank %d of group %s is taken by pid %d",
-                                                        edp_rank, key, m.peer.pid));
+        return absl::AlreadyExistsError(
+            absl::StrFormat("group join: edp rank %d of group %s is taken by pid %d", edp_rank, key, m.peer.pid));
       }
     }
     Member m;
@@ -178,8 +177,8 @@ void GroupRegistry::RetireLocked(std::map<std::string, Group>::iterator it) {
     if (env_->ShmUnlink(g.rendezvous.c_str()) == 0) {
       spdlog::info("event=group_region_removed group={} region={}", it->first, g.rendezvous);
     } else if (errno != ENOENT) {
-      spdlog::warn("event=group_region_left group={} region={} errno={}: remove it by hand", it->first,
-                   g.rendezvous, errno);
+      spdlog::warn("event=group_region_left group={} region={} errno={}: remove it by hand", it->first, g.rendezvous,
+                   errno);
     }
   }
   history_.push_front(it->second.status);
@@ -281,8 +280,8 @@ absl::StatusOr<engram::v1::GroupLeft> GroupRegistry::LeaveGroup(const std::strin
     return absl::InvalidArgumentError(absl::StrFormat("group leave: the reason is %d bytes, at most %d are accepted",
                                                       leave.reason().size(), kMaxLeaveReasonBytes));
   }
-  const std::string reason = leave.reason().empty() ? std::string("it left the group (no reason given)")
-                                                    : Printable(leave.reason());
+  const std::string reason =
+      leave.reason().empty() ? std::string("it left the group (no reason given)") : Printable(leave.reason());
   engram::v1::GroupLeft left;
   Outbox out;
   {
@@ -296,9 +295,9 @@ absl::StatusOr<engram::v1::GroupLeft> GroupRegistry::LeaveGroup(const std::strin
     const std::string key = lg->second;
     if (!leave.group().empty() && leave.group() != key) {
       if (groups_.count(leave.group())) {
-        return absl::PermissionDeniedError(absl::StrCat(
-            "group leave: this session is not a member of group ", EchoOf(leave.group()),
-            ": a session leaves only its own membership (it is a member of ", key, ")"));
+        return absl::PermissionDeniedError(
+            absl::StrCat("group leave: this session is not a member of group ", EchoOf(leave.group()),
+                         ": a session leaves only its own membership (it is a member of ", key, ")"));
       }
       return absl::NotFoundError(absl::StrCat("group leave: there is no group ", EchoOf(leave.group()),
                                               " (this session is a member of ", key, ")"));

@@ -17,25 +17,26 @@
 // Every join and leave is validated (daemon/group_registry.cc); a bad one is refused with a Status and changes
 // nothing. Thread-safe: one mutex, never held while a member is notified: the updates are decided under it and
 // sent after it is released, so a member whose stream is slow or blocked stalls only the calls that notify its
-// group, never the registry; each member still gets its group's updates in the order they were decided. The `notify` callbacks must therefore stay callable after the member's session ended (the
-// service hands in one that drops what comes after its session closed).
+// group, never the registry; each member still gets its group's updates in the order they were decided. The `notify`
+// callbacks must therefore stay callable after the member's session ended (the service hands in one that drops what
+// comes after its session closed).
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
-#include <condition_variable>
 #include <functional>
-#include <memory>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
-#include "shm/env.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "net/peer_cred.h"
 #include "engram/v1/engram.pb.h"
+#include "net/peer_cred.h"
+#include "shm/env.h"
 
 namespace engram::daemon {
 
@@ -113,16 +114,16 @@ class GroupRegistry {
   void FormLocked(Group& g, Outbox* out);
   // Member `self` of the group under `key` departs (`reason` as status shows it); `breaks_forming`: an explicit
   // leave, which breaks a FORMING group too.
-  void DepartLocked(const std::string& key, const std::string& lease_id, const std::string& reason,
-                    bool breaks_forming, Outbox* out);
+  void DepartLocked(const std::string& key, const std::string& lease_id, const std::string& reason, bool breaks_forming,
+                    Outbox* out);
   void RetireLocked(std::map<std::string, Group>::iterator it);
   static void RefreshStatus(Group& g);
 
   Env* const env_;
   mutable std::mutex mu_;
-  std::map<std::string, Group> groups_;            // by key
+  std::map<std::string, Group> groups_;             // by key
   std::map<std::string, std::string> lease_group_;  // lease id -> key
-  std::deque<engram::v1::GroupStatus> history_;    // broken groups whose members all left
+  std::deque<engram::v1::GroupStatus> history_;     // broken groups whose members all left
   uint64_t next_generation_ = 1;
 };
 

@@ -60,8 +60,10 @@ void UdsListener::Start(std::function<void(int, bool)> on_connection) {
         if (net::IsAcceptShortage(err)) {
           // The pending connection stays in the backlog, so poll would wake at once: wait instead of spinning.
           if (backoff_ms == 0) {
-            spdlog::warn("event=accept_backoff errno={} detail=\"{}\": new connections wait, established ones are "
-                         "served", err, std::strerror(err));
+            spdlog::warn(
+                "event=accept_backoff errno={} detail=\"{}\": new connections wait, established ones are "
+                "served",
+                err, std::strerror(err));
           }
           backoff_ms = backoff_ms == 0 ? 50 : std::min(backoff_ms * 2, 400);
           for (int waited = 0; waited < backoff_ms && !stop_; waited += 10) {

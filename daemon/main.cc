@@ -6,11 +6,11 @@
 // Runs in the foreground, logs to stderr, readiness through sd_notify (READY=1 once the requested segments are
 // settled, STATUS= progress while loading). SIGTERM/SIGINT: stop accepting, tell sessions, leave READY segments in
 // place. SIGHUP: re-read the configuration and serve the new set of checkpoints.
+#include <grp.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server_posix.h>
-#include <grp.h>
 #include <signal.h>
 #include <systemd/sd-daemon.h>
 
@@ -19,12 +19,12 @@
 #include <cstdio>
 #include <thread>
 
+#include "daemon/coordinator.h"
 #include "daemon/descriptor_server.h"
 #include "daemon/listener.h"
 #include "daemon/options.h"
 #include "daemon/refuser.h"
 #include "daemon/service.h"
-#include "daemon/coordinator.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -32,9 +32,11 @@ int main(int argc, char** argv) {
   using namespace engram::daemon;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
-      std::printf("usage: engramd --checkpoint DIR [--checkpoint DIR ...] [--tp 1,2] [--shm-dir DIR] [--socket PATH]\n"
-                  "               [--group NAME] [--admin-group NAME] [--tickets N] [--max-sessions N] [--max-sessions-per-uid N] [--threads N] [--log-level LEVEL]\n"
-                  "               [--metrics-file PATH] [--config FILE]\n");
+      std::printf(
+          "usage: engramd --checkpoint DIR [--checkpoint DIR ...] [--tp 1,2] [--shm-dir DIR] [--socket PATH]\n"
+          "               [--group NAME] [--admin-group NAME] [--tickets N] [--max-sessions N] [--max-sessions-per-uid "
+          "N] [--threads N] [--log-level LEVEL]\n"
+          "               [--metrics-file PATH] [--config FILE]\n");
       return 0;
     }
   }
@@ -113,9 +115,8 @@ int main(int argc, char** argv) {
     state.SetDescriptorChannel(&descriptors);
     descriptors.Start();
   }
-  listener.Start([&](int fd, bool allowed) {
-    grpc::AddInsecureChannelFromFd(allowed ? server.get() : refuser.get(), fd);
-  });
+  listener.Start(
+      [&](int fd, bool allowed) { grpc::AddInsecureChannelFromFd(allowed ? server.get() : refuser.get(), fd); });
   spdlog::info("event=listening socket={} shm_dir={} checkpoints={} tickets={}", opts->socket, opts->shm_dir,
                opts->checkpoints.size(), opts->tickets);
 

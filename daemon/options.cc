@@ -10,8 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "model/file_util.h"
 #include "base/status_macros.h"
+#include "model/file_util.h"
 
 namespace engram::daemon {
 namespace {
@@ -34,8 +34,8 @@ absl::Status Set(const std::string& origin, const std::string& key, const std::s
   auto int_value = [&](int* field, int lo) -> absl::Status {
     int v;
     if (!absl::SimpleAtoi(value, &v) || v < lo) {
-      return absl::InvalidArgumentError(absl::StrCat(origin, ": ", key, " wants an integer >= ", lo, ", got '",
-                                                     value, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(origin, ": ", key, " wants an integer >= ", lo, ", got '", value, "'"));
     }
     *field = v;
     return absl::OkStatus();

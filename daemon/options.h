@@ -1,10 +1,11 @@
 // engramd's configuration: command-line flags over an optional config file (/etc/engramd/engramd.conf).
 //
 // Config file: one `key = value` per line, `#` comments. Keys: checkpoint (repeatable), tp (comma list), shm_dir,
-// socket, group, admin_group, tickets, max_sessions, max_sessions_per_uid, threads, log_level, metrics_file. Flags: --checkpoint DIR (repeatable), --tp 1,2,
-// --shm-dir DIR, --socket PATH, --group NAME, --admin-group NAME, --tickets N, --threads N, --log-level LEVEL, --metrics-file PATH, --config FILE. A flag given on the
-// command line replaces the file's value for that key (checkpoints too: flags replace the file's list).
-// Plain value type.
+// socket, group, admin_group, tickets, max_sessions, max_sessions_per_uid, threads, log_level, metrics_file. Flags:
+// --checkpoint DIR (repeatable), --tp 1,2,
+// --shm-dir DIR, --socket PATH, --group NAME, --admin-group NAME, --tickets N, --threads N, --log-level LEVEL,
+// --metrics-file PATH, --config FILE. A flag given on the command line replaces the file's value for that key
+// (checkpoints too: flags replace the file's list). Plain value type.
 #pragma once
 
 #include <cstdint>
@@ -23,19 +24,19 @@ struct Options {
   PublishTuning publish_tuning;
   std::string shm_dir = "/dev/shm";
   std::string socket = "/run/engramd/engramd.sock";
-  std::string group;        // members may connect; empty: the daemon's own uid and root only
+  std::string group;  // members may connect; empty: the daemon's own uid and root only
   // Members may also run the operator calls (Load, Unload, Drain); root and the daemon's uid always may. Engines
   // (the --group) attach and read status only: one engine cannot take sharing away from the others.
   std::string admin_group;
-  int tickets = 1;          // replicas registering at once
+  int tickets = 1;  // replicas registering at once
   // Sessions open at once, in all and per uid: each holds a server thread, so that no peer can exhaust them (status
   // and the other engines' replicas keep working); one more is refused with RESOURCE_EXHAUSTED.
   int max_sessions = 2048;
   int max_sessions_per_uid = 512;
-  int threads = 0;          // publish/verify workers; 0 = hardware concurrency (at most 32)
+  int threads = 0;  // publish/verify workers; 0 = hardware concurrency (at most 32)
   std::string log_level = "info";
   std::string metrics_file;  // Prometheus text format, rewritten every 2 s (node_exporter textfile collector)
-  std::string config_file;  // where the file values came from ("" when none)
+  std::string config_file;   // where the file values came from ("" when none)
 };
 
 absl::StatusOr<Options> ParseOptions(int argc, char** argv);

@@ -25,9 +25,10 @@
 namespace engram::daemon {
 
 void SegmentRegistry::DropQueuedLocked(const std::string& dir, const Key* key) {
-  publish_queue_.erase(std::remove_if(publish_queue_.begin(), publish_queue_.end(),
-                                      [&](const auto& q) { return q.first == dir && (key == nullptr || q.second == *key); }),
-                       publish_queue_.end());
+  publish_queue_.erase(
+      std::remove_if(publish_queue_.begin(), publish_queue_.end(),
+                     [&](const auto& q) { return q.first == dir && (key == nullptr || q.second == *key); }),
+      publish_queue_.end());
 }
 
 void SegmentRegistry::PublishLoop() {
@@ -65,9 +66,9 @@ void SegmentRegistry::PublishLoop() {
       if (!cap.ok() || cap->free_bytes < bytes) {
         e->state = ServingState::kFailed;
         e->too_small = cap.ok();
-        e->error = cap.ok() ? absl::StrFormat("%s has %d bytes free, the segment needs %d", shm_dir_,
-                                              cap->free_bytes, bytes)
-                            : std::string(cap.status().message());
+        e->error = cap.ok()
+                       ? absl::StrFormat("%s has %d bytes free, the segment needs %d", shm_dir_, cap->free_bytes, bytes)
+                       : std::string(cap.status().message());
         spdlog::error("event=segment_not_created path={} reason={} detail=\"{}\"", path,
                       cap.ok() ? "SHM_TOO_SMALL" : "SHM_MISSING", e->error);
         cv_.notify_all();
@@ -102,10 +103,11 @@ void SegmentRegistry::PublishLoop() {
         e->state = ServingState::kReady;
         e->load_seconds = r->seconds;
         e->checksum = ChecksumState::kOk;
-        spdlog::info("event=publish_done path={} bytes={} seconds={:.2f} gib_per_s={:.2f} page_bytes={} "
-                     "populated_by_writers={} streamed_bytes={} prefetched_bytes={}", path, r->bytes, r->seconds,
-                     r->bytes / 1073741824.0 / std::max(r->seconds, 1e-9), r->page_bytes, r->populated,
-                     r->streamed_bytes, r->prefetched_bytes);
+        spdlog::info(
+            "event=publish_done path={} bytes={} seconds={:.2f} gib_per_s={:.2f} page_bytes={} "
+            "populated_by_writers={} streamed_bytes={} prefetched_bytes={}",
+            path, r->bytes, r->seconds, r->bytes / 1073741824.0 / std::max(r->seconds, 1e-9), r->page_bytes,
+            r->populated, r->streamed_bytes, r->prefetched_bytes);
       } else {
         e->state = ServingState::kFailed;
         e->too_small = r.status().code() == absl::StatusCode::kResourceExhausted;

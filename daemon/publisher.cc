@@ -117,8 +117,10 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   std::string cold_why_not;
   std::unique_ptr<ColdPrefetch> prefetch = StartColdPrefetch(ckpt, RowsOf(desc), threads, cold_readers, &cold_why_not);
   if (!cold_why_not.empty()) {
-    spdlog::info("event=publish_cold_probe_unsupported checkpoint={} detail=\"{}\": if the checkpoint is not in the "
-                 "page cache, the filling threads read it themselves", ckpt.dir(), cold_why_not);
+    spdlog::info(
+        "event=publish_cold_probe_unsupported checkpoint={} detail=\"{}\": if the checkpoint is not in the "
+        "page cache, the filling threads read it themselves",
+        ckpt.dir(), cold_why_not);
   }
   // On hugetlbfs the data's pages are populated by the filling threads (in parallel, next to their writes), not
   // zeroed up front by one thread in fallocate; a tmpfs is reserved whole (SegmentReserve::kAuto; tuning may force
@@ -173,8 +175,8 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
       dropper();  // no thread to be had (EAGAIN): dropped here, slower, but never an exception out of the publish
     }
   }
-  return PublishResult{(*writer)->path(), reopened->total_bytes, seconds, (*writer)->page_bytes(),
-                       (*writer)->populate_data(), streamed.load(), prefetched.load()};
+  return PublishResult{(*writer)->path(),          reopened->total_bytes, seconds,          (*writer)->page_bytes(),
+                       (*writer)->populate_data(), streamed.load(),       prefetched.load()};
 }
 
 absl::Status VerifyChecksums(const std::string& segment_path, int threads, std::atomic<uint64_t>* rows_done) {

@@ -1,5 +1,5 @@
-// Publisher: builds one TP shard's segment from a checkpoint (docs/architecture.md, "Data flow", publish): reserves and maps the
-// segment, fills it with ReadShardRecords (io/shard_records.h: parallel ranged reads, repacked records,
+// Publisher: builds one TP shard's segment from a checkpoint (docs/architecture.md, "Data flow", publish): reserves and
+// maps the segment, fills it with ReadShardRecords (io/shard_records.h: parallel ranged reads, repacked records,
 // checksums), writes the final descriptor, then READY.
 //
 // A failure (read error, truncated file, ENOSPC at fallocate) removes the partial segment; a killed daemon leaves a
@@ -18,13 +18,13 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "daemon/publish_tuning.h"
 #include "engram/v1/engram.pb.h"
 #include "model/checkpoint.h"
-#include "shm/env.h"
-#include "daemon/publish_tuning.h"
-#include "shm/segment.h"
 #include "model/layout.h"
 #include "model/token_map.h"
+#include "shm/env.h"
+#include "shm/segment.h"
 
 namespace engram::daemon {
 
@@ -32,10 +32,10 @@ struct PublishResult {
   std::string path;
   uint64_t bytes = 0;
   double seconds = 0;
-  uint64_t page_bytes = 0;     // the segment's page size (SegmentWriter::page_bytes)
-  bool populated = false;      // pages populated by the filling threads (kWriters), not reserved whole
-  uint64_t streamed_bytes = 0;  // of the records, those written with non-temporal stores (PublishStreamsStores): all
-                                // or none
+  uint64_t page_bytes = 0;        // the segment's page size (SegmentWriter::page_bytes)
+  bool populated = false;         // pages populated by the filling threads (kWriters), not reserved whole
+  uint64_t streamed_bytes = 0;    // of the records, those written with non-temporal stores (PublishStreamsStores): all
+                                  // or none
   uint64_t prefetched_bytes = 0;  // streamed by the cold-cache readers ahead of the filling threads (read from disk or
                                   // found cached on the way: ColdPrefetch::bytes_streamed); 0 when none ran
 };
@@ -58,8 +58,8 @@ bool PublishStreamsStores(int setting, bool huge_pages);
 absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layout, const TokenMap& map,
                                       int64_t tp_size, int64_t tp_rank, const std::string& shm_dir,
                                       uint64_t instance_id, uint64_t epoch, int threads,
-                                      std::atomic<uint64_t>* rows_done = nullptr,
-                                      Env* env = Env::Default(), const PublishTuning& tuning = PublishTuning{});
+                                      std::atomic<uint64_t>* rows_done = nullptr, Env* env = Env::Default(),
+                                      const PublishTuning& tuning = PublishTuning{});
 
 // Recomputes a READY segment's per-layer checksums from its records and compares them with the descriptor's.
 // `rows_done` reports progress. OK when all match; DataLoss naming the layer otherwise.

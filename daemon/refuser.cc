@@ -17,9 +17,9 @@ class Refusal final : public grpc::ServerGenericBidiReactor {
 
 grpc::ServerGenericBidiReactor* RefusingService::CreateReactor(grpc::GenericCallbackServerContext* ctx) {
   auto peer = listener_->PeerOf(ctx->peer());
-  return new Refusal(peer ? absl::StrCat("uid ", peer->uid,
-                                         " may not use engramd: add it to the daemon's group (--group)")
-                          : std::string("cannot identify the peer (SO_PEERCRED)"));
+  return new Refusal(
+      peer ? absl::StrCat("uid ", peer->uid, " may not use engramd: add it to the daemon's group (--group)")
+           : std::string("cannot identify the peer (SO_PEERCRED)"));
 }
 
 }  // namespace engram::daemon

@@ -2,10 +2,10 @@
 
 #include <algorithm>
 
-#include "base/utf8.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/utf8.h"
 #include "spdlog/spdlog.h"
 
 namespace engram::daemon {
@@ -54,13 +54,14 @@ absl::Status ValidateOutcome(const engram::v1::Outcome& o, engram::v1::Outcome* 
   // A SHARED outcome without one comes from a client older than descriptor passing: accepted, shown as unknown.
   if (!engram::v1::AttachMethod_IsValid(o.attach()) ||
       (o.mode() != engram::v1::SHARED && o.attach() != engram::v1::ATTACH_NONE)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "outcome: attach method ", static_cast<int>(o.attach()),
-        engram::v1::AttachMethod_IsValid(o.attach()) ? ": only a SHARED outcome has an attach method" : " is not known"));
+    return absl::InvalidArgumentError(absl::StrCat("outcome: attach method ", static_cast<int>(o.attach()),
+                                                   engram::v1::AttachMethod_IsValid(o.attach())
+                                                       ? ": only a SHARED outcome has an attach method"
+                                                       : " is not known"));
   }
   if (o.backend() != "cuda" && o.backend() != "cpu") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("outcome: backend '", Printable(Utf8Prefix(o.backend(), 64)), "' is neither \"cuda\" nor \"cpu\""));
+    return absl::InvalidArgumentError(absl::StrCat("outcome: backend '", Printable(Utf8Prefix(o.backend(), 64)),
+                                                   "' is neither \"cuda\" nor \"cpu\""));
   }
   *clean = o;
   for (auto& r : *clean->mutable_reasons()) {
@@ -158,7 +159,8 @@ void ReplicaRegistry::ReportRegistration(const std::string& lease_id, const engr
     ++counters_.fallbacks_by_reason["REGISTER_FAILED"];
     r.reasons.push_back(MakeReason(engram::v1::REGISTER_FAILED,
                                    absl::StrFormat("cudaHostRegister failed at chunk %d: %s (check ulimit -l / "
-                                                   "LimitMEMLOCK)", res.failed_chunk(), EchoOf(res.error()))));
+                                                   "LimitMEMLOCK)",
+                                                   res.failed_chunk(), EchoOf(res.error()))));
     r.mode = r.hello.config().cpu_offload() == engram::v1::DISABLED ? engram::v1::DEVICE : engram::v1::PRIVATE_PINNED;
     r.segment_key.clear();  // the lease goes: it did not keep the mapping registered
     AddRecentFallbackLocked(absl::StrFormat("pid %d dp %d tp %d: REGISTER_FAILED (chunk %d) -> %s", r.peer.pid,

@@ -29,8 +29,8 @@
 
 #include "absl/status/status.h"
 #include "daemon/fallback.h"
-#include "net/peer_cred.h"
 #include "engram/v1/engram.pb.h"
+#include "net/peer_cred.h"
 
 namespace engram::daemon {
 
@@ -84,8 +84,7 @@ class ReplicaRegistry {
   // replica is granted (a lease on it); on fallback the decision goes to the recent fallbacks and counters.
   // `notify` pushes an event to the session. Returns the lease id.
   std::string Attach(const engram::v1::Hello& hello, const PeerCred& peer, const Decision& decision,
-                     const std::string& segment_key,
-                     std::function<void(const engram::v1::ServerMessage&)> notify);
+                     const std::string& segment_key, std::function<void(const engram::v1::ServerMessage&)> notify);
   // Queues the replica for a ticket and blocks until it is at the head of the queue and a ticket is free (true),
   // or `cancelled()` turns true, the replica is detached or the registry shuts down (false; it leaves the queue).
   bool AcquireTicket(const std::string& lease_id, const std::function<bool()>& cancelled);
@@ -109,7 +108,7 @@ class ReplicaRegistry {
   // tickets in use (never negative; tickets held beyond a smaller capacity are kept until they are given back).
   void SetTicketCapacity(int tickets);
 
-  std::vector<ReplicaInfo> Replicas() const;  // in lease-id order
+  std::vector<ReplicaInfo> Replicas() const;         // in lease-id order
   std::vector<std::string> RecentFallbacks() const;  // oldest first, at most kMaxRecentFallbacks
   ReplicaCounters Counters() const;
   int ticket_capacity() const;

@@ -37,9 +37,7 @@ absl::StatusOr<bool> OursOrClear(const std::string& path, Env* env) {
       st.st_uid, path, st.st_mode & 07777, std::strerror(err), ::geteuid()));
 }
 
-std::string Bounded(const std::string& s, size_t max) {
-  return s.size() <= max ? s : Utf8Prefix(s, max) + "...";
-}
+std::string Bounded(const std::string& s, size_t max) { return s.size() <= max ? s : Utf8Prefix(s, max) + "..."; }
 
 std::shared_ptr<const engram::v1::SegmentDescriptor> ReadDescriptor(const std::string& path, Env* env) {
   auto reader = SegmentReader::Open(path, env);

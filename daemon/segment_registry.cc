@@ -12,14 +12,14 @@
 #include <cstring>
 #include <set>
 
-#include "daemon/segment_files.h"
-#include "base/utf8.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
+#include "base/utf8.h"
 #include "daemon/options.h"
 #include "daemon/publisher.h"
+#include "daemon/segment_files.h"
 #include "model/tokenizer.h"
 #include "shm/segment.h"
 #include "spdlog/spdlog.h"
@@ -58,8 +58,12 @@ std::string_view Name(SegmentOrigin o) {
 
 SegmentRegistry::SegmentRegistry(std::string shm_dir, int threads, uint64_t instance_id, Env* env,
                                  PublishTuning publish_tuning)
-    : shm_dir_(std::move(shm_dir)), threads_(std::max(1, threads)), instance_id_(instance_id),
-      env_(env), publish_tuning_(publish_tuning), shm_(absl::UnknownError("not probed yet")) {}
+    : shm_dir_(std::move(shm_dir)),
+      threads_(std::max(1, threads)),
+      instance_id_(instance_id),
+      env_(env),
+      publish_tuning_(publish_tuning),
+      shm_(absl::UnknownError("not probed yet")) {}
 
 SegmentRegistry::~SegmentRegistry() {
   {
@@ -120,8 +124,8 @@ void SegmentRegistry::PlanShardsLocked(ServedCheckpoint& c, int64_t tp) const {
   }
 }
 
-absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
-                                    const std::vector<int64_t>& tp_sizes, bool lock_shm_dir) {
+absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints, const std::vector<int64_t>& tp_sizes,
+                                    bool lock_shm_dir) {
   std::unique_lock<std::mutex> lock(mu_);
   shm_ = ProbeShm(shm_dir_, env_);
   for (const auto& given : checkpoints) {
@@ -163,8 +167,8 @@ absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
         e.error = std::string(ours.status().message());
         continue;
       }
-      auto h = *ours ? ReadOwnedSegmentHeader(e.path, ::geteuid(), env_) : absl::StatusOr<SegmentHeader>(
-                                                                          absl::NotFoundError("no segment"));
+      auto h = *ours ? ReadOwnedSegmentHeader(e.path, ::geteuid(), env_)
+                     : absl::StatusOr<SegmentHeader>(absl::NotFoundError("no segment"));
       if (h.ok() && h->state == static_cast<uint32_t>(SegmentState::kReady) && h->fingerprint == c->fingerprint &&
           h->total_bytes == e.bytes) {
         if (auto desc = ReadDescriptor(e.path, env_)) {
@@ -215,8 +219,8 @@ absl::StatusOr<ShardOffer> SegmentRegistry::Offer(const engram::v1::Hello& h, co
     if (it == c->segments.end()) {
       if (node.model_shareable) {
         node.segment_failed = true;
-        node.segment_error = absl::StrFormat("TP size %d is not served (engramd --tp %s)", h.tp_size(),
-                                             absl::StrJoin(c->tp_sizes, ","));
+        node.segment_error =
+            absl::StrFormat("TP size %d is not served (engramd --tp %s)", h.tp_size(), absl::StrJoin(c->tp_sizes, ","));
       }
       return offer;
     }
@@ -258,8 +262,8 @@ absl::Status SegmentRegistry::Load(const std::string& given, const std::vector<i
     if (checkpoints_.count(dir)) return absl::AlreadyExistsError(absl::StrCat(dir, " is already served"));
     for (const auto& [other, oc] : checkpoints_) {
       if (oc->fingerprint == c->fingerprint) {
-        return absl::AlreadyExistsError(absl::StrFormat("%s is the checkpoint %s serves already (fingerprint %016x)",
-                                                        dir, other, c->fingerprint));
+        return absl::AlreadyExistsError(
+            absl::StrFormat("%s is the checkpoint %s serves already (fingerprint %016x)", dir, other, c->fingerprint));
       }
     }
     PlanSegmentsLocked(*c);
@@ -325,8 +329,8 @@ absl::StatusOr<ReconfigureResult> SegmentRegistry::Reconfigure(const std::vector
   for (const auto& c : fresh) {
     auto [it, inserted] = fingerprints.emplace(c->fingerprint, c->dir);
     if (!inserted) {
-      return absl::InvalidArgumentError(absl::StrFormat("%s and %s are the same checkpoint (fingerprint %016x)",
-                                                        it->second, c->dir, c->fingerprint));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s and %s are the same checkpoint (fingerprint %016x)", it->second, c->dir, c->fingerprint));
     }
   }
   // 2. Apply it all under the lock.
@@ -422,6 +426,5 @@ std::vector<SegmentInfo> SegmentRegistry::Segments() const {
   }
   return out;
 }
-
 
 }  // namespace engram::daemon

@@ -43,13 +43,13 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/fallback.h"
+#include "daemon/publish_tuning.h"
 #include "daemon/shm_lock.h"
 #include "engram/v1/engram.pb.h"
 #include "model/checkpoint.h"
 #include "model/layout.h"
 #include "model/token_map.h"
 #include "shm/capacity.h"
-#include "daemon/publish_tuning.h"
 #include "shm/env.h"
 
 namespace engram::daemon {
@@ -85,7 +85,7 @@ struct SegmentInfo {
 // What a replica's hello can get: the node view Decide needs and, when the shard is READY, what a grant carries.
 struct ShardOffer {
   NodeView node;
-  bool ready = false;  // a READY segment exists for the shard (the fields below are set)
+  bool ready = false;      // a READY segment exists for the shard (the fields below are set)
   std::string checkpoint;  // directory of the checkpoint with the hello's fingerprint
   std::string segment_name, segment_path;
   uint64_t segment_bytes = 0;
@@ -177,7 +177,7 @@ class SegmentRegistry {
   };
 
   absl::StatusOr<std::unique_ptr<ServedCheckpoint>> OpenCheckpoint(const std::string& dir,
-                                                              const std::vector<int64_t>& tp_sizes) const;
+                                                                   const std::vector<int64_t>& tp_sizes) const;
   void PlanSegmentsLocked(ServedCheckpoint& c) const;
   void PlanShardsLocked(ServedCheckpoint& c, int64_t tp) const;
   // Sets the segment's file RETIRED (only when it is this daemon's own file) and unlinks it.

@@ -80,7 +80,8 @@ grpc::Status EngramService::AdmitSession(const PeerCred& peer) {
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         per_uid ? absl::StrCat("uid ", peer.uid, " holds ", max_sessions_per_uid_,
                                                " sessions, the most one uid may (max_sessions_per_uid)")
-                                : absl::StrCat("engramd holds ", max_sessions_, " sessions, the most it takes "
+                                : absl::StrCat("engramd holds ", max_sessions_,
+                                               " sessions, the most it takes "
                                                "(max_sessions)"));
   }
   ++mine;
@@ -122,7 +123,8 @@ grpc::Status EngramService::Session(
   };
   auto group_sink = std::make_shared<GroupSink>(write);
   std::string lease;
-  auto answer = state_->Attach(first.hello(), peer, [ctx] { return ctx->IsCancelled(); }, write, &lease);
+  auto answer = state_->Attach(
+      first.hello(), peer, [ctx] { return ctx->IsCancelled(); }, write, &lease);
   if (!answer.ok()) return ToGrpc(answer.status());
   write(*answer);
   grpc::Status result = grpc::Status::OK;
@@ -157,8 +159,7 @@ grpc::Status EngramService::Session(
           result = st;
           break;
         }
-        if (auto st = Bounded("register_result.backend", msg.register_result().backend(), kMaxBackendBytes);
-            !st.ok()) {
+        if (auto st = Bounded("register_result.backend", msg.register_result().backend(), kMaxBackendBytes); !st.ok()) {
           result = st;
           break;
         }
@@ -192,8 +193,8 @@ grpc::Status EngramService::Session(
       case engram::v1::ClientMessage::kGroupJoin:
         // DP_SHARDED replicas only, once they settled in that mode (daemon/group_registry.h checks the rest).
         if (!outcome_sent || outcome_mode != engram::v1::DP_SHARDED) {
-          result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                                "group join before an outcome of mode DP_SHARDED");
+          result =
+              grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "group join before an outcome of mode DP_SHARDED");
           break;
         }
         if (auto st = state_->JoinGroup(lease, first.hello(), peer, msg.group_join(),
@@ -237,9 +238,7 @@ grpc::Status EngramService::Session(
       case engram::v1::ClientMessage::kHello:
         result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "hello sent twice in one session");
         break;
-      default:
-        result = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty or unknown client message");
-        break;
+      default: result = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty or unknown client message"); break;
     }
     break;  // only reached on a protocol error
   }
@@ -262,8 +261,7 @@ grpc::Status EngramService::Status(grpc::ServerContext* ctx, const engram::v1::S
   return grpc::Status::OK;
 }
 
-grpc::Status EngramService::Load(grpc::ServerContext* ctx, const engram::v1::LoadRequest* req,
-                                 engram::v1::LoadReply*) {
+grpc::Status EngramService::Load(grpc::ServerContext* ctx, const engram::v1::LoadRequest* req, engram::v1::LoadReply*) {
   PeerCred peer;
   if (auto st = AuthorizeOperator(ctx, "load", &peer); !st.ok()) return st;
   if (auto st = Bounded("checkpoint", req->checkpoint()); !st.ok()) return st;

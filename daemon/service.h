@@ -12,8 +12,8 @@
 #include <map>
 #include <mutex>
 
-#include "daemon/listener.h"
 #include "daemon/coordinator.h"
+#include "daemon/listener.h"
 #include "engram/v1/engram.grpc.pb.h"
 
 namespace engram::daemon {

@@ -72,14 +72,15 @@ absl::StatusOr<ShmDirLock> ShmDirLock::Acquire(const std::string& shm_dir, Env* 
         const std::string pid = PidIn(env, fd);
         env->Close(fd);
         if (err == EWOULDBLOCK) {
-          return absl::FailedPreconditionError(absl::StrCat("another engramd (pid ", pid, ") owns ", shm_dir,
-                                                            " (", lock.path_, " is locked)"));
+          return absl::FailedPreconditionError(
+              absl::StrCat("another engramd (pid ", pid, ") owns ", shm_dir, " (", lock.path_, " is locked)"));
         }
         errno = err;
         return Errno(absl::StrCat("flock ", lock.path_));
       }
       const std::string text = absl::StrCat(::getpid(), "\n");
-      if (env->Ftruncate(fd, 0) != 0 || env->Pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
+      if (env->Ftruncate(fd, 0) != 0 ||
+          env->Pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
         spdlog::warn("event=shm_lock_pid_not_written path={} errno={}", lock.path_, errno);
       }
       env->Fchmod(fd, 0600);
@@ -90,7 +91,8 @@ absl::StatusOr<ShmDirLock> ShmDirLock::Acquire(const std::string& shm_dir, Env* 
     // Not ours: planted by another user, a symlink, or the lock of another engramd running as another uid. A file
     // that some process holds locked is a live daemon's: refuse to start (removing it would let both run).
     if (fd >= 0 || errno == EACCES || errno == EPERM) {
-      const int probe = fd >= 0 ? env->Dup(fd) : env->Open(lock.path_.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0);
+      const int probe =
+          fd >= 0 ? env->Dup(fd) : env->Open(lock.path_.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0);
       if (probe >= 0) {
         const bool held = env->Flock(probe, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
         const std::string pid = held ? PidIn(env, probe) : "";
@@ -104,14 +106,15 @@ absl::StatusOr<ShmDirLock> ShmDirLock::Acquire(const std::string& shm_dir, Env* 
     }
     struct stat st {};
     env->Lstat(lock.path_.c_str(), &st);
-    spdlog::warn("event=segment_foreign path={} owner={} mode={:04o}: not this daemon's lock file, removed",
-                 lock.path_, st.st_uid, st.st_mode & 07777);
+    spdlog::warn("event=segment_foreign path={} owner={} mode={:04o}: not this daemon's lock file, removed", lock.path_,
+                 st.st_uid, st.st_mode & 07777);
     if (fd >= 0) env->Close(fd);
     if (env->Unlink(lock.path_.c_str()) != 0 && errno != ENOENT) {
       // Refusing to start would let any local user stop a non-root engramd by planting the file: run unlocked.
-      spdlog::error("event=shm_lock_unavailable path={} owner={} detail=\"{}\": a file owned by uid {} occupies it; "
-                    "running without the one-daemon-per-directory lock", lock.path_, st.st_uid, std::strerror(errno),
-                    st.st_uid);
+      spdlog::error(
+          "event=shm_lock_unavailable path={} owner={} detail=\"{}\": a file owned by uid {} occupies it; "
+          "running without the one-daemon-per-directory lock",
+          lock.path_, st.st_uid, std::strerror(errno), st.st_uid);
       return ShmDirLock();
     }
   }

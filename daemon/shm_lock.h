@@ -6,18 +6,18 @@
 // The file is mode 0600 and holds the owner's pid as text (for the refusal message only; the lock is the flock).
 // The directory is usually world-writable (/dev/shm, 1777): a lock file that is not the daemon's own (another uid,
 // writable by others, not a regular file, a symlink) is removed and created again (O_NOFOLLOW), never written
-// through, unless some process holds it locked: that is a live engramd of another uid, and this one refuses to start; when it cannot be removed (a non-root daemon, a file of another uid in a sticky directory) the
-// daemon runs without the lock and says so (`event=shm_lock_unavailable`) rather than let any local user stop it.
-// A missing shm directory is not an error: there is nothing in it to protect (the registry reports
-// SHM_MISSING), and the lock is then not held.
+// through, unless some process holds it locked: that is a live engramd of another uid, and this one refuses to start;
+// when it cannot be removed (a non-root daemon, a file of another uid in a sticky directory) the daemon runs without
+// the lock and says so (`event=shm_lock_unavailable`) rather than let any local user stop it. A missing shm directory
+// is not an error: there is nothing in it to protect (the registry reports SHM_MISSING), and the lock is then not held.
 //
 // Move-only; not thread-safe (taken once at start-up).
 #pragma once
 
 #include <string>
 
-#include "shm/env.h"
 #include "absl/status/statusor.h"
+#include "shm/env.h"
 
 namespace engram::daemon {
 

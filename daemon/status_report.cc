@@ -33,9 +33,9 @@ engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const Repli
     seg->set_origin(std::string(Name(e.origin)));
     seg->set_load_seconds(e.load_seconds);
     seg->set_checksum_state(std::string(Name(e.checksum)));
-    seg->set_progress(e.state == ServingState::kReady && e.checksum != ChecksumState::kVerifying
-                          ? 1.0
-                          : e.rows_total ? static_cast<double>(e.rows_done) / e.rows_total : 0.0);
+    seg->set_progress(e.state == ServingState::kReady && e.checksum != ChecksumState::kVerifying ? 1.0
+                      : e.rows_total ? static_cast<double>(e.rows_done) / e.rows_total
+                                     : 0.0);
     seg->set_error(e.error);
     if (e.state == ServingState::kReady) engram_bytes += e.bytes;
   }
@@ -72,8 +72,8 @@ engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const Repli
   // Loads and reloads that failed (kept by the segment registry; `load_failed dir=... detail=...`).
   for (const auto& f : segments.RecentLoadFailures()) s.add_recent_fallbacks(f);
   if (not_listed > 0) {
-    s.add_recent_fallbacks(absl::StrFormat("replicas_not_listed count=%d: status lists at most %d replicas",
-                                           not_listed, s.replicas_size()));
+    s.add_recent_fallbacks(absl::StrFormat("replicas_not_listed count=%d: status lists at most %d replicas", not_listed,
+                                           s.replicas_size()));
   }
   s.set_draining(draining);
   s.set_epoch(segments.epoch());
@@ -89,21 +89,24 @@ std::string MetricsText(const engram::v1::StatusReply& s, const ReplicaCounters&
   line("engram_shm_bytes", "kind=\"total\"", static_cast<double>(s.shm().total_bytes()));
   line("engram_shm_bytes", "kind=\"free\"", static_cast<double>(s.shm().free_bytes()));
   line("engram_shm_bytes", "kind=\"engram\"", static_cast<double>(s.shm().engram_bytes()));
-  absl::StrAppend(&out, "# HELP engram_segment_bytes Size of each segment, by state.\n"
-                        "# TYPE engram_segment_bytes gauge\n");
+  absl::StrAppend(&out,
+                  "# HELP engram_segment_bytes Size of each segment, by state.\n"
+                  "# TYPE engram_segment_bytes gauge\n");
   std::map<std::string, int> by_state;
   for (const auto& g : s.segments()) {
-    line("engram_segment_bytes", absl::StrFormat("segment=\"%s\",state=\"%s\",origin=\"%s\"", g.name(), g.state(),
-                                                 g.origin()),
+    line("engram_segment_bytes",
+         absl::StrFormat("segment=\"%s\",state=\"%s\",origin=\"%s\"", g.name(), g.state(), g.origin()),
          static_cast<double>(g.bytes()));
     ++by_state[g.state()];
   }
   absl::StrAppend(&out, "# TYPE engram_segments gauge\n");
   for (const auto& [st, n] : by_state) line("engram_segments", "state=\"" + st + "\"", n);
-  absl::StrAppend(&out, "# HELP engram_publish_gib_per_second Publish rate of each published segment.\n"
-                        "# TYPE engram_publish_gib_per_second gauge\n");
+  absl::StrAppend(&out,
+                  "# HELP engram_publish_gib_per_second Publish rate of each published segment.\n"
+                  "# TYPE engram_publish_gib_per_second gauge\n");
   for (const auto& g : s.segments()) {
-    if (g.origin() == Name(SegmentOrigin::kPublished) && g.state() == Name(ServingState::kReady) && g.load_seconds() > 0) {
+    if (g.origin() == Name(SegmentOrigin::kPublished) && g.state() == Name(ServingState::kReady) &&
+        g.load_seconds() > 0) {
       line("engram_publish_gib_per_second", "segment=\"" + g.name() + "\"",
            g.bytes() / 1073741824.0 / g.load_seconds());
     }
@@ -114,15 +117,17 @@ std::string MetricsText(const engram::v1::StatusReply& s, const ReplicaCounters&
   for (const char* m : {"SHARED", "PRIVATE_PINNED", "DEVICE", "DP_SHARDED"}) {
     line("engram_replicas", absl::StrCat("mode=\"", m, "\""), by_mode[m]);
   }
-  absl::StrAppend(&out, "# HELP engram_fallbacks_total Fallback decisions since start, by reason.\n"
-                        "# TYPE engram_fallbacks_total counter\n");
+  absl::StrAppend(&out,
+                  "# HELP engram_fallbacks_total Fallback decisions since start, by reason.\n"
+                  "# TYPE engram_fallbacks_total counter\n");
   for (const auto& [reason, n] : counters.fallbacks_by_reason) {
     line("engram_fallbacks_total", "reason=\"" + reason + "\"", static_cast<double>(n));
   }
   absl::StrAppend(&out, "# TYPE engram_sessions_total counter\n");
   line("engram_sessions_total", "", static_cast<double>(counters.sessions_total));
-  absl::StrAppend(&out, "# HELP engram_register_seconds Registration time reported by replicas.\n"
-                        "# TYPE engram_register_seconds summary\n");
+  absl::StrAppend(&out,
+                  "# HELP engram_register_seconds Registration time reported by replicas.\n"
+                  "# TYPE engram_register_seconds summary\n");
   line("engram_register_seconds_sum", "", counters.register_seconds_sum);
   line("engram_register_seconds_count", "", static_cast<double>(counters.register_count));
   return out;

@@ -25,7 +25,7 @@ struct Job {
   size_t entry;       // index into layers
   int64_t first_row;  // relative to row_begin
   int64_t rows;
-  size_t chunk;       // checksum chunk within the entry
+  size_t chunk;  // checksum chunk within the entry
 };
 
 std::vector<Job> MakeJobs(const std::vector<LayerRows>& layers, std::vector<std::vector<uint64_t>>* hashes) {
@@ -99,8 +99,8 @@ std::unique_ptr<ColdPrefetch> StartColdPrefetch(const Checkpoint& ckpt, const st
   return std::make_unique<ColdPrefetch>(std::move(ranges), readers, ColdPrefetch::WindowJobs(per_job, threads));
 }
 
-absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRows>& layers, uint8_t* dst,
-                              int threads, std::vector<uint64_t>* checksums, std::atomic<uint64_t>* rows_done,
+absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRows>& layers, uint8_t* dst, int threads,
+                              std::vector<uint64_t>* checksums, std::atomic<uint64_t>* rows_done,
                               const ShardFillOptions& fill) {
   const int64_t D = ckpt.config().head_dim, S = D / 32, rb = D + S;
   std::vector<EngramTensors> tensors;
@@ -130,66 +130,70 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
   }
   std::function<void(size_t)> before_job;
   if (prefetch) before_job = [&](size_t j) { prefetch->WaitForJob(j); };
-  absl::Status st = RunJobs(jobs, threads, [&](const Job& j) -> absl::Status {
-    const LayerRows& l = layers[j.entry];
-    const EngramTensors& t = tensors[j.entry];
-    thread_local std::vector<uint8_t> weight_buf, scale_buf, pack_buf;
-    const bool stream = fill.stream_stores && !fill.direct_read;
-    weight_buf.resize(fill.direct_read ? 0 : static_cast<size_t>(kSubRows * D));
-    scale_buf.resize(static_cast<size_t>(kSubRows * S));
-    pack_buf.resize(stream ? static_cast<size_t>(kSubRows * rb) : 0);
-    XXH3_state_t* hash = XXH3_createState();
-    XXH3_64bits_reset(hash);
-    uint8_t* out = dst + l.dst_offset + static_cast<uint64_t>(j.first_row * rb);
-    const int64_t first_global = l.row_begin + j.first_row;
-    absl::Status r;
-    uint64_t streamed = 0;
-    for (int64_t done = 0; done < j.rows; done += kSubRows) {  // every failure breaks out
-      const int64_t n = std::min(kSubRows, j.rows - done);
-      const int64_t row = first_global + done;
-      const size_t bytes = static_cast<size_t>(n * rb);
-      uint8_t* const rec = out + done * rb;
-      if (fill.before_write) r = fill.before_write(rec, bytes);
-      if (r.ok()) {
-        r = t.embed_scale.file->ReadRange(*t.embed_scale.info, static_cast<uint64_t>(row * S), scale_buf.data(),
-                                          static_cast<uint64_t>(n * S));
-      }
-      if (!r.ok()) break;
-      // The records of this step are assembled at `packed`: in place, or (streamed) in the cache-resident buffer,
-      // hashed there and then written out with non-temporal stores.
-      uint8_t* const packed = stream ? pack_buf.data() : rec;
-      if (fill.direct_read) {
-        r = t.embed_weight.file->ReadRows(*t.embed_weight.info, static_cast<uint64_t>(row * D),
-                                          static_cast<uint64_t>(D), static_cast<uint64_t>(n), rec,
-                                          static_cast<uint64_t>(rb));
-        if (!r.ok()) break;
-        for (int64_t i = 0; i < n; ++i) std::memcpy(rec + i * rb + D, scale_buf.data() + i * S, static_cast<size_t>(S));
-      } else {
-        r = t.embed_weight.file->ReadRange(*t.embed_weight.info, static_cast<uint64_t>(row * D), weight_buf.data(),
-                                           static_cast<uint64_t>(n * D));
-        if (!r.ok()) break;
-        PackRecords(weight_buf.data(), scale_buf.data(), n, D, packed);
-      }
-      XXH3_64bits_update(hash, packed, bytes);
-      if (stream) {
-        StreamCopy(rec, packed, static_cast<int64_t>(bytes));
-        streamed += bytes;
-      }
-    }
-    if (stream) StreamFence();  // this job's records are in memory before it is counted done
-    if (fill.streamed_bytes) fill.streamed_bytes->fetch_add(streamed, std::memory_order_relaxed);
-    hashes[j.entry][j.chunk] = XXH3_64bits_digest(hash);
-    XXH3_freeState(hash);
-    if (!r.ok()) return r;
-    if (fill.drop_cache) {
-      t.embed_weight.file->DropCache(*t.embed_weight.info, static_cast<uint64_t>(first_global * D),
-                                     static_cast<uint64_t>(j.rows * D));
-      t.embed_scale.file->DropCache(*t.embed_scale.info, static_cast<uint64_t>(first_global * S),
-                                    static_cast<uint64_t>(j.rows * S));
-    }
-    if (rows_done) rows_done->fetch_add(static_cast<uint64_t>(j.rows), std::memory_order_relaxed);
-    return absl::OkStatus();
-  }, before_job);
+  absl::Status st = RunJobs(
+      jobs, threads,
+      [&](const Job& j) -> absl::Status {
+        const LayerRows& l = layers[j.entry];
+        const EngramTensors& t = tensors[j.entry];
+        thread_local std::vector<uint8_t> weight_buf, scale_buf, pack_buf;
+        const bool stream = fill.stream_stores && !fill.direct_read;
+        weight_buf.resize(fill.direct_read ? 0 : static_cast<size_t>(kSubRows * D));
+        scale_buf.resize(static_cast<size_t>(kSubRows * S));
+        pack_buf.resize(stream ? static_cast<size_t>(kSubRows * rb) : 0);
+        XXH3_state_t* hash = XXH3_createState();
+        XXH3_64bits_reset(hash);
+        uint8_t* out = dst + l.dst_offset + static_cast<uint64_t>(j.first_row * rb);
+        const int64_t first_global = l.row_begin + j.first_row;
+        absl::Status r;
+        uint64_t streamed = 0;
+        for (int64_t done = 0; done < j.rows; done += kSubRows) {  // every failure breaks out
+          const int64_t n = std::min(kSubRows, j.rows - done);
+          const int64_t row = first_global + done;
+          const size_t bytes = static_cast<size_t>(n * rb);
+          uint8_t* const rec = out + done * rb;
+          if (fill.before_write) r = fill.before_write(rec, bytes);
+          if (r.ok()) {
+            r = t.embed_scale.file->ReadRange(*t.embed_scale.info, static_cast<uint64_t>(row * S), scale_buf.data(),
+                                              static_cast<uint64_t>(n * S));
+          }
+          if (!r.ok()) break;
+          // The records of this step are assembled at `packed`: in place, or (streamed) in the cache-resident buffer,
+          // hashed there and then written out with non-temporal stores.
+          uint8_t* const packed = stream ? pack_buf.data() : rec;
+          if (fill.direct_read) {
+            r = t.embed_weight.file->ReadRows(*t.embed_weight.info, static_cast<uint64_t>(row * D),
+                                              static_cast<uint64_t>(D), static_cast<uint64_t>(n), rec,
+                                              static_cast<uint64_t>(rb));
+            if (!r.ok()) break;
+            for (int64_t i = 0; i < n; ++i)
+              std::memcpy(rec + i * rb + D, scale_buf.data() + i * S, static_cast<size_t>(S));
+          } else {
+            r = t.embed_weight.file->ReadRange(*t.embed_weight.info, static_cast<uint64_t>(row * D), weight_buf.data(),
+                                               static_cast<uint64_t>(n * D));
+            if (!r.ok()) break;
+            PackRecords(weight_buf.data(), scale_buf.data(), n, D, packed);
+          }
+          XXH3_64bits_update(hash, packed, bytes);
+          if (stream) {
+            StreamCopy(rec, packed, static_cast<int64_t>(bytes));
+            streamed += bytes;
+          }
+        }
+        if (stream) StreamFence();  // this job's records are in memory before it is counted done
+        if (fill.streamed_bytes) fill.streamed_bytes->fetch_add(streamed, std::memory_order_relaxed);
+        hashes[j.entry][j.chunk] = XXH3_64bits_digest(hash);
+        XXH3_freeState(hash);
+        if (!r.ok()) return r;
+        if (fill.drop_cache) {
+          t.embed_weight.file->DropCache(*t.embed_weight.info, static_cast<uint64_t>(first_global * D),
+                                         static_cast<uint64_t>(j.rows * D));
+          t.embed_scale.file->DropCache(*t.embed_scale.info, static_cast<uint64_t>(first_global * S),
+                                        static_cast<uint64_t>(j.rows * S));
+        }
+        if (rows_done) rows_done->fetch_add(static_cast<uint64_t>(j.rows), std::memory_order_relaxed);
+        return absl::OkStatus();
+      },
+      before_job);
   if (prefetch && fill.prefetched_bytes) fill.prefetched_bytes->fetch_add(prefetch->bytes_streamed());
   own_prefetch.reset();  // joins the readers
   if (!st.ok()) return st;

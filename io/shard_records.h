@@ -15,16 +15,16 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "model/checkpoint.h"
 #include "io/cold_prefetch.h"
+#include "model/checkpoint.h"
 
 namespace engram {
 
 inline constexpr int64_t kChecksumChunkRows = 65536;
 
 struct LayerRows {
-  int64_t layer = 0;        // index into engram_layer_ids
-  int64_t row_begin = 0;    // global rows of that layer's table
+  int64_t layer = 0;      // index into engram_layer_ids
+  int64_t row_begin = 0;  // global rows of that layer's table
   int64_t row_end = 0;
   uint64_t dst_offset = 0;  // where row_begin's record goes
 };
@@ -69,9 +69,9 @@ std::unique_ptr<ColdPrefetch> StartColdPrefetch(const Checkpoint& ckpt, const st
                                                 int threads, int readers, std::string* why_not = nullptr);
 
 // Fills the records; `checksums` (may be null) receives one per LayerRows entry.
-absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRows>& layers, uint8_t* dst,
-                              int threads, std::vector<uint64_t>* checksums,
-                              std::atomic<uint64_t>* rows_done = nullptr, const ShardFillOptions& fill = {});
+absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRows>& layers, uint8_t* dst, int threads,
+                              std::vector<uint64_t>* checksums, std::atomic<uint64_t>* rows_done = nullptr,
+                              const ShardFillOptions& fill = {});
 
 // A closure that drops these rows' checkpoint pages from the page cache (posix_fadvise DONTNEED, one call per tensor
 // range). It holds the files it needs (it may run on another thread after the Checkpoint is gone).

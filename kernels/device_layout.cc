@@ -22,16 +22,12 @@ absl::Status CudaStatus(cudaError_t err, const char* what) {
     case cudaErrorInvalidDevice:
       return absl::InvalidArgumentError(msg);  // the caller's mistake, as the CPU engine reports it
     case cudaErrorMemoryAllocation:
-    case cudaErrorLaunchOutOfResources:
-      return absl::ResourceExhaustedError(msg);
+    case cudaErrorLaunchOutOfResources: return absl::ResourceExhaustedError(msg);
     case cudaErrorNoDevice:
     case cudaErrorInsufficientDriver:
-    case cudaErrorDevicesUnavailable:
-      return absl::UnavailableError(msg);
-    case cudaErrorNotSupported:
-      return absl::UnimplementedError(msg);
-    default:
-      return absl::InternalError(msg);  // a fault of ours or the device's (illegal address, launch failure, ...)
+    case cudaErrorDevicesUnavailable: return absl::UnavailableError(msg);
+    case cudaErrorNotSupported: return absl::UnimplementedError(msg);
+    default: return absl::InternalError(msg);  // a fault of ours or the device's (illegal address, launch failure, ...)
   }
 }
 

@@ -81,7 +81,8 @@ __device__ __forceinline__ void DequantRows(const uint8_t* const (&rec)[kRows], 
     for (int j = 0; j < kJ; ++j) {
       const int32_t word = lane + 32 * j;
       if (word < words) {
-        reinterpret_cast<uint4*>(dst[k])[word] = rec[k] != nullptr ? Dequant8(w[k][j], sc[k][j]) : make_uint4(0, 0, 0, 0);
+        reinterpret_cast<uint4*>(dst[k])[word] =
+            rec[k] != nullptr ? Dequant8(w[k][j], sc[k][j]) : make_uint4(0, 0, 0, 0);
       }
     }
   }
@@ -89,8 +90,7 @@ __device__ __forceinline__ void DequantRows(const uint8_t* const (&rec)[kRows], 
 
 // kRows (token, layer, column) items per warp and iteration (grid-stride).
 template <int kJ>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) PeerGatherKernel(PeerGatherArgs a, int64_t items,
-                                                                        bool aligned) {
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) PeerGatherKernel(PeerGatherArgs a, int64_t items, bool aligned) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
@@ -181,8 +181,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) DpPackKernel(DpPackArgs a
         const W* s = reinterpret_cast<const W*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(src), g));
         d[i] = reinterpret_cast<W*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(dst), g));
         const int32_t j = w - g * wpr;
-        if (w >= total || d[i] == nullptr) d[i] = nullptr;
-        else d[i] += j;
+        if (w >= total || d[i] == nullptr)
+          d[i] = nullptr;
+        else
+          d[i] += j;
         v[i] = d[i] != nullptr && s != nullptr ? s[j] : W(0);
       }
 #pragma unroll
@@ -202,8 +204,8 @@ struct UnpackPlan {
 };
 
 template <int kJ>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) DpUnpackKernel(DpUnpackArgs a, UnpackPlan p, int64_t items,
-                                                                      bool aligned) {
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    DpUnpackKernel(DpUnpackArgs a, UnpackPlan p, int64_t items, bool aligned) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
@@ -366,8 +368,8 @@ cudaError_t LaunchDpUnpack(const DpUnpackArgs& a, cudaStream_t stream) {
   const int64_t items = rows * p.given_cols;
   if (items == 0) return cudaSuccess;
   const int64_t blocks = (items + kWarpsPerBlock * kRows - 1) / (kWarpsPerBlock * kRows);
-  return LaunchRows(WordsPerLane(a.head_dim), std::min<int64_t>(blocks, 0x7fffffff), stream,
-                    DpUnpackKernel<1>, DpUnpackKernel<2>, DpUnpackKernel<4>, a, p, items, aligned);
+  return LaunchRows(WordsPerLane(a.head_dim), std::min<int64_t>(blocks, 0x7fffffff), stream, DpUnpackKernel<1>,
+                    DpUnpackKernel<2>, DpUnpackKernel<4>, a, p, items, aligned);
 }
 
 cudaError_t LaunchDpSetTokens(int32_t* dst, int32_t value, cudaStream_t stream) {

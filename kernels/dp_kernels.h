@@ -1,7 +1,8 @@
 // The DP-sharded exchange kernels. Callable from plain C++; launches are asynchronous on the given stream;
 // misuse is cudaErrorInvalidValue. Dequantisation gives model/fp8.h's DequantBf16 bits (the CPU reference's; on sm_89+
-// through the hardware's exact fp8/bf16 conversions), so rows are bit-exact with it. Records are head_dim e4m3 bytes then head_dim/32 ue8m0 scales (record_bytes = head_dim * 33/32).
-// Stateless; thread-safe as far as the CUDA runtime is.
+// through the hardware's exact fp8/bf16 conversions), so rows are bit-exact with it. Records are head_dim e4m3 bytes
+// then head_dim/32 ue8m0 scales (record_bytes = head_dim * 33/32). Stateless; thread-safe as far as the CUDA runtime
+// is.
 //   LaunchPeerGather  one launch reads every member's shard of a node-local DP group directly (peer GPU memory over
 //                     NVLink, mapped through CUDA IPC; or this GPU's own shard) and writes the bf16 rows of the
 //                     group's columns (or of one member's, members = 1) straight into the caller's staging buffers
@@ -38,7 +39,7 @@ struct PeerGatherArgs {
   int64_t row_begin[kMaxGatherMembers][kMaxGatherLayers] = {};
   int64_t row_end[kMaxGatherMembers][kMaxGatherLayers] = {};
   int32_t col_begin[kMaxGatherMembers + 1] = {};  // member s owns columns [col_begin[s], col_begin[s + 1])
-  const int32_t* ids = nullptr;                    // id(t, li, c) = ids[t * token_stride + li * layer_stride + c]
+  const int32_t* ids = nullptr;                   // id(t, li, c) = ids[t * token_stride + li * layer_stride + c]
   int64_t token_stride = 0, layer_stride = 0;
   int32_t num_tokens = 0, cols = 0, head_dim = 0;  // head_dim: multiple of 32
   uint16_t* out[kMaxGatherLayers] = {};            // bf16 [T, cols, head_dim] per step layer
@@ -53,9 +54,9 @@ struct DpSplitIdsArgs {
   int64_t token_stride = 0, layer_stride = 0;
   int32_t num_tokens = 0, slot = 0, layers = 0, members = 0, me = 0;
   int32_t col_begin[kMaxGatherMembers + 1] = {};  // as PeerGatherArgs
-  int32_t* out = nullptr;                          // member p's block at out + out_off[p] (p != me)
+  int32_t* out = nullptr;                         // member p's block at out + out_off[p] (p != me)
   int64_t out_off[kMaxGatherMembers] = {};
-  const int32_t* live_tokens = nullptr;            // device scalar: tokens >= it are padding (-1)
+  const int32_t* live_tokens = nullptr;  // device scalar: tokens >= it are padding (-1)
 };
 
 cudaError_t LaunchDpSplitIds(const DpSplitIdsArgs& args, cudaStream_t stream);
@@ -78,7 +79,7 @@ struct DpUnpackArgs {
   const uint8_t* records[kMaxGatherMembers] = {};  // member s's block [layers][slot][cols_s][record_bytes], or null
   int32_t col_begin[kMaxGatherMembers + 1] = {};   // as PeerGatherArgs
   int32_t members = 0, slot = 0, layers = 0, num_tokens = 0, cols = 0, head_dim = 0;
-  int64_t row0 = 0, row1 = 0;           // rows r = layer * slot + token of this launch
+  int64_t row0 = 0, row1 = 0;            // rows r = layer * slot + token of this launch
   uint16_t* out[kMaxGatherLayers] = {};  // bf16 [num_tokens, cols, head_dim] per step layer
   const int32_t* live_tokens = nullptr;  // device scalar: tokens >= it are not written
 };

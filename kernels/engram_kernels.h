@@ -1,7 +1,7 @@
-// The fused Engram GPU kernels (the hash, lookup and gate of docs/math.md) and their launch wrappers. Callable from plain
-// C++ (no CUDA compiler needed to include this header). Every pointer is a device pointer (or, for lookup records,
-// a host pointer registered with CUDA and usable through UVA); shapes are runtime values, so one build serves any
-// batch. Launches are asynchronous on the given stream; the wrappers validate what they can see on the host
+// The fused Engram GPU kernels (the hash, lookup and gate of docs/math.md) and their launch wrappers. Callable from
+// plain C++ (no CUDA compiler needed to include this header). Every pointer is a device pointer (or, for lookup
+// records, a host pointer registered with CUDA and usable through UVA); shapes are runtime values, so one build serves
+// any batch. Launches are asynchronous on the given stream; the wrappers validate what they can see on the host
 // (shapes, nulls) and return cudaErrorInvalidValue for misuse, or the launch's error. Results equal the CPU
 // reference in model/reference.h bit for bit (hash, lookup) or within bf16 rounding of a float64 oracle (gate).
 //
@@ -19,15 +19,15 @@ namespace engram::kernels {
 // The layout tables of a model on the device (see DeviceLayout in device_layout.h for the owner).
 struct LayoutView {
   int32_t n_layers = 0;
-  int32_t max_ngram = 0;   // N
-  int32_t n_heads = 0;     // H; n_cols = (N-1) * H
+  int32_t max_ngram = 0;                 // N
+  int32_t n_heads = 0;                   // H; n_cols = (N-1) * H
   const int64_t* multipliers = nullptr;  // [L, N]
   const int64_t* primes = nullptr;       // [L, C]
   const int64_t* offsets = nullptr;      // [L, C]
   const uint64_t* magics = nullptr;      // [L, C] FastModMagic(prime)
   const int32_t* token_map = nullptr;    // [vocab] raw id -> compressed id
   int32_t vocab = 0;
-  int64_t pad_compressed = 0;            // token_map[pad_token_id]
+  int64_t pad_compressed = 0;  // token_map[pad_token_id]
   int32_t n_cols() const { return (max_ngram - 1) * n_heads; }
 };
 
@@ -39,7 +39,7 @@ struct HashArgs {
   const uint8_t* dead = nullptr;             // [T], nonzero = DEAD; may be null
   int32_t num_tokens = 0;
   int32_t num_requests = 0;
-  int32_t* out = nullptr;                    // [T, L, C]
+  int32_t* out = nullptr;  // [T, L, C]
   // Raised (set to 1) when a raw id lies outside the token map or positions are not contiguous; such a token is
   // hashed as DEAD. May be null.
   int32_t* error_flag = nullptr;
@@ -51,13 +51,13 @@ struct LookupArgs {
   const uint8_t* records = nullptr;  // record of row `row_begin` first; record = head_dim e4m3 + head_dim/32 ue8m0
   int64_t row_begin = 0;             // owned range [row_begin, row_end) of this layer's global row ids
   int64_t row_end = 0;
-  int32_t head_dim = 0;              // multiple of 32
-  const int32_t* ids = nullptr;      // ids[t * ids_stride + c]
-  const int64_t* ids64 = nullptr;    // the same as int64 ids (SGLang's), read instead of `ids` when set
+  int32_t head_dim = 0;            // multiple of 32
+  const int32_t* ids = nullptr;    // ids[t * ids_stride + c]
+  const int64_t* ids64 = nullptr;  // the same as int64 ids (SGLang's), read instead of `ids` when set
   int32_t num_tokens = 0;
   int32_t num_cols = 0;
-  int64_t ids_stride = 0;            // usually L * C (the hash output of all layers), pointer offset by layer*C
-  void* out = nullptr;               // bf16 [T, C, head_dim] or packed bytes [T, C, record_bytes]
+  int64_t ids_stride = 0;  // usually L * C (the hash output of all layers), pointer offset by layer*C
+  void* out = nullptr;     // bf16 [T, C, head_dim] or packed bytes [T, C, record_bytes]
   // Token t's first row at out + t * out_token_stride (bf16 values, or bytes when packed); 0 = dense (C rows per
   // token). bf16: a multiple of 8 values (16-byte rows). Packed: any stride (8-byte words where it is a multiple
   // of 8 and `out` 8-byte aligned, else bytes).
@@ -82,7 +82,8 @@ size_t LookupSortScratchBytes(int64_t max_items);
 
 // Process-wide tuning of the row-order gather, read by every LaunchLookup (benchmarks and tests change it; the
 // defaults are the measured best, bench/RESULTS.md). Environment overrides, read once at first use:
-// ENGRAM_LOOKUP_SORT_MIN_ITEMS, ENGRAM_LOOKUP_SORT_VARIANT, ENGRAM_LOOKUP_SORT_BLOCKS. Thread-safe (each field is read atomically).
+// ENGRAM_LOOKUP_SORT_MIN_ITEMS, ENGRAM_LOOKUP_SORT_VARIANT, ENGRAM_LOOKUP_SORT_BLOCKS. Thread-safe (each field is read
+// atomically).
 struct LookupTuning {
   int64_t sort_min_items = 12288;  // row-order gather from this many items per launch (when scratch is given)
   // How the sorted positions are spread over the grid: 0 = grid-stride, 4 rows in flight per warp; 1 = 8 rows per
@@ -92,7 +93,7 @@ struct LookupTuning {
   // keep the in-flight rows in a narrow span of the table, which the GPU's address translation caches serve far
   // better than the whole GPU's worth of rows spread over the table (bench/RESULTS.md).
   int32_t sort_blocks = 16;
-  bool sort_only = false;      // profiling: sort, then skip the gather (the output is left unwritten)
+  bool sort_only = false;  // profiling: sort, then skip the gather (the output is left unwritten)
 };
 LookupTuning GetLookupTuning();
 void SetLookupTuning(const LookupTuning& tuning);
@@ -108,7 +109,7 @@ struct GateArgs {
   uint16_t* out = nullptr;             // bf16 [T, hc, D]
   int32_t num_tokens = 0;
   int32_t hc_mult = 0;
-  int32_t dim = 0;                     // D, multiple of 8
+  int32_t dim = 0;  // D, multiple of 8
   float eps = 1e-6f;
 };
 

@@ -15,7 +15,6 @@
 #include "model/fast_mod.h"
 #include "model/fp8.h"
 
-
 namespace engram::kernels {
 namespace {
 
@@ -114,9 +113,9 @@ cudaError_t LaunchGate(const GateArgs& a, cudaStream_t stream) {
   if (a.hidden == nullptr || a.kv == nullptr || a.q_weight == nullptr || a.k_weight == nullptr || a.out == nullptr) {
     return cudaErrorInvalidValue;
   }
-  for (const void* p : {static_cast<const void*>(a.hidden), static_cast<const void*>(a.kv),
-                        static_cast<const void*>(a.q_weight), static_cast<const void*>(a.k_weight),
-                        static_cast<const void*>(a.out)}) {
+  for (const void* p :
+       {static_cast<const void*>(a.hidden), static_cast<const void*>(a.kv), static_cast<const void*>(a.q_weight),
+        static_cast<const void*>(a.k_weight), static_cast<const void*>(a.out)}) {
     if (!Aligned(p, 16)) return cudaErrorInvalidValue;
   }
   const int64_t blocks = static_cast<int64_t>(a.num_tokens) * a.hc_mult;

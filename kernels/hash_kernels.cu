@@ -14,7 +14,6 @@
 #include "model/fast_mod.h"
 #include "model/fp8.h"
 
-
 namespace engram::kernels {
 namespace {
 
@@ -41,7 +40,10 @@ __global__ void HashKernel(LayoutView L, HashArgs a) {
   int32_t lo = 0, hi = a.num_requests - 1;
   while (lo < hi) {
     const int32_t mid = (lo + hi + 1) >> 1;
-    if (a.query_start_loc[mid] <= t) lo = mid; else hi = mid - 1;
+    if (a.query_start_loc[mid] <= t)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   const int32_t r = lo;
   const int32_t begin = a.query_start_loc[r];
@@ -69,9 +71,8 @@ __global__ void HashKernel(LayoutView L, HashArgs a) {
       } else {
         // An unknown lookback id (-1, or no lookback given) hashes as the pad token and does not block: older
         // known ids still count.
-        const int32_t raw = a.lookback == nullptr
-                                ? -1
-                                : a.lookback[static_cast<int64_t>(r) * (N - 1) + (lb - start_pos + (N - 1))];
+        const int32_t raw =
+            a.lookback == nullptr ? -1 : a.lookback[static_cast<int64_t>(r) * (N - 1) + (lb - start_pos + (N - 1))];
         src = raw == -1 ? static_cast<int32_t>(L.pad_compressed) : CompressOrDead(raw, L, a.error_flag);
       }
     }
@@ -80,8 +81,8 @@ __global__ void HashKernel(LayoutView L, HashArgs a) {
     rolling ^= v * mult[s];
     if (s > 0) {
       const int32_t c = (s - 1) * H + h;
-      const uint64_t bucket = FastMod(static_cast<uint64_t>(rolling), static_cast<uint64_t>(L.primes[base + c]),
-                                      L.magics[base + c]);
+      const uint64_t bucket =
+          FastMod(static_cast<uint64_t>(rolling), static_cast<uint64_t>(L.primes[base + c]), L.magics[base + c]);
       out[c] = static_cast<int32_t>(static_cast<int64_t>(bucket) + L.offsets[base + c]);
     }
   }

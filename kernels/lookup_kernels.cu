@@ -17,7 +17,6 @@
 #include "model/fast_mod.h"
 #include "model/fp8.h"
 
-
 namespace engram::kernels {
 namespace {
 
@@ -38,8 +37,8 @@ constexpr int32_t kDefaultSortVariant = 1;
 constexpr int32_t kDefaultSortBlocks = 16;
 
 struct LookupGeometry {
-  int64_t items;       // T * C
-  int32_t words;       // head_dim / 8: 8-value chunks per row
+  int64_t items;  // T * C
+  int32_t words;  // head_dim / 8: 8-value chunks per row
   int32_t rec_bytes;
   // Sorted order (optional): position p reads row sorted_rows[p] (relative to row_begin; `sentinel` = not owned)
   // and writes item sorted_items[p].
@@ -377,7 +376,8 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
     cub::DeviceRadixSort::SortPairs(nullptr, temp, keys_in, keys_out, vals_in, vals_out, static_cast<int>(items), 0,
                                     end_bit, stream);
     if (4 * arr + temp > a.sort_scratch_bytes) return cudaErrorInvalidValue;
-    SortKeysKernel<<<static_cast<unsigned>((items + 255) / 256), 256, 0, stream>>>(a, items, sentinel, keys_in, vals_in);
+    SortKeysKernel<<<static_cast<unsigned>((items + 255) / 256), 256, 0, stream>>>(a, items, sentinel, keys_in,
+                                                                                   vals_in);
     if (cudaError_t e = cub::DeviceRadixSort::SortPairs(base + 4 * arr, temp, keys_in, keys_out, vals_in, vals_out,
                                                         static_cast<int>(items), 0, end_bit, stream);
         e != cudaSuccess) {
@@ -401,18 +401,21 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
   // Persistent grid: exactly the blocks that fit at once (more would run as a second, partial wave).
   int per_sm = 1;
   // Packed rows of head_dim 256 or 512 in words, 8 rows in flight per warp on the row-order gather's wide variants.
-  const int packed_wpl = !g.packed_words ? 0
-                         : g.rec_bytes / 8 <= 32 ? 1 : g.rec_bytes / 8 <= 64 ? 2 : g.rec_bytes / 8 <= 96 ? 3 : 0;
+  const int packed_wpl = !g.packed_words         ? 0
+                         : g.rec_bytes / 8 <= 32 ? 1
+                         : g.rec_bytes / 8 <= 64 ? 2
+                         : g.rec_bytes / 8 <= 96 ? 3
+                                                 : 0;
   const bool packed_wide = variant == 1 || variant == 3;
   const void* packed_fn =
-      packed_wpl == 1 ? (packed_wide ? reinterpret_cast<const void*>(LookupPackedWordsKernel<1, 8>)
-                                     : reinterpret_cast<const void*>(LookupPackedWordsKernel<1, kRows>))
+      packed_wpl == 1   ? (packed_wide ? reinterpret_cast<const void*>(LookupPackedWordsKernel<1, 8>)
+                                       : reinterpret_cast<const void*>(LookupPackedWordsKernel<1, kRows>))
       : packed_wpl == 2 ? (packed_wide ? reinterpret_cast<const void*>(LookupPackedWordsKernel<2, 8>)
                                        : reinterpret_cast<const void*>(LookupPackedWordsKernel<2, kRows>))
       : packed_wpl == 3 ? (packed_wide ? reinterpret_cast<const void*>(LookupPackedWordsKernel<3, 8>)
                                        : reinterpret_cast<const void*>(LookupPackedWordsKernel<3, kRows>))
                         : reinterpret_cast<const void*>(LookupPackedKernel);
-  const void* fn = a.packed ? packed_fn
+  const void* fn = a.packed                                      ? packed_fn
                    : (g.rec_bytes % 8 == 0 && a.head_dim == 256) ? WordsKernelFor<1>(variant)
                    : (g.rec_bytes % 8 == 0 && a.head_dim == 512) ? WordsKernelFor<2>(variant)
                                                                  : reinterpret_cast<const void*>(LookupBytesKernel);
@@ -423,14 +426,20 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
   const bool words = g.rec_bytes % 8 == 0 && Aligned(a.records, 8);
   if (a.packed) {
     if (packed_wpl == 1) {
-      if (packed_wide) LookupPackedWordsKernel<1, 8><<<grid, block, 0, stream>>>(a, g);
-      else LookupPackedWordsKernel<1, kRows><<<grid, block, 0, stream>>>(a, g);
+      if (packed_wide)
+        LookupPackedWordsKernel<1, 8><<<grid, block, 0, stream>>>(a, g);
+      else
+        LookupPackedWordsKernel<1, kRows><<<grid, block, 0, stream>>>(a, g);
     } else if (packed_wpl == 2) {
-      if (packed_wide) LookupPackedWordsKernel<2, 8><<<grid, block, 0, stream>>>(a, g);
-      else LookupPackedWordsKernel<2, kRows><<<grid, block, 0, stream>>>(a, g);
+      if (packed_wide)
+        LookupPackedWordsKernel<2, 8><<<grid, block, 0, stream>>>(a, g);
+      else
+        LookupPackedWordsKernel<2, kRows><<<grid, block, 0, stream>>>(a, g);
     } else if (packed_wpl == 3) {
-      if (packed_wide) LookupPackedWordsKernel<3, 8><<<grid, block, 0, stream>>>(a, g);
-      else LookupPackedWordsKernel<3, kRows><<<grid, block, 0, stream>>>(a, g);
+      if (packed_wide)
+        LookupPackedWordsKernel<3, 8><<<grid, block, 0, stream>>>(a, g);
+      else
+        LookupPackedWordsKernel<3, kRows><<<grid, block, 0, stream>>>(a, g);
     } else {
       LookupPackedKernel<<<grid, block, 0, stream>>>(a, g);
     }

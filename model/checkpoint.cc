@@ -11,9 +11,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 #include "model/file_util.h"
 #include "model/json_util.h"
-#include "base/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "xxhash.h"
 
@@ -166,7 +166,8 @@ EngramTensors Checkpoint::engram(int64_t l) const {
 absl::Status Checkpoint::ValidateEngramTensors() const {
   const EngramConfig& c = config_;
   if (c.kind != ModelKind::kEngram) {
-    return absl::UnimplementedError(absl::StrCat(c.architecture, ": PLE tensors are not validated (layout not public)"));
+    return absl::UnimplementedError(
+        absl::StrCat(c.architecture, ": PLE tensors are not validated (layout not public)"));
   }
   const int64_t kv_rows = c.hidden_size * (c.hc_mult + 1);
   const int64_t kv_cols = c.n_cols() * c.head_dim;
@@ -189,10 +190,10 @@ uint64_t Checkpoint::Fingerprint() const { return fingerprint_; }
 
 absl::Status Checkpoint::ComputeFingerprint() {
   const EngramConfig& c = config_;
-  std::string s = absl::StrCat(c.architecture, "|", absl::StrJoin(c.layer_ids, ","), "|",
-                               absl::StrJoin(c.num_embeddings, ","), "|", c.max_ngram_size, "|", c.n_heads, "|",
-                               c.head_dim, "|", c.vocab_size_engram, "|", c.compressed_vocab_size, "|",
-                               c.pad_token_id, "|", c.hidden_size, "|", c.hc_mult);
+  std::string s =
+      absl::StrCat(c.architecture, "|", absl::StrJoin(c.layer_ids, ","), "|", absl::StrJoin(c.num_embeddings, ","), "|",
+                   c.max_ngram_size, "|", c.n_heads, "|", c.head_dim, "|", c.vocab_size_engram, "|",
+                   c.compressed_vocab_size, "|", c.pad_token_id, "|", c.hidden_size, "|", c.hc_mult);
   std::set<const SafetensorsFile*> table_files;
   for (const auto& [name, ref] : tensors_) {
     if (name.find(".engram.") == std::string::npos) continue;
@@ -216,8 +217,8 @@ absl::Status Checkpoint::ComputeFingerprint() {
     ASSIGN_OR_RETURN(int fd, OpenRegularFile(f->path()));
     struct stat st {};
     std::string header(f->header_bytes(), '\0');
-    const bool ok = ::fstat(fd, &st) == 0 &&
-                    ::pread(fd, header.data(), header.size(), 0) == static_cast<ssize_t>(header.size());
+    const bool ok =
+        ::fstat(fd, &st) == 0 && ::pread(fd, header.data(), header.size(), 0) == static_cast<ssize_t>(header.size());
     ::close(fd);
     if (!ok) return absl::DataLossError(absl::StrCat(f->path(), ": cannot re-read its header"));
     const std::string base = f->path().substr(f->path().rfind('/') + 1);

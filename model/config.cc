@@ -6,9 +6,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 #include "model/file_util.h"
 #include "model/json_util.h"
-#include "base/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace engram {
@@ -38,9 +38,8 @@ absl::StatusOr<std::vector<int64_t>> GetIntList(const json& obj, const char* key
   out.reserve(it->size());
   for (const auto& v : *it) {
     if (!v.is_number_integer()) {
-      return absl::InvalidArgumentError(absl::StrCat("config.json: field `", key,
-                                                     "` must be a list of integers, got element ", out.size(), ": ",
-                                                     JsonExcerpt(v)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.json: field `", key, "` must be a list of integers, got element ", out.size(), ": ", JsonExcerpt(v)));
     }
     ASSIGN_OR_RETURN(int64_t x, JsonInt64(v, "config.json", absl::StrCat("field `", key, "[", out.size(), "]`")));
     out.push_back(x);
@@ -84,10 +83,10 @@ absl::StatusOr<EngramConfig> Parse(const std::string& json_text) {
     c.kind = ModelKind::kPle;
     layer_field = "ple_layer_ids";
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: architecture ", TextExcerpt(c.architecture),
-        " has no n-gram embedding layers (supported: DeepseekV41ForCausalLM, Qwen4ExpForCausalLM, "
-        "Qwen4ExpForConditionalGeneration); an Engram config cannot apply to it"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: architecture ", TextExcerpt(c.architecture),
+                     " has no n-gram embedding layers (supported: DeepseekV41ForCausalLM, Qwen4ExpForCausalLM, "
+                     "Qwen4ExpForConditionalGeneration); an Engram config cannot apply to it"));
   }
   ASSIGN_OR_RETURN(c.layer_ids, GetIntList(*text, layer_field, /*required=*/false));
   if (c.layer_ids.empty()) {
@@ -133,8 +132,8 @@ absl::StatusOr<EngramConfig> Parse(const std::string& json_text) {
                                      c.layer_ids.size(), " Engram layers")));
   RETURN_IF_ERROR(Check(c.max_ngram_size >= 2 && c.max_ngram_size <= 16,
                         absl::StrCat("`engram_max_ngram_size` ", c.max_ngram_size, " not in [2, 16]")));
-  RETURN_IF_ERROR(Check(c.n_heads >= 1 && c.n_heads <= 256,
-                        absl::StrCat("`engram_n_heads` ", c.n_heads, " not in [1, 256]")));
+  RETURN_IF_ERROR(
+      Check(c.n_heads >= 1 && c.n_heads <= 256, absl::StrCat("`engram_n_heads` ", c.n_heads, " not in [1, 256]")));
   RETURN_IF_ERROR(Check(c.head_dim >= 32 && c.head_dim % 32 == 0 && c.head_dim <= 8192,
                         absl::StrCat("`engram_head_dim` ", c.head_dim, " must be a positive multiple of 32")));
   RETURN_IF_ERROR(Check(c.vocab_size_engram >= 2 && c.vocab_size_engram < (int64_t{1} << 30),

@@ -29,11 +29,11 @@ enum class ModelKind { kEngram, kPle };
 inline constexpr int64_t kMaxEngramLayers = 1024;
 
 struct EngramConfig {
-  std::string architecture;           // architectures[0]
+  std::string architecture;  // architectures[0]
   ModelKind kind = ModelKind::kEngram;
-  std::vector<int64_t> layer_ids;     // engram_layer_ids (or ple_layer_ids)
+  std::vector<int64_t> layer_ids;       // engram_layer_ids (or ple_layer_ids)
   std::vector<int64_t> num_embeddings;  // engram_num_embeddings, one per layer (may be empty for PLE)
-  int64_t max_ngram_size = 0;         // N
+  int64_t max_ngram_size = 0;           // N
   int64_t n_heads = 0;
   int64_t head_dim = 0;
   int64_t vocab_size_engram = 0;      // engram_vocab_size: prime search starts above it minus one
@@ -42,7 +42,7 @@ struct EngramConfig {
   int64_t hidden_size = 0;
   int64_t hc_mult = 0;
   double rms_norm_eps = 1e-6;
-  int64_t vocab_size = 0;             // the backbone's raw vocab (informational)
+  int64_t vocab_size = 0;  // the backbone's raw vocab (informational)
 
   // Derived quantities.
   int64_t n_layers() const { return static_cast<int64_t>(layer_ids.size()); }

@@ -8,8 +8,24 @@
 
 namespace engram {
 
-enum class DType { kBool, kU8, kI8, kF8E4M3, kF8E5M2, kF8E8M0, kI16, kU16, kF16, kBF16, kI32, kU32, kF32,
-                   kI64, kU64, kF64 };
+enum class DType {
+  kBool,
+  kU8,
+  kI8,
+  kF8E4M3,
+  kF8E5M2,
+  kF8E8M0,
+  kI16,
+  kU16,
+  kF16,
+  kBF16,
+  kI32,
+  kU32,
+  kF32,
+  kI64,
+  kU64,
+  kF64
+};
 
 std::optional<DType> ParseDType(std::string_view name);  // "F8_E4M3", "BF16", ...
 std::string DTypeName(DType d);

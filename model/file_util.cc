@@ -28,11 +28,11 @@ absl::StatusOr<int> OpenRegularFile(const std::string& path) {
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
-    const char* kind = S_ISFIFO(st.st_mode)  ? "a FIFO"
-                       : S_ISDIR(st.st_mode) ? "a directory"
-                       : S_ISSOCK(st.st_mode) ? "a socket"
+    const char* kind = S_ISFIFO(st.st_mode)                         ? "a FIFO"
+                       : S_ISDIR(st.st_mode)                        ? "a directory"
+                       : S_ISSOCK(st.st_mode)                       ? "a socket"
                        : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
-                                                                     : "not a plain file";
+                                                                    : "not a plain file";
     return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file (", kind, ")"));
   }
   // Back to blocking reads (regular files ignore O_NONBLOCK today, but do not rely on it).

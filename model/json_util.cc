@@ -4,8 +4,8 @@
 #include <limits>
 #include <new>
 
-#include "base/utf8.h"
 #include "absl/strings/str_cat.h"
+#include "base/utf8.h"
 
 namespace engram {
 
@@ -28,9 +28,7 @@ int JsonNestingDepth(absl::string_view text, int limit) {
       continue;
     }
     switch (c) {
-      case '"':
-        in_string = true;
-        break;
+      case '"': in_string = true; break;
       case '[':
       case '{':
         if (++depth > max_depth) {
@@ -42,8 +40,7 @@ int JsonNestingDepth(absl::string_view text, int limit) {
       case '}':
         if (depth > 0) --depth;
         break;
-      default:
-        break;
+      default: break;
     }
   }
   return max_depth;
@@ -72,18 +69,14 @@ std::string TextExcerpt(absl::string_view s, size_t max_chars) {
 
 std::string JsonExcerpt(const json& v, size_t max_chars) {
   switch (v.type()) {
-    case json::value_t::array:
-      return absl::StrCat("an array of ", v.size(), " elements");
-    case json::value_t::object:
-      return absl::StrCat("an object of ", v.size(), " members");
+    case json::value_t::array: return absl::StrCat("an array of ", v.size(), " elements");
+    case json::value_t::object: return absl::StrCat("an object of ", v.size(), " members");
     case json::value_t::string: {
       const auto& s = v.get_ref<const std::string&>();
       // Quote the excerpt, not the whole string: dump() of a 100 MB string would copy 100 MB.
       return absl::StrCat("\"", TextExcerpt(s, max_chars), "\"");
     }
-    default:
-      try {
-        return TextExcerpt(v.dump(-1, ' ', false, json::error_handler_t::replace), max_chars);
+    default: try { return TextExcerpt(v.dump(-1, ' ', false, json::error_handler_t::replace), max_chars);
       } catch (...) {
         return "(unprintable value)";
       }
@@ -99,8 +92,7 @@ absl::StatusOr<int64_t> JsonInt64(const json& v, absl::string_view origin, absl:
     return static_cast<int64_t>(u);
   }
   if (v.is_number_integer()) return v.get<int64_t>();
-  return absl::InvalidArgumentError(
-      absl::StrCat(origin, ": ", what, " must be an integer, got ", JsonExcerpt(v)));
+  return absl::InvalidArgumentError(absl::StrCat(origin, ": ", what, " must be an integer, got ", JsonExcerpt(v)));
 }
 
 }  // namespace engram

@@ -63,9 +63,10 @@ std::vector<std::vector<int64_t>> EngramPrimes(const std::vector<int64_t>& layer
 
 absl::StatusOr<Layout> Layout::Build(const EngramConfig& config) {
   if (config.kind != ModelKind::kEngram) {
-    return absl::UnimplementedError(absl::StrCat(
-        config.architecture, " uses per-layer embeddings (PLE), whose lookup math is not public: engram can plan "
-                             "its placement but cannot hash or serve it"));
+    return absl::UnimplementedError(
+        absl::StrCat(config.architecture,
+                     " uses per-layer embeddings (PLE), whose lookup math is not public: engram can plan "
+                     "its placement but cannot hash or serve it"));
   }
   if (config.n_layers() > kMaxEngramLayers) {
     return absl::InvalidArgumentError(absl::StrCat("config.json: `engram_layer_ids` lists ", config.n_layers(),
@@ -93,9 +94,8 @@ absl::StatusOr<Layout> Layout::Build(const EngramConfig& config) {
     }
     if (sum != config.num_embeddings[i]) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "config.json: engram_num_embeddings[", i, "] (layer ", config.layer_ids[i], ") is ",
-          config.num_embeddings[i], " but its ", l.primes_[i].size(), " prime buckets sum to ", sum,
-          ": the table does not match the hashing"));
+          "config.json: engram_num_embeddings[", i, "] (layer ", config.layer_ids[i], ") is ", config.num_embeddings[i],
+          " but its ", l.primes_[i].size(), " prime buckets sum to ", sum, ": the table does not match the hashing"));
     }
     l.offsets_.push_back(std::move(offsets));
     std::vector<uint64_t> magics;

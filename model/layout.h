@@ -28,7 +28,7 @@ struct ShardRange {
   int64_t col_end = 0;
   std::vector<int64_t> row_begin;  // per layer, [row_begin, row_end) of that layer's table
   std::vector<int64_t> row_end;
-  int64_t rows() const;             // summed over layers
+  int64_t rows() const;  // summed over layers
   int64_t bytes(int64_t record_bytes) const { return rows() * record_bytes; }
 };
 

@@ -122,7 +122,8 @@ std::string NormalizeEngramKey(std::string_view utf8) {
     end -= U16_LENGTH(c);
   }
   icu::UnicodeString stripped = out.tempSubStringBetween(begin, end);
-  stripped.findAndReplace(icu::UnicodeString(static_cast<UChar32>(0xE000)), icu::UnicodeString(static_cast<UChar32>(' ')));
+  stripped.findAndReplace(icu::UnicodeString(static_cast<UChar32>(0xE000)),
+                          icu::UnicodeString(static_cast<UChar32>(' ')));
   std::string result;
   stripped.toUTF8String(result);
   return result;

@@ -27,8 +27,7 @@ uint32_t Mix(uint32_t x, uint32_t y) {
 }
 
 // PCG's default 128-bit multiplier.
-constexpr uint128 kPcgMult =
-    (static_cast<uint128>(2549297995355413924ULL) << 64) | 4865540595714422341ULL;
+constexpr uint128 kPcgMult = (static_cast<uint128>(2549297995355413924ULL) << 64) | 4865540595714422341ULL;
 
 }  // namespace
 

@@ -5,9 +5,7 @@
 namespace engram {
 namespace {
 
-uint64_t MulMod(uint64_t a, uint64_t b, uint64_t m) {
-  return static_cast<uint64_t>(static_cast<uint128>(a) * b % m);
-}
+uint64_t MulMod(uint64_t a, uint64_t b, uint64_t m) { return static_cast<uint64_t>(static_cast<uint128>(a) * b % m); }
 
 uint64_t PowMod(uint64_t base, uint64_t exp, uint64_t m) {
   uint64_t result = 1 % m;

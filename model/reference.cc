@@ -26,8 +26,7 @@ const struct E4M3Table {
 
 }  // namespace
 
-absl::Status HashIdsCpu(const Layout& layout, const TokenMap& token_map, const HashBatch& b,
-                        std::span<int32_t> out) {
+absl::Status HashIdsCpu(const Layout& layout, const TokenMap& token_map, const HashBatch& b, std::span<int32_t> out) {
   const int64_t T = static_cast<int64_t>(b.tokens.size());
   const int64_t N = layout.max_ngram();
   const int64_t L = layout.n_layers();
@@ -56,7 +55,8 @@ absl::Status HashIdsCpu(const Layout& layout, const TokenMap& token_map, const H
     const int64_t begin = b.query_start_loc[static_cast<size_t>(r)];
     const int64_t end = b.query_start_loc[static_cast<size_t>(r + 1)];
     if (end < begin) return Invalid(absl::StrCat("query_start_loc decreases at request ", r));
-    if (begin < 0 || end > T) return Invalid(absl::StrCat("query_start_loc[", r + 1, "] = ", end, " outside [0, ", T, "]"));
+    if (begin < 0 || end > T)
+      return Invalid(absl::StrCat("query_start_loc[", r + 1, "] = ", end, " outside [0, ", T, "]"));
   }
   const int64_t raw = token_map.raw_size();
   if (layout.config().pad_token_id >= raw) return Invalid("pad token id is outside the token map");
@@ -77,8 +77,8 @@ absl::Status HashIdsCpu(const Layout& layout, const TokenMap& token_map, const H
     for (int64_t t = begin; t < end; ++t) {
       const int64_t pos = b.positions[static_cast<size_t>(t)];
       if (pos != start_pos + (t - begin) || pos < 0) {
-        return Invalid(absl::StrCat("positions of request ", r, " are not contiguous from ", start_pos, " at token ",
-                                    t));
+        return Invalid(
+            absl::StrCat("positions of request ", r, " are not contiguous from ", start_pos, " at token ", t));
       }
       for (int64_t s = 0; s < N; ++s) {
         const int64_t lb = pos - s;
@@ -121,7 +121,8 @@ absl::Status HashIdsCpu(const Layout& layout, const TokenMap& token_map, const H
           for (int64_t h = 0; h < H; ++h) {
             const int64_t c = (s - 1) * H + h;
             const auto cc = static_cast<size_t>(c);
-            const uint64_t bucket = FastMod(static_cast<uint64_t>(rolling), static_cast<uint64_t>(primes[cc]), magics[cc]);
+            const uint64_t bucket =
+                FastMod(static_cast<uint64_t>(rolling), static_cast<uint64_t>(primes[cc]), magics[cc]);
             row[c] = static_cast<int32_t>(static_cast<int64_t>(bucket) + offsets[cc]);
           }
         }

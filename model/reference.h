@@ -22,7 +22,7 @@ struct HashBatch {
   std::span<const int32_t> query_start_loc;  // [R+1] request boundaries: 0 = qsl[0] <= ... <= qsl[R] = T
   // [R, N-1] raw ids of the N-1 tokens before each chunk (oldest first), -1 where unknown; empty = all unknown.
   std::span<const int32_t> lookback;
-  std::span<const uint8_t> dead;             // [T] nonzero = token takes no part in n-grams; empty = none dead
+  std::span<const uint8_t> dead;  // [T] nonzero = token takes no part in n-grams; empty = none dead
 };
 
 // out: [T, n_layers, n_cols] int32 global row ids of each layer's table.

@@ -48,8 +48,8 @@ absl::StatusOr<std::map<std::string, TensorInfo>> ParseHeader(const std::string&
                                                               uint64_t data_start, uint64_t file_size,
                                                               std::map<std::string, std::string>* meta) {
   if (data_start > file_size) {
-    return Bad(path, "", absl::StrCat("data starts at byte ", data_start, ", past the end of the file (", file_size,
-                                      " bytes)"));
+    return Bad(path, "",
+               absl::StrCat("data starts at byte ", data_start, ", past the end of the file (", file_size, " bytes)"));
   }
   auto parsed = ParseUntrustedJson(json_text, "header");
   if (!parsed.ok()) return Bad(path, "", std::string(parsed.status().message()));
@@ -77,8 +77,8 @@ absl::StatusOr<std::map<std::string, TensorInfo>> ParseHeader(const std::string&
     auto sh = v.find("shape");
     if (sh == v.end() || !sh->is_array()) return Bad(path, name, "missing `shape` list");
     if (sh->size() > kMaxRank) {
-      return Bad(path, name, absl::StrCat("`shape` has ", sh->size(), " dimensions, more than the ", kMaxRank,
-                                          " allowed"));
+      return Bad(path, name,
+                 absl::StrCat("`shape` has ", sh->size(), " dimensions, more than the ", kMaxRank, " allowed"));
     }
     TensorInfo t;
     t.name = name;
@@ -123,8 +123,7 @@ absl::StatusOr<std::map<std::string, TensorInfo>> ParseHeader(const std::string&
   });
   for (size_t i = 1; i < sorted.size(); ++i) {
     if (sorted[i]->begin < sorted[i - 1]->end && sorted[i]->bytes() > 0 && sorted[i - 1]->bytes() > 0) {
-      return Bad(path, sorted[i]->name,
-                 absl::StrCat("data overlaps tensor `", TextExcerpt(sorted[i - 1]->name), "`"));
+      return Bad(path, sorted[i]->name, absl::StrCat("data overlaps tensor `", TextExcerpt(sorted[i - 1]->name), "`"));
     }
   }
   return out;
@@ -159,8 +158,9 @@ absl::StatusOr<std::shared_ptr<const SafetensorsFile>> SafetensorsFile::Open(con
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
   if (header_len > f->file_size_ - 8) {
-    return Bad(path, "", absl::StrCat("header length ", header_len, " runs past the end of the file (",
-                                      f->file_size_, " bytes)"));
+    return Bad(
+        path, "",
+        absl::StrCat("header length ", header_len, " runs past the end of the file (", f->file_size_, " bytes)"));
   }
   if (header_len > kMaxHeaderBytes) {
     return Bad(path, "", absl::StrCat("header length ", header_len, " exceeds the ", kMaxHeaderBytes, " allowed"));
@@ -189,17 +189,17 @@ const TensorInfo* SafetensorsFile::Find(const std::string& name) const {
 
 absl::Status SafetensorsFile::ReadFailed(const TensorInfo& tensor, uint64_t at, ssize_t r) const {
   if (r < 0) {
-    return absl::DataLossError(absl::StrCat(path_, ": tensor `", tensor.name, "`: read error at byte ", at, ": ",
-                                            std::strerror(errno)));
+    return absl::DataLossError(
+        absl::StrCat(path_, ": tensor `", tensor.name, "`: read error at byte ", at, ": ", std::strerror(errno)));
   }
-  return absl::DataLossError(absl::StrCat(path_, ": tensor `", tensor.name, "`: file ends at byte ", at,
-                                          " (truncated since it was opened?)"));
+  return absl::DataLossError(
+      absl::StrCat(path_, ": tensor `", tensor.name, "`: file ends at byte ", at, " (truncated since it was opened?)"));
 }
 
 absl::Status SafetensorsFile::ReadRange(const TensorInfo& tensor, uint64_t offset, void* dst, uint64_t n) const {
   if (offset > tensor.bytes() || n > tensor.bytes() - offset) {
-    return absl::OutOfRangeError(absl::StrCat(path_, ": tensor `", tensor.name, "`: read of ", n, " bytes at ",
-                                              offset, " is outside its ", tensor.bytes(), " bytes"));
+    return absl::OutOfRangeError(absl::StrCat(path_, ": tensor `", tensor.name, "`: read of ", n, " bytes at ", offset,
+                                              " is outside its ", tensor.bytes(), " bytes"));
   }
   char* out = static_cast<char*>(dst);
   uint64_t done = 0;
@@ -261,8 +261,8 @@ absl::StatusOr<uint64_t> SafetensorsFile::ReadIfCached(const TensorInfo& tensor,
     if (r < 0 && errno == EINTR) continue;
     if (r < 0 && errno == EAGAIN) break;  // the next page is not in the page cache
     if (r < 0 && (errno == EOPNOTSUPP || errno == EINVAL)) {
-      return absl::UnimplementedError(absl::StrCat(path_, ": reads that do not wait (RWF_NOWAIT) are not supported: ",
-                                                   std::strerror(errno)));
+      return absl::UnimplementedError(
+          absl::StrCat(path_, ": reads that do not wait (RWF_NOWAIT) are not supported: ", std::strerror(errno)));
     }
     if (r <= 0) return ReadFailed(tensor, tensor.begin + offset + done, r);
     done += static_cast<uint64_t>(r);

@@ -24,11 +24,11 @@
 namespace engram {
 
 struct TensorInfo {
-  std::string name;       // as written in the file
+  std::string name;  // as written in the file
   DType dtype = DType::kU8;
   std::vector<int64_t> shape;
-  uint64_t begin = 0;     // absolute byte offset in the file
-  uint64_t end = 0;       // exclusive
+  uint64_t begin = 0;  // absolute byte offset in the file
+  uint64_t end = 0;    // exclusive
   uint64_t bytes() const { return end - begin; }
   int64_t numel() const;
 };

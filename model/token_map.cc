@@ -52,10 +52,10 @@ std::string TokenMap::Sha256Hex() const { return engram::Sha256Hex(Bytes()); }
 
 absl::Status TokenMap::CheckAgainst(const EngramConfig& config) const {
   if (compressed_ != config.compressed_vocab_size) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the tokenizer compresses to ", compressed_, " ids but config.json says engram_compressed_vocab_size = ",
-        config.compressed_vocab_size,
-        ": every hash multiplier derives from it, the tables would be silently rehashed"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the tokenizer compresses to ", compressed_,
+                     " ids but config.json says engram_compressed_vocab_size = ", config.compressed_vocab_size,
+                     ": every hash multiplier derives from it, the tables would be silently rehashed"));
   }
   if (config.pad_token_id >= raw_size()) {
     return absl::FailedPreconditionError(absl::StrCat("engram_pad_token_id ", config.pad_token_id,

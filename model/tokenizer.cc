@@ -10,10 +10,10 @@
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "model/file_util.h"
 #include "model/json_util.h"
 #include "model/normalize.h"
-#include "base/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace engram {
@@ -196,9 +196,8 @@ absl::StatusOr<std::unique_ptr<DecoderStep>> ParseStep(const json& d, const std:
       UParseError pe;
       step->regex.reset(icu::RegexPattern::compile(icu::UnicodeString::fromUTF8(step->pattern), 0, pe, e));
       if (U_FAILURE(e) || step->regex == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(origin, ": Replace decoder regex `",
-                                                       TextExcerpt(step->pattern), "` does not compile: ",
-                                                       u_errorName(e)));
+        return absl::InvalidArgumentError(absl::StrCat(origin, ": Replace decoder regex `", TextExcerpt(step->pattern),
+                                                       "` does not compile: ", u_errorName(e)));
       }
     } else {
       return absl::InvalidArgumentError(absl::StrCat(origin, ": Replace decoder without a String or Regex pattern"));
@@ -244,8 +243,8 @@ absl::Status ReplaceRegex(const DecoderStep& s, std::string& t, RegexBudget& bud
       limit = absl::StrCat(": over the backtrack stack limit of ", kRegexStackLimitKiB, " KiB");
     }
     return absl::ResourceExhaustedError(absl::StrCat("Replace decoder regex `", TextExcerpt(s.pattern),
-                                                     "` failed on a ", t.size(), "-byte token (", u_errorName(e),
-                                                     ")", limit));
+                                                     "` failed on a ", t.size(), "-byte token (", u_errorName(e), ")",
+                                                     limit));
   }
   t.clear();
   r.toUTF8String(t);
@@ -406,8 +405,8 @@ absl::StatusOr<Tokenizer> Tokenizer::ParseChecked(const std::string& json_text, 
       const json* id = Member(a, "id");
       const json* content = Member(a, "content");
       if (id == nullptr || !id->is_number_integer() || content == nullptr || !content->is_string()) {
-        return absl::InvalidArgumentError(absl::StrCat(origin, ": malformed added_tokens entry ", added.size(), " (",
-                                                       JsonExcerpt(a), ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(origin, ": malformed added_tokens entry ", added.size(), " (", JsonExcerpt(a), ")"));
       }
       added.emplace_back(id->get<int64_t>(), content->get<std::string>());
     }

@@ -19,8 +19,8 @@ struct ShmCapacity {
   std::string path;
   uint64_t total_bytes = 0;
   uint64_t free_bytes = 0;
-  std::string fs_type;      // "tmpfs", "hugetlbfs", ... ("" when unknown)
-  std::string huge_pages;   // tmpfs huge= option ("never" when absent), or "hugetlbfs"
+  std::string fs_type;     // "tmpfs", "hugetlbfs", ... ("" when unknown)
+  std::string huge_pages;  // tmpfs huge= option ("never" when absent), or "hugetlbfs"
   uint64_t hugetlb_free_bytes = 0;
   uint64_t memlock_limit = 0;  // RLIMIT_MEMLOCK soft limit, UINT64_MAX when unlimited
   uint64_t device = 0;         // st_dev of the directory: replicas compare it with their own view

@@ -8,9 +8,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <cstdio>
-#include <chrono>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -35,17 +35,12 @@ absl::Status Errno(const std::string& what, int err) {
   const std::string msg = absl::StrCat(what, ": ", std::strerror(err));
   switch (err) {
     case ENOSPC:
-    case ENOMEM:
-      return absl::ResourceExhaustedError(msg);
+    case ENOMEM: return absl::ResourceExhaustedError(msg);
     case EACCES:
-    case EPERM:
-      return absl::PermissionDeniedError(msg);
-    case ENOENT:
-      return absl::NotFoundError(msg);
-    case EEXIST:
-      return absl::AlreadyExistsError(msg);
-    default:
-      return absl::InternalError(msg);
+    case EPERM: return absl::PermissionDeniedError(msg);
+    case ENOENT: return absl::NotFoundError(msg);
+    case EEXIST: return absl::AlreadyExistsError(msg);
+    default: return absl::InternalError(msg);
   }
 }
 
@@ -53,14 +48,10 @@ absl::Status Errno(const std::string& what, int err) {
 
 std::string SegmentStateName(SegmentState s) {
   switch (s) {
-    case SegmentState::kCreating:
-      return "CREATING";
-    case SegmentState::kLoading:
-      return "LOADING";
-    case SegmentState::kReady:
-      return "READY";
-    case SegmentState::kRetired:
-      return "RETIRED";
+    case SegmentState::kCreating: return "CREATING";
+    case SegmentState::kLoading: return "LOADING";
+    case SegmentState::kReady: return "READY";
+    case SegmentState::kRetired: return "RETIRED";
   }
   return "UNKNOWN";
 }
@@ -104,8 +95,8 @@ absl::Status PopulateForWrite(uint8_t* p, uint64_t n, Env* env) {
   if (r == 0) return absl::OkStatus();
   const int err = errno;
   if (err == EFAULT || err == ENOMEM || err == ENOSPC) {
-    return absl::ResourceExhaustedError(absl::StrCat("populating ", e - b, " bytes of the segment: ",
-                                                     std::strerror(err),
+    return absl::ResourceExhaustedError(absl::StrCat("populating ", e - b,
+                                                     " bytes of the segment: ", std::strerror(err),
                                                      " (no room left in the shm mount or the hugetlb pool)"));
   }
   return Errno(absl::StrCat("populating ", e - b, " bytes of the segment"), err);
@@ -113,15 +104,15 @@ absl::Status PopulateForWrite(uint8_t* p, uint64_t n, Env* env) {
 
 absl::StatusOr<std::unique_ptr<SegmentWriter>> SegmentWriter::Create(const std::string& dir, uint64_t fingerprint,
                                                                      int64_t tp_size, int64_t tp_rank,
-                                                                     const std::string& descriptor,
-                                                                     uint64_t data_bytes, uint64_t instance_id,
-                                                                     uint64_t epoch, Env* env,
+                                                                     const std::string& descriptor, uint64_t data_bytes,
+                                                                     uint64_t instance_id, uint64_t epoch, Env* env,
                                                                      SegmentReserve reserve) {
   std::unique_ptr<SegmentWriter> w(new SegmentWriter());
   w->env_ = env;
   w->path_ = dir + "/" + SegmentName(fingerprint, tp_size, tp_rank);
   const uint64_t total = SegmentFileBytes(descriptor.size(), data_bytes);
-  int fd = RetryEintr([&] { return env->Open(w->path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600); });
+  int fd =
+      RetryEintr([&] { return env->Open(w->path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600); });
   if (fd < 0) return Errno(absl::StrCat("create ", w->path_), errno);
   env->Fchmod(fd, 0600);  // whatever the umask
   auto fail = [&](absl::Status st) {
@@ -200,7 +191,8 @@ absl::Status SegmentWriter::Finish(double load_seconds) {
   header()->load_seconds = load_seconds;
   header()->ready_unix_ms = NowMs();
   ::msync(base_, size_, MS_SYNC);
-  std::atomic_ref<uint32_t>(header()->state).store(static_cast<uint32_t>(SegmentState::kReady), std::memory_order_release);
+  std::atomic_ref<uint32_t>(header()->state)
+      .store(static_cast<uint32_t>(SegmentState::kReady), std::memory_order_release);
   finished_ = true;
   return absl::OkStatus();
 }
@@ -230,8 +222,8 @@ absl::StatusOr<SegmentHeader> HeaderOfOpenFile(const std::string& path, int fd, 
   if (n != static_cast<ssize_t>(sizeof(h))) return absl::DataLossError(absl::StrCat(path, ": shorter than a header"));
   if (std::memcmp(h.magic, kSegmentMagic, 8) != 0) return absl::DataLossError(absl::StrCat(path, ": not a segment"));
   if (h.version != kSegmentVersion) {
-    return absl::FailedPreconditionError(absl::StrCat(path, ": segment format ", h.version, ", this build reads ",
-                                                      kSegmentVersion));
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, ": segment format ", h.version, ", this build reads ", kSegmentVersion));
   }
   // The descriptor lies between the header and the records, which start on a 2 MiB page and end at most one 2 MiB
   // page before the end of the file (the padding). Every bound is checked without a sum that could wrap: a lying
@@ -296,7 +288,7 @@ absl::StatusOr<std::unique_ptr<SegmentReader>> SegmentReader::Open(const std::st
 }
 
 absl::StatusOr<std::unique_ptr<SegmentReader>> SegmentReader::OpenDescriptor(int fd, const std::string& name,
-                                                                            Env* env) {
+                                                                             Env* env) {
   auto h = HeaderOfOpenFile(name, fd, nullptr, env);
   if (!h.ok()) {
     env->Close(fd);

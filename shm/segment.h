@@ -39,8 +39,8 @@ inline constexpr uint64_t kDataAlign = uint64_t{2} << 20;
 struct SegmentHeader {
   char magic[8];
   uint32_t version;
-  uint32_t state;  // SegmentState; written and read atomically (std::atomic_ref) through a shared mapping
-  uint64_t instance_id;         // the daemon instance that created it
+  uint32_t state;        // SegmentState; written and read atomically (std::atomic_ref) through a shared mapping
+  uint64_t instance_id;  // the daemon instance that created it
   uint64_t epoch;
   uint64_t fingerprint;
   uint32_t tp_size;

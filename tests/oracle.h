@@ -36,7 +36,8 @@ inline double GateViolation(int64_t T, int64_t HC, int64_t D, double eps, const 
       double dot = 0, hh = 0, kk = 0;
       for (int64_t j = 0; j < D; ++j) {
         const double hj = Bf16ToFloat(h[j]), kj = Bf16ToFloat(key[j]);
-        dot += hj * Bf16ToFloat(q[static_cast<size_t>(c * D + j)]) * Bf16ToFloat(k[static_cast<size_t>(c * D + j)]) * kj;
+        dot +=
+            hj * Bf16ToFloat(q[static_cast<size_t>(c * D + j)]) * Bf16ToFloat(k[static_cast<size_t>(c * D + j)]) * kj;
         hh += hj * hj;
         kk += kj * kj;
       }

@@ -102,7 +102,8 @@ class RefusedThreads {
     if (saved_ok_ && ::pthread_attr_setstacksize(&huge_, size_t{1} << 62) == 0 &&
         ::pthread_setattr_default_np(&huge_) == 0) {
       pthread_t t;
-      refused_ = ::pthread_create(&t, nullptr, [](void*) -> void* { return nullptr; }, nullptr) != 0;
+      refused_ = ::pthread_create(
+                     &t, nullptr, [](void*) -> void* { return nullptr; }, nullptr) != 0;
       if (!refused_) ::pthread_join(t, nullptr);
     }
   }

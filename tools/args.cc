@@ -72,8 +72,8 @@ absl::StatusOr<std::vector<int64_t>> ParseIntList(const std::string& option, con
   for (absl::string_view part : absl::StrSplit(text, ',')) {
     int64_t v;
     if (!absl::SimpleAtoi(part, &v)) {
-      return absl::InvalidArgumentError(absl::StrCat(option, " wants a comma-separated list of integers, got '",
-                                                      text, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(option, " wants a comma-separated list of integers, got '", text, "'"));
     }
     out.push_back(v);
   }

@@ -12,17 +12,17 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <iostream>
 #include <limits>
 #include <map>
-#include <iostream>
 #include <random>
 #include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "absl/strings/str_join.h"
 #include "client/session/session.h"
 #include "engram/v1/engram.grpc.pb.h"
 #include "model/checkpoint.h"
@@ -39,18 +39,18 @@ using namespace ctl;  // NOLINT: the subcommands' shared helpers
 
 int CmdAttach(int argc, char** argv) {
   Args a;
-  if (auto st = a.Parse(argc, argv, 2,
-                        {"--socket", "--checkpoint", "--tp-size", "--tp-rank", "--dp-size", "--dp-rank",
-                         "--local-dp-size", "--cpu-offload", "--dp-shared-memory", "--shm-dir", "--hold", "--verify",
-                         "--timeout"},
-                        {"--elastic-ep", "--embedding-across-dp", "--ticket", "--no-descriptor"});
+  if (auto st =
+          a.Parse(argc, argv, 2,
+                  {"--socket", "--checkpoint", "--tp-size", "--tp-rank", "--dp-size", "--dp-rank", "--local-dp-size",
+                   "--cpu-offload", "--dp-shared-memory", "--shm-dir", "--hold", "--verify", "--timeout"},
+                  {"--elastic-ep", "--embedding-across-dp", "--ticket", "--no-descriptor"});
       !st.ok()) {
     return Usage(std::string(st.message()));
   }
   if (!a.Has("--checkpoint")) return Usage("attach needs --checkpoint DIR");
-  if (auto st = a.RequireInts({"--tp-size", "--tp-rank", "--dp-size", "--dp-rank", "--local-dp-size", "--verify",
-                               "--hold", "--timeout"},
-                              0, std::numeric_limits<int32_t>::max());
+  if (auto st = a.RequireInts(
+          {"--tp-size", "--tp-rank", "--dp-size", "--dp-rank", "--local-dp-size", "--verify", "--hold", "--timeout"}, 0,
+          std::numeric_limits<int32_t>::max());
       !st.ok()) {
     return Usage(std::string(st.message()));
   }

@@ -11,17 +11,17 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <iostream>
 #include <limits>
 #include <map>
-#include <iostream>
 #include <random>
 #include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "absl/strings/str_join.h"
 #include "client/session/session.h"
 #include "engram/v1/engram.grpc.pb.h"
 #include "model/checkpoint.h"
@@ -29,7 +29,6 @@
 #include "shm/segment.h"
 #include "tools/args.h"
 #include "tools/row_oracle.h"
-
 
 namespace engram::tools::ctl {
 
@@ -54,15 +53,12 @@ std::string DiagnoseSocket(const std::string& socket) {
   ::close(fd);
   if (rc == 0) return "";
   switch (err) {
-    case ENOENT:
-      return "engramd is not running (no socket at " + socket + ")";
-    case ECONNREFUSED:
-      return "engramd is not running (nothing listens on " + socket + ")";
+    case ENOENT: return "engramd is not running (no socket at " + socket + ")";
+    case ECONNREFUSED: return "engramd is not running (nothing listens on " + socket + ")";
     case EACCES:
     case EPERM:
       return "permission denied on " + socket + ": this user may not use engramd (add it to the daemon's group)";
-    default:
-      return "cannot connect to " + socket + ": " + std::strerror(err);
+    default: return "cannot connect to " + socket + ": " + std::strerror(err);
   }
 }
 

@@ -5,10 +5,10 @@
 #include <string>
 #include <vector>
 
+#include <optional>
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include <optional>
 
 #include "client/dp/plan.h"
 #include "daemon/fallback.h"
@@ -63,12 +63,19 @@ absl::StatusOr<json> DpShardedPlanJson(const Layout& layout, int64_t tp, int64_t
       edp = p->edp;
       const auto b = client::DpShardedStepBytes(layout, *p, std::vector<int64_t>(static_cast<size_t>(p->edp), tokens),
                                                 p->edp_rank);
-      ranks.push_back({{"tp_rank", t}, {"dp_rank", d}, {"edp_rank", p->edp_rank}, {"group", p->group_index},
-                       {"shard", p->shard_index}, {"columns", {p->owned.col_begin, p->owned.col_end}},
+      ranks.push_back({{"tp_rank", t},
+                       {"dp_rank", d},
+                       {"edp_rank", p->edp_rank},
+                       {"group", p->group_index},
+                       {"shard", p->shard_index},
+                       {"columns", {p->owned.col_begin, p->owned.col_end}},
                        {"shard_bytes", p->table_bytes},
-                       {"step_bytes", {{"ids_sent", b.ids_sent}, {"ids_received", b.ids_received},
-                                       {"records_sent", b.records_sent}, {"records_received", b.records_received},
-                                       {"total", b.total()}}}});
+                       {"step_bytes",
+                        {{"ids_sent", b.ids_sent},
+                         {"ids_received", b.ids_received},
+                         {"records_sent", b.records_sent},
+                         {"records_received", b.records_received},
+                         {"total", b.total()}}}});
     }
   }
   return json{{"edp", edp}, {"shards", tp * edp}, {"tokens_per_rank", tokens}, {"ranks", ranks}};
@@ -78,9 +85,10 @@ absl::StatusOr<json> DpShardedPlanJson(const Layout& layout, int64_t tp, int64_t
 
 int CmdPlan(int argc, char** argv) {
   Args a;
-  if (auto st = a.Parse(argc, argv, 2, {"--checkpoint", "--config", "--tp", "--shm-dir", "--dp", "--local-dp",
-                                        "--cpu-offload", "--tokens"},
-                        {"--json", "--elastic-ep", "--embedding-across-dp"});
+  if (auto st =
+          a.Parse(argc, argv, 2,
+                  {"--checkpoint", "--config", "--tp", "--shm-dir", "--dp", "--local-dp", "--cpu-offload", "--tokens"},
+                  {"--json", "--elastic-ep", "--embedding-across-dp"});
       !st.ok()) {
     return Usage(std::string(st.message()));
   }
@@ -164,14 +172,17 @@ int CmdPlan(int argc, char** argv) {
       reasons.push_back(engram::v1::FallbackReason_Name(r.code()));
       hints.push_back(r.hint());
     }
-    out["dp_shared_memory"] = {{"works", verdict->share}, {"mode", engram::v1::Mode_Name(verdict->mode)},
-                               {"reasons", reasons}, {"hints", hints}};
+    out["dp_shared_memory"] = {{"works", verdict->share},
+                               {"mode", engram::v1::Mode_Name(verdict->mode)},
+                               {"reasons", reasons},
+                               {"hints", hints}};
   }
   if (a.Has("--embedding-across-dp")) {
     auto dp = a.GetInt("--dp", 1);
     auto local = a.GetInt("--local-dp", dp.value_or(1));
     auto tokens = a.GetInt("--tokens", 4096);
-    if (!dp.ok() || !local.ok() || !tokens.ok() || *tokens < 0) return Usage("--dp, --local-dp, --tokens want integers");
+    if (!dp.ok() || !local.ok() || !tokens.ok() || *tokens < 0)
+      return Usage("--dp, --local-dp, --tokens want integers");
     auto plan = DpShardedPlanJson(*layout, *tp, *dp, *local, *tokens);
     if (!plan.ok()) return Fail(plan.status());
     out["embedding_across_dp"] = *plan;
@@ -206,17 +217,16 @@ int CmdPlan(int argc, char** argv) {
   }
   if (out.contains("embedding_across_dp")) {
     const json& p = out["embedding_across_dp"];
-    std::cout << absl::StrFormat("\nembedding_across_dp: %d shards (TP %d x DP group of %d), %d tokens per rank per step\n",
-                                 p["shards"].get<int64_t>(), *tp, p["edp"].get<int64_t>(),
-                                 p["tokens_per_rank"].get<int64_t>());
+    std::cout << absl::StrFormat(
+        "\nembedding_across_dp: %d shards (TP %d x DP group of %d), %d tokens per rank per step\n",
+        p["shards"].get<int64_t>(), *tp, p["edp"].get<int64_t>(), p["tokens_per_rank"].get<int64_t>());
     std::cout << absl::StrFormat("%-8s %-8s %-6s %-10s %-12s %-14s %s\n", "tp_rank", "dp_rank", "shard", "columns",
                                  "shard bytes", "step bytes", "(ids out/in, records out/in)");
     for (const auto& r : p["ranks"]) {
       const json& b = r["step_bytes"];
       std::cout << absl::StrFormat(
           "%-8d %-8d %-6d %-10s %-12s %-14s %s\n", r["tp_rank"].get<int64_t>(), r["dp_rank"].get<int64_t>(),
-          r["shard"].get<int64_t>(),
-          absl::StrCat(r["columns"][0].get<int64_t>(), "-", r["columns"][1].get<int64_t>()),
+          r["shard"].get<int64_t>(), absl::StrCat(r["columns"][0].get<int64_t>(), "-", r["columns"][1].get<int64_t>()),
           GiB(r["shard_bytes"].get<uint64_t>()), absl::StrFormat("%.2f MiB", b["total"].get<double>() / 1048576.0),
           absl::StrFormat("%d / %d, %d / %d", b["ids_sent"].get<int64_t>(), b["ids_received"].get<int64_t>(),
                           b["records_sent"].get<int64_t>(), b["records_received"].get<int64_t>()));

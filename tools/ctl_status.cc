@@ -12,17 +12,17 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <iostream>
 #include <limits>
 #include <map>
-#include <iostream>
 #include <random>
 #include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "absl/strings/str_join.h"
 #include "client/session/session.h"
 #include "engram/v1/engram.grpc.pb.h"
 #include "model/checkpoint.h"
@@ -45,15 +45,25 @@ json GroupsJson(const engram::v1::StatusReply& s) {
   for (const auto& g : s.groups()) {
     json members = json::array();
     for (const auto& m : g.members()) {
-      json member = {{"pid", m.pid()}, {"dp_rank", m.dp_rank()}, {"edp_rank", m.edp_rank()},
-                     {"max_tokens", m.max_tokens()}, {"bytes_per_step", m.bytes_per_step()}};
+      json member = {{"pid", m.pid()},
+                     {"dp_rank", m.dp_rank()},
+                     {"edp_rank", m.edp_rank()},
+                     {"max_tokens", m.max_tokens()},
+                     {"bytes_per_step", m.bytes_per_step()}};
       if (m.left()) member["left"] = m.left_reason();  // it left (GroupLeave) or its session ended: why
       members.push_back(member);
     }
-    json one = {{"group", g.group()},         {"checkpoint", g.checkpoint()}, {"tp_rank", g.tp_rank()},
-                {"tp_size", g.tp_size()},     {"size", g.size()},             {"state", g.state()},
-                {"transport", g.transport()}, {"slot", g.slot()},             {"bytes_per_step", g.bytes_per_step()},
-                {"members", members},         {"generation", g.generation()}};
+    json one = {{"group", g.group()},
+                {"checkpoint", g.checkpoint()},
+                {"tp_rank", g.tp_rank()},
+                {"tp_size", g.tp_size()},
+                {"size", g.size()},
+                {"state", g.state()},
+                {"transport", g.transport()},
+                {"slot", g.slot()},
+                {"bytes_per_step", g.bytes_per_step()},
+                {"members", members},
+                {"generation", g.generation()}};
     if (g.state() == "BROKEN") {
       one["detail"] = g.detail();
       one["left"] = {{"pid", g.left_pid()}, {"dp_rank", g.left_dp_rank()}};
@@ -65,16 +75,16 @@ json GroupsJson(const engram::v1::StatusReply& s) {
 
 void PrintGroups(const engram::v1::StatusReply& s) {
   if (s.groups_size() == 0) return;
-  std::cout << absl::StrFormat("\n%-44s %-6s %-9s %-9s %-7s %-12s %s\n", "dp group", "tp", "state", "transport",
-                               "slot", "bytes/step", "members (dp rank:pid)");
+  std::cout << absl::StrFormat("\n%-44s %-6s %-9s %-9s %-7s %-12s %s\n", "dp group", "tp", "state", "transport", "slot",
+                               "bytes/step", "members (dp rank:pid)");
   for (const auto& g : s.groups()) {
     std::vector<std::string> members;
     for (const auto& m : g.members()) {
       members.push_back(absl::StrFormat("%d:%d%s", m.dp_rank(), m.pid(), m.left() ? "(left)" : ""));
     }
     std::cout << absl::StrFormat("%-44s %-6s %-9s %-9s %-7d %-12s %s (%d of %d)\n", g.group(),
-                                 absl::StrFormat("%d/%d", g.tp_rank(), g.tp_size()), g.state(), g.transport(),
-                                 g.slot(), absl::StrFormat("%.2f MiB", g.bytes_per_step() / 1048576.0),
+                                 absl::StrFormat("%d/%d", g.tp_rank(), g.tp_size()), g.state(), g.transport(), g.slot(),
+                                 absl::StrFormat("%.2f MiB", g.bytes_per_step() / 1048576.0),
                                  absl::StrJoin(members, " "), g.members_size(), g.size());
     if (g.state() == "BROKEN") std::cout << "           ! " << g.detail() << "\n";
   }
@@ -134,9 +144,8 @@ int CmdStatus(int argc, char** argv) {
   j["recent_fallbacks"] = s.recent_fallbacks();
   j["draining"] = s.draining();
   j["groups"] = GroupsJson(s);
-  j["descriptors"] = {{"socket", s.descriptors().socket()},
-                      {"sent", s.descriptors().sent()},
-                      {"refused", s.descriptors().refused()}};
+  j["descriptors"] = {
+      {"socket", s.descriptors().socket()}, {"sent", s.descriptors().sent()}, {"refused", s.descriptors().refused()}};
   if (a.Has("--json")) {
     std::cout << j.dump() << "\n";
     return 0;
@@ -165,11 +174,12 @@ int CmdStatus(int argc, char** argv) {
     const std::string pid = r.pid() != 0 ? std::to_string(r.pid()) : absl::StrCat("~", r.own_pid());
     std::cout << absl::StrFormat("%-8s %-6d %-6s %-6s %-15s %-11s %-12s %-10s %s\n", pid, r.uid(),
                                  absl::StrFormat("%d/%d", r.dp_rank(), r.dp_size()),
-                                 absl::StrFormat("%d/%d", r.tp_rank(), r.tp_size()), r.mode(), r.attach().empty() ? "-" : r.attach(),
-                                 absl::StrFormat("%.0fs", r.attached_seconds()),
+                                 absl::StrFormat("%d/%d", r.tp_rank(), r.tp_size()), r.mode(),
+                                 r.attach().empty() ? "-" : r.attach(), absl::StrFormat("%.0fs", r.attached_seconds()),
                                  r.register_seconds() < 0 ? "-" : absl::StrFormat("%.2fs", r.register_seconds()),
                                  reasons.empty() ? "-" : absl::StrJoin(reasons, ","));
-    for (const auto& x : r.reasons()) std::cout << "           " << engram::v1::FallbackReason_Name(x.code()) << ": " << x.hint() << "\n";
+    for (const auto& x : r.reasons())
+      std::cout << "           " << engram::v1::FallbackReason_Name(x.code()) << ": " << x.hint() << "\n";
   }
   PrintGroups(s);
   if (s.recent_fallbacks_size() > 0) {
@@ -196,7 +206,8 @@ int CmdWatch(int argc, char** argv) {
     return Usage(std::string(st.message()));
   }
   double interval = 1;
-  if (a.Has("--interval") && (!absl::SimpleAtod(a.Get("--interval"), &interval) || !(interval > 0) || interval > 3600)) {
+  if (a.Has("--interval") &&
+      (!absl::SimpleAtod(a.Get("--interval"), &interval) || !(interval > 0) || interval > 3600)) {
     return Usage("--interval wants seconds in (0, 3600], got " + a.Get("--interval"));
   }
   interval = std::max(0.1, interval);
@@ -211,8 +222,9 @@ int CmdWatch(int argc, char** argv) {
     if (!st.ok()) return RpcFailure(st, socket);
     const auto now = std::chrono::steady_clock::now();
     bool busy = false;
-    std::cout << absl::StrFormat("[%s] %d segments, %d replicas\n", absl::FormatTime("%H:%M:%S", absl::Now(), absl::LocalTimeZone()),
-                                 s.segments_size(), s.replicas_size());
+    std::cout << absl::StrFormat("[%s] %d segments, %d replicas\n",
+                                 absl::FormatTime("%H:%M:%S", absl::Now(), absl::LocalTimeZone()), s.segments_size(),
+                                 s.replicas_size());
     for (const auto& g : s.segments()) {
       const bool loading = g.state() == "LOADING" || g.state() == "PENDING";
       const bool verifying = g.checksum_state() == "verifying";
@@ -229,8 +241,9 @@ int CmdWatch(int argc, char** argv) {
       }
       last[g.name()] = {g.progress(), now};
       std::cout << absl::StrFormat("  %-40s %-9s %s %5.1f%%  %-12s eta %s%s\n", g.name(),
-                                   verifying ? "VERIFYING" : g.state(), Bar(static_cast<uint64_t>(g.progress() * 1000), 1000, 20),
-                                   g.progress() * 100, rate, eta, g.error().empty() ? "" : "  ! " + g.error());
+                                   verifying ? "VERIFYING" : g.state(),
+                                   Bar(static_cast<uint64_t>(g.progress() * 1000), 1000, 20), g.progress() * 100, rate,
+                                   eta, g.error().empty() ? "" : "  ! " + g.error());
     }
     std::cout.flush();
     if (!busy && count == 0) return 0;

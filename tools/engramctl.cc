@@ -2,8 +2,8 @@
 // directly; daemon subcommands talk to engramd over its Unix socket.
 #include <algorithm>
 #include <cstring>
-#include <vector>
 #include <iostream>
+#include <vector>
 
 #include "tools/ctl_daemon.h"
 #include "tools/ctl_offline.h"

@@ -38,8 +38,8 @@ int main(int argc, char** argv) {
   struct {
     const char* name;
     int64_t* field;
-  } ints[] = {{"--heads", &spec.heads}, {"--max-ngram", &spec.max_ngram}, {"--head-dim", &spec.head_dim},
-              {"--hidden", &spec.hidden}, {"--hc-mult", &spec.hc_mult}, {"--shards", &spec.shards}};
+  } ints[] = {{"--heads", &spec.heads},   {"--max-ngram", &spec.max_ngram}, {"--head-dim", &spec.head_dim},
+              {"--hidden", &spec.hidden}, {"--hc-mult", &spec.hc_mult},     {"--shards", &spec.shards}};
   for (auto& i : ints) {
     auto v = a.GetInt(i.name, *i.field);
     if (!v.ok()) {

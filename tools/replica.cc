@@ -56,8 +56,8 @@ int RunDpSharded(const engram::client::Table& t, engram::oracle::RowOracle* orac
               << std::endl;
     return 1;
   };
-  auto plan = engram::client::PlanDpSharded(t.layout(), req.tp_size, req.tp_rank, req.dp_size, req.dp_rank,
-                                            req.local_dp_size);
+  auto plan =
+      engram::client::PlanDpSharded(t.layout(), req.tp_size, req.tp_rank, req.dp_size, req.dp_rank, req.local_dp_size);
   if (!plan.ok()) return fail("plan", plan.status());
   const int32_t max_tokens = static_cast<int32_t>(std::max<int64_t>(T, 1));
   auto host = engram::client::LookupEngine::CreateOnHost(t, max_tokens);
@@ -66,7 +66,8 @@ int RunDpSharded(const engram::client::Table& t, engram::oracle::RowOracle* orac
   if (!engine.ok()) return fail("DP engine", engine.status());
   std::cout << json{{"dp_group_formed", true}, {"edp", plan->edp}, {"edp_rank", plan->edp_rank}}.dump() << std::endl;
   std::mt19937_64 rng(std::random_device{}());
-  std::vector<int32_t> tokens(static_cast<size_t>(T)), qsl = {0, static_cast<int32_t>(T)}, ids(static_cast<size_t>(T * L * C));
+  std::vector<int32_t> tokens(static_cast<size_t>(T)), qsl = {0, static_cast<int32_t>(T)},
+                                                       ids(static_cast<size_t>(T * L * C));
   std::vector<int64_t> pos(static_cast<size_t>(T));
   int64_t verified = 0, mismatches = 0;
   double busy = 0;
@@ -128,8 +129,9 @@ int RunDpSharded(const engram::client::Table& t, engram::oracle::RowOracle* orac
         const int64_t tok = idx / C, c = idx % C;
         const int32_t id = ids[static_cast<size_t>((tok * L + l) * C + c)];
         const bool in_group = c >= plan->group_col_begin && c < plan->group_col_end;
-        const std::vector<uint16_t> want = in_group ? RowFromCheckpoint(oracle, t.layers()[static_cast<size_t>(l)].layer_id, id, D)
-                                                    : std::vector<uint16_t>(static_cast<size_t>(D), 0);
+        const std::vector<uint16_t> want =
+            in_group ? RowFromCheckpoint(oracle, t.layers()[static_cast<size_t>(l)].layer_id, id, D)
+                     : std::vector<uint16_t>(static_cast<size_t>(D), 0);
         ++verified;
         mismatches += !std::equal(want.begin(), want.end(), rows + idx * D);
       }
@@ -160,16 +162,17 @@ int main(int argc, char** argv) {
   engram::tools::Args a;
   auto st = a.Parse(argc, argv, 1,
                     {"--socket", "--checkpoint", "--tp-size", "--tp-rank", "--dp-size", "--dp-rank", "--local-dp-size",
-                     "--dp-shared-memory", "--cpu-offload", "--batches", "--tokens", "--hold", "--shm-dir", "--timeout-ms",
-                     "--verify", "--device"},
+                     "--dp-shared-memory", "--cpu-offload", "--batches", "--tokens", "--hold", "--shm-dir",
+                     "--timeout-ms", "--verify", "--device"},
                     {"--embedding-across-dp", "--elastic-ep", "--write-probe", "--no-descriptor"});
   if (!st.ok() || !a.Has("--checkpoint")) {
-    std::cerr << "engram-replica: " << (st.ok() ? "--checkpoint DIR is required" : std::string(st.message())) << "\n"
-              << "usage: engram-replica --socket PATH --checkpoint DIR --tp-size N --tp-rank R --dp-size N --dp-rank R\n"
-                 "       [--dp-shared-memory auto|true|false] [--cpu-offload true|false] [--embedding-across-dp]\n"
-                 "       [--elastic-ep] [--batches N] [--tokens N] [--hold SECONDS] [--write-probe]\n"
-                 "       [--no-descriptor] [--shm-dir DIR (path fallback: the daemon's shm dir as seen here)]\n"
-                 "       [--device N (CUDA device, e.g. one per DP rank)]\n";
+    std::cerr
+        << "engram-replica: " << (st.ok() ? "--checkpoint DIR is required" : std::string(st.message())) << "\n"
+        << "usage: engram-replica --socket PATH --checkpoint DIR --tp-size N --tp-rank R --dp-size N --dp-rank R\n"
+           "       [--dp-shared-memory auto|true|false] [--cpu-offload true|false] [--embedding-across-dp]\n"
+           "       [--elastic-ep] [--batches N] [--tokens N] [--hold SECONDS] [--write-probe]\n"
+           "       [--no-descriptor] [--shm-dir DIR (path fallback: the daemon's shm dir as seen here)]\n"
+           "       [--device N (CUDA device, e.g. one per DP rank)]\n";
     return 2;
   }
   auto geti = [&](const char* n, int64_t d) { return a.GetInt(n, d).value_or(d); };
@@ -196,7 +199,8 @@ int main(int argc, char** argv) {
                          : dsm == "false" ? engram::client::Choice::kFalse
                                           : engram::client::Choice::kAuto;
   auto client = engram::client::Client::Create(opts);
-  auto table = client.ok() ? (*client)->Attach(req) : absl::StatusOr<std::unique_ptr<engram::client::Table>>(client.status());
+  auto table =
+      client.ok() ? (*client)->Attach(req) : absl::StatusOr<std::unique_ptr<engram::client::Table>>(client.status());
   if (!table.ok()) {
     std::cout << json{{"error", std::string(table.status().message())}}.dump() << std::endl;
     return 1;
@@ -214,7 +218,8 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(std::random_device{}());
   int64_t verified = 0, mismatches = 0, hash_mismatches = 0;
   double busy = 0, gpu_busy = 0;
-  std::vector<int32_t> tokens(static_cast<size_t>(T)), qsl = {0, static_cast<int32_t>(T)}, ids(static_cast<size_t>(T * L * C));
+  std::vector<int32_t> tokens(static_cast<size_t>(T)), qsl = {0, static_cast<int32_t>(T)},
+                                                       ids(static_cast<size_t>(T * L * C));
   std::vector<int64_t> pos(static_cast<size_t>(T));
   std::vector<uint16_t> rows(static_cast<size_t>(T * C * D));
   auto host_engine = engram::client::LookupEngine::CreateOnHost(t, static_cast<int32_t>(std::max<int64_t>(T, 1)));
@@ -252,7 +257,8 @@ int main(int argc, char** argv) {
       return std::chrono::duration<double>(std::chrono::steady_clock::now() - x).count();
     };
     const auto t0 = std::chrono::steady_clock::now();
-    if (!host->Hash(tokens.data(), pos.data(), qsl.data(), nullptr, nullptr, static_cast<int32_t>(T), 1, ids.data()).ok()) {
+    if (!host->Hash(tokens.data(), pos.data(), qsl.data(), nullptr, nullptr, static_cast<int32_t>(T), 1, ids.data())
+             .ok()) {
       return 1;
     }
     busy += since(t0);
@@ -280,7 +286,8 @@ int main(int argc, char** argv) {
     for (int l = 0; l < L; ++l) {
       std::vector<int32_t> layer_ids(static_cast<size_t>(T * C));
       for (int64_t i = 0; i < T; ++i) {
-        for (int64_t c = 0; c < C; ++c) layer_ids[static_cast<size_t>(i * C + c)] = ids[static_cast<size_t>((i * L + l) * C + c)];
+        for (int64_t c = 0; c < C; ++c)
+          layer_ids[static_cast<size_t>(i * C + c)] = ids[static_cast<size_t>((i * L + l) * C + c)];
       }
       const auto t1 = std::chrono::steady_clock::now();
       bool host_ok = false;
@@ -296,8 +303,9 @@ int main(int argc, char** argv) {
         const size_t idx = static_cast<size_t>(rng() % static_cast<uint64_t>(T * C));
         const int32_t id = layer_ids[idx];
         const auto& li = t.layers()[static_cast<size_t>(l)];
-        std::vector<uint16_t> want = id >= li.row_begin && id < li.row_end ? RowFromCheckpoint(oracle.get(), li.layer_id, id, D)
-                                                                           : std::vector<uint16_t>(static_cast<size_t>(D), 0);
+        std::vector<uint16_t> want = id >= li.row_begin && id < li.row_end
+                                         ? RowFromCheckpoint(oracle.get(), li.layer_id, id, D)
+                                         : std::vector<uint16_t>(static_cast<size_t>(D), 0);
         ++verified;
         mismatches += !std::equal(want.begin(), want.end(), rows.begin() + static_cast<long>(idx * D));
       }

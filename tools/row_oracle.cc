@@ -69,8 +69,8 @@ uint16_t ToBf16(double x) {
 std::vector<uint16_t> DequantBf16Row(const std::vector<uint8_t>& record, int64_t head_dim) {
   std::vector<uint16_t> out(static_cast<size_t>(head_dim));
   for (int64_t j = 0; j < head_dim; ++j) {
-    out[static_cast<size_t>(j)] = ToBf16(E4m3(record[static_cast<size_t>(j)]) *
-                                         Ue8m0(record[static_cast<size_t>(head_dim + j / 32)]));
+    out[static_cast<size_t>(j)] =
+        ToBf16(E4m3(record[static_cast<size_t>(j)]) * Ue8m0(record[static_cast<size_t>(head_dim + j / 32)]));
   }
   return out;
 }

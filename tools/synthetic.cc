@@ -12,10 +12,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/status_macros.h"
 #include "model/config.h"
 #include "model/file_util.h"
 #include "model/layout.h"
-#include "base/status_macros.h"
 #include "model/token_map.h"
 #include "model/tokenizer.h"
 #include "nlohmann/json.hpp"
@@ -37,10 +37,8 @@ enum class Kind { kE4M3, kScale, kBf16 };
 
 uint8_t Shape(uint8_t b, Kind kind, uint64_t offset) {
   switch (kind) {
-    case Kind::kE4M3:
-      return (b & 0x7F) == 0x7F ? static_cast<uint8_t>(b - 1) : b;  // no NaN encodings
-    case Kind::kScale:
-      return static_cast<uint8_t>(115 + (b & 0x0F));  // 2^-12 .. 2^3
+    case Kind::kE4M3: return (b & 0x7F) == 0x7F ? static_cast<uint8_t>(b - 1) : b;  // no NaN encodings
+    case Kind::kScale: return static_cast<uint8_t>(115 + (b & 0x0F));               // 2^-12 .. 2^3
     case Kind::kBf16:
       // little-endian bf16: odd bytes hold sign + exponent: values of magnitude in [0.5, 2)
       return (offset & 1) ? static_cast<uint8_t>((b & 0x80) | 0x3F) : b;
@@ -68,7 +66,7 @@ struct PlannedTensor {
   std::vector<int64_t> shape;
   Kind kind;
   uint64_t bytes;
-  uint64_t offset = 0;    // relative to the data start
+  uint64_t offset = 0;  // relative to the data start
 };
 
 absl::Status WriteShard(const std::string& path, std::vector<PlannedTensor>& tensors, uint64_t seed, int threads,
@@ -113,8 +111,8 @@ absl::Status WriteShard(const std::string& path, std::vector<PlannedTensor>& ten
       Fill(seed, NameHash(c.t->canonical), c.begin, c.n, c.t->kind, buf.data());
       uint64_t done = 0;
       while (done < c.n) {
-        ssize_t w = ::pwrite(fd, buf.data() + done, c.n - done,
-                             static_cast<off_t>(data_start + c.t->offset + c.begin + done));
+        ssize_t w =
+            ::pwrite(fd, buf.data() + done, c.n - done, static_cast<off_t>(data_start + c.t->offset + c.begin + done));
         if (w < 0 && errno == EINTR) continue;
         if (w <= 0) {
           err = errno;
@@ -168,11 +166,12 @@ std::string SyntheticTokenizerJson(uint64_t seed) {
   };
   json vocab = json::object();
   for (int b = 0; b < 256; ++b) vocab[bl[static_cast<size_t>(b)]] = b;
-  static const char* kWords[] = {
-      "the", "of", "and", "to", "in", "memory", "engram", "table", "hash", "token", "model", "layer", "share",
-      "node", "replica", "segment", "gate", "lookup", "prime", "row", "cache", "host", "device", "page", "shard",
-      "café", "naïve", "résumé", "straße", "über", "ﬁle", "ｗｉｄｅ", "한국어", "日本語", "中文", "σοφία", "ΣΟΦΙΑ",
-      "İstanbul", "déjà", "coöperate", "Ωmega", "①", "x²", "\t", "\n", "\r\n", "  ", "\u00a0"};
+  static const char* kWords[] = {"the",    "of",     "and",   "to",     "in",     "memory",   "engram",  "table",
+                                 "hash",   "token",  "model", "layer",  "share",  "node",     "replica", "segment",
+                                 "gate",   "lookup", "prime", "row",    "cache",  "host",     "device",  "page",
+                                 "shard",  "café",   "naïve", "résumé", "straße", "über",     "ﬁle",     "ｗｉｄｅ",
+                                 "한국어", "日本語", "中文",  "σοφία",  "ΣΟΦΙΑ",  "İstanbul", "déjà",    "coöperate",
+                                 "Ωmega",  "①",      "x²",    "\t",     "\n",     "\r\n",     "  ",      "\u00a0"};
   int64_t id = 256;
   uint64_t x = seed;
   for (const char* w : kWords) {
@@ -195,8 +194,13 @@ std::string SyntheticTokenizerJson(uint64_t seed) {
   }
   json added = json::array();
   for (const char* special : {"<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|image|>"}) {
-    added.push_back({{"id", id++}, {"content", special}, {"single_word", false}, {"lstrip", false},
-                     {"rstrip", false}, {"normalized", false}, {"special", true}});
+    added.push_back({{"id", id++},
+                     {"content", special},
+                     {"single_word", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"normalized", false},
+                     {"special", true}});
   }
   json tok = {
       {"version", "1.0"},
@@ -204,13 +208,20 @@ std::string SyntheticTokenizerJson(uint64_t seed) {
       {"padding", nullptr},
       {"added_tokens", added},
       {"normalizer", nullptr},
-      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true},
-                         {"use_regex", true}}},
+      {"pre_tokenizer",
+       {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}},
       {"post_processor", nullptr},
       {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
-      {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr}, {"continuing_subword_prefix", nullptr},
-                 {"end_of_word_suffix", nullptr}, {"fuse_unk", false}, {"byte_fallback", false}, {"vocab", vocab},
-                 {"merges", json::array()}}}};
+      {"model",
+       {{"type", "BPE"},
+        {"dropout", nullptr},
+        {"unk_token", nullptr},
+        {"continuing_subword_prefix", nullptr},
+        {"end_of_word_suffix", nullptr},
+        {"fuse_unk", false},
+        {"byte_fallback", false},
+        {"vocab", vocab},
+        {"merges", json::array()}}}};
   return tok.dump(1);
 }
 
@@ -221,7 +232,8 @@ absl::StatusOr<SyntheticResult> WriteSyntheticCheckpoint(const SyntheticSpec& sp
   if (::mkdir(spec.out_dir.c_str(), 0755) != 0 && errno != EEXIST) {
     return absl::PermissionDeniedError(absl::StrCat(spec.out_dir, ": cannot create: ", std::strerror(errno)));
   }
-  const int threads = spec.threads > 0 ? spec.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads =
+      spec.threads > 0 ? spec.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   SyntheticResult res;
 
   const std::string tok_text = SyntheticTokenizerJson(spec.seed);
@@ -261,16 +273,19 @@ absl::StatusOr<SyntheticResult> WriteSyntheticCheckpoint(const SyntheticSpec& sp
               {"vocab_size", res.raw_vocab},
               {"rms_norm_eps", 1e-6},
               {"torch_dtype", "bfloat16"},
-              {"quantization_config", {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"scale_fmt", "ue8m0"},
-                                       {"weight_block_size", {32, 32}}}}};
+              {"quantization_config",
+               {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"scale_fmt", "ue8m0"}, {"weight_block_size", {32, 32}}}}};
   ASSIGN_OR_RETURN(EngramConfig parsed, ParseEngramConfig(cfg.dump()));
   ASSIGN_OR_RETURN(Layout layout, Layout::Build(parsed));  // checks the primes against num_embeddings
   res.table_bytes = static_cast<uint64_t>(layout.table_bytes());
 
   RETURN_IF_ERROR(WriteFileAtomic(spec.out_dir + "/config.json", cfg.dump(2) + "\n"));
   RETURN_IF_ERROR(WriteFileAtomic(spec.out_dir + "/tokenizer.json", tok_text));
-  json tok_cfg = {{"bos_token", "<|begin_of_text|>"}, {"eos_token", "<|end_of_text|>"}, {"pad_token", "<|pad|>"},
-                  {"tokenizer_class", "PreTrainedTokenizerFast"}, {"model_max_length", 131072}};
+  json tok_cfg = {{"bos_token", "<|begin_of_text|>"},
+                  {"eos_token", "<|end_of_text|>"},
+                  {"pad_token", "<|pad|>"},
+                  {"tokenizer_class", "PreTrainedTokenizerFast"},
+                  {"model_max_length", 131072}};
   RETURN_IF_ERROR(WriteFileAtomic(spec.out_dir + "/tokenizer_config.json", tok_cfg.dump(2) + "\n"));
 
   // Tensors, layers spread round-robin over the shard files.
@@ -296,10 +311,10 @@ absl::StatusOr<SyntheticResult> WriteSyntheticCheckpoint(const SyntheticSpec& sp
   json weight_map = json::object();
   const int64_t n_files = static_cast<int64_t>(files.size());
   for (int64_t f = 0; f < n_files; ++f) {
-    const std::string name = n_files == 1 ? "model.safetensors"
-                                          : absl::StrFormat("model-%05d-of-%05d.safetensors", f + 1, n_files);
-    RETURN_IF_ERROR(WriteShard(spec.out_dir + "/" + name, files[static_cast<size_t>(f)], spec.seed, threads,
-                               &res.file_bytes));
+    const std::string name =
+        n_files == 1 ? "model.safetensors" : absl::StrFormat("model-%05d-of-%05d.safetensors", f + 1, n_files);
+    RETURN_IF_ERROR(
+        WriteShard(spec.out_dir + "/" + name, files[static_cast<size_t>(f)], spec.seed, threads, &res.file_bytes));
     for (const auto& t : files[static_cast<size_t>(f)]) weight_map[t.name] = name;
   }
   if (n_files > 1) {

@@ -18,7 +18,7 @@ namespace engram::tools {
 
 struct SyntheticSpec {
   std::string out_dir;
-  double table_mib = 64;             // approximate total bytes of all Engram tables (records)
+  double table_mib = 64;  // approximate total bytes of all Engram tables (records)
   std::vector<int64_t> layers = {1, 3};
   int64_t heads = 4;
   int64_t max_ngram = 3;
@@ -26,17 +26,17 @@ struct SyntheticSpec {
   int64_t hidden = 256;
   int64_t hc_mult = 4;
   uint64_t seed = 1;
-  int64_t shards = 2;                // safetensors files, at most one per layer (round-robin); >1 writes an index
-  bool model_prefix = false;         // name tensors "model.layers..." as some exporters do
-  int threads = 0;                   // 0 = hardware concurrency
+  int64_t shards = 2;         // safetensors files, at most one per layer (round-robin); >1 writes an index
+  bool model_prefix = false;  // name tensors "model.layers..." as some exporters do
+  int threads = 0;            // 0 = hardware concurrency
 };
 
 struct SyntheticResult {
   int64_t compressed_vocab = 0;
   int64_t raw_vocab = 0;
   int64_t engram_vocab_size = 0;
-  uint64_t table_bytes = 0;          // records
-  uint64_t file_bytes = 0;           // all safetensors files
+  uint64_t table_bytes = 0;  // records
+  uint64_t file_bytes = 0;   // all safetensors files
   double seconds = 0;
 };
 

@@ -24,7 +24,8 @@ int engram_status_json(const char* socket, int timeout_ms, char** json, char* er
     }
     *json = nullptr;
     if (auto st = GrpcHere(); !st.ok()) return Fail(st, err, err_len);
-    auto fetched = engram::client::FetchStatusJson(socket, std::chrono::milliseconds(timeout_ms > 0 ? timeout_ms : 5000));
+    auto fetched =
+        engram::client::FetchStatusJson(socket, std::chrono::milliseconds(timeout_ms > 0 ? timeout_ms : 5000));
     if (!fetched.ok()) return Fail(fetched.status(), err, err_len);
     const std::string& text = *fetched;
     *json = static_cast<char*>(std::malloc(text.size() + 1));

@@ -27,16 +27,17 @@ int engram_engine_create_flags(const engram_table* t, int32_t max_tokens, uintpt
       return Fail(absl::InvalidArgumentError("engram_engine_create: null table or output"), err, err_len);
     }
     if (max_tokens < 1 || max_tokens > kMaxEngineTokens) {
-      return Fail(absl::InvalidArgumentError(absl::StrCat("max_tokens must be in [1, ", kMaxEngineTokens, "], got ",
-                                                          max_tokens)),
+      return Fail(absl::InvalidArgumentError(
+                      absl::StrCat("max_tokens must be in [1, ", kMaxEngineTokens, "], got ", max_tokens)),
                   err, err_len);
     }
     if (auto st = Owned(t->owner, "table"); !st.ok()) return Fail(st, err, err_len);
     if ((flags & ~ENGRAM_ENGINE_NO_STAGING) != 0) {
-      return Fail(absl::InvalidArgumentError(absl::StrCat("engram_engine_create: unknown flags ", flags)), err, err_len);
+      return Fail(absl::InvalidArgumentError(absl::StrCat("engram_engine_create: unknown flags ", flags)), err,
+                  err_len);
     }
-    const bool staging = (flags & ENGRAM_ENGINE_NO_STAGING) == 0 ||
-                         t->table->mode() == engram::client::Mode::kDpSharded;
+    const bool staging =
+        (flags & ENGRAM_ENGINE_NO_STAGING) == 0 || t->table->mode() == engram::client::Mode::kDpSharded;
     auto e = std::make_unique<engram_engine>();
     e->max_tokens = max_tokens;
     e->backend = engram::client::BackendName(t->table->backend());
@@ -106,9 +107,9 @@ int engram_engine_lookup(engram_engine* e, int layer, const int32_t* ids, int32_
   }
 }
 
-int engram_engine_lookup_into(engram_engine* e, int layer, const void* ids, int32_t num_tokens,
-                              int64_t ids_stride, int32_t col_begin, int32_t num_cols, void* out,
-                              int64_t out_token_stride, int flags, uintptr_t stream, char* err, size_t err_len) {
+int engram_engine_lookup_into(engram_engine* e, int layer, const void* ids, int32_t num_tokens, int64_t ids_stride,
+                              int32_t col_begin, int32_t num_cols, void* out, int64_t out_token_stride, int flags,
+                              uintptr_t stream, char* err, size_t err_len) {
   try {
     if (e == nullptr) return Fail(absl::InvalidArgumentError("lookup_into: null engine"), err, err_len);
     if (auto st = Owned(e->owner, "engine"); !st.ok()) return Fail(st, err, err_len);
@@ -190,12 +191,9 @@ int engram_engine_last_lookup_path(const engram_engine* e) {
   try {
     if (e == nullptr) return -1;
     switch (e->engine->last_lookup_path()) {
-      case engram::client::LookupPath::kUva:
-        return ENGRAM_LOOKUP_PATH_UVA;
-      case engram::client::LookupPath::kHostGather:
-        return ENGRAM_LOOKUP_PATH_HOST_GATHER;
-      default:
-        return ENGRAM_LOOKUP_PATH_AUTO;
+      case engram::client::LookupPath::kUva: return ENGRAM_LOOKUP_PATH_UVA;
+      case engram::client::LookupPath::kHostGather: return ENGRAM_LOOKUP_PATH_HOST_GATHER;
+      default: return ENGRAM_LOOKUP_PATH_AUTO;
     }
   } catch (...) {
     return static_cast<int>(absl::StatusCode::kInternal);
@@ -204,10 +202,12 @@ int engram_engine_last_lookup_path(const engram_engine* e) {
 
 int engram_engine_gate(engram_engine* e, const engram_gate_args* g, uintptr_t stream, char* err, size_t err_len) {
   try {
-    if (e == nullptr || g == nullptr) return Fail(absl::InvalidArgumentError("gate: null engine or args"), err, err_len);
+    if (e == nullptr || g == nullptr)
+      return Fail(absl::InvalidArgumentError("gate: null engine or args"), err, err_len);
     if (auto st = Owned(e->owner, "engine"); !st.ok()) return Fail(st, err, err_len);
     absl::Status st = CheckTokens(g->num_tokens, e->max_tokens);
-    if (st.ok() && (g->hc_mult < 1 || g->dim < 1)) st = absl::InvalidArgumentError("gate: hc_mult and dim must be >= 1");
+    if (st.ok() && (g->hc_mult < 1 || g->dim < 1))
+      st = absl::InvalidArgumentError("gate: hc_mult and dim must be >= 1");
     if (st.ok() && g->num_tokens > 0 &&
         (g->hidden == nullptr || g->kv == nullptr || g->q_weight == nullptr || g->k_weight == nullptr ||
          g->out == nullptr)) {
@@ -215,8 +215,8 @@ int engram_engine_gate(engram_engine* e, const engram_gate_args* g, uintptr_t st
     }
     if (!st.ok()) return Fail(st, err, err_len);
     if (g->num_tokens == 0) return 0;
-    engram::client::GateInputs in{g->hidden, g->kv, g->q_weight, g->k_weight, g->mask, g->out,
-                                  g->num_tokens, g->hc_mult, g->dim, g->eps};
+    engram::client::GateInputs in{g->hidden, g->kv,         g->q_weight, g->k_weight, g->mask,
+                                  g->out,    g->num_tokens, g->hc_mult,  g->dim,      g->eps};
     st = e->engine->SetStream(AsStream(stream));
     if (st.ok()) st = e->engine->Gate(in);
     return Done(st, err, err_len);

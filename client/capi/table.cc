@@ -15,8 +15,8 @@ using namespace engram::capi;  // NOLINT: the entry points' shared helpers
 
 extern "C" {
 
-int engram_attach(const char* socket, int timeout_ms, const engram_attach_request* req, engram_table** out,
-                  char* err, size_t err_len) {
+int engram_attach(const char* socket, int timeout_ms, const engram_attach_request* req, engram_table** out, char* err,
+                  size_t err_len) {
   try {
     if (req == nullptr || out == nullptr || req->checkpoint == nullptr) {
       return Fail(absl::InvalidArgumentError("engram_attach: null request, checkpoint or output"), err, err_len);
@@ -241,7 +241,9 @@ int engram_table_hidden_size(const engram_table* t) {
     return static_cast<int>(absl::StatusCode::kInternal);
   }
 }
-int engram_table_hc_mult(const engram_table* t) { return t ? static_cast<int>(t->table->layout().config().hc_mult) : 0; }
+int engram_table_hc_mult(const engram_table* t) {
+  return t ? static_cast<int>(t->table->layout().config().hc_mult) : 0;
+}
 double engram_table_rms_norm_eps(const engram_table* t) { return t ? t->table->layout().config().rms_norm_eps : 0; }
 int64_t engram_table_pad_token_id(const engram_table* t) { return t ? t->table->layout().config().pad_token_id : -1; }
 double engram_table_register_seconds(const engram_table* t) { return t ? t->table->register_seconds() : -1; }

@@ -12,13 +12,13 @@
 #include <string>
 #include <thread>
 
-#include "client/log.h"
-#include "client/environment.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "client/engine/device_engine.h"
 #include "client/dp/nccl_exchange.h"
 #include "client/dp/step_watch.h"
+#include "client/engine/device_engine.h"
+#include "client/environment.h"
+#include "client/log.h"
 
 namespace engram::client {
 namespace {
@@ -110,7 +110,8 @@ class DpDeviceEngine final : public LookupEngine {
         ids = d_ids_;
       }
     }
-    if (cudaEventRecord(ids_ready_, stream_) != cudaSuccess || cudaStreamWaitEvent(side_, ids_ready_, 0) != cudaSuccess) {
+    if (cudaEventRecord(ids_ready_, stream_) != cudaSuccess ||
+        cudaStreamWaitEvent(side_, ids_ready_, 0) != cudaSuccess) {
       return Fail(absl::InternalError("prefetch: fork of the side stream"));
     }
     std::vector<void*> outs(staging_.begin(), staging_.end());
@@ -179,8 +180,8 @@ class DpDeviceEngine final : public LookupEngine {
     ASSIGN_OR_RETURN(e->group_, DpGroup::Join(session, join, DpFormTimeout()));
     const GroupEvent& g = e->group_->formed();
     if (static_cast<int64_t>(g.members.size()) != plan.edp) {  // never an NCCL communicator of the wrong size
-      return absl::InternalError(absl::StrCat("the daemon formed a group of ", g.members.size(),
-                                              " members, expected ", plan.edp));
+      return absl::InternalError(
+          absl::StrCat("the daemon formed a group of ", g.members.size(), " members, expected ", plan.edp));
     }
     auto broken = [grp = e->group_.get()] { return grp->Broken(); };
     ncclComm_t comm = static_cast<ncclComm_t>(nccl_comm);
@@ -262,8 +263,10 @@ class DpDeviceEngine final : public LookupEngine {
       if (peer.ok()) {
         e->peer_ = true;
       } else if (absl::IsFailedPrecondition(peer)) {
-        Log().warn("engram: event=dp_peer_reads_unavailable group={} reason=\"{}\" (the group uses the all-to-all "
-                     "path)", g.group, std::string(peer.message()));
+        Log().warn(
+            "engram: event=dp_peer_reads_unavailable group={} reason=\"{}\" (the group uses the all-to-all "
+            "path)",
+            g.group, std::string(peer.message()));
       } else {
         return peer;
       }
@@ -283,13 +286,17 @@ class DpDeviceEngine final : public LookupEngine {
       return absl::ResourceExhaustedError("cannot create the DP prefetch stream and id buffer");
     }
     e->watchdog_ = std::thread([raw = e.get()] { raw->Watch(); });
-    Log().info("engram: event=dp_group_formed transport=nccl group={} members={} edp_rank={} slot={} path={} "
-                 "a2a={} nccl={} chunks={} exchange_bytes={}",
-                 g.group, g.members.size(), me, g.slot, e->peer_ ? "nvlink-peer" : "all-to-all",
-                 shape.sequential ? "sequential" : shape.graph ? "graph" : "pipelined",
-                 nccl_comm != nullptr ? "engine's" : blocking ? "blocking" : "non-blocking",
-                 e->exchange_->chunks(static_cast<int32_t>(L)),
-                 e->exchange_->device_bytes());
+    Log().info(
+        "engram: event=dp_group_formed transport=nccl group={} members={} edp_rank={} slot={} path={} "
+        "a2a={} nccl={} chunks={} exchange_bytes={}",
+        g.group, g.members.size(), me, g.slot, e->peer_ ? "nvlink-peer" : "all-to-all",
+        shape.sequential ? "sequential"
+        : shape.graph    ? "graph"
+                         : "pipelined",
+        nccl_comm != nullptr ? "engine's"
+        : blocking           ? "blocking"
+                             : "non-blocking",
+        e->exchange_->chunks(static_cast<int32_t>(L)), e->exchange_->device_bytes());
     return std::unique_ptr<LookupEngine>(std::move(e));
   }
 
@@ -300,10 +307,9 @@ class DpDeviceEngine final : public LookupEngine {
   // the communicator, polled with the group's broken check.
   absl::StatusOr<std::vector<int32_t>> AllGatherInts(ncclComm_t comm, int32_t n, const std::vector<int32_t>& mine) {
     std::vector<int32_t> got(static_cast<size_t>(n) * mine.size());
-    RETURN_IF_ERROR(DpNcclExchange::AllGather(comm, stream_, n, mine.data(), mine.size() * 4, got.data(),
-                                              [this] { return group_->Broken(); },
-                                              std::chrono::steady_clock::now() + DpFormTimeout(),
-                                              "the group's first all-gather"));
+    RETURN_IF_ERROR(DpNcclExchange::AllGather(
+        comm, stream_, n, mine.data(), mine.size() * 4, got.data(), [this] { return group_->Broken(); },
+        std::chrono::steady_clock::now() + DpFormTimeout(), "the group's first all-gather"));
     return got;
   }
 
@@ -335,8 +341,7 @@ class DpDeviceEngine final : public LookupEngine {
     if (T < 0 || T > max_tokens_) {
       return Fail(absl::InvalidArgumentError(absl::StrCat(T, " tokens; the engine was sized for ", max_tokens_)));
     }
-    if (auto st = exchange_->Step(ids, token_stride, layer_stride, T, l0, nl, outs, packed, peer_, stream);
-        !st.ok()) {
+    if (auto st = exchange_->Step(ids, token_stride, layer_stride, T, l0, nl, outs, packed, peer_, stream); !st.ok()) {
       if (auto why = exchange_->aborted()) return Fail(absl::AbortedError(*why));
       return Fail(st);
     }

@@ -11,11 +11,11 @@
 // chunk of records, 0 = one chunk; ENGRAM_DP_A2A=graph: the pipelined step captured once per shape into a CUDA graph
 // and replayed, =pipelined: enqueued call by call, =sequential: the unpipelined all-to-all, unset: graph for group
 // slots up to ENGRAM_DP_GRAPH_MAX_SLOT (default DpExchangeShape::kDefaultGraphMaxSlot), pipelined above) are rank
-// 0's, agreed with the shard kinds in one all-gather when the group forms. Under the caller's own stream capture the graph
-// form enqueues the pipelined step into the caller's graph instead (no nested instantiate).
-// A watchdog thread aborts the communicator when the group breaks (engramd: a member left; or this lease ended)
-// or a step does not finish within ENGRAM_DP_STEP_TIMEOUT_MS, so no member hangs in a collective; every later call
-// then returns the reason. CUDA builds only. One thread drives the engine; the Table must outlive it.
+// 0's, agreed with the shard kinds in one all-gather when the group forms. Under the caller's own stream capture the
+// graph form enqueues the pipelined step into the caller's graph instead (no nested instantiate). A watchdog thread
+// aborts the communicator when the group breaks (engramd: a member left; or this lease ended) or a step does not finish
+// within ENGRAM_DP_STEP_TIMEOUT_MS, so no member hangs in a collective; every later call then returns the reason. CUDA
+// builds only. One thread drives the engine; the Table must outlive it.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -8,14 +8,14 @@
 #include <numeric>
 #include <vector>
 
-#include "client/log.h"
-#include "client/fault_points.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status_macros.h"
 #include "client/dp/group.h"
 #include "client/dp/host_transport.h"
 #include "client/dp/plan.h"
+#include "client/fault_points.h"
+#include "client/log.h"
 #ifdef ENGRAM_HAVE_CUDA
 #include "client/dp/device_engine.h"
 #endif
@@ -35,7 +35,11 @@ class DpHostEngine final : public LookupEngine {
  public:
   DpHostEngine(const Table& t, int32_t max_tokens, DpShardedPlan plan, std::unique_ptr<DpGroup> group,
                std::unique_ptr<DpHostRegion> region)
-      : t_(t), max_tokens_(max_tokens), plan_(std::move(plan)), group_(std::move(group)), region_(std::move(region)),
+      : t_(t),
+        max_tokens_(max_tokens),
+        plan_(std::move(plan)),
+        group_(std::move(group)),
+        region_(std::move(region)),
         host_(*LookupEngine::CreateOnHost(t, max_tokens)) {
     const int64_t L = static_cast<int64_t>(t_.layers().size()), C = t_.n_cols(), D = t_.head_dim();
     const int64_t part = PartOf(plan_);
@@ -229,15 +233,14 @@ absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpEngine(const Table& table,
   }
   Session& session = *impl->session_;
   const Declaration& d = session.declaration();
-  ASSIGN_OR_RETURN(DpShardedPlan plan, PlanDpSharded(table.layout(), d.tp_size, d.tp_rank, d.dp_size, d.dp_rank,
-                                                     d.local_dp_size));
+  ASSIGN_OR_RETURN(DpShardedPlan plan,
+                   PlanDpSharded(table.layout(), d.tp_size, d.tp_rank, d.dp_size, d.dp_rank, d.local_dp_size));
   if (plan.owned.col_begin != table.col_begin() || plan.owned.col_end != table.col_end()) {
     return absl::InternalError("the DP_SHARDED table does not hold this rank's shard");
   }
   if (table.backend() == Backend::kCuda) {
 #ifdef ENGRAM_HAVE_CUDA
-    return CreateDpDeviceEngine(table, max_tokens, static_cast<cudaStream_t>(stream), session, plan,
-                                options.nccl_comm);
+    return CreateDpDeviceEngine(table, max_tokens, static_cast<cudaStream_t>(stream), session, plan, options.nccl_comm);
 #else
     return absl::InternalError("a CUDA table in a build without CUDA");
 #endif
@@ -269,8 +272,8 @@ absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpEngine(const Table& table,
     return st;
   };
   if (static_cast<int64_t>(g.members.size()) != plan.edp) {
-    return give_up(absl::InternalError(absl::StrCat("the daemon formed a group of ", g.members.size(),
-                                                    " members, expected ", plan.edp)));
+    return give_up(absl::InternalError(
+        absl::StrCat("the daemon formed a group of ", g.members.size(), " members, expected ", plan.edp)));
   }
   DpRegionShape shape;
   shape.members = static_cast<int32_t>(plan.edp);
@@ -296,7 +299,7 @@ absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpEngine(const Table& table,
   if (auto st = region->WaitAll(1, broken, DpStepTimeout()); !st.ok()) return give_up(st);
   if (me == 0) region->Unlink();
   Log().info("engram: event=dp_group_formed group={} members={} edp_rank={} slot={} region_bytes={}", g.group,
-               g.members.size(), me, g.slot, region->bytes());
+             g.members.size(), me, g.slot, region->bytes());
   return std::unique_ptr<LookupEngine>(
       new DpHostEngine(table, max_tokens, std::move(plan), std::move(group), std::move(region)));
 }

@@ -4,10 +4,10 @@
 #include <cstdlib>
 #include <mutex>
 
-#include "client/log.h"
-#include "client/environment.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "client/environment.h"
+#include "client/log.h"
 
 namespace engram::client {
 
@@ -43,9 +43,10 @@ absl::StatusOr<std::unique_ptr<DpGroup>> DpGroup::Join(Session& session, const G
     // is free to join again.
     (void)session.LeaveGroup(join_id, "", 0,
                              absl::StrCat("gave up waiting for the group to form after ", timeout.count(), " ms"));
-    return absl::DeadlineExceededError(absl::StrCat(
-        "the DP group did not form within ", timeout.count(), " ms: every DP replica of this TP position on the node "
-        "must run with embedding_across_dp and join (ENGRAM_DP_FORM_TIMEOUT_MS sets the wait)"));
+    return absl::DeadlineExceededError(
+        absl::StrCat("the DP group did not form within ", timeout.count(),
+                     " ms: every DP replica of this TP position on the node "
+                     "must run with embedding_across_dp and join (ENGRAM_DP_FORM_TIMEOUT_MS sets the wait)"));
   }
   // Formed, even if broken since: the caller learns the group (a host region's name it must remove) and stops at
   // its first Broken() check.

@@ -63,9 +63,9 @@ absl::Status DpHostRegion::Map(size_t bytes, bool create) {
   if (create) {
     const int rc = ::posix_fallocate(fd_, 0, static_cast<off_t>(bytes));
     if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "/dev/shm cannot hold the DP exchange region (", bytes, " bytes: ", std::strerror(rc),
-          "): give the containers a larger /dev/shm (--shm-size, or an emptyDir of medium Memory)"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("/dev/shm cannot hold the DP exchange region (", bytes, " bytes: ", std::strerror(rc),
+                       "): give the containers a larger /dev/shm (--shm-size, or an emptyDir of medium Memory)"));
     }
   }
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
@@ -93,8 +93,8 @@ Geometry GeometryOf(const DpRegionShape& s) {
 absl::Status CheckShape(const DpRegionShape& s) {
   if (s.members < 1 || s.members > kMaxDpMembers || s.slot < 1 || s.layers < 1 || s.cols < 1 || s.part < 1 ||
       s.record_bytes < 1) {
-    return absl::InvalidArgumentError(absl::StrFormat("DP exchange region: bad shape (%d members, slot %d)",
-                                                      s.members, s.slot));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("DP exchange region: bad shape (%d members, slot %d)", s.members, s.slot));
   }
   return absl::OkStatus();
 }
@@ -105,8 +105,8 @@ absl::Status DpHostRegion::Init(const DpRegionShape& shape, int32_t me) {
   if (fd_ >= 0) return absl::FailedPreconditionError("the DP exchange region was initialised already");
   fd_ = ::shm_open(name_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd_ < 0) {
-    return absl::UnavailableError(absl::StrCat("cannot create the DP exchange region ", name_, " in /dev/shm: ",
-                                               std::strerror(errno)));
+    return absl::UnavailableError(
+        absl::StrCat("cannot create the DP exchange region ", name_, " in /dev/shm: ", std::strerror(errno)));
   }
   unlinked_ = false;  // this member created the name: it removes it
   const Geometry g = GeometryOf(shape);
@@ -143,8 +143,8 @@ absl::StatusOr<std::unique_ptr<DpHostRegion>> DpHostRegion::Open(const std::stri
   while (true) {
     if (auto why = broken()) return absl::AbortedError(*why);
     if (std::chrono::steady_clock::now() > deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("the DP group's rank 0 did not set up the exchange region ",
-                                                      name, " in time"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("the DP group's rank 0 did not set up the exchange region ", name, " in time"));
     }
     if (r->fd_ < 0) r->fd_ = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
     struct stat st {};
@@ -160,10 +160,9 @@ absl::StatusOr<std::unique_ptr<DpHostRegion>> DpHostRegion::Open(const std::stri
   // rendezvous) could feed this member rows.
   struct stat own {};
   if (::fstat(r->fd_, &own) != 0 || own.st_uid != ::geteuid() || (own.st_mode & 077) != 0) {
-    return absl::PermissionDeniedError(absl::StrCat("the DP exchange region ", name,
-                                                    " is not this uid's own private object (owner uid ",
-                                                    own.st_uid, ", mode ", absl::StrFormat("%o", own.st_mode & 0777),
-                                                    "): refused"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("the DP exchange region ", name, " is not this uid's own private object (owner uid ", own.st_uid,
+                     ", mode ", absl::StrFormat("%o", own.st_mode & 0777), "): refused"));
   }
   if (auto st = r->Map(g.total, /*create=*/false); !st.ok()) return st;
   Header* h = HeaderOf(r->base_);
@@ -175,9 +174,10 @@ absl::StatusOr<std::unique_ptr<DpHostRegion>> DpHostRegion::Open(const std::stri
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   if (h->magic != kMagic || !(h->shape == shape)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the DP exchange region ", name, " has another shape than this member expects (members disagree on the "
-        "checkpoint or topology)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the DP exchange region ", name,
+                     " has another shape than this member expects (members disagree on the "
+                     "checkpoint or topology)"));
   }
   r->shape_ = shape;
   r->me_ = me;
@@ -253,9 +253,9 @@ absl::Status DpHostRegion::WaitAll(uint64_t phase, const BrokenFn& broken, std::
         if (at >= phase) continue;
         absl::StrAppend(&who, who.empty() ? "" : ", ", "edp rank ", r, " (pid ", member(r).pid, ", at phase ", at, ")");
       }
-      const std::string why = absl::StrCat("DP group member ", who.empty() ? "?" : who, " did not reach step phase ",
-                                           phase, " within ", timeout.count(),
-                                           " ms (ENGRAM_DP_STEP_TIMEOUT_MS): stalled or stopped");
+      const std::string why =
+          absl::StrCat("DP group member ", who.empty() ? "?" : who, " did not reach step phase ", phase, " within ",
+                       timeout.count(), " ms (ENGRAM_DP_STEP_TIMEOUT_MS): stalled or stopped");
       Abort(why);
       return absl::DeadlineExceededError(why);
     }

@@ -13,7 +13,6 @@ bool Load(void* lib, const char* name, F* fn) {
   return *fn != nullptr;
 }
 
-
 }  // namespace
 
 absl::StatusOr<const NcclApi*> NcclApi::Get() {

@@ -9,10 +9,10 @@
 #include <numeric>
 #include <thread>
 
-#include "client/environment.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status_macros.h"
+#include "client/environment.h"
 #include "kernels/dp_kernels.h"
 #include "kernels/engram_kernels.h"
 
@@ -91,10 +91,13 @@ absl::Status DpNcclExchange::WaitStream(cudaStream_t stream, const BrokenFn& sto
 }
 
 absl::Status DpNcclExchange::Wait(ncclResult_t r, const char* what) {
-  return Poll(comm_, r, [this]() -> std::optional<std::string> {
-    if (aborted_) return "the DP exchange was aborted";
-    return std::nullopt;
-  }, std::chrono::steady_clock::now() + timeout_, what);
+  return Poll(
+      comm_, r,
+      [this]() -> std::optional<std::string> {
+        if (aborted_) return "the DP exchange was aborted";
+        return std::nullopt;
+      },
+      std::chrono::steady_clock::now() + timeout_, what);
 }
 
 bool DpNcclExchange::SplitSupported() {

@@ -46,8 +46,8 @@ absl::StatusOr<std::unique_ptr<DpNcclExchange>> DpNcclExchange::Create(const DpE
   size_t recv_total = 0;
   for (int32_t m = 0; m < shape.members; ++m) {
     x->recv_off_.push_back(recv_total);
-    const size_t cols_m = static_cast<size_t>(shape.col_end[static_cast<size_t>(m)] -
-                                              shape.col_begin[static_cast<size_t>(m)]);
+    const size_t cols_m =
+        static_cast<size_t>(shape.col_end[static_cast<size_t>(m)] - shape.col_begin[static_cast<size_t>(m)]);
     recv_total += L * S * cols_m * rb;
   }
   auto alloc = [&](void** p, size_t bytes) -> absl::Status {
@@ -72,8 +72,8 @@ absl::StatusOr<std::unique_ptr<DpNcclExchange>> DpNcclExchange::Create(const DpE
     }
   }
   if (auto st = alloc(reinterpret_cast<void**>(&x->unpack_ids_), S * C * 4); !st.ok()) return st;
-  if (auto st = x->Cuda(cudaMemcpy(x->unpack_ids_, unpack.data(), unpack.size() * 4, cudaMemcpyHostToDevice),
-                        "unpack ids");
+  if (auto st =
+          x->Cuda(cudaMemcpy(x->unpack_ids_, unpack.data(), unpack.size() * 4, cudaMemcpyHostToDevice), "unpack ids");
       !st.ok()) {
     return st;
   }
@@ -194,8 +194,7 @@ absl::Status DpNcclExchange::StepGraph(const int32_t* ids, int64_t token_stride,
     // Capture the pipelined step for the full slot, token count from live_, on the exchange's own stream (the
     // caller's may be the legacy stream, which cannot be captured). Capturing runs no collective (NCCL connected
     // during the direct first step), so a member that captured and one that did not still pair their sends.
-    if (auto st = Cuda(cudaStreamBeginCapture(cap_stream_, cudaStreamCaptureModeRelaxed), "begin capture");
-        !st.ok()) {
+    if (auto st = Cuda(cudaStreamBeginCapture(cap_stream_, cudaStreamCaptureModeRelaxed), "begin capture"); !st.ok()) {
       return st;
     }
     absl::Status st = StepPipelined(ids, token_stride, layer_stride, shape_.slot, l0, nl, outs, cap_stream_, live_);
@@ -260,8 +259,8 @@ int32_t DpNcclExchange::chunks(int32_t nl) const {
 }
 
 absl::Status DpNcclExchange::Gather(const Source& source, const int32_t* ids, int64_t token_stride,
-                                    int64_t layer_stride, int32_t T, int32_t nl, void* const* outs,
-                                    cudaStream_t stream, const char* what) {
+                                    int64_t layer_stride, int32_t T, int32_t nl, void* const* outs, cudaStream_t stream,
+                                    const char* what) {
   const int32_t n = shape_.members;
   kernels::PeerGatherArgs g;
   g.members = n;
@@ -286,9 +285,8 @@ absl::Status DpNcclExchange::Gather(const Source& source, const int32_t* ids, in
   return Cuda(kernels::LaunchPeerGather(g, stream), what);
 }
 
-absl::Status DpNcclExchange::Step(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T,
-                                  int32_t l0, int32_t nl, void* const* outs, bool packed, bool peer,
-                                  cudaStream_t stream) {
+absl::Status DpNcclExchange::Step(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T, int32_t l0,
+                                  int32_t nl, void* const* outs, bool packed, bool peer, cudaStream_t stream) {
   if (auto why = aborted()) return absl::AbortedError(*why);
   if (T < 0 || T > shape_.slot || l0 < 0 || nl < 1 || l0 + nl > shape_.layers) {
     return absl::InvalidArgumentError("DP exchange: step outside the exchange's shape");
@@ -338,10 +336,10 @@ absl::Status DpNcclExchange::Step(const int32_t* ids, int64_t token_stride, int6
       a.out = tmp_rows_;
       a.packed = packed;
       if (auto st = Cuda(kernels::LaunchLookup(a, stream), "lookup kernel"); !st.ok()) return st;
-      if (auto st = Cuda(cudaMemcpy2DAsync(static_cast<uint8_t*>(outs[l0 + li]) + cb * row_bytes, C * row_bytes,
-                                           tmp_rows_, os * row_bytes, os * row_bytes, T, cudaMemcpyDeviceToDevice,
-                                           stream),
-                         "peer rows copy");
+      if (auto st =
+              Cuda(cudaMemcpy2DAsync(static_cast<uint8_t*>(outs[l0 + li]) + cb * row_bytes, C * row_bytes, tmp_rows_,
+                                     os * row_bytes, os * row_bytes, T, cudaMemcpyDeviceToDevice, stream),
+                   "peer rows copy");
           !st.ok()) {
         return st;
       }

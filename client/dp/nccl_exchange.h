@@ -53,7 +53,6 @@
 
 namespace engram::client {
 
-
 // One layer of a shard on the device (or UVA-visible host memory): records of rows [row_begin, row_end).
 struct ShardLayer {
   const uint8_t* records = nullptr;
@@ -139,8 +138,8 @@ class DpNcclExchange {
   // One step over layers [l0, l0 + nl) on `stream`: ids(t, li, c) = ids[t * token_stride + li * layer_stride + c]
   // (device), outs[l0 + li] receives bf16 [T, cols, head_dim] or, packed, [T, cols, record_bytes]; columns outside
   // the group are left as they are (the caller zeroes them once). `peer`: the peer-read path (needs peer shards).
-  absl::Status Step(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T, int32_t l0,
-                    int32_t nl, void* const* outs, bool packed, bool peer, cudaStream_t stream);
+  absl::Status Step(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T, int32_t l0, int32_t nl,
+                    void* const* outs, bool packed, bool peer, cudaStream_t stream);
   // Chunks of the collective path for a step of `nl` layers (group-wide: slot, column split, chunk_bytes).
   int32_t chunks(int32_t nl) const;
 
@@ -179,7 +178,7 @@ class DpNcclExchange {
   static constexpr size_t kMaxGraphs = 4;  // further shapes run the pipelined form directly (no recapture churn)
   std::vector<CachedGraph> graphs_;        // guarded by mu_
   std::vector<GraphKey> seen_;             // shapes stepped once (captured on their second step); guarded by mu_
-  int32_t* live_ = nullptr;          // the graph form's token count (device)
+  int32_t* live_ = nullptr;                // the graph form's token count (device)
   cudaStream_t cap_stream_ = nullptr;
   absl::Status StepSequential(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T, int32_t l0,
                               int32_t nl, void* const* outs, bool packed, cudaStream_t stream);
@@ -201,20 +200,22 @@ class DpNcclExchange {
   cudaStream_t comm_stream_ = nullptr, own_stream_ = nullptr;
   cudaEvent_t ev_start_ = nullptr, ev_split_ = nullptr, ev_ids_ = nullptr, ev_own_ = nullptr, ev_done_ = nullptr;
   cudaEvent_t ev_pack_[kMaxChunks] = {}, ev_recv_[kMaxChunks] = {};
-  int32_t* send_ids_ = nullptr;   // sequential [slot, layers, cols]; pipelined: per other member [slot, layers, its cols]
-  int32_t* all_ids_ = nullptr;    // sequential [members, slot, layers, cols]; pipelined: per other member [slot, layers, own]
+  int32_t* send_ids_ =
+      nullptr;  // sequential [slot, layers, cols]; pipelined: per other member [slot, layers, its cols]
+  int32_t* all_ids_ =
+      nullptr;  // sequential [members, slot, layers, cols]; pipelined: per other member [slot, layers, own]
   uint8_t* send_recs_ = nullptr;  // [members][layers][slot][own cols][rb]
   uint8_t* recv_recs_ = nullptr;  // [members][layers][slot][their cols][rb]
   std::vector<size_t> recv_off_;
-  uint16_t* tmp_rows_ = nullptr;  // [slot, part, head_dim] bf16
-  int32_t* iota_ = nullptr;       // [slot * part]
-  int32_t* unpack_ids_ = nullptr; // [slot, cols]: the received-block row of (token, column)
+  uint16_t* tmp_rows_ = nullptr;   // [slot, part, head_dim] bf16
+  int32_t* iota_ = nullptr;        // [slot * part]
+  int32_t* unpack_ids_ = nullptr;  // [slot, cols]: the received-block row of (token, column)
   size_t device_bytes_ = 0;
   // Held around NCCL calls, graph capture and launch, and by Abort: never abort a communicator in use (recursive:
   // the graph form holds it across the capture of the pipelined step, which takes it for its NCCL calls).
   mutable std::recursive_mutex mu_;
   std::atomic<bool> aborted_{false};
-  std::string abort_reason_;     // guarded by reason_mu_, set before aborted_
+  std::string abort_reason_;  // guarded by reason_mu_, set before aborted_
   mutable std::mutex reason_mu_;
 };
 

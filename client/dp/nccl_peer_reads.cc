@@ -12,9 +12,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status_macros.h"
+#include "client/fault_points.h"
 #include "kernels/dp_kernels.h"
 #include "kernels/engram_kernels.h"
-#include "client/fault_points.h"
 
 namespace engram::client {
 

@@ -17,9 +17,9 @@
 
 namespace engram::client {
 
-absl::Status DpNcclExchange::StepPipelined(const int32_t* ids, int64_t token_stride, int64_t layer_stride,
-                                           int32_t T, int32_t l0, int32_t nl, void* const* outs,
-                                           cudaStream_t stream, const int32_t* live) {
+absl::Status DpNcclExchange::StepPipelined(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T,
+                                           int32_t l0, int32_t nl, void* const* outs, cudaStream_t stream,
+                                           const int32_t* live) {
   const int64_t S = shape_.slot, rb = shape_.record_bytes();
   const int32_t me = shape_.me, n = shape_.members;
   auto cb = [&](int32_t s) { return shape_.col_begin[static_cast<size_t>(s)]; };
@@ -177,8 +177,8 @@ absl::Status DpNcclExchange::StepPipelined(const int32_t* ids, int64_t token_str
   return shape_.own_concurrent ? Cuda(cudaStreamWaitEvent(stream, ev_own_, 0), "event") : absl::OkStatus();
 }
 
-absl::Status DpNcclExchange::StepSequential(const int32_t* ids, int64_t token_stride, int64_t layer_stride,
-                                            int32_t T, int32_t l0, int32_t nl, void* const* outs, bool packed,
+absl::Status DpNcclExchange::StepSequential(const int32_t* ids, int64_t token_stride, int64_t layer_stride, int32_t T,
+                                            int32_t l0, int32_t nl, void* const* outs, bool packed,
                                             cudaStream_t stream) {
   const int64_t S = shape_.slot, C = shape_.cols, rb = shape_.record_bytes(), D = shape_.head_dim;
   const int32_t me = shape_.me, n = shape_.members;
@@ -275,8 +275,8 @@ absl::Status DpNcclExchange::StepSequential(const int32_t* ids, int64_t token_st
         }
         rows = tmp_rows_;
       }
-      if (auto st = Cuda(cudaMemcpy2DAsync(static_cast<uint8_t*>(outs[l0 + li]) + cb * row_bytes, C * row_bytes,
-                                           rows, os * row_bytes, os * row_bytes, T, cudaMemcpyDeviceToDevice, stream),
+      if (auto st = Cuda(cudaMemcpy2DAsync(static_cast<uint8_t*>(outs[l0 + li]) + cb * row_bytes, C * row_bytes, rows,
+                                           os * row_bytes, os * row_bytes, T, cudaMemcpyDeviceToDevice, stream),
                          "unpack copy");
           !st.ok()) {
         return st;

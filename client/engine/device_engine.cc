@@ -1,20 +1,20 @@
 #include "client/engine/device_engine.h"
 
 #include <algorithm>
-#include <mutex>
 #include <cmath>
-#include <iterator>
-#include <limits>
-#include <string>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
+#include <limits>
+#include <mutex>
+#include <string>
 #include <thread>
 
-#include "client/log.h"
-#include "client/environment.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "client/environment.h"
+#include "client/log.h"
 
 namespace engram::client {
 namespace {
@@ -58,8 +58,10 @@ void ApplyLookupTuningFromEnvironment(const ClientEnvironment& env) {
   std::call_once(once, [&env] {
     kernels::LookupTuning t = kernels::GetLookupTuning();
     if (env.lookup_sort_min_items) t.sort_min_items = *env.lookup_sort_min_items;
-    if (env.lookup_sort_variant) t.sort_variant = static_cast<int32_t>(std::clamp<int64_t>(*env.lookup_sort_variant, 0, 3));
-    if (env.lookup_sort_blocks) t.sort_blocks = static_cast<int32_t>(std::clamp<int64_t>(*env.lookup_sort_blocks, 0, 1 << 20));
+    if (env.lookup_sort_variant)
+      t.sort_variant = static_cast<int32_t>(std::clamp<int64_t>(*env.lookup_sort_variant, 0, 3));
+    if (env.lookup_sort_blocks)
+      t.sort_blocks = static_cast<int32_t>(std::clamp<int64_t>(*env.lookup_sort_blocks, 0, 1 << 20));
     kernels::SetLookupTuning(t);
   });
 }
@@ -69,7 +71,8 @@ void ApplyLookupTuningFromEnvironment(const ClientEnvironment& env) {
 absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& table, int32_t max_tokens,
                                                                    cudaStream_t stream, bool staging) {
   if (table.backend() != Backend::kCuda) {
-    return absl::FailedPreconditionError("the table has the CPU backend (no usable GPU): use LookupEngine::Create, which gives the CPU engine");
+    return absl::FailedPreconditionError(
+        "the table has the CPU backend (no usable GPU): use LookupEngine::Create, which gives the CPU engine");
   }
   if (max_tokens < 1) return absl::InvalidArgumentError("max_tokens must be >= 1");
   std::unique_ptr<DeviceEngine> e(new DeviceEngine());
@@ -79,7 +82,8 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
   ASSIGN_OR_RETURN(e->layout_, kernels::DeviceLayout::Upload(table.layout(), table.token_map()));
   std::vector<kernels::LayerTable> tables;
   for (size_t l = 0; l < table.layers().size(); ++l) {
-    tables.push_back({table.device_records(static_cast<int>(l)), table.layers()[l].row_begin, table.layers()[l].row_end});
+    tables.push_back(
+        {table.device_records(static_cast<int>(l)), table.layers()[l].row_begin, table.layers()[l].row_end});
   }
   e->has_staging_ = staging;
   if (staging) {
@@ -108,12 +112,17 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
   if (!env.lookup_sort_min_items) RETURN_IF_ERROR(e->Calibrate());
   const bool host_records = table.layers().empty() || table.records(0) != nullptr;
   std::string table_text;
-  for (const auto& p : e->path_table_) table_text += absl::StrCat(table_text.empty() ? "" : ",", p.items, ":", p.threshold ? "host_from" : p.host ? "host" : "uva");
-  Log().info("engram: event=lookup_engine backend=cuda lookup_path={} path_table={} host_gather_threads={} "
-               "host_gather_dedup={} host_gather_uva_share={:.2f} host_records={} (uva under CUDA graph capture and for device "
-               "ids)",
-               LookupPathName(e->path_), table_text, e->host_options_.threads, e->host_options_.dedup,
-               e->host_options_.uva_share, host_records);
+  for (const auto& p : e->path_table_)
+    table_text += absl::StrCat(table_text.empty() ? "" : ",", p.items, ":",
+                               p.threshold ? "host_from"
+                               : p.host    ? "host"
+                                           : "uva");
+  Log().info(
+      "engram: event=lookup_engine backend=cuda lookup_path={} path_table={} host_gather_threads={} "
+      "host_gather_dedup={} host_gather_uva_share={:.2f} host_records={} (uva under CUDA graph capture and for device "
+      "ids)",
+      LookupPathName(e->path_), table_text, e->host_options_.threads, e->host_options_.dedup,
+      e->host_options_.uva_share, host_records);
   return e;
 }
 
@@ -133,15 +142,15 @@ absl::Status DeviceEngine::Calibrate() {
     if (n <= cap) sizes.push_back(n);
   }
   if (rows <= 0 || sizes.empty()) return absl::OkStatus();
-  constexpr int kReps = 3;              // timed rounds after one warm-up round
+  constexpr int kReps = 3;                // timed rounds after one warm-up round
   constexpr int kSets = 2 * (kReps + 1);  // a fresh id set for every launch: no row is in a cache from before
   const int64_t most = sizes.back();
   void* d_out = nullptr;  // room for the largest batch in either format, freed after
   RETURN_IF_ERROR(kernels::CudaStatus(cudaMalloc(&d_out, static_cast<size_t>(most) * table_->head_dim() * 2),
                                       "calibration output"));
   int32_t* d_ids = nullptr;
-  RETURN_IF_ERROR(kernels::CudaStatus(cudaMalloc(reinterpret_cast<void**>(&d_ids), static_cast<size_t>(most) * kSets * 4),
-                                      "calibration ids"));
+  RETURN_IF_ERROR(kernels::CudaStatus(
+      cudaMalloc(reinterpret_cast<void**>(&d_ids), static_cast<size_t>(most) * kSets * 4), "calibration ids"));
   cudaEvent_t ev[2] = {nullptr, nullptr};
   absl::Status st = kernels::CudaStatus(cudaEventCreate(&ev[0]), "calibration event");
   if (st.ok()) st = kernels::CudaStatus(cudaEventCreate(&ev[1]), "calibration event");
@@ -195,9 +204,9 @@ absl::Status DeviceEngine::Calibrate() {
         threshold = *it;
       }
       sort_min_items_[packed][background] = threshold;
-      absl::StrAppend(&text, text.empty() ? "" : ",", packed ? "packed" : "bf16", background ? "_bg" : "", ":",
-                      threshold == std::numeric_limits<int64_t>::max() ? std::string("never")
-                                                                          : absl::StrCat(threshold));
+      absl::StrAppend(
+          &text, text.empty() ? "" : ",", packed ? "packed" : "bf16", background ? "_bg" : "", ":",
+          threshold == std::numeric_limits<int64_t>::max() ? std::string("never") : absl::StrCat(threshold));
     }
   }
   for (cudaEvent_t e : ev) {
@@ -248,8 +257,8 @@ DeviceEngine::~DeviceEngine() {
 }
 
 absl::Status DeviceEngine::Hash(const int32_t* tokens, const int64_t* positions, const int32_t* qsl,
-                                const int32_t* lookback, const uint8_t* dead, int32_t num_tokens,
-                                int32_t num_requests, int32_t* out) {
+                                const int32_t* lookback, const uint8_t* dead, int32_t num_tokens, int32_t num_requests,
+                                int32_t* out) {
   if (num_tokens < 0 || num_tokens > max_tokens_) {
     return absl::InvalidArgumentError(absl::StrCat(num_tokens, " tokens; the engine was sized for ", max_tokens_));
   }
@@ -344,9 +353,9 @@ absl::Status DeviceEngine::Prefetch(const int32_t* hash_ids, int32_t num_tokens)
         layers.push_back({table_->records(l), li.row_begin, li.row_end, table_->device_records(l)});
         out.push_back(prefetcher_.staging(l));
       }
-      ASSIGN_OR_RETURN(host_, HostGather::Create(std::move(layers), std::move(out), max_tokens_,
-                                                 static_cast<int32_t>(C), static_cast<int32_t>(table_->head_dim()),
-                                                 host_options_));
+      ASSIGN_OR_RETURN(host_,
+                       HostGather::Create(std::move(layers), std::move(out), max_tokens_, static_cast<int32_t>(C),
+                                          static_cast<int32_t>(table_->head_dim()), host_options_));
     }
     const int32_t* ids = hash_ids;
     if (ids_on_device && n_ids > 0) {  // forced host path with device ids: bring them over (synchronises)
@@ -364,13 +373,14 @@ absl::Status DeviceEngine::Prefetch(const int32_t* hash_ids, int32_t num_tokens)
   if (!ids_on_device && n_ids > 0) {  // host ids on the UVA path: copy them to the device first
     if (d_ids_ == nullptr) {
       RETURN_IF_ERROR(kernels::CudaStatus(
-          cudaMalloc(reinterpret_cast<void**>(&d_ids_), static_cast<size_t>(max_tokens_) * L * C * 4), "device hash ids"));
+          cudaMalloc(reinterpret_cast<void**>(&d_ids_), static_cast<size_t>(max_tokens_) * L * C * 4),
+          "device hash ids"));
     }
     // The previous prefetch's side stream may still read d_ids_ (its caller may have waited on another stream):
     // the copy waits for its last layer.
     if (L > 0) {
-      RETURN_IF_ERROR(kernels::CudaStatus(cudaStreamWaitEvent(stream_, prefetcher_.layer_event(L - 1), 0),
-                                          "previous prefetch"));
+      RETURN_IF_ERROR(
+          kernels::CudaStatus(cudaStreamWaitEvent(stream_, prefetcher_.layer_event(L - 1), 0), "previous prefetch"));
     }
     RETURN_IF_ERROR(kernels::CudaStatus(
         cudaMemcpyAsync(d_ids_, hash_ids, static_cast<size_t>(n_ids) * 4, cudaMemcpyHostToDevice, stream_),

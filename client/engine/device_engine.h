@@ -1,10 +1,10 @@
-// DeviceEngine: the CUDA implementation of LookupEngine (lookup_engine.h), over an attached CUDA-backend Table: hash, lookup and gate
-// kernels on the caller's stream, plus the side-stream prefetch of every layer into fixed staging buffers.
-// Inputs are device pointers with explicit shapes; every misuse (null, too many tokens, layer out of range, a
+// DeviceEngine: the CUDA implementation of LookupEngine (lookup_engine.h), over an attached CUDA-backend Table: hash,
+// lookup and gate kernels on the caller's stream, plus the side-stream prefetch of every layer into fixed staging
+// buffers. Inputs are device pointers with explicit shapes; every misuse (null, too many tokens, layer out of range, a
 // CPU-backend table) is a Status, never a crash. Owns the device copy of the layout and token map. One thread
 // drives one engine; the Table must outlive it.
-// Prefetch takes the UVA path (kernels::Prefetcher) or the host-gather path (client/engine/host_gather.h, created on first
-// use over the table's host records, writing the same staging buffers); see LookupPath in lookup_engine.h.
+// Prefetch takes the UVA path (kernels::Prefetcher) or the host-gather path (client/engine/host_gather.h, created on
+// first use over the table's host records, writing the same staging buffers); see LookupPath in lookup_engine.h.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -14,11 +14,11 @@
 
 #include "absl/status/statusor.h"
 #include "client/engine/host_gather.h"
+#include "client/engine/prefetch.h"
 #include "engram/client.h"
 #include "engram/lookup_engine.h"
 #include "kernels/device_layout.h"
 #include "kernels/engram_kernels.h"
-#include "client/engine/prefetch.h"
 
 namespace engram::client {
 

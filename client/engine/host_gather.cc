@@ -9,10 +9,10 @@
 #include <cstring>
 #include <numeric>
 
-#include "client/environment.h"
 #include "absl/strings/str_cat.h"
 #include "base/spin.h"
 #include "base/status_macros.h"
+#include "client/environment.h"
 #include "kernels/device_layout.h"
 #include "kernels/engram_kernels.h"
 
@@ -72,14 +72,12 @@ absl::StatusOr<std::unique_ptr<HostGather>> HostGather::Create(std::vector<HostL
   int lo = 0, hi = 0;
   cudaDeviceGetStreamPriorityRange(&lo, &hi);
   RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&g->copy_, cudaStreamNonBlocking), "copy stream"));
-  RETURN_IF_ERROR(
-      CudaStatus(cudaStreamCreateWithPriority(&g->unpack_, cudaStreamNonBlocking, hi), "unpack stream"));
+  RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithPriority(&g->unpack_, cudaStreamNonBlocking, hi), "unpack stream"));
   RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&g->main_ready_, cudaEventDisableTiming), "event"));
   RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&g->group_copied_, cudaEventDisableTiming), "event"));
   const size_t L = g->layers_.size();
-  g->uva_ok_ = std::all_of(g->layers_.begin(), g->layers_.end(), [](const HostLayer& h) {
-    return h.device_records != nullptr || h.row_end == h.row_begin;
-  });
+  g->uva_ok_ = std::all_of(g->layers_.begin(), g->layers_.end(),
+                           [](const HostLayer& h) { return h.device_records != nullptr || h.row_end == h.row_begin; });
   if (g->uva_ok_) {
     RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&g->uva_, cudaStreamNonBlocking), "uva stream"));
     g->sort_bytes_ = kernels::LookupSortScratchBytes(max_items);
@@ -100,7 +98,7 @@ absl::StatusOr<std::unique_ptr<HostGather>> HostGather::Create(std::vector<HostL
     g->done_.push_back(d);
     void* p = nullptr;
     RETURN_IF_ERROR(CudaStatus(cudaHostAlloc(&p, static_cast<size_t>(max_items * g->rb_), cudaHostAllocDefault),
-                                  "pinned row staging"));
+                               "pinned row staging"));
     g->pinned_rows_.push_back(static_cast<uint8_t*>(p));
     RETURN_IF_ERROR(
         CudaStatus(cudaHostAlloc(&p, static_cast<size_t>(max_items) * 4, cudaHostAllocDefault), "pinned index"));
@@ -182,7 +180,8 @@ absl::Status HostGather::Prefetch(const int32_t* host_ids, int32_t num_tokens, i
 }
 
 absl::Status HostGather::Wait(int32_t layer, cudaStream_t main_stream) {
-  if (layer < 0 || layer >= n_layers()) return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
+  if (layer < 0 || layer >= n_layers())
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
   {
     std::unique_lock<std::mutex> l(mu_);
     cv_.wait(l, [&] { return !any_batch_ || issued_ > layer || !error_.ok(); });
@@ -215,8 +214,10 @@ void HostGather::Dispatch() {
     for (int32_t l = 0; l < n_layers() && st.ok(); ++l) {
       st = RunLayer(l);
       std::lock_guard<std::mutex> g(mu_);
-      if (st.ok()) ++issued_;
-      else error_ = st;
+      if (st.ok())
+        ++issued_;
+      else
+        error_ = st;
       cv_.notify_all();
     }
   }
@@ -229,8 +230,8 @@ absl::Status HostGather::RunLayer(int32_t l) {
   // The split: tokens [host_tokens, tokens_) go to the UVA row-order gather, the rest to the CPU threads.
   int32_t uva_tokens = 0;
   if (uva_ok_ && opt_.uva_share > 0 && items >= std::max<int64_t>(opt_.uva_min_items, 1)) {
-    uva_tokens = static_cast<int32_t>(
-        std::clamp<double>(std::llround(tokens_ * std::min(opt_.uva_share, 1.0)), 0, tokens_));
+    uva_tokens =
+        static_cast<int32_t>(std::clamp<double>(std::llround(tokens_ * std::min(opt_.uva_share, 1.0)), 0, tokens_));
   }
   const int32_t host_tokens = tokens_ - uva_tokens;
   const int64_t host_items = static_cast<int64_t>(host_tokens) * n_cols_, uva_items = items - host_items;
@@ -291,8 +292,8 @@ absl::Status HostGather::RunLayer(int32_t l) {
   if (fused) {
     plan.n_rows = host_items;
   } else {
-    RETURN_IF_ERROR(dedup_->Plan(layer_ids, host_tokens, n_cols_, stride_, layer.row_begin, layer.row_end,
-                                 opt_.dedup, *pool_, pinned_index_[li], &plan));
+    RETURN_IF_ERROR(dedup_->Plan(layer_ids, host_tokens, n_cols_, stride_, layer.row_begin, layer.row_end, opt_.dedup,
+                                 *pool_, pinned_index_[li], &plan));
   }
   stats_[li] = {items, plan.n_rows + uva_items, uva_items};
   auto copy_index = [&] {

@@ -74,16 +74,16 @@ struct HostGatherOptions {
   int32_t spin_us = -1;        // ENGRAM_HOST_GATHER_SPIN_US: idle gather threads spin this long before sleeping (200)
   int32_t dispatch_spin_us = -1;  // ENGRAM_HOST_GATHER_DISPATCH_SPIN_US: the same for the dispatcher thread after a
                                   // batch (200)
-  int32_t pass_spin_us = -1;  // ENGRAM_HOST_GATHER_PASS_SPIN_US: the dispatcher spins this long for a pass of the
-                              // threads to finish before it sleeps (200; a pass longer than that then also pays the
-                              // dispatcher's wake-up before the unpack is launched)
-  int32_t prewake = -1;        // ENGRAM_HOST_GATHER_PREWAKE=1: Prefetch wakes the gather threads itself, so that
-                               // their wake-up overlaps the dispatcher's (1)
-  int32_t issue_min_rows = -1;  // ENGRAM_HOST_GATHER_ISSUE_MIN_ROWS: with copy_issuer, a copy waits until this many
-                                // finished rows are contiguous (the last copy takes the rest): small chunks for the
-                                // threads, large copies for the copy engine (4096)
-  int32_t stream_unpack = -1;   // ENGRAM_HOST_GATHER_STREAM_UNPACK=1: with copy_issuer and fused (every row), each copy
-                                // is unpacked as it lands (its tokens' index copied with it), not all at the end (0)
+  int32_t pass_spin_us = -1;      // ENGRAM_HOST_GATHER_PASS_SPIN_US: the dispatcher spins this long for a pass of the
+                                  // threads to finish before it sleeps (200; a pass longer than that then also pays the
+                                  // dispatcher's wake-up before the unpack is launched)
+  int32_t prewake = -1;           // ENGRAM_HOST_GATHER_PREWAKE=1: Prefetch wakes the gather threads itself, so that
+                                  // their wake-up overlaps the dispatcher's (1)
+  int32_t issue_min_rows = -1;    // ENGRAM_HOST_GATHER_ISSUE_MIN_ROWS: with copy_issuer, a copy waits until this many
+                                  // finished rows are contiguous (the last copy takes the rest): small chunks for the
+                                  // threads, large copies for the copy engine (4096)
+  int32_t stream_unpack = -1;  // ENGRAM_HOST_GATHER_STREAM_UNPACK=1: with copy_issuer and fused (every row), each copy
+                               // is unpacked as it lands (its tokens' index copied with it), not all at the end (0)
 };
 
 // The options with every -1 field resolved (environment, then built-in default).
@@ -141,8 +141,8 @@ class HostGather {
   std::unique_ptr<GatherPool> pool_;
   std::unique_ptr<RowDeduper> dedup_;
   cudaStream_t copy_ = nullptr, unpack_ = nullptr, uva_ = nullptr;
-  bool uva_ok_ = false;                 // every layer has device records: batches may be split
-  void* sort_scratch_ = nullptr;        // the UVA share's row-order sort (one launch at a time: one stream)
+  bool uva_ok_ = false;           // every layer has device records: batches may be split
+  void* sort_scratch_ = nullptr;  // the UVA share's row-order sort (one launch at a time: one stream)
   size_t sort_bytes_ = 0;
   std::vector<cudaEvent_t> uva_done_;
   cudaEvent_t main_ready_ = nullptr;
@@ -162,9 +162,9 @@ class HostGather {
   std::condition_variable cv_;
   bool stop_ = false, pending_ = false, any_batch_ = false;
   std::atomic<bool> pending_flag_{false};  // pending_, readable without the lock (the dispatcher's spin)
-  uint64_t batch_ = 0;       // batches handed over
-  int32_t issued_ = 0;       // layers of batch_ enqueued so far
-  absl::Status error_;       // of batch_
+  uint64_t batch_ = 0;                     // batches handed over
+  int32_t issued_ = 0;                     // layers of batch_ enqueued so far
+  absl::Status error_;                     // of batch_
   const int32_t* ids_ = nullptr;
   int32_t tokens_ = 0;
   int64_t stride_ = 0;

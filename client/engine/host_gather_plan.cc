@@ -105,9 +105,7 @@ void GatherPool::Loop(int worker) {
     if (stop_.load(std::memory_order_acquire)) return;
     if (generation_.load(std::memory_order_acquire) == seen) {
       SpinUntil(
-          [&] {
-            return generation_.load(std::memory_order_acquire) != seen || stop_.load(std::memory_order_relaxed);
-          },
+          [&] { return generation_.load(std::memory_order_acquire) != seen || stop_.load(std::memory_order_relaxed); },
           spin_ns_);
       if (generation_.load(std::memory_order_acquire) == seen && !stop_.load(std::memory_order_acquire)) {
         signal_.wait(sig, std::memory_order_acquire);
@@ -247,8 +245,9 @@ absl::Status RowDeduper::Plan(const int32_t* ids, int32_t num_tokens, int32_t nu
         const uint64_t pair = bucketed[k];
         const uint32_t i = static_cast<uint32_t>(pair), rel = static_cast<uint32_t>(pair >> 32), key = rel + 1;
         // Ordered: proportional to the row within the part, clamped to the table (part edges are approximate).
-        uint64_t s = ordered ? std::min<uint64_t>((static_cast<uint64_t>(rel > lo ? rel - lo : 0) * slot_scale) >> 32, mask)
-                             : Mix(key) & mask;
+        uint64_t s = ordered
+                         ? std::min<uint64_t>((static_cast<uint64_t>(rel > lo ? rel - lo : 0) * slot_scale) >> 32, mask)
+                         : Mix(key) & mask;
         for (int probes = 0; table[s] != 0 && table[s] != key; ++probes) {
           if (ordered && probes > 256) {
             crowded = true;
@@ -307,8 +306,8 @@ inline void PrefetchLines(const uint8_t* p, int64_t n) {
 
 }  // namespace
 
-void GatherRecords(const uint8_t* records, int64_t rb, const uint32_t* rows, int64_t begin, int64_t end,
-                   uint8_t* dst, const GatherCopy& how) {
+void GatherRecords(const uint8_t* records, int64_t rb, const uint32_t* rows, int64_t begin, int64_t end, uint8_t* dst,
+                   const GatherCopy& how) {
   const int64_t ahead = std::max(how.prefetch_rows, 0);
   if (ahead > 0) {
     for (int64_t k = begin; k < std::min(end, begin + ahead); ++k) {
@@ -321,8 +320,10 @@ void GatherRecords(const uint8_t* records, int64_t rb, const uint32_t* rows, int
     }
     if (rows[k] == GatherPlan::kNoRow) continue;
     const uint8_t* src = records + static_cast<int64_t>(rows[k]) * rb;
-    if (how.stream_stores) StreamCopy(dst + k * rb, src, rb);
-    else std::memcpy(dst + k * rb, src, static_cast<size_t>(rb));
+    if (how.stream_stores)
+      StreamCopy(dst + k * rb, src, rb);
+    else
+      std::memcpy(dst + k * rb, src, static_cast<size_t>(rb));
   }
   if (how.stream_stores) StreamFence();
 }

@@ -1,5 +1,5 @@
-// The CPU side of the host-gather lookup path (client/engine/host_gather.h), free of CUDA so that it is unit-tested on any
-// machine: a small thread pool (optional CPU affinity), the de-duplication of a batch's row ids (each distinct row
+// The CPU side of the host-gather lookup path (client/engine/host_gather.h), free of CUDA so that it is unit-tested on
+// any machine: a small thread pool (optional CPU affinity), the de-duplication of a batch's row ids (each distinct row
 // fetched once; every item maps to its row's slot in the gathered array), the chunk plan (how many rows per H2D
 // copy) and the row gather itself (264 B records copied from the shared mapping, with software prefetch a tunable
 // number of rows ahead, optionally with non-temporal stores: the destination is pinned staging that only the GPU's
@@ -96,11 +96,11 @@ class RowDeduper {
   // each worker de-duplicates its own part in a private open-addressing table (no shared atomics, a table sized to
   // the part, slots ordered by row), numbers its rows after the parts before it and rewrites its items' indices.
   int64_t max_items_;
-  std::vector<uint64_t> bucketed_;               // (row << 32 | item) grouped by part
-  std::vector<std::vector<int64_t>> counts_;     // [worker][part] items, then scatter offsets
-  std::vector<int64_t> part_begin_;              // [part + 1] start of each part in bucketed_
-  std::vector<int64_t> part_rows_;               // [part + 1] distinct rows before each part
-  std::vector<std::vector<uint32_t>> tables_;    // [part] row + 1 per slot; 0 = empty
+  std::vector<uint64_t> bucketed_;             // (row << 32 | item) grouped by part
+  std::vector<std::vector<int64_t>> counts_;   // [worker][part] items, then scatter offsets
+  std::vector<int64_t> part_begin_;            // [part + 1] start of each part in bucketed_
+  std::vector<int64_t> part_rows_;             // [part + 1] distinct rows before each part
+  std::vector<std::vector<uint32_t>> tables_;  // [part] row + 1 per slot; 0 = empty
 };
 
 // The identity plan of items [begin, end) (no de-duplication): rows[i] = id - row_begin and index[i] = i for owned

@@ -3,9 +3,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "client/dp/engine.h"
 #include "model/reference.h"
-#include "base/status_macros.h"
 
 #ifdef ENGRAM_HAVE_CUDA
 #include "client/engine/device_engine.h"
@@ -86,7 +86,8 @@ class CpuEngine final : public LookupEngine {
     if (g.hidden == nullptr || g.kv == nullptr || g.q_weight == nullptr || g.k_weight == nullptr || g.out == nullptr) {
       return absl::InvalidArgumentError("gate: null input");
     }
-    const size_t T = static_cast<size_t>(g.num_tokens), HC = static_cast<size_t>(g.hc_mult), D = static_cast<size_t>(g.dim);
+    const size_t T = static_cast<size_t>(g.num_tokens), HC = static_cast<size_t>(g.hc_mult),
+                 D = static_cast<size_t>(g.dim);
     return GateCpu({g.num_tokens, g.hc_mult, g.dim, g.eps}, {g.hidden, T * HC * D}, {g.kv, T * (HC + 1) * D},
                    {g.q_weight, HC * D}, {g.k_weight, HC * D},
                    g.mask ? std::span<const uint8_t>(g.mask, T) : std::span<const uint8_t>(), {g.out, T * HC * D});
@@ -108,8 +109,9 @@ class CpuEngine final : public LookupEngine {
   }
   uint16_t* staging(int l) const override {
     const_cast<CpuEngine*>(this)->AllocateStaging();
-    return l < 0 || l >= static_cast<int>(staging_.size()) ? nullptr
-                                                           : const_cast<uint16_t*>(staging_[static_cast<size_t>(l)].data());
+    return l < 0 || l >= static_cast<int>(staging_.size())
+               ? nullptr
+               : const_cast<uint16_t*>(staging_[static_cast<size_t>(l)].data());
   }
 
  private:
@@ -133,8 +135,7 @@ class CpuEngine final : public LookupEngine {
 
 absl::StatusOr<LookupWindow> LookupEngine::CheckWindow(const Table& table, int l, const int32_t* ids,
                                                        int32_t num_tokens, int32_t max_tokens, int64_t ids_stride,
-                                                       const void* out, bool packed,
-                                                       const LookupWindow& window) const {
+                                                       const void* out, bool packed, const LookupWindow& window) const {
   if (num_tokens < 0 || num_tokens > max_tokens) {
     return absl::InvalidArgumentError(absl::StrCat(num_tokens, " tokens; the engine was sized for ", max_tokens));
   }
@@ -173,8 +174,8 @@ absl::Status LookupEngine::LookupInto(int l, const int32_t* ids, int32_t num_tok
   // not reach the group's collective (where a failure aborts the step for every member).
   const Table* t = table_for_checks();
   if (t == nullptr) return absl::InternalError("lookup_into: this engine does not say which table it serves");
-  ASSIGN_OR_RETURN(const LookupWindow w, CheckWindow(*t, l, ids, num_tokens, max_tokens_for_checks(), ids_stride, out,
-                                                     packed, window));
+  ASSIGN_OR_RETURN(const LookupWindow w,
+                   CheckWindow(*t, l, ids, num_tokens, max_tokens_for_checks(), ids_stride, out, packed, window));
   const int64_t C = t->n_cols(), D = t->head_dim(), row = packed ? D + D / 32 : D;
   const bool dense = w.col_begin == 0 && w.num_cols == C && (w.out_token_stride == 0 || w.out_token_stride == C * row);
   if (!dense || w.ids_int64) {
@@ -190,8 +191,8 @@ absl::StatusOr<std::unique_ptr<LookupEngine>> LookupEngine::Create(const Table& 
   return Create(table, max_tokens, stream, true);
 }
 
-absl::StatusOr<std::unique_ptr<LookupEngine>> LookupEngine::Create(const Table& table, int32_t max_tokens,
-                                                                   void* stream, bool staging) {
+absl::StatusOr<std::unique_ptr<LookupEngine>> LookupEngine::Create(const Table& table, int32_t max_tokens, void* stream,
+                                                                   bool staging) {
   if (max_tokens < 1) return absl::InvalidArgumentError("max_tokens must be >= 1");
   if (table.mode() == Mode::kDpSharded) return CreateDpEngine(table, max_tokens, stream);  // joins the DP group
   if (table.backend() == Backend::kCuda) {

@@ -23,8 +23,7 @@ absl::Status Prefetcher::Init(std::vector<LayerTable> tables, int32_t max_tokens
   max_blocks_ = max_blocks > 0 ? max_blocks : 8;
   int lo = 0, hi = 0;
   cudaDeviceGetStreamPriorityRange(&lo, &hi);
-  if (auto st = CudaStatus(cudaStreamCreateWithPriority(&side_, cudaStreamNonBlocking, hi), "side stream");
-      !st.ok()) {
+  if (auto st = CudaStatus(cudaStreamCreateWithPriority(&side_, cudaStreamNonBlocking, hi), "side stream"); !st.ok()) {
     return st;
   }
   if (auto st = CudaStatus(cudaEventCreateWithFlags(&ids_ready_, cudaEventDisableTiming), "event"); !st.ok()) {
@@ -68,8 +67,7 @@ absl::Status Prefetcher::Prefetch(const int32_t* ids, int32_t num_tokens, cudaSt
     a.sort_scratch = sort_scratch_;  // layers run one after another on the side stream: one scratch serves all
     a.sort_scratch_bytes = sort_bytes_;
     if (auto st = CudaStatus(LaunchLookup(a, side_), "lookup launch"); !st.ok()) return st;
-    if (auto st = CudaStatus(cudaEventRecord(done_[static_cast<size_t>(l)], side_), "record layer event");
-        !st.ok()) {
+    if (auto st = CudaStatus(cudaEventRecord(done_[static_cast<size_t>(l)], side_), "record layer event"); !st.ok()) {
       return st;
     }
   }

@@ -9,9 +9,9 @@
 //
 // Prefetch makes the side stream wait for the work already queued on `main_stream` (the ids), then launches each
 // layer's lookup with a small background grid (8 blocks by default: the UVA path is bound by address
-// translation, not SMs, and a small grid disturbs the main stream least; see prefetch.cc) and records that layer's event. Wait makes
-// `main_stream` wait for that event; it never blocks the host. Owns its stream, events and buffers. One thread
-// drives one Prefetcher.
+// translation, not SMs, and a small grid disturbs the main stream least; see prefetch.cc) and records that layer's
+// event. Wait makes `main_stream` wait for that event; it never blocks the host. Owns its stream, events and buffers.
+// One thread drives one Prefetcher.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -7,16 +7,16 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <algorithm>
 #include <thread>
 #include <vector>
 
-#include "shm/descriptor_protocol.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "net/unix_socket.h"
+#include "shm/descriptor_protocol.h"
 
 namespace engram::client {
 namespace {
@@ -116,8 +116,8 @@ absl::StatusOr<int> FetchSegmentDescriptor(const std::string& channel_path, cons
   }
   if (line != "OK" || fds.size() != 1) {
     close_all();
-    return absl::DataLossError(absl::StrCat("malformed descriptor reply ('", line.substr(0, 64), "', ", fds.size(),
-                                            " descriptors)"));
+    return absl::DataLossError(
+        absl::StrCat("malformed descriptor reply ('", line.substr(0, 64), "', ", fds.size(), " descriptors)"));
   }
   const int fd = fds[0];
   struct stat st {};

@@ -10,13 +10,13 @@
 #include <condition_variable>
 #include <mutex>
 #include <optional>
-#include <vector>
 #include <thread>
+#include <vector>
 
-#include "client/log.h"
-#include "base/utf8.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "base/utf8.h"
+#include "client/log.h"
 #include "client/session/descriptor_client.h"
 #include "engram/v1/engram.grpc.pb.h"
 
@@ -26,7 +26,8 @@ namespace {
 namespace v1 = engram::v1;
 
 // The client's enums carry the wire numbers.
-static_assert(static_cast<int>(Mode::kShared) == v1::SHARED && static_cast<int>(Mode::kPrivatePinned) == v1::PRIVATE_PINNED &&
+static_assert(static_cast<int>(Mode::kShared) == v1::SHARED &&
+              static_cast<int>(Mode::kPrivatePinned) == v1::PRIVATE_PINNED &&
               static_cast<int>(Mode::kDevice) == v1::DEVICE && static_cast<int>(Mode::kDpSharded) == v1::DP_SHARDED);
 static_assert(static_cast<int>(ReasonCode::kShmMissing) == v1::SHM_MISSING &&
               static_cast<int>(ReasonCode::kRegisterFailed) == v1::REGISTER_FAILED &&
@@ -80,7 +81,8 @@ absl::StatusOr<std::unique_ptr<Connection>> Connect(const std::string& socket, s
   auto channel = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
   const auto deadline = std::chrono::system_clock::now() + timeout;
   if (!channel->WaitForConnected(deadline)) {
-    return absl::UnavailableError(absl::StrCat("no engramd answers on ", socket, " (start it: systemctl start engramd)"));
+    return absl::UnavailableError(
+        absl::StrCat("no engramd answers on ", socket, " (start it: systemctl start engramd)"));
   }
   c->stub = v1::Engram::NewStub(channel);
   c->stream = c->stub->Session(&c->ctx);
@@ -120,7 +122,7 @@ struct Session::Impl {
   std::condition_variable cv;
   std::unique_ptr<Connection> conn;
   bool closing = false;
-  std::optional<v1::ClientMessage> outcome;  // replayed after a reconnect
+  std::optional<v1::ClientMessage> outcome;         // replayed after a reconnect
   std::function<void(const GroupEvent&)> on_group;  // the DP group this session joined (JoinGroup)
   uint64_t join_id = 0;                             // that membership's id (0: none)
   uint64_t next_join_id = 1;
@@ -204,8 +206,10 @@ struct Session::Impl {
         if (closing) return;
       }
       LoseGroup();
-      Log().warn("engram: event=lease_lost socket={} detail=\"engramd ended the session; the mapping stays valid, "
-                   "reconnecting\"", socket);
+      Log().warn(
+          "engram: event=lease_lost socket={} detail=\"engramd ended the session; the mapping stays valid, "
+          "reconnecting\"",
+          socket);
       auto backoff = std::chrono::milliseconds(100);
       while (true) {
         {
@@ -232,8 +236,9 @@ struct Session::Impl {
           o->set_attach(v1::ATTACH_NONE);
           auto* r = o->add_reasons();
           r->set_code(v1::SEGMENT_NOT_READY);
-          r->set_hint("engramd restarted and no longer serves the segment this replica mapped; the replica keeps "
-                      "reading its own mapping of the old file (no longer shared): restart it to share again");
+          r->set_hint(
+              "engramd restarted and no longer serves the segment this replica mapped; the replica keeps "
+              "reading its own mapping of the old file (no longer shared): restart it to share again");
         }
         if (outcome && !(*next)->stream->Write(*outcome)) continue;
         std::unique_ptr<Connection> old = std::move(conn);
@@ -319,8 +324,10 @@ absl::StatusOr<int> Session::FetchSegmentDescriptor(std::chrono::milliseconds ti
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto backoff = std::chrono::milliseconds(20);
   while (true) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    auto fd = client::FetchSegmentDescriptor(path, g.lease_id, g.fd_token, std::max(left, std::chrono::milliseconds(1)));
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    auto fd =
+        client::FetchSegmentDescriptor(path, g.lease_id, g.fd_token, std::max(left, std::chrono::milliseconds(1)));
     const bool transient = fd.status().code() == absl::StatusCode::kResourceExhausted;
     if (fd.ok() || !transient || std::chrono::steady_clock::now() + backoff >= deadline) return fd;
     std::this_thread::sleep_for(backoff);
@@ -390,8 +397,9 @@ absl::StatusOr<uint64_t> Session::JoinGroup(const GroupJoinRequest& join,
   j->set_bytes_per_step(join.bytes_per_step);
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->on_group) {
-    return absl::FailedPreconditionError("this session is in a DP group already: close its engine (which leaves the "
-                                         "group) before making another");
+    return absl::FailedPreconditionError(
+        "this session is in a DP group already: close its engine (which leaves the "
+        "group) before making another");
   }
   const uint64_t id = impl_->next_join_id++;
   j->set_join_id(id);

@@ -51,7 +51,7 @@ struct Grant {
   std::vector<int32_t> token_map;
   std::string lease_id;
   uint64_t epoch = 0;
-  std::string fd_socket, fd_token;        // descriptor passing (client/session/descriptor_client.h); empty: path only
+  std::string fd_socket, fd_token;  // descriptor passing (client/session/descriptor_client.h); empty: path only
   uint64_t segment_dev = 0, segment_ino = 0;  // the file's identity as the daemon saw it (0: not given)
 };
 

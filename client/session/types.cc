@@ -20,10 +20,11 @@ const char* AttachMethodName(AttachMethod m) {
 
 const char* ReasonName(ReasonCode code) {
   static constexpr const char* kNames[] = {
-      "REASON_UNSPECIFIED", "SHM_MISSING",    "SHM_TOO_SMALL",        "NOT_COLOCATED",        "DP_SIZE_ONE",
-      "CPU_OFFLOAD_DISABLED", "ELASTIC_EP",   "SHM_NOT_VISIBLE",      "REGISTER_FAILED",      "FINGERPRINT_MISMATCH",
-      "DAEMON_UNAVAILABLE", "PERMISSION_DENIED", "MODEL_NOT_SHAREABLE", "NO_CUDA_DEVICE",      "SEGMENT_NOT_READY",
-      "DP_SHARED_MEMORY_DISABLED", "DP_SHARDED_NOT_BUILT"};
+      "REASON_UNSPECIFIED",  "SHM_MISSING",          "SHM_TOO_SMALL",      "NOT_COLOCATED",
+      "DP_SIZE_ONE",         "CPU_OFFLOAD_DISABLED", "ELASTIC_EP",         "SHM_NOT_VISIBLE",
+      "REGISTER_FAILED",     "FINGERPRINT_MISMATCH", "DAEMON_UNAVAILABLE", "PERMISSION_DENIED",
+      "MODEL_NOT_SHAREABLE", "NO_CUDA_DEVICE",       "SEGMENT_NOT_READY",  "DP_SHARED_MEMORY_DISABLED",
+      "DP_SHARDED_NOT_BUILT"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == kMaxReasonCode + 1);
   const int i = static_cast<int>(code);
   return i >= 1 && i <= kMaxReasonCode ? kNames[i] : "UNKNOWN";

@@ -7,9 +7,9 @@
 #include <atomic>
 #include <chrono>
 
-#include "client/fault_points.h"
 #include "absl/strings/str_cat.h"
 #include "base/worker_threads.h"
+#include "client/fault_points.h"
 
 namespace engram::client {
 namespace {
@@ -34,7 +34,8 @@ const DriverApi& Driver() {
   static const DriverApi api = [] {
     DriverApi d;
     cudaDriverEntryPointQueryResult q;
-    cudaGetDriverEntryPointByVersion("cuMemHostRegister", reinterpret_cast<void**>(&d.reg), 12000, cudaEnableDefault, &q);
+    cudaGetDriverEntryPointByVersion("cuMemHostRegister", reinterpret_cast<void**>(&d.reg), 12000, cudaEnableDefault,
+                                     &q);
     cudaGetDriverEntryPointByVersion("cuMemHostUnregister", reinterpret_cast<void**>(&d.unreg), 12000,
                                      cudaEnableDefault, &q);
     cudaGetDriverEntryPointByVersion("cuGetErrorName", reinterpret_cast<void**>(&d.name), 12000, cudaEnableDefault, &q);
@@ -104,8 +105,8 @@ absl::StatusOr<std::unique_ptr<HostRegistration>> HostRegistration::Register(con
       if (e != CUDA_SUCCESS) failed.store(true, std::memory_order_relaxed);
     }
   };
-  const int threads = static_cast<int>(std::clamp<size_t>(static_cast<size_t>(std::max(1, options.threads)), 1,
-                                                          std::max<size_t>(n_chunks, 1)));
+  const int threads = static_cast<int>(
+      std::clamp<size_t>(static_cast<size_t>(std::max(1, options.threads)), 1, std::max<size_t>(n_chunks, 1)));
   if (threads == 1) {
     worker(false);
   } else {

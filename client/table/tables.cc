@@ -52,29 +52,31 @@ absl::StatusOr<std::unique_ptr<TableImpl>> OpenSharedTable(const Grant& g, int f
   const std::string name = fd >= 0 ? absl::StrCat(g.segment_path, " (descriptor from engramd)") : path;
   auto seg = fd >= 0 ? SegmentReader::OpenDescriptor(fd, name, env) : SegmentReader::Open(path, env);
   if (!seg.ok()) {
-    if (seg.status().code() == absl::StatusCode::kNotFound || seg.status().code() == absl::StatusCode::kPermissionDenied) {
+    if (seg.status().code() == absl::StatusCode::kNotFound ||
+        seg.status().code() == absl::StatusCode::kPermissionDenied) {
       return seg.status();
     }
     return absl::FailedPreconditionError(absl::StrCat("the granted segment is unusable: ", seg.status().message()));
   }
   const SegmentReader& r = **seg;
   if (g.segment_ino != 0 && (r.device() != g.segment_dev || r.inode() != g.segment_ino)) {
-    return absl::NotFoundError(absl::StrCat(name, " is not the file engramd granted (device/inode ",
-                                                      r.device(), "/", r.inode(), ", granted ", g.segment_dev, "/",
-                                                      g.segment_ino, "): another directory under the same path?"));
+    return absl::NotFoundError(absl::StrCat(name, " is not the file engramd granted (device/inode ", r.device(), "/",
+                                            r.inode(), ", granted ", g.segment_dev, "/", g.segment_ino,
+                                            "): another directory under the same path?"));
   }
   if (r.state() != SegmentState::kReady || r.header().fingerprint != fingerprint || g.fingerprint != fingerprint ||
       r.file_bytes() != g.segment_bytes || g.layers.size() != static_cast<size_t>(layout.n_layers()) ||
       g.token_map.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the granted segment ", name, " disagrees with the grant or this replica's checkpoint (state ",
-        SegmentStateName(r.state()), ", fingerprint ", r.header().fingerprint, " vs ", fingerprint, ", ",
-        r.file_bytes(), " bytes vs ", g.segment_bytes, ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the granted segment ", name, " disagrees with the grant or this replica's checkpoint (state ",
+                     SegmentStateName(r.state()), ", fingerprint ", r.header().fingerprint, " vs ", fingerprint, ", ",
+                     r.file_bytes(), " bytes vs ", g.segment_bytes, ")"));
   }
   for (size_t l = 0; l < g.layers.size(); ++l) {  // data offsets count from the start of the records
     const GrantedLayer& gl = g.layers[l];
     const uint64_t rows = static_cast<uint64_t>(gl.row_end - gl.row_begin);
-    const uint64_t data_bytes = r.header().data_bytes, layer_bytes = rows * static_cast<uint64_t>(layout.record_bytes());
+    const uint64_t data_bytes = r.header().data_bytes,
+                   layer_bytes = rows * static_cast<uint64_t>(layout.record_bytes());
     // Compared without adding: an offset near 2^64 must not wrap past the check.
     if (gl.row_begin != shard.row_begin[l] || gl.row_end != shard.row_end[l] || gl.data_offset > data_bytes ||
         layer_bytes > data_bytes - gl.data_offset) {
@@ -136,8 +138,7 @@ RegistrationReport PinTable(TableImpl& t, bool cuda, size_t chunk_bytes) {
 
 absl::StatusOr<std::unique_ptr<TableImpl>> BuildPrivateTable(const Checkpoint& ckpt, const Layout& layout,
                                                              const ShardRange& shard, bool cpu_offload, bool cuda,
-                                                             int threads, size_t chunk_bytes,
-                                                             Env* env) {
+                                                             int threads, size_t chunk_bytes, Env* env) {
   auto t = std::make_unique<TableImpl>(env);
   t->mode_ = cpu_offload ? Mode::kPrivatePinned : Mode::kDevice;
   t->layout_ = std::make_unique<Layout>(layout);

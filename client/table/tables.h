@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engram/client.h"
 #include "client/session/session.h"
+#include "engram/client.h"
 #include "model/checkpoint.h"
 #include "model/layout.h"
 #include "shm/env.h"
@@ -70,7 +70,6 @@ class TableImpl final : public Table {
   const uint8_t* base_ = nullptr;
   size_t bytes_ = 0;
   bool mlocked_ = false;
-
 };
 
 // Maps the granted segment and checks it against the grant and the replica's fingerprint: from `fd` when >= 0 (the
@@ -82,14 +81,14 @@ absl::StatusOr<std::unique_ptr<TableImpl>> OpenSharedTable(const Grant& grant, i
                                                            uint64_t fingerprint, const Layout& layout,
                                                            const ShardRange& shard, Env* env);
 
-// Pins the table's records: CUDA registration (chunks of `chunk_bytes`) when `cuda`, else mlock. On success the table's backend and register_seconds are set.
+// Pins the table's records: CUDA registration (chunks of `chunk_bytes`) when `cuda`, else mlock. On success the table's
+// backend and register_seconds are set.
 RegistrationReport PinTable(TableImpl& table, bool cuda, size_t chunk_bytes);
 
 // A private copy of this TP shard from the checkpoint: host memory (then pinned/registered like a shared table,
 // PRIVATE_PINNED) or a GPU copy (DEVICE) when `cpu_offload` is false and `cuda` is true.
 absl::StatusOr<std::unique_ptr<TableImpl>> BuildPrivateTable(const Checkpoint& ckpt, const Layout& layout,
                                                              const ShardRange& shard, bool cpu_offload, bool cuda,
-                                                             int threads, size_t chunk_bytes,
-                                                             Env* env);
+                                                             int threads, size_t chunk_bytes, Env* env);
 
 }  // namespace engram::client

@@ -1,13 +1,14 @@
-// libengram_client: what a serving replica links to get its TP shard's Engram table (docs/architecture.md, "Data flow").
+// libengram_client: what a serving replica links to get its TP shard's Engram table (docs/architecture.md, "Data
+// flow").
 //
 //   ASSIGN_OR_RETURN(auto client, engram::client::Client::Create({.socket = "/run/engramd/engramd.sock"}));
 //   ASSIGN_OR_RETURN(auto table, client->Attach(request));   // SHARED, or a fallback table with its reasons
 //   ASSIGN_OR_RETURN(auto engine, engram::client::LookupEngine::Create(*table, max_tokens, stream));
 //   engine->Hash(...);  engine->Prefetch(...);  engine->Wait(layer);  engine->Gate(...);   // lookup_engine.h
 //
-// Attach declares the replica's topology and engram config to engramd (config precedence as docs/math.md section 9: an explicit
-// value, then VLLM_PLE_CPU_OFFLOAD, then the default) and receives a grant or a fallback; the daemon decides the
-// mode (daemon/fallback.h), the client adds only what it alone can know (NO_CUDA_DEVICE, DAEMON_UNAVAILABLE,
+// Attach declares the replica's topology and engram config to engramd (config precedence as docs/math.md section 9: an
+// explicit value, then VLLM_PLE_CPU_OFFLOAD, then the default) and receives a grant or a fallback; the daemon decides
+// the mode (daemon/fallback.h), the client adds only what it alone can know (NO_CUDA_DEVICE, DAEMON_UNAVAILABLE,
 // PERMISSION_DENIED, SHM_NOT_VISIBLE when neither the descriptor nor the granted path reaches the file,
 // REGISTER_FAILED, DP_SHARED_MEMORY_DISABLED) and reports the outcome, so `engramctl status` shows the mode this
 // process runs. Shared: engramd passes the segment's read-only descriptor over its socket directory (no shm
@@ -16,7 +17,8 @@
 // pinned, the result reported; the session stays open for the Table's life (it is the lease). Fallback: a private
 // table for this TP shard is built from the checkpoint, in host memory (PRIVATE_PINNED) or, with cpu_offload
 // false, as the DEVICE table; with dp_shared_memory explicitly true, any fallback is an error carrying the reasons.
-// The pieces: client/session/session.h (the conversation with the daemon), client/table/tables.h (mapping, pinning, building).
+// The pieces: client/session/session.h (the conversation with the daemon), client/table/tables.h (mapping, pinning,
+// building).
 //
 // Backends: with a usable GPU (and a CUDA build) the table is registered read-only in chunks (cuMemHostRegister,
 // rolled back on failure: REGISTER_FAILED names the chunk) or copied to the GPU (DEVICE), and the LookupEngine runs
@@ -34,8 +36,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "model/layout.h"
 #include "engram/types.h"
+#include "model/layout.h"
 #include "model/token_map.h"
 
 namespace engram {
@@ -46,7 +48,7 @@ namespace engram::client {
 
 struct ClientOptions {
   std::string socket = "/run/engramd/engramd.sock";
-  std::chrono::milliseconds timeout{10000};  // connect + answer (the daemon may still be loading)
+  std::chrono::milliseconds timeout{10000};        // connect + answer (the daemon may still be loading)
   size_t register_chunk_bytes = size_t{16} << 30;  // cudaHostRegister chunk (never >= 512 GiB)
   bool use_gpu = true;                             // false: CPU backend even where a GPU is present
   Env* env = nullptr;  // OS seam for mapping, pinning and building tables (shm/env.h); null = the real one
@@ -56,10 +58,10 @@ struct ClientOptions {
 };
 
 struct AttachRequest {
-  std::string checkpoint;          // the replica's checkpoint directory (fingerprint, fallbacks)
+  std::string checkpoint;  // the replica's checkpoint directory (fingerprint, fallbacks)
   int tp_size = 1, tp_rank = 0;
   int dp_size = 1, dp_rank = 0;
-  int local_dp_size = 0;           // DP replicas on this node; 0 = all of them
+  int local_dp_size = 0;  // DP replicas on this node; 0 = all of them
   bool elastic_ep = false;
   std::optional<bool> cpu_offload;  // unset: VLLM_PLE_CPU_OFFLOAD, then true
   Choice dp_shared_memory = Choice::kAuto;
@@ -67,7 +69,7 @@ struct AttachRequest {
   // Only for the path fallback, when no descriptor could be passed: where this process sees the daemon's shm
   // directory if it is mounted elsewhere. Empty (the default): the directory named in the grant.
   std::string shm_dir;
-  int threads = 0;                 // for building a private table; 0 = hardware concurrency
+  int threads = 0;  // for building a private table; 0 = hardware concurrency
   // false: a table that cannot be shared is not built here; Attach returns FailedPrecondition naming every reason
   // (an engine with a table store of its own, such as vLLM's, keeps that instead of a second private copy).
   bool private_fallback = true;
@@ -117,7 +119,8 @@ class Client {
   ClientOptions options_;
 };
 
-// The precedence for cpu_offload (docs/math.md section 9): explicit, then VLLM_PLE_CPU_OFFLOAD ("0"/"false"/"no"/"off" = false), then true.
+// The precedence for cpu_offload (docs/math.md section 9): explicit, then VLLM_PLE_CPU_OFFLOAD ("0"/"false"/"no"/"off"
+// = false), then true.
 bool ResolveCpuOffload(const std::optional<bool>& explicit_value);
 
 }  // namespace engram::client

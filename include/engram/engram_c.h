@@ -49,19 +49,21 @@ typedef struct {
   const char* checkpoint;
   int tp_size, tp_rank, dp_size, dp_rank, local_dp_size;
   int elastic_ep;
-  int cpu_offload;       /* -1 unset (VLLM_PLE_CPU_OFFLOAD, then true), 0 false, 1 true */
-  int dp_shared_memory;  /* -1 auto, 0 false, 1 true */
+  int cpu_offload;      /* -1 unset (VLLM_PLE_CPU_OFFLOAD, then true), 0 false, 1 true */
+  int dp_shared_memory; /* -1 auto, 0 false, 1 true */
   int embedding_across_dp;
-  const char* shm_dir;   /* path fallback only (no descriptor passed): the daemon's shm dir as seen here; NULL: the grant's */
-  int use_gpu;           /* 1 (default): the CUDA backend where a GPU is usable; 0: the CPU backend regardless */
-  int private_fallback;  /* 1 (default): a table that cannot be shared is built privately; 0: engram_attach fails
-                            with FAILED_PRECONDITION naming every reason instead (the caller keeps its own table) */
+  const char*
+      shm_dir; /* path fallback only (no descriptor passed): the daemon's shm dir as seen here; NULL: the grant's */
+  int use_gpu; /* 1 (default): the CUDA backend where a GPU is usable; 0: the CPU backend regardless */
+  int private_fallback; /* 1 (default): a table that cannot be shared is built privately; 0: engram_attach fails
+                           with FAILED_PRECONDITION naming every reason instead (the caller keeps its own table) */
 } engram_attach_request;
 
-#define ENGRAM_ATTACH_REQUEST_INIT {NULL, 1, 0, 1, 0, 0, 0, -1, -1, 0, NULL, 1, 1}
+#define ENGRAM_ATTACH_REQUEST_INIT \
+  { NULL, 1, 0, 1, 0, 0, 0, -1, -1, 0, NULL, 1, 1 }
 
-int engram_attach(const char* socket, int timeout_ms, const engram_attach_request* req, engram_table** out,
-                  char* err, size_t err_len);
+int engram_attach(const char* socket, int timeout_ms, const engram_attach_request* req, engram_table** out, char* err,
+                  size_t err_len);
 void engram_table_free(engram_table* t);
 
 /* "SHARED", "PRIVATE_PINNED", "DEVICE", "DP_SHARDED"; "cuda" or "cpu". Valid while the table lives. */
@@ -85,7 +87,7 @@ int engram_table_lookup(const engram_table* t, int layer, const int32_t* ids, in
                         size_t err_len);
 
 /* ---- Layout (what the Python package's Table.layout reports) ---- */
-int64_t engram_table_layer_id(const engram_table* t, int layer);    /* backbone layer id; -1 when out of range */
+int64_t engram_table_layer_id(const engram_table* t, int layer); /* backbone layer id; -1 when out of range */
 /* This shard's rows [row_begin, row_end) of layer `layer`'s table, and rows per hash column (the column's prime,
  * `cols` values: columns [0, cols) of num_cols). Return 0, or INVALID_ARGUMENT for a bad layer / null output. */
 int engram_table_layer_rows(const engram_table* t, int layer, int64_t* row_begin, int64_t* row_end);
@@ -100,7 +102,7 @@ int engram_table_hidden_size(const engram_table* t);
 int engram_table_hc_mult(const engram_table* t);
 double engram_table_rms_norm_eps(const engram_table* t);
 int64_t engram_table_pad_token_id(const engram_table* t);
-double engram_table_register_seconds(const engram_table* t);      /* -1 when nothing was registered */
+double engram_table_register_seconds(const engram_table* t); /* -1 when nothing was registered */
 /* The host records of layer `layer` (record of row_begin first, record_bytes each, read-only: a SHARED table's
  * are the daemon's segment) in *records; NULL for a DEVICE table, which has none on the host. */
 int engram_table_records(const engram_table* t, int layer, const uint8_t** records);
@@ -129,12 +131,12 @@ void engram_engine_free(engram_engine* e);
 const char* engram_engine_backend(const engram_engine* e); /* "cuda" or "cpu" */
 int32_t engram_engine_max_tokens(const engram_engine* e);
 
-/* A flattened batch of `num_requests` requests (docs/math.md section 5): tokens [T] int32 raw ids, positions [T] int64 (contiguous
- * within a request), query_start_loc [R+1] int32, lookback [R, max_ngram-1] int32 raw ids oldest first, -1 unknown
- * (NULL: all unknown), dead [T] uint8 nonzero = DEAD (NULL: none) -> out [T, num_layers, num_cols] int32. */
-int engram_engine_hash(engram_engine* e, const int32_t* tokens, const int64_t* positions, const int32_t* query_start_loc,
-                       const int32_t* lookback, const uint8_t* dead, int32_t num_tokens, int32_t num_requests,
-                       int32_t* out, uintptr_t stream, char* err, size_t err_len);
+/* A flattened batch of `num_requests` requests (docs/math.md section 5): tokens [T] int32 raw ids, positions [T] int64
+ * (contiguous within a request), query_start_loc [R+1] int32, lookback [R, max_ngram-1] int32 raw ids oldest first, -1
+ * unknown (NULL: all unknown), dead [T] uint8 nonzero = DEAD (NULL: none) -> out [T, num_layers, num_cols] int32. */
+int engram_engine_hash(engram_engine* e, const int32_t* tokens, const int64_t* positions,
+                       const int32_t* query_start_loc, const int32_t* lookback, const uint8_t* dead, int32_t num_tokens,
+                       int32_t num_requests, int32_t* out, uintptr_t stream, char* err, size_t err_len);
 /* Rows of layer `layer` for ids[t * ids_stride + c] (c < num_cols): bf16 bits [T, num_cols, head_dim], or with
  * `packed` the raw records [T, num_cols, record_bytes]. Ids outside this shard give zero rows. */
 int engram_engine_lookup(engram_engine* e, int layer, const int32_t* ids, int32_t num_tokens, int64_t ids_stride,
@@ -149,9 +151,9 @@ int engram_engine_lookup(engram_engine* e, int layer, const int32_t* ids, int32_
 #define ENGRAM_LOOKUP_PACKED 1
 #define ENGRAM_LOOKUP_BACKGROUND 2
 #define ENGRAM_LOOKUP_IDS64 4 /* ids points at int64 ids (ids_stride in int64 elements) */
-int engram_engine_lookup_into(engram_engine* e, int layer, const void* ids, int32_t num_tokens,
-                              int64_t ids_stride, int32_t col_begin, int32_t num_cols, void* out,
-                              int64_t out_token_stride, int flags, uintptr_t stream, char* err, size_t err_len);
+int engram_engine_lookup_into(engram_engine* e, int layer, const void* ids, int32_t num_tokens, int64_t ids_stride,
+                              int32_t col_begin, int32_t num_cols, void* out, int64_t out_token_stride, int flags,
+                              uintptr_t stream, char* err, size_t err_len);
 /* The path of later prefetches: AUTO (per batch: host gather when not capturing, the ids are host memory and the
  * batch is large enough), UVA (graph capture; DP ranks that must take the same path) or HOST_GATHER. The CPU
  * backend accepts only AUTO. engram_engine_last_lookup_path says what the last prefetch took (AUTO before one). */
@@ -165,14 +167,15 @@ int engram_engine_prefetch(engram_engine* e, const int32_t* hash_ids, int32_t nu
 int engram_engine_wait(engram_engine* e, int layer, uintptr_t stream, char* err, size_t err_len);
 void* engram_engine_staging(const engram_engine* e, int layer); /* NULL for a layer out of range */
 
-/* The gate (docs/math.md section 7): out[t, c, :] = hidden[t, c, :] + g * value, bf16 bits; mask [T] nonzero = DEAD (gate 0), may be NULL. */
+/* The gate (docs/math.md section 7): out[t, c, :] = hidden[t, c, :] + g * value, bf16 bits; mask [T] nonzero = DEAD
+ * (gate 0), may be NULL. */
 typedef struct {
   const uint16_t* hidden;   /* [T, hc_mult, dim] */
   const uint16_t* kv;       /* [T, (hc_mult + 1) * dim] */
   const uint16_t* q_weight; /* [hc_mult, dim] */
   const uint16_t* k_weight; /* [hc_mult, dim] */
   const uint8_t* mask;
-  uint16_t* out;            /* [T, hc_mult, dim]; may not alias the inputs */
+  uint16_t* out; /* [T, hc_mult, dim]; may not alias the inputs */
   int32_t num_tokens, hc_mult, dim;
   float eps;
 } engram_gate_args;

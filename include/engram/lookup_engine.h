@@ -8,8 +8,8 @@
 // DP_SHARDED table (embedding_across_dp): Create joins the node-local DP group and the exchange runs inside
 // Prefetch/Lookup, collectives every member calls (client/dp/engine.h); CreateOnHost sees only the local shard.
 // Lookup paths (CUDA backend): the UVA kernel (graph-capturable; row-order gather from 12288 items) or
-// the host-gather path (client/engine/host_gather.h: CPU threads, pinned staging, chunked copies, GPU unpack, a share of
-// the tokens on the UVA row-order kernel at the same time), which is host work and so runs only outside CUDA graph
+// the host-gather path (client/engine/host_gather.h: CPU threads, pinned staging, chunked copies, GPU unpack, a share
+// of the tokens on the UVA row-order kernel at the same time), which is host work and so runs only outside CUDA graph
 // capture. LookupPath::kAuto picks per batch; SetLookupPath forces.
 // One thread drives one engine; the Table must outlive it.
 #pragma once
@@ -24,8 +24,9 @@ namespace engram::client {
 
 // kAuto: the host-gather path when the stream is not capturing, the ids are host memory and the engine's table of
 // measured winners (per batch size in items per layer, from bench_kernels; the file named by
-// ENGRAM_LOOKUP_PATH_TABLE or a plain threshold ENGRAM_HOST_GATHER_MIN_ITEMS replace it) says host; else UVA. kUva / kHostGather force a path
-// (ENGRAM_LOOKUP_PATH=uva|host|auto sets the engine's initial choice). kHostGather under graph capture is an error.
+// ENGRAM_LOOKUP_PATH_TABLE or a plain threshold ENGRAM_HOST_GATHER_MIN_ITEMS replace it) says host; else UVA. kUva /
+// kHostGather force a path (ENGRAM_LOOKUP_PATH=uva|host|auto sets the engine's initial choice). kHostGather under graph
+// capture is an error.
 enum class LookupPath { kAuto, kUva, kHostGather };
 inline const char* LookupPathName(LookupPath p) {
   return p == LookupPath::kUva ? "uva" : p == LookupPath::kHostGather ? "host_gather" : "auto";
@@ -37,10 +38,10 @@ inline const char* LookupPathName(LookupPath p) {
 // num_cols rows per token); `background` leaves most of the GPU to the caller's other streams (a small grid).
 struct LookupWindow {
   int32_t col_begin = 0;
-  int32_t num_cols = -1;          // -1: every column from col_begin on
+  int32_t num_cols = -1;  // -1: every column from col_begin on
   int64_t out_token_stride = 0;
   bool background = false;
-  bool ids_int64 = false;         // `ids` points at int64 ids (SGLang's); an id past int32 is outside every table
+  bool ids_int64 = false;  // `ids` points at int64 ids (SGLang's); an id past int32 is outside every table
 };
 
 struct GateInputs {

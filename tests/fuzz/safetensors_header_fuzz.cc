@@ -11,8 +11,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint64_t data_start = 8 + header.size();
   std::map<std::string, std::string> meta;
   for (uint64_t data_bytes : {uint64_t{0}, uint64_t{64}, uint64_t{1} << 40}) {
-    auto parsed = engram::ParseSafetensorsHeader("fuzz.safetensors", header, data_start, data_start + data_bytes,
-                                                 &meta);
+    auto parsed =
+        engram::ParseSafetensorsHeader("fuzz.safetensors", header, data_start, data_start + data_bytes, &meta);
     if (parsed.ok()) {
       for (const auto& [name, t] : *parsed) {
         // Invariants of an accepted header: every tensor lies inside the data region, sized by dtype x shape.

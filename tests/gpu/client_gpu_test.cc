@@ -13,13 +13,13 @@
 #include <thread>
 #include <vector>
 
+#include "client/engine/device_engine.h"
 #include "client/fault_points.h"
 #include "client/table/cuda_backend.h"
-#include "client/engine/device_engine.h"
-#include "engram/lookup_engine.h"
-#include "model/reference.h"
 #include "engram/client.h"
+#include "engram/lookup_engine.h"
 #include "gtest/gtest.h"
+#include "model/reference.h"
 #include "nlohmann/json.hpp"
 #include "tests/gpu/gpu_util.h"
 #include "tests/integration/process.h"
@@ -118,7 +118,8 @@ TEST(GpuClientTest, ChunkedRegistrationRollsBackOnFailure) {
   std::vector<uint8_t> buf;
   uint8_t* p = PageAligned(&buf, bytes);
   int failed = -1;
-  client::SetFaultHook([](client::FaultPoint f, int64_t chunk) { return f == client::FaultPoint::kRegisterChunk && chunk == 3; });
+  client::SetFaultHook(
+      [](client::FaultPoint f, int64_t chunk) { return f == client::FaultPoint::kRegisterChunk && chunk == 3; });
   auto bad = client::HostRegistration::Register(p, bytes, chunk, &failed);
   client::SetFaultHook(nullptr);
   ASSERT_FALSE(bad.ok());
@@ -162,7 +163,8 @@ TEST(GpuClientTest, ThreadedRegistrationRollsBackAndSurvivesRefusedThreads) {
   client::RegisterOptions o;
   o.chunk_bytes = chunk;
   o.threads = 4;
-  client::SetFaultHook([](client::FaultPoint f, int64_t chunk) { return f == client::FaultPoint::kRegisterChunk && chunk == 3; });
+  client::SetFaultHook(
+      [](client::FaultPoint f, int64_t chunk) { return f == client::FaultPoint::kRegisterChunk && chunk == 3; });
   int failed = -1;
   auto bad = client::HostRegistration::Register(p, bytes, o, &failed);
   client::SetFaultHook(nullptr);
@@ -213,9 +215,9 @@ TEST(GpuClientTest, SharedSegmentRegisteredReadOnlyServesTheOraclesRows) {
   spec.table_mib = 64;
   spec.seed = 11;
   ASSERT_TRUE(tools::WriteSyntheticCheckpoint(spec).ok());
-  testing::Process daemon({testing::BinPath("../daemon/engramd"), "--checkpoint", spec.out_dir, "--shm-dir", shm,
-                           "--socket", sock},
-                          dir / "engramd.log");
+  testing::Process daemon(
+      {testing::BinPath("../daemon/engramd"), "--checkpoint", spec.out_dir, "--shm-dir", shm, "--socket", sock},
+      dir / "engramd.log");
   client::ClientOptions opts;
   opts.socket = sock;
   opts.timeout = std::chrono::milliseconds(60000);  // waits for the daemon to answer (it may still be loading)
@@ -227,12 +229,16 @@ TEST(GpuClientTest, SharedSegmentRegisteredReadOnlyServesTheOraclesRows) {
   req.dp_shared_memory = client::Choice::kTrue;  // a fallback is an error here
   absl::StatusOr<std::unique_ptr<client::Table>> table = absl::UnavailableError("not yet");
   // The daemon answers once its socket is up: retry the connect until it does (an event, not a sleep).
-  ASSERT_TRUE(testing::WaitFor([&] {
-    auto c = client::Client::Create(opts);
-    if (!c.ok()) return false;
-    table = (*c)->Attach(req);
-    return table.ok();
-  }, std::chrono::seconds(120))) << table.status() << "\n" << daemon.Output();
+  ASSERT_TRUE(testing::WaitFor(
+      [&] {
+        auto c = client::Client::Create(opts);
+        if (!c.ok()) return false;
+        table = (*c)->Attach(req);
+        return table.ok();
+      },
+      std::chrono::seconds(120)))
+      << table.status() << "\n"
+      << daemon.Output();
   const auto& t = **table;
   ASSERT_EQ(t.mode(), client::Mode::kShared);
   ASSERT_EQ(t.backend(), client::Backend::kCuda);
@@ -252,7 +258,8 @@ TEST(GpuClientTest, SharedSegmentRegisteredReadOnlyServesTheOraclesRows) {
     // [T, C] ids (stride C): the first and last rows, then random ones.
     std::vector<int32_t> ids = {static_cast<int32_t>(li.row_begin), static_cast<int32_t>(li.row_end - 1)};
     while (ids.size() < static_cast<size_t>(T * C)) {
-      ids.push_back(static_cast<int32_t>(li.row_begin + static_cast<int64_t>(rng() % static_cast<uint64_t>(li.row_end - li.row_begin))));
+      ids.push_back(static_cast<int32_t>(
+          li.row_begin + static_cast<int64_t>(rng() % static_cast<uint64_t>(li.row_end - li.row_begin))));
     }
     const int N = T * C;
     DeviceBuffer<int32_t> d_ids(ids);

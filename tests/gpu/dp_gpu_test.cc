@@ -8,8 +8,8 @@
 // one kills or stops a member in the middle of its steps.
 // Own main(): exits 77 (ctest: skipped) without two GPUs.
 #include <cuda_runtime_api.h>
-#include <stdlib.h>
 #include <signal.h>
+#include <stdlib.h>
 #include <sys/stat.h>
 
 #include <cstdio>
@@ -38,11 +38,11 @@ class DpGpuTest : public ::testing::Test {
     ::mkdir(shm_.c_str(), 0755);
     ckpt_ = dir_ / "ck";
     ASSERT_EQ(testing::RunCmd(BinPath("engram-mkckpt") + " --out " + ckpt_ + " --table-mib 64").exit_code, 0);
-    daemon_ = Process({BinPath("../daemon/engramd"), "--checkpoint", ckpt_, "--shm-dir", shm_, "--socket",
-                       dir_ / "d.sock"},
-                      dir_ / "engramd.log");
-    ASSERT_TRUE(testing::WaitFor([&] { return ::access((dir_ / "d.sock").c_str(), F_OK) == 0; },
-                                 std::chrono::seconds(60)));
+    daemon_ =
+        Process({BinPath("../daemon/engramd"), "--checkpoint", ckpt_, "--shm-dir", shm_, "--socket", dir_ / "d.sock"},
+                dir_ / "engramd.log");
+    ASSERT_TRUE(
+        testing::WaitFor([&] { return ::access((dir_ / "d.sock").c_str(), F_OK) == 0; }, std::chrono::seconds(60)));
   }
   // One group of two replicas, one per GPU; returns each replica's last JSON line.
   // `env1`: one NAME=VALUE in rank 1's environment only (a fault point: rank 1 then runs engram-replica-faults, the
@@ -55,10 +55,26 @@ class DpGpuTest : public ::testing::Test {
       std::vector<std::string> argv;
       if (r == 1 && !env1.empty()) argv = {"/usr/bin/env", env1};
       const std::string tool = r == 1 && !env1.empty() ? "engram-replica-faults" : "engram-replica";
-      for (const std::string& a : std::vector<std::string>{BinPath(tool), "--socket", dir_ / "d.sock", "--checkpoint", ckpt_,
-                                       "--embedding-across-dp", "--dp-shared-memory", "false", "--dp-size", "2",
-                                       "--dp-rank", std::to_string(r), "--device", std::to_string(r), "--tokens",
-                                       std::to_string(tokens[r]), "--batches", "2", "--verify", "3000"}) {
+      for (const std::string& a : std::vector<std::string>{BinPath(tool),
+                                                           "--socket",
+                                                           dir_ / "d.sock",
+                                                           "--checkpoint",
+                                                           ckpt_,
+                                                           "--embedding-across-dp",
+                                                           "--dp-shared-memory",
+                                                           "false",
+                                                           "--dp-size",
+                                                           "2",
+                                                           "--dp-rank",
+                                                           std::to_string(r),
+                                                           "--device",
+                                                           std::to_string(r),
+                                                           "--tokens",
+                                                           std::to_string(tokens[r]),
+                                                           "--batches",
+                                                           "2",
+                                                           "--verify",
+                                                           "3000"}) {
         argv.push_back(a);
       }
       std::istringstream ss(extra);
@@ -90,10 +106,14 @@ struct PathCase {
 
 void SetCase(const PathCase& c) {
   ::setenv("ENGRAM_DP_PEER_MAX_SLOT", c.peer_max_slot, 1);
-  if (c.chunk_kib != nullptr) ::setenv("ENGRAM_DP_CHUNK_KIB", c.chunk_kib, 1);
-  else ::unsetenv("ENGRAM_DP_CHUNK_KIB");
-  if (c.a2a != nullptr) ::setenv("ENGRAM_DP_A2A", c.a2a, 1);
-  else ::unsetenv("ENGRAM_DP_A2A");
+  if (c.chunk_kib != nullptr)
+    ::setenv("ENGRAM_DP_CHUNK_KIB", c.chunk_kib, 1);
+  else
+    ::unsetenv("ENGRAM_DP_CHUNK_KIB");
+  if (c.a2a != nullptr)
+    ::setenv("ENGRAM_DP_A2A", c.a2a, 1);
+  else
+    ::unsetenv("ENGRAM_DP_A2A");
 }
 
 void UnsetCase() {
@@ -192,16 +212,36 @@ TEST_F(DpGpuTest, AMemberThatGoesAwayFailsTheOtherWithAnError) {
     SetCase(c.path);
     std::vector<Process> ps;
     for (int r = 0; r < 2; ++r) {
-      ps.emplace_back(std::vector<std::string>{BinPath("engram-replica"), "--socket", dir_ / "d.sock", "--checkpoint",
-                                               ckpt_, "--embedding-across-dp", "--dp-shared-memory", "false",
-                                               "--cpu-offload", "false", "--dp-size", "2", "--dp-rank",
-                                               std::to_string(r), "--device", std::to_string(r), "--tokens", "512",
-                                               "--batches", "1000000000", "--verify", "0"},
+      ps.emplace_back(std::vector<std::string>{BinPath("engram-replica"),
+                                               "--socket",
+                                               dir_ / "d.sock",
+                                               "--checkpoint",
+                                               ckpt_,
+                                               "--embedding-across-dp",
+                                               "--dp-shared-memory",
+                                               "false",
+                                               "--cpu-offload",
+                                               "false",
+                                               "--dp-size",
+                                               "2",
+                                               "--dp-rank",
+                                               std::to_string(r),
+                                               "--device",
+                                               std::to_string(r),
+                                               "--tokens",
+                                               "512",
+                                               "--batches",
+                                               "1000000000",
+                                               "--verify",
+                                               "0"},
                       dir_ / (std::string(c.name) + "-r" + std::to_string(r) + ".log"));
     }
-    ASSERT_TRUE(testing::WaitFor([&] { return ps[0].Output().find("dp_group_formed") != std::string::npos &&
-                                              ps[1].Output().find("dp_group_formed") != std::string::npos; },
-                                 std::chrono::seconds(120)))
+    ASSERT_TRUE(testing::WaitFor(
+        [&] {
+          return ps[0].Output().find("dp_group_formed") != std::string::npos &&
+                 ps[1].Output().find("dp_group_formed") != std::string::npos;
+        },
+        std::chrono::seconds(120)))
         << ps[0].Output() << ps[1].Output();
     ps[1].Signal(c.sig);  // both formed: their steps follow at once (a member stopped before its first is the same)
     const int code = ps[0].Wait(std::chrono::seconds(120));

@@ -13,12 +13,8 @@ int main(int argc, char** argv) {
     case engram::testing::GpuProbeResult::kNoGpu:
       std::printf("no GPU: %s; GPU tests skipped (exit %d)\n", probe.detail.c_str(), engram::testing::kNoGpuExitCode);
       return engram::testing::kNoGpuExitCode;
-    case engram::testing::GpuProbeResult::kError:
-      std::printf("GPU probe failed: %s\n", probe.detail.c_str());
-      return 1;
-    case engram::testing::GpuProbeResult::kAvailable:
-      std::printf("GPU: %s\n", probe.detail.c_str());
-      break;
+    case engram::testing::GpuProbeResult::kError: std::printf("GPU probe failed: %s\n", probe.detail.c_str()); return 1;
+    case engram::testing::GpuProbeResult::kAvailable: std::printf("GPU: %s\n", probe.detail.c_str()); break;
   }
   return RUN_ALL_TESTS();
 }

@@ -64,9 +64,9 @@ inline bool HasGpu() { return GpuProbe().kind == GpuProbeResult::kAvailable; }
 
 #define REQUIRE_GPU() ASSERT_TRUE(::engram::testing::HasGpu()) << ::engram::testing::GpuProbe().detail
 
-#define CUDA_OK(expr)                                                     \
-  do {                                                                    \
-    const cudaError_t cuda_ok_err_ = (expr);                              \
+#define CUDA_OK(expr)                                                                          \
+  do {                                                                                         \
+    const cudaError_t cuda_ok_err_ = (expr);                                                   \
     ASSERT_EQ(cuda_ok_err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(cuda_ok_err_); \
   } while (0)
 

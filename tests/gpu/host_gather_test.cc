@@ -1,12 +1,12 @@
-// The host-gather lookup path (client/engine/host_gather.h) on a GPU: rows written into the staging buffers equal the CPU
-// reference (model/reference.h LookupBf16Cpu) bit for bit, for several layers with a strided id array, ids outside a
-// layer's rows (zeros), repeated rows (fetched once with de-duplication), with and without de-duplication, 1 and
+// The host-gather lookup path (client/engine/host_gather.h) on a GPU: rows written into the staging buffers equal the
+// CPU reference (model/reference.h LookupBf16Cpu) bit for bit, for several layers with a strided id array, ids outside
+// a layer's rows (zeros), repeated rows (fetched once with de-duplication), with and without de-duplication, 1 and
 // several threads, batches of 0, 1 and many tokens back to back (buffer reuse), every variant of the copy pipeline
 // (prefetch distance, non-temporal stores, fused plan, copy issuer, wake-up); Wait orders the main stream; a
 // Prefetch during CUDA graph capture is refused; bad inputs are errors. Through DeviceEngine (a private table of a
 // synthetic checkpoint): every path (automatic, forced UVA, forced host gather with host or device ids) fills the
-// staging buffers with the CPU reference's rows, and the path taken is the one asked for. Exits 77 (ctest skip) without a GPU.
-// ENGRAM_GPU_QUICK=1 shrinks the batches (compute-sanitizer).
+// staging buffers with the CPU reference's rows, and the path taken is the one asked for. Exits 77 (ctest skip) without
+// a GPU. ENGRAM_GPU_QUICK=1 shrinks the batches (compute-sanitizer).
 #include <cmath>
 #include <cstdlib>
 #include <functional>
@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "client/engine/device_engine.h"
-#include "engram/client.h"
 #include "client/engine/host_gather.h"
+#include "engram/client.h"
 #include "engram/lookup_engine.h"
 #include "gtest/gtest.h"
 #include "model/reference.h"
@@ -52,9 +52,12 @@ struct Fixture {
     std::vector<int32_t> ids(static_cast<size_t>(T) * kL * kC);
     for (size_t i = 0; i < ids.size(); ++i) {
       const uint64_t r = rng() % 100;
-      if (i > 0 && r < 33) ids[i] = ids[rng() % i];
-      else if (r < 36) ids[i] = static_cast<int32_t>(rng() % (kBegin + kRows + 3000));  // some out of range
-      else ids[i] = static_cast<int32_t>(kBegin + rng() % kRows);
+      if (i > 0 && r < 33)
+        ids[i] = ids[rng() % i];
+      else if (r < 36)
+        ids[i] = static_cast<int32_t>(rng() % (kBegin + kRows + 3000));  // some out of range
+      else
+        ids[i] = static_cast<int32_t>(kBegin + rng() % kRows);
     }
     return ids;
   }
@@ -74,8 +77,8 @@ struct Fixture {
 // wake-up): each must serve the same rows. Explicit values, so the environment's knobs do not change what runs.
 struct PipelineVariant {  // today's settings unless named
   const char* name;
-  int32_t prefetch = 16, nt = 0, fused = 0, issuer = 0, spin = 200, dspin = 0, prewake = 0, issue_min = 0,
-          sunpack = 0, pass_spin = 200;
+  int32_t prefetch = 16, nt = 0, fused = 0, issuer = 0, spin = 200, dspin = 0, prewake = 0, issue_min = 0, sunpack = 0,
+          pass_spin = 200;
   HostGatherOptions Options() const {
     HostGatherOptions o;
     o.prefetch_rows = prefetch;
@@ -98,9 +101,14 @@ const PipelineVariant kPipelineVariants[] = {
     {.name = "fused, pass spin", .prefetch = 8, .fused = 1, .pass_spin = 20000},
     {.name = "issuer", .prefetch = 32, .issuer = 1},
     {.name = "all", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1},
-    {.name = "all, copies >= 700 rows", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1,
-     .issue_min = 700},
-    {.name = "all + streamed unpack", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1, .issue_min = 500,
+    {.name = "all, copies >= 700 rows", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1, .issue_min = 700},
+    {.name = "all + streamed unpack",
+     .nt = 1,
+     .fused = 1,
+     .issuer = 1,
+     .dspin = 200,
+     .prewake = 1,
+     .issue_min = 500,
      .sunpack = 1},
     {.name = "streamed unpack, fused issuer only", .fused = 1, .issuer = 1, .sunpack = 1},
 };
@@ -138,7 +146,8 @@ TEST(GpuHostGatherTest, RowsEqualTheCpuReferenceBitForBit) {
   std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> out;
   std::vector<uint16_t*> out_ptrs;
   for (int l = 0; l < Fixture::kL; ++l) {
-    out.push_back(std::make_unique<DeviceBuffer<uint16_t>>(static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD));
+    out.push_back(
+        std::make_unique<DeviceBuffer<uint16_t>>(static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD));
     out_ptrs.push_back(out.back()->get());
   }
   cudaStream_t main_stream;
@@ -151,7 +160,8 @@ TEST(GpuHostGatherTest, RowsEqualTheCpuReferenceBitForBit) {
         opt.threads = threads;
         opt.dedup = dedup;
         opt.min_chunk_rows = 256;  // several chunks even in small batches
-        auto g = HostGather::Create(f.layers, out_ptrs, max_tokens, Fixture::kC, static_cast<int32_t>(Fixture::kD), opt);
+        auto g =
+            HostGather::Create(f.layers, out_ptrs, max_tokens, Fixture::kC, static_cast<int32_t>(Fixture::kD), opt);
         ASSERT_TRUE(g.ok()) << g.status();
         EXPECT_EQ((*g)->threads(), threads);
         EXPECT_EQ((*g)->options().stream_stores, v.nt);
@@ -160,26 +170,26 @@ TEST(GpuHostGatherTest, RowsEqualTheCpuReferenceBitForBit) {
         for (int32_t T : {max_tokens, 1, 0, 77, max_tokens}) {
           SCOPED_TRACE(::testing::Message() << v.name << " threads " << threads << " dedup " << dedup << " T " << T);
           const std::vector<int32_t> ids = f.Ids(rng, T);
-          ASSERT_NO_FATAL_FAILURE(CheckBatch(**g, f, out_ptrs, max_tokens, ids, T, main_stream, /*reverse=*/true,
-                                             [&](int l) {
-            const auto st = (*g)->stats(l);
-            EXPECT_EQ(st.items, static_cast<int64_t>(T) * Fixture::kC);
-            EXPECT_GE(st.gather_ms, 0.0);
-            if (T > 0) EXPECT_GT(st.gather_ms, 0.0) << "the gather pass's host time is measured";
-            if (dedup) {  // exactly the distinct owned rows of this layer (oracle: std::set)
-              std::set<int32_t> distinct;
-              for (int32_t tok = 0; tok < T; ++tok) {
-                for (int c = 0; c < Fixture::kC; ++c) {
-                  const int32_t id = ids[static_cast<size_t>((tok * Fixture::kL + l) * Fixture::kC + c)];
-                  if (id >= Fixture::kBegin && id < Fixture::kBegin + Fixture::kRows) distinct.insert(id);
+          ASSERT_NO_FATAL_FAILURE(
+              CheckBatch(**g, f, out_ptrs, max_tokens, ids, T, main_stream, /*reverse=*/true, [&](int l) {
+                const auto st = (*g)->stats(l);
+                EXPECT_EQ(st.items, static_cast<int64_t>(T) * Fixture::kC);
+                EXPECT_GE(st.gather_ms, 0.0);
+                if (T > 0) EXPECT_GT(st.gather_ms, 0.0) << "the gather pass's host time is measured";
+                if (dedup) {  // exactly the distinct owned rows of this layer (oracle: std::set)
+                  std::set<int32_t> distinct;
+                  for (int32_t tok = 0; tok < T; ++tok) {
+                    for (int c = 0; c < Fixture::kC; ++c) {
+                      const int32_t id = ids[static_cast<size_t>((tok * Fixture::kL + l) * Fixture::kC + c)];
+                      if (id >= Fixture::kBegin && id < Fixture::kBegin + Fixture::kRows) distinct.insert(id);
+                    }
+                  }
+                  EXPECT_EQ(st.rows_moved, static_cast<int64_t>(distinct.size())) << "each distinct row moved once";
                 }
-              }
-              EXPECT_EQ(st.rows_moved, static_cast<int64_t>(distinct.size())) << "each distinct row moved once";
-            }
-            if (!dedup) {
-              EXPECT_EQ(st.rows_moved, st.items);
-            }
-          }));
+                if (!dedup) {
+                  EXPECT_EQ(st.rows_moved, st.items);
+                }
+              }));
         }
       }
     }
@@ -205,7 +215,8 @@ TEST(GpuHostGatherTest, SplitBatchesEqualTheCpuReferenceBitForBit) {
   std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> out;
   std::vector<uint16_t*> out_ptrs;
   for (int l = 0; l < Fixture::kL; ++l) {
-    out.push_back(std::make_unique<DeviceBuffer<uint16_t>>(static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD));
+    out.push_back(
+        std::make_unique<DeviceBuffer<uint16_t>>(static_cast<size_t>(max_tokens) * Fixture::kC * Fixture::kD));
     out_ptrs.push_back(out.back()->get());
   }
   cudaStream_t main_stream;
@@ -223,13 +234,13 @@ TEST(GpuHostGatherTest, SplitBatchesEqualTheCpuReferenceBitForBit) {
         for (int32_t T : {max_tokens, 1, 0, 77, max_tokens}) {
           SCOPED_TRACE(::testing::Message() << v->name << " dedup " << dedup << " share " << share << " T " << T);
           const std::vector<int32_t> ids = f.Ids(rng, T);
-          ASSERT_NO_FATAL_FAILURE(CheckBatch(**g, f, out_ptrs, max_tokens, ids, T, main_stream, /*reverse=*/false,
-                                             [&](int l) {
-            const auto st = (*g)->stats(l);
-            const int64_t uva_tokens = std::llround(T * share);
-            EXPECT_EQ(st.uva_items, uva_tokens * Fixture::kC);
-            if (!dedup) EXPECT_EQ(st.rows_moved, st.items);
-          }));
+          ASSERT_NO_FATAL_FAILURE(
+              CheckBatch(**g, f, out_ptrs, max_tokens, ids, T, main_stream, /*reverse=*/false, [&](int l) {
+                const auto st = (*g)->stats(l);
+                const int64_t uva_tokens = std::llround(T * share);
+                EXPECT_EQ(st.uva_items, uva_tokens * Fixture::kC);
+                if (!dedup) EXPECT_EQ(st.rows_moved, st.items);
+              }));
         }
       }
       ASSERT_TRUE((*g)->Sync().ok());
@@ -296,8 +307,11 @@ TEST(GpuHostGatherTest, EngineTakesTheChosenPathAndEveryPathServesTheReferenceRo
   std::vector<int32_t> ids(static_cast<size_t>(T) * L * C);
   for (size_t i = 0; i < ids.size(); ++i) {
     const auto& li = t.layers()[(i / static_cast<size_t>(C)) % static_cast<size_t>(L)];
-    ids[i] = i > 0 && rng() % 3 == 0 ? ids[i - static_cast<size_t>(L * C)]  // repeats (earlier token, same layer)
-                                     : static_cast<int32_t>(li.row_begin - 5 + static_cast<int64_t>(rng() % static_cast<uint64_t>(li.row_end - li.row_begin + 10)));
+    ids[i] =
+        i > 0 && rng() % 3 == 0
+            ? ids[i - static_cast<size_t>(L * C)]  // repeats (earlier token, same layer)
+            : static_cast<int32_t>(li.row_begin - 5 +
+                                   static_cast<int64_t>(rng() % static_cast<uint64_t>(li.row_end - li.row_begin + 10)));
     if (i < static_cast<size_t>(L * C)) ids[i] = static_cast<int32_t>(li.row_begin);
   }
   ::setenv("ENGRAM_HOST_GATHER_MIN_ITEMS", "100", 1);  // the automatic choice takes the host path for this batch

@@ -12,10 +12,10 @@
 #include <thread>
 #include <vector>
 
+#include "client/engine/prefetch.h"
 #include "gtest/gtest.h"
 #include "kernels/device_layout.h"
 #include "kernels/engram_kernels.h"
-#include "client/engine/prefetch.h"
 #include "model/fp8.h"
 #include "model/reference.h"
 #include "tests/gpu/gpu_util.h"
@@ -72,7 +72,8 @@ Batch RandomBatch(std::mt19937_64& rng, int T, int64_t vocab, int64_t N) {
 
 TokenMap RandomMap(std::mt19937_64& rng, int64_t raw, int64_t compressed) {
   std::vector<int32_t> ids(static_cast<size_t>(raw));
-  for (int64_t i = 0; i < raw; ++i) ids[static_cast<size_t>(i)] = static_cast<int32_t>(i < compressed ? i : rng() % compressed);
+  for (int64_t i = 0; i < raw; ++i)
+    ids[static_cast<size_t>(i)] = static_cast<int32_t>(i < compressed ? i : rng() % compressed);
   return TokenMap::FromIds(ids);
 }
 
@@ -99,8 +100,9 @@ TEST(GpuHashTest, EqualsTheCpuReference) {
       DeviceBuffer<uint8_t> dead(b.dead);
       out.Fill(0xA5);
       err.Fill(0);
-      kernels::HashArgs a{tokens.get(), pos.get(), qsl.get(), lookback.get(), dead.get(), T,
-                          static_cast<int32_t>(b.qsl.size() - 1), out.get(), err.get()};
+      kernels::HashArgs a{
+          tokens.get(), pos.get(), qsl.get(), lookback.get(), dead.get(), T, static_cast<int32_t>(b.qsl.size() - 1),
+          out.get(),    err.get()};
       CUDA_OK(kernels::LaunchHash((*dl)->view(), a, nullptr));
       CUDA_OK(cudaDeviceSynchronize());
       ASSERT_EQ(out.Download(), want);
@@ -147,11 +149,16 @@ std::vector<int32_t> LookupIds(std::mt19937_64& rng, int T, int C, int64_t strid
     for (int c = 0; c < C; ++c) {
       int64_t id;
       const uint64_t k = rng() % 16;
-      if (k == 0) id = -1 - static_cast<int64_t>(rng() % 5);
-      else if (k == 1) id = end + static_cast<int64_t>(rng() % 5);
-      else if (k == 2) id = begin - 1;
-      else if (k < 6 && !edges.empty()) id = edges[e++ % edges.size()];
-      else id = begin + static_cast<int64_t>(rng() % static_cast<uint64_t>(end - begin));
+      if (k == 0)
+        id = -1 - static_cast<int64_t>(rng() % 5);
+      else if (k == 1)
+        id = end + static_cast<int64_t>(rng() % 5);
+      else if (k == 2)
+        id = begin - 1;
+      else if (k < 6 && !edges.empty())
+        id = edges[e++ % edges.size()];
+      else
+        id = begin + static_cast<int64_t>(rng() % static_cast<uint64_t>(end - begin));
       ids[static_cast<size_t>(t * stride + c)] = static_cast<int32_t>(id);
     }
   }
@@ -181,7 +188,8 @@ TEST(GpuLookupTest, EqualsTheCpuReferenceBitForBit) {
         table = dev_table.get();
       } else {
         host_copy = records;
-        CUDA_OK(cudaHostRegister(host_copy.data(), host_copy.size(), cudaHostRegisterMapped | cudaHostRegisterReadOnly));
+        CUDA_OK(
+            cudaHostRegister(host_copy.data(), host_copy.size(), cudaHostRegisterMapped | cudaHostRegisterReadOnly));
         void* dptr = nullptr;
         CUDA_OK(cudaHostGetDevicePointer(&dptr, host_copy.data(), 0));
         table = static_cast<const uint8_t*>(dptr);
@@ -363,7 +371,8 @@ TEST(GpuGateTest, AgreesWithTheFloat64Oracle) {
     auto q = RandomBf16(rng, static_cast<size_t>(s.HC) * s.D, 1.0f);
     auto k = RandomBf16(rng, static_cast<size_t>(s.HC) * s.D, 1.0f);
     for (int t = 0; t < s.T; t += 3) {  // aligned keys: gates near 1
-      std::copy_n(hidden.begin() + static_cast<long>(t) * s.HC * s.D, s.D, kv.begin() + static_cast<long>(t) * (s.HC + 1) * s.D);
+      std::copy_n(hidden.begin() + static_cast<long>(t) * s.HC * s.D, s.D,
+                  kv.begin() + static_cast<long>(t) * (s.HC + 1) * s.D);
     }
     std::vector<uint8_t> mask(static_cast<size_t>(s.T));
     for (auto& m : mask) m = rng() % 7 == 0;
@@ -453,7 +462,6 @@ TEST(GpuLookupTest, SharedSegmentRegisteredByAnotherProcess) {
   ::rmdir(shm_dir.c_str());
   (void)rb;
 }
-
 
 }  // namespace
 }  // namespace engram

@@ -7,8 +7,8 @@
 #include <thread>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "client/engine/prefetch.h"
+#include "gtest/gtest.h"
 #include "model/reference.h"
 #include "tests/gpu/gpu_util.h"
 #include "tests/gpu/spin.h"

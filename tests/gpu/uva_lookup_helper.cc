@@ -55,7 +55,8 @@ int main(int argc, char** argv) {
   if (engram::kernels::LaunchLookup(a, nullptr) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) return 7;
   std::vector<uint16_t> out(ids.size() * D);
   cudaMemcpy(out.data(), d_out, out.size() * 2, cudaMemcpyDeviceToHost);
-  std::ofstream(argv[4], std::ios::binary).write(reinterpret_cast<char*>(out.data()), static_cast<long>(out.size() * 2));
+  std::ofstream(argv[4], std::ios::binary)
+      .write(reinterpret_cast<char*>(out.data()), static_cast<long>(out.size() * 2));
   cudaHostUnregister(map);
   return 0;
 }

@@ -10,14 +10,14 @@
 #include "tests/integration/c_api_oracle.h"
 
 static int passed = 0, failed = 0;
-#define CHECK(cond)                                                  \
-  do {                                                               \
-    if (cond) {                                                      \
-      ++passed;                                                      \
-    } else {                                                         \
-      ++failed;                                                      \
+#define CHECK(cond)                                                            \
+  do {                                                                         \
+    if (cond) {                                                                \
+      ++passed;                                                                \
+    } else {                                                                   \
+      ++failed;                                                                \
       fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-    }                                                                \
+    }                                                                          \
   } while (0)
 
 int main(int argc, char** argv) {
@@ -114,17 +114,20 @@ int main(int argc, char** argv) {
     /* Hostile arguments: refused with a message, and nothing written. */
     memset(packed, 0xA5, (size_t)(T * stride));
     CHECK(engram_engine_lookup_into(e, 0, layer0, T, C, C - 1, 2, packed, stride, ENGRAM_LOOKUP_PACKED, 0, err,
-                                    sizeof err) != 0 && strstr(err, "window") != NULL);
-    CHECK(engram_engine_lookup_into(e, 0, layer0, T, C, 0, W, packed, 8, ENGRAM_LOOKUP_PACKED, 0, err,
-                                    sizeof err) != 0 && strstr(err, "stride") != NULL);
+                                    sizeof err) != 0 &&
+          strstr(err, "window") != NULL);
+    CHECK(engram_engine_lookup_into(e, 0, layer0, T, C, 0, W, packed, 8, ENGRAM_LOOKUP_PACKED, 0, err, sizeof err) !=
+              0 &&
+          strstr(err, "stride") != NULL);
     CHECK(engram_engine_lookup_into(e, 0, layer0, T, C, 0, W, packed, stride, 64, 0, err, sizeof err) != 0 &&
           strstr(err, "flags") != NULL);
     CHECK(engram_engine_lookup_into(e, 0, layer0, T + 1, C, 0, W, packed, stride, ENGRAM_LOOKUP_PACKED, 0, err,
                                     sizeof err) != 0);
     CHECK(engram_engine_lookup_into(e, L, layer0, T, C, 0, W, packed, stride, ENGRAM_LOOKUP_PACKED, 0, err,
-                                    sizeof err) != 0 && strstr(err, "layer") != NULL);
-    CHECK(engram_engine_lookup_into(e, 0, NULL, T, C, 0, W, packed, stride, ENGRAM_LOOKUP_PACKED, 0, err,
-                                    sizeof err) != 0);
+                                    sizeof err) != 0 &&
+          strstr(err, "layer") != NULL);
+    CHECK(engram_engine_lookup_into(e, 0, NULL, T, C, 0, W, packed, stride, ENGRAM_LOOKUP_PACKED, 0, err, sizeof err) !=
+          0);
     CHECK(engram_engine_lookup_into(NULL, 0, layer0, T, C, 0, W, packed, stride, 0, 0, err, sizeof err) != 0);
     int untouched = 1;
     for (int64_t b = 0; b < T * stride; ++b) untouched &= packed[b] == 0xA5;

@@ -42,8 +42,8 @@ TEST_F(CliTest, PlanJsonHasExactlyTheDocumentedShape) {
   auto r = RunCmd(Ctl() + " plan --checkpoint " + Ckpt() + " --tp 2 --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   json j = json::parse(r.out);
-  EXPECT_EQ(Keys(j), (std::set<std::string>{"architecture", "compressed_vocab", "table_bytes", "tp", "layers",
-                                            "shards", "node_shm"}));
+  EXPECT_EQ(Keys(j), (std::set<std::string>{"architecture", "compressed_vocab", "table_bytes", "tp", "layers", "shards",
+                                            "node_shm"}));
   EXPECT_EQ(j["architecture"], "DeepseekV41ForCausalLM");
   EXPECT_EQ(j["tp"], 2);
   ASSERT_EQ(j["layers"].size(), 2u);
@@ -60,7 +60,8 @@ TEST_F(CliTest, PlanJsonHasExactlyTheDocumentedShape) {
 }
 
 TEST_F(CliTest, PlanOfTheRealFlashConfig) {
-  auto r = RunCmd(Ctl() + " plan --config " + DataPath("configs/v41-flash.json") + " --tp 8 --shm-dir /nonexistent --json");
+  auto r =
+      RunCmd(Ctl() + " plan --config " + DataPath("configs/v41-flash.json") + " --tp 8 --shm-dir /nonexistent --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   json j = json::parse(r.out);
   EXPECT_EQ(j["table_bytes"], 202758032400);
@@ -68,7 +69,8 @@ TEST_F(CliTest, PlanOfTheRealFlashConfig) {
   EXPECT_EQ(j["shards"].size(), 8u);
   EXPECT_EQ(j["shards"][7]["columns"], json({21, 24}));
   EXPECT_EQ(j["node_shm"]["fits"], false);
-  auto human = RunCmd(Ctl() + " plan --config " + DataPath("configs/v41-flash.json") + " --tp 2 --shm-dir /nonexistent");
+  auto human =
+      RunCmd(Ctl() + " plan --config " + DataPath("configs/v41-flash.json") + " --tp 2 --shm-dir /nonexistent");
   ASSERT_EQ(human.exit_code, 0);
   EXPECT_NE(human.out.find("188.83 GiB"), std::string::npos) << human.out;
   EXPECT_NE(human.out.find("SHM_MISSING"), std::string::npos) << human.out;
@@ -102,7 +104,8 @@ TEST_F(CliTest, PlanSaysWhetherDpSharedMemoryWorksAndWhy) {
 
 TEST_F(CliTest, PlanRefusesBrokenCheckpointsAndPle) {
   TempDir bad;
-  auto r = RunCmd(BinPath("engram-mkckpt") + " --out " + (bad / "ck") + " --table-mib 1 --head-dim 64 --hidden 32 --shards 1");
+  auto r = RunCmd(BinPath("engram-mkckpt") + " --out " + (bad / "ck") +
+                  " --table-mib 1 --head-dim 64 --hidden 32 --shards 1");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   // Cut the file short: the header now promises more data than there is.
   ASSERT_EQ(RunCmd("truncate -s -100 " + (bad / "ck/model.safetensors")).exit_code, 0);
@@ -120,8 +123,8 @@ TEST_F(CliTest, PlanRefusesBrokenCheckpointsAndPle) {
 
 TEST_F(CliTest, BadArgumentsExitTwoWithOneLine) {
   for (const std::string args : {"", "frobnicate", "plan", "plan --checkpoint a --config b", "plan --tp x --config c",
-                                  "plan --config c --bogus 1", "tokenmap", "hash --config c", "hash --checkpoint d",
-                                  "hash --checkpoint d --tokens 1,x", "hash --checkpoint d --tokens 1,2 --dead 1"}) {
+                                 "plan --config c --bogus 1", "tokenmap", "hash --config c", "hash --checkpoint d",
+                                 "hash --checkpoint d --tokens 1,x", "hash --checkpoint d --tokens 1,2 --dead 1"}) {
     auto r = RunCmd(Ctl() + " " + args);
     EXPECT_EQ(r.exit_code, 2) << args << ": " << r.err;
     EXPECT_FALSE(r.err.empty()) << args;
@@ -134,7 +137,7 @@ TEST_F(CliTest, TokenMapJsonMatchesTheGoldenBytes) {
   TempDir t;
   for (const std::string name : {"bytelevel-mixed", "llama-bytefallback"}) {
     auto r = RunCmd(Ctl() + " tokenmap --tokenizer " + DataPath("tokenizers/" + name + ".json") + " --json --out " +
-                 (t / "map.bin"));
+                    (t / "map.bin"));
     ASSERT_EQ(r.exit_code, 0) << r.err;
     json j = json::parse(r.out);
     EXPECT_EQ(Keys(j), (std::set<std::string>{"raw", "compressed", "sha256"}));
@@ -155,8 +158,9 @@ TEST_F(CliTest, HashJsonMatchesTheGolden) {
       tokens += (i ? "," : "") + std::to_string(c["tokens"][i].get<int>());
       dead += (i ? "," : "") + std::to_string(c["dead"][i].get<int>());
     }
-    auto r = RunCmd(Ctl() + " hash --config " + DataPath("configs/bytelevel-hash.json") + " --tokenizer " +
-                 DataPath("tokenizers/bytelevel-mixed.json") + " --tokens " + tokens + " --dead " + dead + " --json");
+    auto r =
+        RunCmd(Ctl() + " hash --config " + DataPath("configs/bytelevel-hash.json") + " --tokenizer " +
+               DataPath("tokenizers/bytelevel-mixed.json") + " --tokens " + tokens + " --dead " + dead + " --json");
     ASSERT_EQ(r.exit_code, 0) << r.err;
     json j = json::parse(r.out);
     ASSERT_EQ(j["layers"].size(), 2u);
@@ -169,7 +173,7 @@ TEST_F(CliTest, HashJsonMatchesTheGolden) {
 
 TEST_F(CliTest, HashRefusesAMismatchedVocabulary) {
   auto r = RunCmd(Ctl() + " hash --config " + DataPath("configs/small-two-layers.json") + " --tokenizer " +
-               DataPath("tokenizers/bytelevel-mixed.json") + " --tokens 1,2,3");
+                  DataPath("tokenizers/bytelevel-mixed.json") + " --tokens 1,2,3");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("256"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("500"), std::string::npos) << r.err;

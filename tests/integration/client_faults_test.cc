@@ -8,8 +8,8 @@
 
 #include <set>
 
-#include "engram/engram_c.h"
 #include "engram/client.h"
+#include "engram/engram_c.h"
 #include "engram/v1/engram.pb.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -61,10 +61,12 @@ int64_t RowMismatches(const client::Table& t, uint64_t seed = kSeed) {
     for (int64_t row = li.row_begin; row < li.row_end; row += 7) {
       const uint8_t* got = rec + (row - li.row_begin) * (D + sb);
       for (int64_t j = 0; j < D; ++j) {
-        bad += got[j] != tools::SyntheticByte(seed, base + "embed.weight", static_cast<uint64_t>(row * D + j), false, false);
+        bad += got[j] !=
+               tools::SyntheticByte(seed, base + "embed.weight", static_cast<uint64_t>(row * D + j), false, false);
       }
       for (int64_t j = 0; j < sb; ++j) {
-        bad += got[D + j] != tools::SyntheticByte(seed, base + "embed.scale", static_cast<uint64_t>(row * sb + j), true, false);
+        bad += got[D + j] !=
+               tools::SyntheticByte(seed, base + "embed.scale", static_cast<uint64_t>(row * sb + j), true, false);
       }
     }
   }
@@ -82,17 +84,20 @@ class ClientFaultsTest : public ::testing::Test {
     spec.threads = 2;
     ASSERT_TRUE(tools::WriteSyntheticCheckpoint(spec).ok());
     socket_ = dir_ / "engramd.sock";
-    daemon_ = Process({BinPath("../daemon/engramd"), "--checkpoint", dir_ / "ck", "--shm-dir", dir_ / "shm",
-                       "--socket", socket_},
-                      dir_ / "engramd.log");
-    ASSERT_TRUE(WaitFor([&] {
-      json s = Status();
-      if (s.is_null() || s["segments"].empty()) return false;
-      for (const auto& g : s["segments"]) {
-        if (g["state"] != "READY") return false;
-      }
-      return true;
-    }, std::chrono::seconds(60))) << daemon_.Output();
+    daemon_ = Process(
+        {BinPath("../daemon/engramd"), "--checkpoint", dir_ / "ck", "--shm-dir", dir_ / "shm", "--socket", socket_},
+        dir_ / "engramd.log");
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          json s = Status();
+          if (s.is_null() || s["segments"].empty()) return false;
+          for (const auto& g : s["segments"]) {
+            if (g["state"] != "READY") return false;
+          }
+          return true;
+        },
+        std::chrono::seconds(60)))
+        << daemon_.Output();
   }
   json Status() const {
     auto r = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
@@ -249,8 +254,8 @@ TEST(SegmentIdentityTest, ARewrittenCheckpointIsRepublishedNotAdopted) {
     if (s.is_null() || s["segments"].size() != 1) return false;
     return s["segments"][0]["state"] == "READY" && s["segments"][0]["checksum_state"] == "ok";
   };
-  const std::vector<std::string> argv = {BinPath("../daemon/engramd"), "--checkpoint", dir / "ck", "--shm-dir",
-                                         dir / "shm", "--socket", socket};
+  const std::vector<std::string> argv = {
+      BinPath("../daemon/engramd"), "--checkpoint", dir / "ck", "--shm-dir", dir / "shm", "--socket", socket};
   make(1);
   {
     Process d(argv, dir / "engramd1.log");
@@ -293,13 +298,16 @@ TEST_F(ClientFaultsTest, ALostLeaseIsReestablishedAfterTheDaemonRestarts) {
   ASSERT_FALSE(Me().is_null());
   daemon_.Signal(SIGKILL);
   daemon_.Wait();
-  daemon_ = Process({BinPath("../daemon/engramd"), "--checkpoint", dir_ / "ck", "--shm-dir", dir_ / "shm",
-                     "--socket", socket_},
-                    dir_ / "engramd-again.log");
-  ASSERT_TRUE(WaitFor([&] {
-    json me = Me();
-    return !me.is_null() && me["mode"] == "SHARED";
-  }, std::chrono::seconds(60))) << Status().dump() << daemon_.Output();
+  daemon_ = Process(
+      {BinPath("../daemon/engramd"), "--checkpoint", dir_ / "ck", "--shm-dir", dir_ / "shm", "--socket", socket_},
+      dir_ / "engramd-again.log");
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        json me = Me();
+        return !me.is_null() && me["mode"] == "SHARED";
+      },
+      std::chrono::seconds(60)))
+      << Status().dump() << daemon_.Output();
   EXPECT_EQ((*t)->records(0), mapped) << "nothing is remapped";
   EXPECT_EQ(RowMismatches(**t), 0);
 }
@@ -318,13 +326,16 @@ TEST_F(ClientFaultsTest, AReconnectToAnotherFileReportsWhatTheReplicaReallyRuns)
   daemon_.Signal(SIGKILL);
   daemon_.Wait();
   ASSERT_EQ(::unlink((dir_ / "shm/" + segment).c_str()), 0);
-  daemon_ = Process({BinPath("../daemon/engramd"), "--checkpoint", dir_ / "ck", "--shm-dir", dir_ / "shm",
-                     "--socket", socket_},
-                    dir_ / "engramd-again.log");
-  ASSERT_TRUE(WaitFor([&] {
-    json me = Me();
-    return !me.is_null() && !me["reasons"].empty() && me["reasons"].back() == "SEGMENT_NOT_READY";
-  }, std::chrono::seconds(60))) << Status().dump() << daemon_.Output();
+  daemon_ = Process(
+      {BinPath("../daemon/engramd"), "--checkpoint", dir_ / "ck", "--shm-dir", dir_ / "shm", "--socket", socket_},
+      dir_ / "engramd-again.log");
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        json me = Me();
+        return !me.is_null() && !me["reasons"].empty() && me["reasons"].back() == "SEGMENT_NOT_READY";
+      },
+      std::chrono::seconds(60)))
+      << Status().dump() << daemon_.Output();
   EXPECT_EQ(Me()["mode"], "PRIVATE_PINNED") << "status must not claim the new file is shared by this replica";
   EXPECT_EQ(RowMismatches(**t), 0) << "the old mapping still holds the checkpoint's rows";
 }

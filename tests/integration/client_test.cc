@@ -14,14 +14,14 @@
 #include <set>
 #include <sstream>
 
+#include "engram/client.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "engram/client.h"
 #include "shm/segment.h"
-#include "tools/synthetic.h"
 #include "tests/integration/json_lines.h"
 #include "tests/integration/process.h"
 #include "tests/test_util.h"
+#include "tools/synthetic.h"
 
 namespace engram {
 namespace {
@@ -49,22 +49,32 @@ class ClientTest : public ::testing::Test {
     ckpt_ = dir_ / "ck";
     ASSERT_EQ(RunCmd(BinPath("engram-mkckpt") + " --out " + ckpt_ + " --table-mib 96").exit_code, 0);
     socket_ = dir_ / "engramd.sock";
-    daemon_ = Process({BinPath("../daemon/engramd"), "--checkpoint", ckpt_, "--tp", "1,2", "--shm-dir", shm_,
-                       "--socket", socket_},
-                      dir_ / "engramd.log");
-    ASSERT_TRUE(WaitFor([&] {
-      auto r = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
-      if (r.exit_code != 0) return false;
-      json s = json::parse(r.out);
-      for (const auto& g : s["segments"]) {
-        if (g["state"] != "READY") return false;
-      }
-      return s["segments"].size() == 3;
-    }, std::chrono::seconds(60))) << daemon_.Output();
+    daemon_ = Process(
+        {BinPath("../daemon/engramd"), "--checkpoint", ckpt_, "--tp", "1,2", "--shm-dir", shm_, "--socket", socket_},
+        dir_ / "engramd.log");
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          auto r = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
+          if (r.exit_code != 0) return false;
+          json s = json::parse(r.out);
+          for (const auto& g : s["segments"]) {
+            if (g["state"] != "READY") return false;
+          }
+          return s["segments"].size() == 3;
+        },
+        std::chrono::seconds(60)))
+        << daemon_.Output();
   }
   std::vector<std::string> Replica(const std::string& args) const {
-    std::vector<std::string> argv = {BinPath("engram-replica"), "--socket", socket_, "--checkpoint", ckpt_,
-                                     "--shm-dir", shm_, "--timeout-ms", "3000"};
+    std::vector<std::string> argv = {BinPath("engram-replica"),
+                                     "--socket",
+                                     socket_,
+                                     "--checkpoint",
+                                     ckpt_,
+                                     "--shm-dir",
+                                     shm_,
+                                     "--timeout-ms",
+                                     "3000"};
     std::istringstream ss(args);
     for (std::string w; ss >> w;) argv.push_back(w);
     return argv;
@@ -86,10 +96,10 @@ TEST_F(ClientTest, ReplicasShareOneCopyAndLookUpTheCheckpointsRows) {
     std::vector<Process> ps;
     for (int dp = 0; dp < topo.first; ++dp) {
       for (int tp = 0; tp < topo.second; ++tp) {
-        ps.emplace_back(Replica("--dp-size " + std::to_string(topo.first) + " --dp-rank " + std::to_string(dp) +
-                                " --tp-size " + std::to_string(topo.second) + " --tp-rank " + std::to_string(tp) +
-                                " --verify 200 --write-probe"),
-                        dir_ / ("r" + std::to_string(dp) + std::to_string(tp) + ".log"));
+        ps.emplace_back(
+            Replica("--dp-size " + std::to_string(topo.first) + " --dp-rank " + std::to_string(dp) + " --tp-size " +
+                    std::to_string(topo.second) + " --tp-rank " + std::to_string(tp) + " --verify 200 --write-probe"),
+            dir_ / ("r" + std::to_string(dp) + std::to_string(tp) + ".log"));
       }
     }
     for (auto& p : ps) {
@@ -129,8 +139,8 @@ TEST_F(ClientTest, EveryFallbackServesCorrectRowsAndSaysWhy) {
   }
   // A fallback replica stays visible in engramctl status, with its mode and reason, while it runs.
   Process holder(Replica("--dp-size 4 --elastic-ep --hold 600 --verify 4"), dir_ / "holder.log");
-  ASSERT_TRUE(WaitFor([&] { return holder.Output().find("\"attached\"") != std::string::npos; },
-                      std::chrono::seconds(20)));
+  ASSERT_TRUE(
+      WaitFor([&] { return holder.Output().find("\"attached\"") != std::string::npos; }, std::chrono::seconds(20)));
   auto st = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
   json status = json::parse(st.out);
   ASSERT_EQ(status["replicas"].size(), 1u) << st.out;
@@ -267,11 +277,13 @@ TEST_F(ClientTest, SharedAndPrivateRowsEqualTheGeneratorsFormula) {
       for (int64_t row : rows) {
         const uint8_t* rec = base + (row - li.row_begin) * rb;
         for (int64_t j = 0; j < D; ++j) {
-          ASSERT_EQ(rec[j], tools::SyntheticByte(1, name + "embed.weight", static_cast<uint64_t>(row * D + j), false, false))
+          ASSERT_EQ(rec[j],
+                    tools::SyntheticByte(1, name + "embed.weight", static_cast<uint64_t>(row * D + j), false, false))
               << what << " layer " << li.layer_id << " row " << row << " byte " << j;
         }
         for (int64_t j = 0; j < S; ++j) {
-          ASSERT_EQ(rec[D + j], tools::SyntheticByte(1, name + "embed.scale", static_cast<uint64_t>(row * S + j), true, false))
+          ASSERT_EQ(rec[D + j],
+                    tools::SyntheticByte(1, name + "embed.scale", static_cast<uint64_t>(row * S + j), true, false))
               << what << " layer " << li.layer_id << " row " << row << " scale " << j;
         }
       }
@@ -294,8 +306,8 @@ TEST_F(ClientTest, SharedAndPrivateRowsEqualTheGeneratorsFormula) {
       auto t = (*c)->Attach(req);
       ASSERT_TRUE(t.ok()) << t.status();
       ASSERT_EQ((*t)->mode(), shared ? client::Mode::kShared : client::Mode::kPrivatePinned);
-      expect_formula(**t, std::string(shared ? "shared" : "private") + " tp" + std::to_string(rank) + "of" +
-                              std::to_string(tp));
+      expect_formula(
+          **t, std::string(shared ? "shared" : "private") + " tp" + std::to_string(rank) + "of" + std::to_string(tp));
     }
   }
 }
@@ -341,13 +353,14 @@ TEST_F(ClientTest, FourSharedReplicasHoldOneCopyOfTheTable) {
   for (int r = 0; r < 4; ++r) {
     shared.emplace_back(Replica("--dp-size 4 --dp-rank " + std::to_string(r) + " --hold 600 --verify 4"),
                         dir_ / ("s" + std::to_string(r) + ".log"));
-    priv.emplace_back(Replica("--dp-size 4 --dp-rank " + std::to_string(r) +
-                              " --dp-shared-memory false --hold 600 --verify 4"),
-                      dir_ / ("p" + std::to_string(r) + ".log"));
+    priv.emplace_back(
+        Replica("--dp-size 4 --dp-rank " + std::to_string(r) + " --dp-shared-memory false --hold 600 --verify 4"),
+        dir_ / ("p" + std::to_string(r) + ".log"));
   }
   for (auto* set : {&shared, &priv}) {
     for (auto& p : *set) {
-      ASSERT_TRUE(WaitFor([&] { return p.Output().find("\"attached\"") != std::string::npos; }, std::chrono::seconds(30)))
+      ASSERT_TRUE(
+          WaitFor([&] { return p.Output().find("\"attached\"") != std::string::npos; }, std::chrono::seconds(30)))
           << p.Output();
     }
   }

@@ -56,7 +56,8 @@ TEST(CtlErrorsTest, APermissionRefusalIsNotNotRunning) {
   ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
   ASSERT_EQ(::listen(fd, 4), 0);
   ASSERT_EQ(::chmod(path.c_str(), 0600), 0);  // root's socket: nobody else may connect
-  auto r = RunCmd("setpriv --reuid 65534 --regid 65534 --clear-groups " + BinPath("engramctl") + " status --socket " + path);
+  auto r =
+      RunCmd("setpriv --reuid 65534 --regid 65534 --clear-groups " + BinPath("engramctl") + " status --socket " + path);
   ::close(fd);
   EXPECT_EQ(r.exit_code, 4) << r.err;
   EXPECT_NE(r.err.find("permission denied"), std::string::npos) << r.err;

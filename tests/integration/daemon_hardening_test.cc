@@ -423,7 +423,8 @@ TEST(DaemonHardeningTest, RunningOutOfDescriptorsDoesNotSpinAndKeepsServing) {
   ASSERT_TRUE(d.WaitReady()) << d.Log();
   const pid_t pid = d.proc().pid();
   // A connection kept across the exhaustion.
-  auto stub = engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+  auto stub =
+      engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
   auto status_ok = [&] {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + 10s);
@@ -433,7 +434,9 @@ TEST(DaemonHardeningTest, RunningOutOfDescriptorsDoesNotSpinAndKeepsServing) {
   ASSERT_TRUE(status_ok());
   const int limit = CountFds(pid) + 6;
   ASSERT_EQ(RunCmd("prlimit --pid " + std::to_string(pid) + " --nofile=" + std::to_string(limit) + ":" +
-                   std::to_string(limit)).exit_code, 0);
+                   std::to_string(limit))
+                .exit_code,
+            0);
   std::vector<int> extra;
   for (int i = 0; i < 40; ++i) {
     int s = ConnectRaw(d.socket());
@@ -466,7 +469,8 @@ TEST(DaemonHardeningTest, LongClientStringsCannotBreakStatus) {
   const std::string ckpt = MakeCheckpoint(dir, 8);
   Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm});
   ASSERT_TRUE(d.WaitReady()) << d.Log();
-  auto stub = engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+  auto stub =
+      engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
   auto hello_with = [&](size_t checkpoint_bytes) {
     engram::v1::ClientMessage m;
     auto* h = m.mutable_hello();
@@ -569,7 +573,6 @@ TEST(DaemonHardeningTest, FailedLoadIsLoggedAndShownInStatus) {
   EXPECT_TRUE(shown) << s.dump();
   EXPECT_EQ(s["segments"].size(), 1u) << "status fields are unchanged: " << s.dump();
 }
-
 
 TEST(DaemonHardeningTest, RefusedUidsGetNothingFromAnyService) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root: setpriv switches to another uid";

@@ -28,8 +28,8 @@ class Daemon {
          const std::vector<std::string>& prefix = {})
       : socket_(dir / (name + ".sock")), log_(dir / (name + ".log")) {
     std::vector<std::string> argv = prefix;
-    for (const auto& a : std::vector<std::string>{BinPath("../daemon/engramd"), "--socket", socket_, "--log-level",
-                                                  "debug"}) {
+    for (const auto& a :
+         std::vector<std::string>{BinPath("../daemon/engramd"), "--socket", socket_, "--log-level", "debug"}) {
       argv.push_back(a);
     }
     argv.insert(argv.end(), extra.begin(), extra.end());

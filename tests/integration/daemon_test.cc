@@ -20,14 +20,14 @@
 #include <fstream>
 #include <functional>
 #include <mutex>
-#include <thread>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "engram/v1/engram.grpc.pb.h"
 #include "gtest/gtest.h"
-#include "nlohmann/json.hpp"
 #include "model/checkpoint.h"
+#include "nlohmann/json.hpp"
 #include "shm/segment.h"
 #include "tests/integration/daemon_harness.h"
 #include "tests/integration/json_lines.h"
@@ -49,8 +49,8 @@ using testing::WaitFor;
 
 Process Attach(const TempDir& dir, const Daemon& d, const std::string& ckpt, const std::string& shm,
                const std::string& extra, const std::string& log) {
-  std::vector<std::string> argv = {BinPath("engramctl"), "attach", "--socket", d.socket(), "--checkpoint", ckpt,
-                                   "--shm-dir", shm};
+  std::vector<std::string> argv = {BinPath("engramctl"), "attach", "--socket",  d.socket(),
+                                   "--checkpoint",       ckpt,     "--shm-dir", shm};
   std::istringstream ss(extra);
   std::string w;
   while (ss >> w) argv.push_back(w);
@@ -64,7 +64,8 @@ std::set<std::string> Reasons(const json& j) { return testing::ReasonSet(j); }
 // the bytes pinned at once.
 bool CanPin(uint64_t bytes) {
   rlimit rl{};
-  return ::geteuid() == 0 || (::getrlimit(RLIMIT_MEMLOCK, &rl) == 0 && (rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= bytes));
+  return ::geteuid() == 0 ||
+         (::getrlimit(RLIMIT_MEMLOCK, &rl) == 0 && (rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= bytes));
 }
 #define SKIP_UNLESS_CAN_PIN(bytes) \
   if (!CanPin(bytes)) GTEST_SKIP() << "mlock of " << (bytes) << " bytes needs root (CAP_IPC_LOCK) or ulimit -l"
@@ -123,8 +124,8 @@ TEST(DaemonTest, PublishesSharesAndHoldsLeases) {
     EXPECT_TRUE(r["register_seconds"].is_number()) << "each replica reported its registration: " << r.dump();
   }
   for (auto& r : replicas) {
-    EXPECT_TRUE(pids_before.count(r.pid())) << "status pid is the peer's real pid: " << r.pid() << " vs "
-                                            << d.Status()["replicas"].dump();
+    EXPECT_TRUE(pids_before.count(r.pid()))
+        << "status pid is the peer's real pid: " << r.pid() << " vs " << d.Status()["replicas"].dump();
   }
   // kill -9 one replica: its lease goes (the daemon notices the closed stream), the others stay.
   const pid_t victim = replicas[3].pid();
@@ -184,8 +185,8 @@ TEST(DaemonTest, CrashDebrisIsRemovedAndRestartAdoptsWithoutReadingTables) {
     // Adoption read the checkpoint's small files and headers only: far less than the 3 GiB of tables.
     const uint64_t read = ReadBytesOf(again.proc().pid());
     EXPECT_LT(read, uint64_t{64} << 20) << "the restarted daemon read " << read << " bytes";
-    ASSERT_TRUE(WaitFor([&] { return again.Status()["segments"][0]["checksum_state"] == "ok"; },
-                        std::chrono::seconds(60)));
+    ASSERT_TRUE(
+        WaitFor([&] { return again.Status()["segments"][0]["checksum_state"] == "ok"; }, std::chrono::seconds(60)));
     EXPECT_EQ(replica.Wait(), 0) << replica.Output();
     EXPECT_NE(replica.Output().find("\"remismatches\":0"), std::string::npos) << replica.Output();
   }
@@ -238,8 +239,7 @@ TEST(DaemonTest, FallbackReasonsFromTheTopologyAndConfig) {
       {"--cpu-offload false", ckpt, shm, "CPU_OFFLOAD_DISABLED", "DEVICE"},
       // Tables on the GPU and no node-local group for embedding_across_dp.
       {"--embedding-across-dp --dp-size 1 --cpu-offload false", ckpt, shm, "DP_SIZE_ONE", "DEVICE"},
-      {"--embedding-across-dp --dp-size 3 --local-dp-size 2 --cpu-offload false", ckpt, shm, "NOT_COLOCATED",
-       "DEVICE"},
+      {"--embedding-across-dp --dp-size 3 --local-dp-size 2 --cpu-offload false", ckpt, shm, "NOT_COLOCATED", "DEVICE"},
       {"", other, shm, "FINGERPRINT_MISMATCH", "PRIVATE_PINNED"},
       {"--tp-size 2 --tp-rank 1", ckpt, shm, "SEGMENT_NOT_READY", "PRIVATE_PINNED"},
   };
@@ -276,8 +276,8 @@ TEST(DaemonTest, PrivateShmNamespaceSharesThroughTheDescriptor) {
   ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
   const std::string attach = BinPath("engramctl") + " attach --socket " + d.socket() + " --checkpoint " + ckpt +
                              " --shm-dir " + shm + " --dp-size 2";
-  auto priv = RunCmd("unshare -m --propagation private sh -c 'mount -t tmpfs -o size=8m tmpfs " + shm + " && " +
-                     attach + "'");
+  auto priv =
+      RunCmd("unshare -m --propagation private sh -c 'mount -t tmpfs -o size=8m tmpfs " + shm + " && " + attach + "'");
   EXPECT_EQ(priv.exit_code, 0) << priv.err;
   json j = FirstJson(priv.out);
   EXPECT_EQ(j["decision"], "shared") << priv.out;
@@ -310,10 +310,13 @@ TEST(DaemonTest, WatchSettlesAndMetricsFileCounts) {
   EXPECT_NE(watch.Output().find("READY"), std::string::npos) << watch.Output();
   Process r = Attach(dir, d, ckpt, shm, "--elastic-ep", "fallback.log");
   EXPECT_EQ(r.Wait(), 0);
-  ASSERT_TRUE(WaitFor([&] {
-    const std::string m = testing::ReadFile(metrics);
-    return m.find("engram_fallbacks_total{reason=\"ELASTIC_EP\"} 1") != std::string::npos;
-  }, std::chrono::seconds(10))) << testing::ReadFile(metrics);
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        const std::string m = testing::ReadFile(metrics);
+        return m.find("engram_fallbacks_total{reason=\"ELASTIC_EP\"} 1") != std::string::npos;
+      },
+      std::chrono::seconds(10)))
+      << testing::ReadFile(metrics);
   const std::string m = testing::ReadFile(metrics);
   EXPECT_NE(m.find("engram_segments{state=\"READY\"} 1"), std::string::npos) << m;
   EXPECT_NE(m.find("engram_publish_gib_per_second{segment="), std::string::npos) << m;
@@ -323,7 +326,8 @@ TEST(DaemonTest, WatchSettlesAndMetricsFileCounts) {
 
 int CountFds(pid_t pid) {
   int n = 0;
-  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd")) ++n;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd"))
+    ++n;
   return n;
 }
 
@@ -413,8 +417,8 @@ TEST(DaemonTest, SoakSessionsKillsAndStatusLeakNothing) {
       << "fds " << fds0 << " -> " << CountFds(daemon_pid);
   const long rss1 = RssKib(daemon_pid);
   std::cout << "[ soak ] sessions " << sessions << " failed " << failures << " kills " << kKills << " status polls "
-            << polls << "; daemon fds " << fds0 << " -> " << CountFds(daemon_pid) << ", rss " << rss0 << " -> "
-            << rss1 << " KiB\n";
+            << polls << "; daemon fds " << fds0 << " -> " << CountFds(daemon_pid) << ", rss " << rss0 << " -> " << rss1
+            << " KiB\n";
   EXPECT_EQ(sessions, kThreads * kPerThread);
   EXPECT_EQ(failures, 0);
   EXPECT_GT(polls, 0);
@@ -429,7 +433,6 @@ TEST(DaemonTest, SoakSessionsKillsAndStatusLeakNothing) {
   EXPECT_TRUE(d.proc().Running());
 }
 
-
 // Health answers SERVING once the segments are READY. (NOT_SERVING while loading is not asserted: catching the load
 // in progress would race with its speed; a daemon-side pause seam would make it deterministic.)
 TEST(DaemonTest, HealthIsServingOnceReady) {
@@ -439,14 +442,14 @@ TEST(DaemonTest, HealthIsServingOnceReady) {
   const std::string ckpt = MakeCheckpoint(dir, 64);
   Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--threads", "1"});
   // Answered with a status (1 SERVING, 2 NOT_SERVING), not an error or no answer.
-  ASSERT_TRUE(WaitFor([&] { return testing::HealthCheck(d.socket(), std::chrono::seconds(5)) < 97; },
-                      std::chrono::seconds(20)))
+  ASSERT_TRUE(
+      WaitFor([&] { return testing::HealthCheck(d.socket(), std::chrono::seconds(5)) < 97; }, std::chrono::seconds(20)))
       << d.proc().Output();
   const int first = testing::HealthCheck(d.socket(), std::chrono::seconds(5));
   EXPECT_TRUE(first == 1 || first == 2) << first;
   ASSERT_TRUE(d.WaitReady());
-  EXPECT_TRUE(
-      WaitFor([&] { return testing::HealthCheck(d.socket(), std::chrono::seconds(5)) == 1; }, std::chrono::seconds(30)));
+  EXPECT_TRUE(WaitFor([&] { return testing::HealthCheck(d.socket(), std::chrono::seconds(5)) == 1; },
+                      std::chrono::seconds(30)));
 }
 
 TEST(DaemonTest, StartupRefusals) {
@@ -468,8 +471,9 @@ TEST(DaemonTest, StartupRefusals) {
   // Each refused daemon gets its own shm directory (one engramd owns a shm directory at a time).
   ::mkdir((dir / "shm-p1").c_str(), 0755);
   ::mkdir((dir / "shm-p2").c_str(), 0755);
-  Process p1({BinPath("../daemon/engramd"), "--checkpoint", bad, "--shm-dir", dir / "shm-p1", "--socket", dir / "x.sock"},
-             dir / "p1.log");
+  Process p1(
+      {BinPath("../daemon/engramd"), "--checkpoint", bad, "--shm-dir", dir / "shm-p1", "--socket", dir / "x.sock"},
+      dir / "p1.log");
   EXPECT_EQ(p1.Wait(), 1);
   EXPECT_NE(p1.Output().find("truncated"), std::string::npos) << p1.Output();
   const std::string vocab = MakeCheckpoint(dir, 8, "vocab");
@@ -477,8 +481,9 @@ TEST(DaemonTest, StartupRefusals) {
   const int64_t real = cfg["engram_compressed_vocab_size"];
   cfg["engram_compressed_vocab_size"] = real + 1;
   testing::WriteFile(vocab + "/config.json", cfg.dump());
-  Process p2({BinPath("../daemon/engramd"), "--checkpoint", vocab, "--shm-dir", dir / "shm-p2", "--socket", dir / "y.sock"},
-             dir / "p2.log");
+  Process p2(
+      {BinPath("../daemon/engramd"), "--checkpoint", vocab, "--shm-dir", dir / "shm-p2", "--socket", dir / "y.sock"},
+      dir / "p2.log");
   EXPECT_EQ(p2.Wait(), 1);
   EXPECT_NE(p2.Output().find(std::to_string(real)), std::string::npos) << p2.Output();
   EXPECT_NE(p2.Output().find(std::to_string(real + 1)), std::string::npos) << p2.Output();
@@ -493,7 +498,8 @@ TEST(DaemonTest, HostileClientsAndForeignUsersDoNotHurtIt) {
   const std::string ckpt = MakeCheckpoint(dir, 8);
   Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm});
   ASSERT_TRUE(d.WaitReady());
-  auto stub = engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+  auto stub =
+      engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
   {  // first message not a hello
     grpc::ClientContext ctx;
     auto s = stub->Session(&ctx);
@@ -620,7 +626,8 @@ TEST(DaemonTest, SessionsAreBoundedPerUid) {
   Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--group", "nogroup", "--max-sessions-per-uid", "2"});
   ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
   const engram::v1::ClientMessage hello = testing::SharingHello(ckpt, shm, 4);
-  auto stub = engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+  auto stub =
+      engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
   std::vector<std::unique_ptr<grpc::ClientContext>> ctx;
   std::vector<std::unique_ptr<grpc::ClientReaderWriter<engram::v1::ClientMessage, engram::v1::ServerMessage>>> st;
   auto open = [&](engram::v1::ServerMessage* m) {
@@ -648,11 +655,13 @@ TEST(DaemonTest, SessionsAreBoundedPerUid) {
   }
   ctx[0]->TryCancel();  // one session ends: its place is free again
   (void)st[0]->Finish();
-  ASSERT_TRUE(WaitFor([&] {
-    engram::v1::ServerMessage again;
-    const bool ok = open(&again) && again.has_grant();
-    return ok;
-  }, std::chrono::seconds(20)));
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        engram::v1::ServerMessage again;
+        const bool ok = open(&again) && again.has_grant();
+        return ok;
+      },
+      std::chrono::seconds(20)));
   for (auto& c : ctx) c->TryCancel();
   EXPECT_TRUE(d.proc().Running());
 }
@@ -685,7 +694,8 @@ TEST(DaemonTest, OneTicketSerialisesRegistration) {
   Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--tickets", "1"});
   ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
   const engram::v1::ClientMessage hello = testing::SharingHello(ckpt, shm, 4);
-  auto stub = engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+  auto stub =
+      engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
   constexpr int kN = 3;
   std::vector<std::unique_ptr<grpc::ClientContext>> ctx;
   std::vector<std::unique_ptr<grpc::ClientReaderWriter<engram::v1::ClientMessage, engram::v1::ServerMessage>>> st;
@@ -767,8 +777,8 @@ TEST(DaemonTest, TicketOfADeadHolderGoesToTheNext) {
   ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
   const std::string helper = BinPath("../tests/session_helper");
   Process holder({helper, d.socket(), ckpt, shm, "ticket"}, dir / "holder.log");
-  ASSERT_TRUE(WaitFor([&] { return holder.Output().find("\"ticket\": true") != std::string::npos; },
-                      std::chrono::seconds(30)))
+  ASSERT_TRUE(
+      WaitFor([&] { return holder.Output().find("\"ticket\": true") != std::string::npos; }, std::chrono::seconds(30)))
       << holder.Output();
   Process next({helper, d.socket(), ckpt, shm, "ticket"}, dir / "next.log");
   // The second one is connected and waiting (status lists two replicas, one registering).
@@ -776,8 +786,8 @@ TEST(DaemonTest, TicketOfADeadHolderGoesToTheNext) {
   EXPECT_EQ(next.Output().find("ticket"), std::string::npos) << "the ticket was handed out twice";
   holder.Signal(SIGKILL);
   EXPECT_EQ(holder.Wait(), 128 + SIGKILL);
-  ASSERT_TRUE(WaitFor([&] { return next.Output().find("\"ticket\": true") != std::string::npos; },
-                      std::chrono::seconds(30)))
+  ASSERT_TRUE(
+      WaitFor([&] { return next.Output().find("\"ticket\": true") != std::string::npos; }, std::chrono::seconds(30)))
       << "the dead holder's ticket was not released: " << d.Status().dump();
   const json s = d.Status();
   ASSERT_EQ(s["replicas"].size(), 1u) << s.dump();
@@ -799,8 +809,8 @@ TEST(DaemonTest, DrainTellsSessionsAndRefusesNewOnes) {
   Process a({helper, d.socket(), ckpt, shm, "events"}, dir / "a.log");
   Process b({helper, d.socket(), ckpt, shm, "events"}, dir / "b.log");
   for (auto* p : {&a, &b}) {
-    ASSERT_TRUE(WaitFor([&] { return p->Output().find("\"granted\": true") != std::string::npos; },
-                        std::chrono::seconds(30)))
+    ASSERT_TRUE(
+        WaitFor([&] { return p->Output().find("\"granted\": true") != std::string::npos; }, std::chrono::seconds(30)))
         << p->Output();
   }
   ASSERT_TRUE(WaitFor([&] { return d.Status()["replicas"].size() == 2; }, std::chrono::seconds(30)));
@@ -812,8 +822,8 @@ TEST(DaemonTest, DrainTellsSessionsAndRefusesNewOnes) {
         << p->Output();
   }
   EXPECT_EQ(d.Status()["draining"], true);
-  auto late = RunCmd(BinPath("engramctl") + " attach --socket " + d.socket() + " --checkpoint " + ckpt +
-                     " --shm-dir " + shm + " --dp-size 2");
+  auto late = RunCmd(BinPath("engramctl") + " attach --socket " + d.socket() + " --checkpoint " + ckpt + " --shm-dir " +
+                     shm + " --dp-size 2");
   EXPECT_NE(late.exit_code, 0) << late.out;
   // The refusal itself, on a raw session: UNAVAILABLE naming the drain. (engramctl prints it as "engramd is not
   // running", which is misleading: a finding for tools/ctl_daemon.cc's RpcFailure.)
@@ -878,11 +888,14 @@ TEST(DaemonTest, AdoptedSegmentWithBadChecksumIsRepublished) {
   ASSERT_TRUE(WaitFor([&] { return d.proc().Output().find("event=segment_checksum_mismatch") != std::string::npos; },
                       std::chrono::seconds(60)))
       << d.proc().Output();
-  ASSERT_TRUE(WaitFor([&] {
-    const json s = d.Status();
-    return !s.is_null() && s["segments"].size() == 1 && s["segments"][0]["state"] == "READY" &&
-           s["segments"][0]["origin"] == "published";
-  }, std::chrono::seconds(60))) << d.Status().dump();
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        const json s = d.Status();
+        return !s.is_null() && s["segments"].size() == 1 && s["segments"][0]["state"] == "READY" &&
+               s["segments"][0]["origin"] == "published";
+      },
+      std::chrono::seconds(60)))
+      << d.Status().dump();
   // The republished segment's row 1000 is the checkpoint's again.
   std::string error;
   auto oracle = oracle::RowOracle::Open(ckpt, &error);
@@ -913,10 +926,13 @@ TEST(DaemonTest, StatusJsonHasTheDocumentedShape) {
   Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm});
   ASSERT_TRUE(d.WaitReady()) << d.proc().Output();
   Process holder = Attach(dir, d, ckpt, shm, "--dp-size 2 --ticket --hold 600", "holder.log");
-  ASSERT_TRUE(WaitFor([&] {
-    const json now = d.Status();
-    return now["replicas"].size() == 1 && now["replicas"][0]["backend"] == "cpu";
-  }, std::chrono::seconds(30))) << d.Status().dump();
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        const json now = d.Status();
+        return now["replicas"].size() == 1 && now["replicas"][0]["backend"] == "cpu";
+      },
+      std::chrono::seconds(30)))
+      << d.Status().dump();
   Process fb = Attach(dir, d, ckpt, shm, "--elastic-ep", "fallback.log");  // one recent fallback
   EXPECT_EQ(fb.Wait(), 0);
   ASSERT_TRUE(WaitFor([&] { return !d.Status()["recent_fallbacks"].empty(); }, std::chrono::seconds(30)));
@@ -948,8 +964,8 @@ TEST(DaemonTest, StatusJsonHasTheDocumentedShape) {
   has(g, "error", V::string);
   ASSERT_EQ(s["replicas"].size(), 1u);
   const json& r = s["replicas"][0];
-  for (const char* k : {"pid", "uid", "dp_rank", "dp_size", "local_dp_size", "tp_rank", "tp_size",
-                        "attached_seconds", "register_seconds"}) {
+  for (const char* k : {"pid", "uid", "dp_rank", "dp_size", "local_dp_size", "tp_rank", "tp_size", "attached_seconds",
+                        "register_seconds"}) {
     has(r, k, V::number_float, true);
   }
   for (const char* k : {"mode", "backend", "segment"}) has(r, k, V::string);
@@ -999,10 +1015,13 @@ TEST(DaemonTest, LoadUnloadAndReload) {
   EXPECT_EQ(ListSegments(shm).size(), 3u);
   // SIGHUP re-reads the file: it names only `a`, so `b` goes and `a` comes back.
   d.proc().Signal(SIGHUP);
-  ASSERT_TRUE(WaitFor([&] {
-    json s = d.Status();
-    return s["segments"].size() == 1 && s["segments"][0]["checkpoint"] == a && s["segments"][0]["state"] == "READY";
-  }, std::chrono::seconds(20))) << d.proc().Output();
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        json s = d.Status();
+        return s["segments"].size() == 1 && s["segments"][0]["checkpoint"] == a && s["segments"][0]["state"] == "READY";
+      },
+      std::chrono::seconds(20)))
+      << d.proc().Output();
   EXPECT_EQ(ListSegments(shm).size(), 1u);
   EXPECT_EQ(RunCmd(BinPath("engramctl") + " unload --checkpoint /nope --socket " + d.socket()).exit_code, 1);
 }

@@ -3,8 +3,8 @@
 // Needs root for namespaces and uids (the tests say so and skip otherwise); everything else runs anywhere.
 #include <dirent.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -56,7 +56,8 @@ std::string Replica(const Daemon& d, const std::string& ckpt, const std::string&
 // private, empty tmpfs mounts: nothing the daemon put there is visible by path.
 std::string Isolated(const std::string& shm, const std::string& cmd) {
   return "exec unshare -m -i sh -c 'mount --make-rprivate / && mount -t tmpfs -o size=4m tmpfs /dev/shm && "
-         "mount -t tmpfs -o size=4m tmpfs " + shm + " && ls -A " + shm + " | wc -l >&2 && exec " + cmd + "'";
+         "mount -t tmpfs -o size=4m tmpfs " +
+         shm + " && ls -A " + shm + " | wc -l >&2 && exec " + cmd + "'";
 }
 
 int DaemonFds(pid_t pid) {
@@ -215,14 +216,18 @@ TEST(DescriptorTest, ASegmentGoneBetweenGrantAndFetchIsSaidSo) {
   ASSERT_TRUE(WaitFor([&] { return holder.Output().find("\"token\"") != std::string::npos; }, 30s)) << holder.Output();
   auto unload = RunCmd(BinPath("engramctl") + " unload --checkpoint " + ckpt + " --socket " + d.socket());
   ASSERT_EQ(unload.exit_code, 0) << unload.out << unload.err;
-  ASSERT_TRUE(WaitFor([&] {
-    for (const auto& e : std::filesystem::directory_iterator(shm)) {
-      if (e.path().filename().string().rfind("engram-", 0) == 0) return false;
-    }
-    return true;
-  }, 30s)) << "the unloaded segment was not removed";
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        for (const auto& e : std::filesystem::directory_iterator(shm)) {
+          if (e.path().filename().string().rfind("engram-", 0) == 0) return false;
+        }
+        return true;
+      },
+      30s))
+      << "the unloaded segment was not removed";
   { std::ofstream(trigger.c_str()) << "go"; }
-  ASSERT_TRUE(WaitFor([&] { return holder.Output().find("\"fetched\"") != std::string::npos; }, 30s)) << holder.Output();
+  ASSERT_TRUE(WaitFor([&] { return holder.Output().find("\"fetched\"") != std::string::npos; }, 30s))
+      << holder.Output();
   const json j = LastJson(holder.Output());
   EXPECT_EQ(j["fetched"], false) << j.dump();
   EXPECT_NE(j["error"].get<std::string>().find(kSegmentGone), std::string::npos) << j.dump();
@@ -288,12 +293,17 @@ TEST(DescriptorTest, AThousandAttachesAndKillsLeaveTheDaemonsDescriptorCountWher
   ASSERT_TRUE(d.WaitReady()) << d.Log();
   const pid_t pid = d.proc().pid();
   auto cycle = [&](int n) {
-    const json j = LastJson(RunCmd(BinPath("fd_helper") + " cycle " + d.socket() + " " + ckpt + " " +
-                                   std::to_string(n)).out);
+    const json j =
+        LastJson(RunCmd(BinPath("fd_helper") + " cycle " + d.socket() + " " + ckpt + " " + std::to_string(n)).out);
     EXPECT_EQ(j["failures"], 0) << j.dump();
   };
   auto idle = [&] {
-    return WaitFor([&] { const json s = d.Status(); return !s.is_null() && s["replicas"].empty(); }, 20s);
+    return WaitFor(
+        [&] {
+          const json s = d.Status();
+          return !s.is_null() && s["replicas"].empty();
+        },
+        20s);
   };
   cycle(5);  // warm up whatever the daemon allocates once (gRPC's pollers, ...)
   ASSERT_TRUE(idle());
@@ -305,8 +315,7 @@ TEST(DescriptorTest, AThousandAttachesAndKillsLeaveTheDaemonsDescriptorCountWher
   for (int i = 0; i < 20; ++i) {
     Process p({BinPath("fd_helper"), "hold", d.socket(), ckpt}, dir / ("hold" + std::to_string(i) + ".log"));
     if (i % 2 == 0) {
-      EXPECT_TRUE(WaitFor([&] { return p.Output().find("\"fetched\":true") != std::string::npos; }, 20s))
-          << p.Output();
+      EXPECT_TRUE(WaitFor([&] { return p.Output().find("\"fetched\":true") != std::string::npos; }, 20s)) << p.Output();
     } else {
       std::this_thread::sleep_for(std::chrono::milliseconds(5 * i));
     }

@@ -10,16 +10,16 @@
 // session lives on: the others stop at once naming it and why, status says so, and the session joins again; rank 0
 // killed while the group forms or right after creating the region leaves nothing in /dev/shm; leave requests that
 // are not the session's to make are refused without harm.
-#include <sys/mman.h>
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
+#include <sys/mman.h>
 
 #include <filesystem>
 #include <set>
-#include <thread>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engram/v1/engram.grpc.pb.h"
@@ -50,8 +50,8 @@ class DpGroupTest : public ::testing::Test {
     ASSERT_TRUE(daemon_->WaitReady()) << daemon_->Log();
   }
   Process Replica(const std::string& args, const std::string& log) {
-    std::vector<std::string> argv = {BinPath("engram-replica"), "--socket", daemon_->socket(), "--checkpoint", ckpt_,
-                                     "--timeout-ms", "10000"};
+    std::vector<std::string> argv = {
+        BinPath("engram-replica"), "--socket", daemon_->socket(), "--checkpoint", ckpt_, "--timeout-ms", "10000"};
     std::istringstream ss(args);
     for (std::string w; ss >> w;) argv.push_back(w);
     return Process(argv, dir_ / log);
@@ -105,9 +105,7 @@ TEST_F(DpGroupTest, Dp2RowsMatchTheCheckpointWithUnevenTokens) {
   EXPECT_TRUE(daemon_->proc().Running());
 }
 
-TEST_F(DpGroupTest, Dp4WithARankOfZeroTokens) {
-  RunTopology(1, 4, {0, 3, 64, 17}, "--dp-shared-memory false");
-}
+TEST_F(DpGroupTest, Dp4WithARankOfZeroTokens) { RunTopology(1, 4, {0, 3, 64, 17}, "--dp-shared-memory false"); }
 
 TEST_F(DpGroupTest, Tp2TimesDp2FormsOneGroupPerTpPosition) {
   RunTopology(2, 2, {9, 1}, "--dp-shared-memory false");
@@ -137,8 +135,7 @@ TEST_F(DpGroupTest, HoldKeepsADpShardedReplicaAttached) {
                          "hold" + std::to_string(d) + ".log"));
   }
   for (auto& p : ps) {
-    ASSERT_TRUE(WaitFor([&] { return p.Output().find("\"attached\"") != std::string::npos; },
-                        std::chrono::seconds(60)))
+    ASSERT_TRUE(WaitFor([&] { return p.Output().find("\"attached\"") != std::string::npos; }, std::chrono::seconds(60)))
         << p.Output();
     EXPECT_TRUE(p.Running()) << "--hold was ignored: " << p.Output();
   }
@@ -161,9 +158,8 @@ TEST_F(DpGroupTest, ADevShmTooSmallForTheRegionIsAClearError) {
   std::string cmd = "unshare -m --propagation private sh -c 'mount -t tmpfs -o size=16k tmpfs /dev/shm && ";
   for (int d = 0; d < 2; ++d) {
     cmd += "(" + BinPath("engram-replica") + " --socket " + daemon_->socket() + " --checkpoint " + ckpt_ +
-           " --timeout-ms 10000 --embedding-across-dp --cpu-offload false --dp-size 2 --dp-rank " +
-           std::to_string(d) + " --tokens 512 --verify 4; echo exit=$?) > " +
-           (dir_ / ("small" + std::to_string(d) + ".log")) + " 2>&1 & ";
+           " --timeout-ms 10000 --embedding-across-dp --cpu-offload false --dp-size 2 --dp-rank " + std::to_string(d) +
+           " --tokens 512 --verify 4; echo exit=$?) > " + (dir_ / ("small" + std::to_string(d) + ".log")) + " 2>&1 & ";
   }
   cmd += "wait'";
   auto r = testing::RunCmd(cmd);
@@ -194,8 +190,8 @@ TEST_F(DpGroupTest, SharingWinsWhereItCan) {
 TEST_F(DpGroupTest, AKilledMemberBreaksTheGroupAndTheOthersFailFast) {
   std::vector<Process> ps;
   for (int d = 0; d < 3; ++d) {
-    ps.push_back(Replica("--embedding-across-dp --dp-shared-memory false --dp-size 3 --dp-rank " +
-                             std::to_string(d) + " --tokens 16 --batches 1000000000 --verify 0",
+    ps.push_back(Replica("--embedding-across-dp --dp-shared-memory false --dp-size 3 --dp-rank " + std::to_string(d) +
+                             " --tokens 16 --batches 1000000000 --verify 0",
                          "kill" + std::to_string(d) + ".log"));
   }
   // The group formed and the members are stepping.
@@ -206,8 +202,8 @@ TEST_F(DpGroupTest, AKilledMemberBreaksTheGroupAndTheOthersFailFast) {
       },
       std::chrono::seconds(60)))
       << Groups().dump() << ps[0].Output();
-  ASSERT_TRUE(WaitFor([&] { return ps[1].Output().find("dp_group_formed") != std::string::npos; },
-                      std::chrono::seconds(30)));
+  ASSERT_TRUE(
+      WaitFor([&] { return ps[1].Output().find("dp_group_formed") != std::string::npos; }, std::chrono::seconds(30)));
   const pid_t victim = ps[1].pid();
   ps[1].Signal(SIGKILL);
   EXPECT_EQ(ps[1].Wait(), 128 + SIGKILL);
@@ -327,8 +323,8 @@ class RawSession {
 };
 
 TEST_F(DpGroupTest, MalformedGroupRequestsAreRefusedWithoutHarm) {
-  auto stub = engram::v1::Engram::NewStub(
-      grpc::CreateChannel("unix:" + daemon_->socket(), grpc::InsecureChannelCredentials()));
+  auto stub =
+      engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + daemon_->socket(), grpc::InsecureChannelCredentials()));
   auto ck = Checkpoint::Open(ckpt_);
   ASSERT_TRUE(ck.ok());
   auto hello = [&](int dp_rank, bool across) {
@@ -462,11 +458,14 @@ TEST_F(DpGroupTest, MalformedGroupRequestsAreRefusedWithoutHarm) {
     EXPECT_EQ(u.state(), engram::v1::GroupUpdate::FORMED);
     EXPECT_TRUE(a.End().ok());
     EXPECT_TRUE(b.End().ok());
-    EXPECT_TRUE(WaitFor([&] {
-      int f = ::shm_open(region.c_str(), O_RDONLY, 0);
-      if (f >= 0) ::close(f);
-      return f < 0 && errno == ENOENT;
-    }, std::chrono::seconds(20))) << "the broken group's region " << region << " was left in /dev/shm";
+    EXPECT_TRUE(WaitFor(
+        [&] {
+          int f = ::shm_open(region.c_str(), O_RDONLY, 0);
+          if (f >= 0) ::close(f);
+          return f < 0 && errno == ENOENT;
+        },
+        std::chrono::seconds(20)))
+        << "the broken group's region " << region << " was left in /dev/shm";
     ::shm_unlink(region.c_str());
   }
   {
@@ -548,12 +547,11 @@ class DpLifecycleTest : public DpGroupTest {
     // A fault point needs the tool built with the test fault hook (tests/support/fault_from_env.cc).
     bool fault = false;
     for (const std::string& e : env) fault = fault || e.rfind("ENGRAM_TEST_FAULT=", 0) == 0;
-    for (const std::string& a : {BinPath(fault ? "engram-replica-faults" : "engram-replica"), std::string("--socket"),
-                                 daemon_->socket(),
-                                 std::string("--checkpoint"), ckpt_, std::string("--timeout-ms"),
-                                 std::string("10000"), std::string("--embedding-across-dp"),
-                                 std::string("--dp-shared-memory"), std::string("false"), std::string("--dp-size"),
-                                 std::to_string(dp_size), std::string("--dp-rank"), std::to_string(dp_rank)}) {
+    for (const std::string& a :
+         {BinPath(fault ? "engram-replica-faults" : "engram-replica"), std::string("--socket"), daemon_->socket(),
+          std::string("--checkpoint"), ckpt_, std::string("--timeout-ms"), std::string("10000"),
+          std::string("--embedding-across-dp"), std::string("--dp-shared-memory"), std::string("false"),
+          std::string("--dp-size"), std::to_string(dp_size), std::string("--dp-rank"), std::to_string(dp_rank)}) {
       argv.push_back(a);
     }
     std::istringstream ss(args);
@@ -592,9 +590,9 @@ TEST_F(DpLifecycleTest, ALeavingMemberBreaksTheGroupAndItsSessionJoinsAgain) {
   EXPECT_EQ(broken["left"]["dp_rank"], 1);
   EXPECT_EQ(broken["left"]["pid"], m1.pid());
   const std::string detail = broken["detail"].get<std::string>();
-  EXPECT_NE(detail.find("member dp rank 1 (edp rank 1, pid " + std::to_string(m1.pid()) +
-                        ") left: its DP engine was closed"),
-            std::string::npos)
+  EXPECT_NE(
+      detail.find("member dp rank 1 (edp rank 1, pid " + std::to_string(m1.pid()) + ") left: its DP engine was closed"),
+      std::string::npos)
       << detail;
   ASSERT_EQ(broken["members"].size(), 2u);
   EXPECT_EQ(broken["members"][1]["left"], "its DP engine was closed") << broken.dump();
@@ -707,10 +705,12 @@ TEST_F(DpLifecycleTest, Rank0KilledWhileTheGroupFormsLeavesNoRegion) {
 // A member stopped mid-steps (SIGSTOP) is named by the survivor: its edp rank, pid and the phase it reached, not
 // only that "a member" did not reach a step.
 TEST_F(DpLifecycleTest, AStalledMemberIsNamedByTheSurvivor) {
-  Process r0 = EnvReplica(2, 0, "--tokens 4 --batches 100000 --verify 0", "stall0.log", {"ENGRAM_DP_STEP_TIMEOUT_MS=1500"});
-  Process r1 = EnvReplica(2, 1, "--tokens 4 --batches 100000 --verify 0", "stall1.log", {"ENGRAM_DP_STEP_TIMEOUT_MS=1500"});
-  ASSERT_TRUE(WaitFor([&] { return r1.Output().find("dp_group_formed") != std::string::npos; },
-                      std::chrono::seconds(60)))
+  Process r0 =
+      EnvReplica(2, 0, "--tokens 4 --batches 100000 --verify 0", "stall0.log", {"ENGRAM_DP_STEP_TIMEOUT_MS=1500"});
+  Process r1 =
+      EnvReplica(2, 1, "--tokens 4 --batches 100000 --verify 0", "stall1.log", {"ENGRAM_DP_STEP_TIMEOUT_MS=1500"});
+  ASSERT_TRUE(
+      WaitFor([&] { return r1.Output().find("dp_group_formed") != std::string::npos; }, std::chrono::seconds(60)))
       << r1.Output();
   std::this_thread::sleep_for(std::chrono::milliseconds(200));  // some steps
   r1.Signal(SIGSTOP);
@@ -742,8 +742,8 @@ TEST_F(DpLifecycleTest, Rank0KilledAfterCreatingTheRegionLeavesNoRegion) {
 // session goes on, its group and everyone else's stay as they were. A proper leave then breaks the group naming the
 // member and its reason, and the session joins again.
 TEST_F(DpLifecycleTest, LeaveRequestsAreCheckedAndRefusedWithoutHarm) {
-  auto stub = engram::v1::Engram::NewStub(
-      grpc::CreateChannel("unix:" + daemon_->socket(), grpc::InsecureChannelCredentials()));
+  auto stub =
+      engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + daemon_->socket(), grpc::InsecureChannelCredentials()));
   auto ck = Checkpoint::Open(ckpt_);
   ASSERT_TRUE(ck.ok());
   auto hello = [&](int dp_rank) {
@@ -812,10 +812,8 @@ TEST_F(DpLifecycleTest, LeaveRequestsAreCheckedAndRefusedWithoutHarm) {
       {"no such group", c.get(), leave("no-such-group", 0, "x"), grpc::StatusCode::NOT_FOUND, "no group"},
       {"another generation", a.get(), leave(formed.group(), formed.generation() + 100, "x"),
        grpc::StatusCode::FAILED_PRECONDITION, "generation"},
-      {"oversized reason", a.get(), leave("", 0, std::string(600, 'r')), grpc::StatusCode::INVALID_ARGUMENT,
-       "reason"},
-      {"oversized group", b.get(), leave(std::string(5000, 'g'), 0, "x"), grpc::StatusCode::INVALID_ARGUMENT,
-       "group"},
+      {"oversized reason", a.get(), leave("", 0, std::string(600, 'r')), grpc::StatusCode::INVALID_ARGUMENT, "reason"},
+      {"oversized group", b.get(), leave(std::string(5000, 'g'), 0, "x"), grpc::StatusCode::INVALID_ARGUMENT, "group"},
   };
   for (const auto& k : cases) {
     ASSERT_TRUE(k.s->Leave(k.l, &left)) << k.what << ": the session ended";

@@ -1,7 +1,7 @@
 // fd_helper: one replica-side actor of the descriptor-passing tests (tests/integration/descriptor_test.cc), run as a
 // separate process so that a test can give it another uid (setpriv), other namespaces (unshare) or SIGKILL. It
-// speaks to engramd through the client's own session and descriptor channel (client/session/session.h, fd_channel.h) and
-// prints one JSON line per result, flushed at once. Modes:
+// speaks to engramd through the client's own session and descriptor channel (client/session/session.h, fd_channel.h)
+// and prints one JSON line per result, flushed at once. Modes:
 //   fetch SOCKET CHECKPOINT       session (DP 2, TP 1) -> descriptor -> what this process can and cannot do with it
 //   grant SOCKET CHECKPOINT       session; prints lease, token and channel path, then holds the session until killed
 //   steal CHANNEL LEASE TOKEN     asks the channel for someone else's descriptor

@@ -8,9 +8,9 @@
 
 #include "engram/client.h"
 #include "engram/lookup_engine.h"
-#include "model/reference.h"
 #include "gtest/gtest.h"
 #include "model/fp8.h"
+#include "model/reference.h"
 #include "tests/oracle.h"
 #include "tests/test_util.h"
 #include "tools/row_oracle.h"
@@ -90,22 +90,25 @@ TEST(LookupEngineTest, CpuBackendRunsTheSameCallsAsTheGpu) {
     // The first looked-up row, byte for byte as the generator wrote it.
     const std::string base = "layers." + std::to_string(t.layers()[static_cast<size_t>(l)].layer_id) + ".engram.";
     for (int64_t j = 0; j < D; ++j) {
-      ASSERT_EQ(packed[static_cast<size_t>(j)],
-                tools::SyntheticByte(spec.seed, base + "embed.weight", static_cast<uint64_t>(flat[0] * D + j), false, false));
+      ASSERT_EQ(
+          packed[static_cast<size_t>(j)],
+          tools::SyntheticByte(spec.seed, base + "embed.weight", static_cast<uint64_t>(flat[0] * D + j), false, false));
     }
     for (int64_t j = 0; j < D / 32; ++j) {
       ASSERT_EQ(packed[static_cast<size_t>(D + j)],
-                tools::SyntheticByte(spec.seed, base + "embed.scale", static_cast<uint64_t>(flat[0] * (D / 32) + j), true,
-                                     false));
+                tools::SyntheticByte(spec.seed, base + "embed.scale", static_cast<uint64_t>(flat[0] * (D / 32) + j),
+                                     true, false));
     }
   }
   // Gate through the engine equals the float64 oracle.
   const int HC = 4, H = 64;
   auto hidden = testing::RandomBf16(rng, static_cast<size_t>(T * HC * H), 1.f);
   auto kv = testing::RandomBf16(rng, static_cast<size_t>(T * (HC + 1) * H), 1.f);
-  auto q = testing::RandomBf16(rng, static_cast<size_t>(HC * H), 1.f), k = testing::RandomBf16(rng, static_cast<size_t>(HC * H), 1.f);
+  auto q = testing::RandomBf16(rng, static_cast<size_t>(HC * H), 1.f),
+       k = testing::RandomBf16(rng, static_cast<size_t>(HC * H), 1.f);
   std::vector<uint16_t> out(hidden.size(), 0xFFFF);
-  ASSERT_TRUE((*engine)->Gate({hidden.data(), kv.data(), q.data(), k.data(), nullptr, out.data(), T, HC, H, 1e-6f}).ok());
+  ASSERT_TRUE(
+      (*engine)->Gate({hidden.data(), kv.data(), q.data(), k.data(), nullptr, out.data(), T, HC, H, 1e-6f}).ok());
   EXPECT_LE(testing::GateViolation(T, HC, H, 1e-6, hidden, kv, q, k, {}, out), 0.0);
   // Misuse.
   EXPECT_FALSE((*engine)->Hash(tokens.data(), pos.data(), qsl.data(), nullptr, nullptr, T + 1, 2, ids.data()).ok());

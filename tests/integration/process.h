@@ -3,10 +3,10 @@
 #pragma once
 
 #include <fcntl.h>
-#include <sys/socket.h>
-#include <sys/un.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 

@@ -105,8 +105,8 @@ TEST(SystemdTest, ExecStartReachesReadyThroughNotifySocketAndReloads) {
   // ExecReload: SIGHUP re-reads the config.
   notify.Clear();
   p.Signal(SIGHUP);
-  ASSERT_TRUE(WaitFor([&] { return notify.Drain().find("RELOADING=1") != std::string::npos; },
-                      std::chrono::seconds(10)))
+  ASSERT_TRUE(
+      WaitFor([&] { return notify.Drain().find("RELOADING=1") != std::string::npos; }, std::chrono::seconds(10)))
       << p.Output();
   EXPECT_TRUE(WaitFor([&] { return p.Output().find("event=reload") != std::string::npos; }, std::chrono::seconds(10)));
   p.Signal(SIGTERM);

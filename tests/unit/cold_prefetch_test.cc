@@ -16,9 +16,9 @@
 #include <random>
 #include <thread>
 
-#include "model/checkpoint.h"
 #include "io/cold_prefetch.h"
 #include "io/shard_records.h"
+#include "model/checkpoint.h"
 #include "tests/test_util.h"
 #include "tools/row_oracle.h"
 #include "tools/synthetic.h"
@@ -42,9 +42,9 @@ std::string DropCheckpointCache(const std::string& dir, const Checkpoint& ckpt) 
   return "";
 }
 
-#define SKIP_UNLESS_DROPPED(dir, ckpt)                                              \
+#define SKIP_UNLESS_DROPPED(dir, ckpt)                                        \
   if (const std::string why = DropCheckpointCache(dir, ckpt); !why.empty()) { \
-    GTEST_SKIP() << why;                                                          \
+    GTEST_SKIP() << why;                                                      \
   }
 
 // The ranges of jobs of 3 MiB of weights (every other 3 MiB: the jobs are not one contiguous range) and a little of
@@ -98,8 +98,8 @@ std::unique_ptr<Fixture> MakeCheckpoint() {
 struct WholeFill {
   std::vector<LayerRows> rows;
   int64_t record_bytes = 0;
-  uint64_t total = 0;             // bytes of records
-  std::vector<uint8_t> records;   // from a fill without readers (when `reference` was asked for)
+  uint64_t total = 0;            // bytes of records
+  std::vector<uint8_t> records;  // from a fill without readers (when `reference` was asked for)
   std::vector<uint64_t> sums;
 };
 
@@ -165,7 +165,8 @@ TEST(ReadIfCached, AColdCheckpointLooksColdToAProcessThatDoesNotOwnIt) {
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   ASSERT_TRUE(WIFEXITED(status));
-  if (WEXITSTATUS(status) == 3) GTEST_SKIP() << "root here may not change its uid (no CAP_SETUID, or uid 65534 unmapped)";
+  if (WEXITSTATUS(status) == 3)
+    GTEST_SKIP() << "root here may not change its uid (no CAP_SETUID, or uid 65534 unmapped)";
   EXPECT_EQ(WEXITSTATUS(status), 0) << "a non-owner saw the cold checkpoint as cached";
 }
 

@@ -11,9 +11,7 @@ namespace {
 
 using nlohmann::json;
 
-json Base() {
-  return json::parse(testing::ReadFile(testing::DataPath("configs/small-two-layers.json")));
-}
+json Base() { return json::parse(testing::ReadFile(testing::DataPath("configs/small-two-layers.json"))); }
 
 std::string ErrorOf(const json& j) {
   auto c = ParseEngramConfig(j.dump());

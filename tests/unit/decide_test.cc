@@ -67,15 +67,23 @@ TEST(DecideTest, EveryReasonAloneWithItsMode) {
        engram::v1::PRIVATE_PINNED, "never shared"},
       {"cpu_offload false", [](auto& h, auto&) { h.mutable_config()->set_cpu_offload(engram::v1::DISABLED); },
        engram::v1::CPU_OFFLOAD_DISABLED, engram::v1::DEVICE, "cpu_offload"},
-      {"elastic ep", [](auto& h, auto&) { h.set_elastic_ep(true); }, engram::v1::ELASTIC_EP,
-       engram::v1::PRIVATE_PINNED, "elastic"},
+      {"elastic ep", [](auto& h, auto&) { h.set_elastic_ep(true); }, engram::v1::ELASTIC_EP, engram::v1::PRIVATE_PINNED,
+       "elastic"},
       {"fingerprint", [](auto&, auto& n) { n.checkpoint_served = false; }, engram::v1::FINGERPRINT_MISMATCH,
        engram::v1::PRIVATE_PINNED, "engramctl load"},
-      {"shm missing", [](auto&, auto& n) { n.shm_exists = false; }, engram::v1::SHM_MISSING,
-       engram::v1::PRIVATE_PINNED, "--shm-dir"},
-      {"shm too small", [](auto&, auto& n) { n.shm_too_small = true; n.shm_free_bytes = 1 << 20; },
+      {"shm missing", [](auto&, auto& n) { n.shm_exists = false; }, engram::v1::SHM_MISSING, engram::v1::PRIVATE_PINNED,
+       "--shm-dir"},
+      {"shm too small",
+       [](auto&, auto& n) {
+         n.shm_too_small = true;
+         n.shm_free_bytes = 1 << 20;
+       },
        engram::v1::SHM_TOO_SMALL, engram::v1::PRIVATE_PINNED, "--shm-size"},
-      {"segment failed", [](auto&, auto& n) { n.segment_failed = true; n.segment_error = "disk on fire"; },
+      {"segment failed",
+       [](auto&, auto& n) {
+         n.segment_failed = true;
+         n.segment_error = "disk on fire";
+       },
        engram::v1::SEGMENT_NOT_READY, engram::v1::PRIVATE_PINNED, "disk on fire"},
   };
   for (const auto& c : cases) {

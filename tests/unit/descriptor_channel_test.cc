@@ -1,6 +1,6 @@
 // The descriptor side channel in-process, over a real Unix socket: daemon/descriptor_server.h (serving) and
-// client/session/descriptor_client.h (fetching). Who gets a descriptor (token, lease, process, authorisation), what the descriptor
-// allows (read-only), what a hostile or silent peer can do (nothing lasting), and that no descriptor leaks.
+// client/session/descriptor_client.h (fetching). Who gets a descriptor (token, lease, process, authorisation), what the
+// descriptor allows (read-only), what a hostile or silent peer can do (nothing lasting), and that no descriptor leaks.
 #include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>

@@ -62,8 +62,8 @@ TEST(GrantedTableTest, ALayerOffsetThatWrapsIsRefusedAndTheHonestGrantOpens) {
   honest->reset();
 
   // offset + rows x record wraps to a small number when the offset is near 2^64.
-  const uint64_t span = static_cast<uint64_t>(g.layers[0].row_end - g.layers[0].row_begin) *
-                        static_cast<uint64_t>(g.record_bytes);
+  const uint64_t span =
+      static_cast<uint64_t>(g.layers[0].row_end - g.layers[0].row_begin) * static_cast<uint64_t>(g.record_bytes);
   g.layers[0].data_offset = std::numeric_limits<uint64_t>::max() - span + 2;
   auto lying = client::OpenSharedTable(g, -1, pub->path, desc.fingerprint(), *layout, *shard, Env::Default());
   ASSERT_FALSE(lying.ok());

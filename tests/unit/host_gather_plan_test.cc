@@ -56,8 +56,10 @@ TEST(HostGatherPlanTest, DedupMapsEveryItemToItsRowAndFetchesEachRowOnce) {
     std::vector<int32_t> ids(static_cast<size_t>(T * stride));
     // Half the items repeat an earlier one; some ids fall outside the layer's rows [100, 5100).
     for (size_t i = 0; i < ids.size(); ++i) {
-      if (i > 0 && rng() % 2 == 0) ids[i] = ids[rng() % i];
-      else ids[i] = static_cast<int32_t>(rng() % 5300);
+      if (i > 0 && rng() % 2 == 0)
+        ids[i] = ids[rng() % i];
+      else
+        ids[i] = static_cast<int32_t>(rng() % 5300);
     }
     std::vector<int32_t> index(static_cast<size_t>(T) * C);
     GatherPlan plan;
@@ -133,9 +135,9 @@ TEST(HostGatherPlanTest, BadInputsAreErrors) {
 
 TEST(HostGatherPlanTest, ChunksAndRanges) {
   EXPECT_EQ(PlanChunkRows(0, 8), 0);
-  EXPECT_EQ(PlanChunkRows(10, 8), 1024);            // never below the minimum
-  EXPECT_EQ(PlanChunkRows(1 << 20, 8), 8192);       // never above the maximum
-  EXPECT_EQ(PlanChunkRows(196608, 16), 3072);       // four chunks per thread
+  EXPECT_EQ(PlanChunkRows(10, 8), 1024);       // never below the minimum
+  EXPECT_EQ(PlanChunkRows(1 << 20, 8), 8192);  // never above the maximum
+  EXPECT_EQ(PlanChunkRows(196608, 16), 3072);  // four chunks per thread
   EXPECT_EQ(PlanChunkRows(100, 4, 1, 1000), 7);
   for (int64_t n : {0, 1, 7, 100, 12345}) {
     for (int parts : {1, 3, 16}) {

@@ -222,9 +222,9 @@ TEST(PrimesTest, LargeAndAdversarialNumbers) {
   EXPECT_TRUE(IsPrime((uint64_t{1} << 61) - 1));
   EXPECT_TRUE(IsPrime(18446744073709551557ull));  // largest 64-bit prime
   EXPECT_FALSE(IsPrime(18446744073709551615ull));
-  EXPECT_FALSE(IsPrime(3215031751ull));        // strong pseudoprime to bases 2, 3, 5, 7
+  EXPECT_FALSE(IsPrime(3215031751ull));           // strong pseudoprime to bases 2, 3, 5, 7
   EXPECT_FALSE(IsPrime(3825123056546413051ull));  // strong pseudoprime to bases 2..23
-  EXPECT_FALSE(IsPrime(561));                  // Carmichael
+  EXPECT_FALSE(IsPrime(561));                     // Carmichael
   EXPECT_EQ(NextPrime(15999999), 16000057u);
 }
 

@@ -51,8 +51,8 @@ std::string TokenizerWith(const std::string& decoder, const std::string& vocab =
 
 TEST(HostileJsonTest, DeepNestingInConfigIsRefused) {
   // The bad element is an array nested a million deep: printing it in the error recursed once per level.
-  const std::string text = R"({"architectures": ["DeepseekV41ForCausalLM"], "engram_layer_ids": [1, )" +
-                           Nested(1'000'000) + "]}";
+  const std::string text =
+      R"({"architectures": ["DeepseekV41ForCausalLM"], "engram_layer_ids": [1, )" + Nested(1'000'000) + "]}";
   auto c = ParseEngramConfig(text);
   ASSERT_FALSE(c.ok());
   EXPECT_NE(c.status().message().find("nested more than 128 levels"), std::string::npos) << c.status();
@@ -74,8 +74,7 @@ TEST(HostileJsonTest, DeepNestingInATokenizerIsRefused) {
                            Nested(1'000'000) + R"(, "content": "x"}]})";
   auto t = Tokenizer::Parse(text, "tok.json");
   ASSERT_FALSE(t.ok());
-  EXPECT_NE(t.status().message().find("tok.json: JSON nested more than 128 levels"), std::string::npos)
-      << t.status();
+  EXPECT_NE(t.status().message().find("tok.json: JSON nested more than 128 levels"), std::string::npos) << t.status();
   // Deeply nested Sequence decoders recurse in the parser too.
   std::string seq;
   for (int i = 0; i < 200'000; ++i) seq += R"({"type": "Sequence", "decoders": [)";
@@ -147,21 +146,19 @@ TEST(HostileJsonTest, HugeValuesAreExcerptedInErrors) {
 // ---- Type errors become statuses naming the file and the field ----
 
 TEST(HostileJsonTest, StripDecoderWithAStringStartIsAnError) {
-  auto t = Tokenizer::Parse(TokenizerWith(R"({"type": "Strip", "content": " ", "start": "x", "stop": 0})"),
-                            "tok.json");
+  auto t = Tokenizer::Parse(TokenizerWith(R"({"type": "Strip", "content": " ", "start": "x", "stop": 0})"), "tok.json");
   ASSERT_FALSE(t.ok());
   EXPECT_NE(t.status().message().find("tok.json"), std::string::npos) << t.status();
   EXPECT_NE(t.status().message().find("`start`"), std::string::npos) << t.status();
   t = Tokenizer::Parse(TokenizerWith(R"({"type": "Strip", "content": " ", "start": 1, "stop": [2]})"), "tok.json");
   ASSERT_FALSE(t.ok());
   EXPECT_NE(t.status().message().find("`stop`"), std::string::npos) << t.status();
-  t = Tokenizer::Parse(
-      TokenizerWith(R"({"type": "Strip", "content": " ", "start": 18446744073709551615, "stop": 0})"), "tok.json");
+  t = Tokenizer::Parse(TokenizerWith(R"({"type": "Strip", "content": " ", "start": 18446744073709551615, "stop": 0})"),
+                       "tok.json");
   ASSERT_FALSE(t.ok());
   EXPECT_NE(t.status().message().find("does not fit in int64"), std::string::npos) << t.status();
   // Well-typed Strip still works.
-  t = Tokenizer::Parse(TokenizerWith(R"({"type": "Strip", "content": "a", "start": 1, "stop": 0})",
-                                     R"({"aab": 0})"),
+  t = Tokenizer::Parse(TokenizerWith(R"({"type": "Strip", "content": "a", "start": 1, "stop": 0})", R"({"aab": 0})"),
                        "tok.json");
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ(t->Decode(0).text, "ab");
@@ -285,9 +282,8 @@ TEST(HostileFileTest, FifosInACheckpointAreRefusedWithoutBlocking) {
   // The index itself.
   ASSERT_EQ(::unlink((dir / "model.safetensors.index.json").c_str()), 0);
   ASSERT_EQ(::mkfifo((dir / "model.safetensors.index.json").c_str(), 0600), 0);
-  ExpectNotRegular(
-      NoHang(dir / "model.safetensors.index.json", [&] { return Checkpoint::Open(dir.path()).status(); }),
-      dir / "model.safetensors.index.json");
+  ExpectNotRegular(NoHang(dir / "model.safetensors.index.json", [&] { return Checkpoint::Open(dir.path()).status(); }),
+                   dir / "model.safetensors.index.json");
 }
 
 TEST(HostileFileTest, SymlinksToRegularFilesStillWork) {
@@ -310,8 +306,9 @@ TEST(HostileFileTest, SymlinksToRegularFilesStillWork) {
   // A symlink to a FIFO is refused like the FIFO.
   ASSERT_EQ(::mkfifo((dir / "blobs/fifo").c_str(), 0600), 0);
   std::filesystem::create_symlink("../blobs/fifo", dir / "snapshot/tokenizer.json");
-  ExpectNotRegular(NoHang(dir / "blobs/fifo", [&] { return Tokenizer::Load(dir / "snapshot/tokenizer.json").status(); }),
-                   dir / "snapshot/tokenizer.json");
+  ExpectNotRegular(
+      NoHang(dir / "blobs/fifo", [&] { return Tokenizer::Load(dir / "snapshot/tokenizer.json").status(); }),
+      dir / "snapshot/tokenizer.json");
   // A directory is not a file either.
   ExpectNotRegular(ReadSmallFile(dir / "blobs").status(), dir / "blobs");
 }

@@ -202,7 +202,8 @@ TEST(LookupReferenceTest, DequantisesOwnedRowsAndZeroesTheRest) {
   PackRecords(weight.data(), scale.data(), rows, D, records.data());
   RecordTable table{records.data(), begin, begin + rows, D};
   std::vector<int32_t> ids;
-  for (int i = 0; i < 3000; ++i) ids.push_back(static_cast<int32_t>(begin - 50 + static_cast<int64_t>(rng() % (rows + 100))));
+  for (int i = 0; i < 3000; ++i)
+    ids.push_back(static_cast<int32_t>(begin - 50 + static_cast<int64_t>(rng() % (rows + 100))));
   ids.push_back(-1);
   ids.push_back(static_cast<int32_t>(begin));
   ids.push_back(static_cast<int32_t>(begin + rows - 1));
@@ -218,8 +219,9 @@ TEST(LookupReferenceTest, DequantisesOwnedRowsAndZeroesTheRest) {
       uint16_t want = 0;
       if (owned) {
         const int64_t r = id - begin;
-        want = Bf16Oracle(E4M3Definition(weight[r * D + j]) *
-                          std::ldexp(1.0, scale[r * D / 32 + j / 32] == 0 ? -100000 : scale[r * D / 32 + j / 32] - 127));
+        want =
+            Bf16Oracle(E4M3Definition(weight[r * D + j]) *
+                       std::ldexp(1.0, scale[r * D / 32 + j / 32] == 0 ? -100000 : scale[r * D / 32 + j / 32] - 127));
         if (scale[r * D / 32 + j / 32] == 255) {  // a scale of +inf, computed without the code under test
           const double e = E4M3Definition(weight[r * D + j]);
           want = std::isnan(e) || e == 0.0 ? uint16_t{0x7FFF} : e > 0 ? uint16_t{0x7F80} : uint16_t{0xFF80};
@@ -251,7 +253,8 @@ TEST(GateReferenceTest, AgreesWithAFloat64Oracle) {
     auto k = RandomBf16(rng, static_cast<size_t>(s.hc_mult * D), 1.0f);
     // Make some tokens strongly aligned so gates span (0, 1).
     for (int64_t t = 0; t < s.tokens; t += 3) {
-      for (int64_t j = 0; j < D; ++j) kv[static_cast<size_t>(t * (s.hc_mult + 1) * D + j)] = hidden[static_cast<size_t>(t * s.hc_mult * D + j)];
+      for (int64_t j = 0; j < D; ++j)
+        kv[static_cast<size_t>(t * (s.hc_mult + 1) * D + j)] = hidden[static_cast<size_t>(t * s.hc_mult * D + j)];
     }
     std::vector<uint8_t> mask(static_cast<size_t>(s.tokens), 0);
     mask[5] = mask[6] = 1;

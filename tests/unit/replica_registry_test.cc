@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "base/utf8.h"
+#include "daemon/coordinator.h"
 #include "daemon/options.h"
 #include "daemon/replica_registry.h"
-#include "daemon/coordinator.h"
 #include "daemon/status_report.h"
 #include "gtest/gtest.h"
 #include "tests/test_util.h"
@@ -59,9 +59,8 @@ const ReplicaInfo* Find(const std::vector<ReplicaInfo>& all, const std::string& 
 class Waiter {
  public:
   Waiter(ReplicaRegistry& reg, std::string lease) : lease_(std::move(lease)) {
-    thread_ = std::thread([this, &reg] {
-      result_ = reg.AcquireTicket(lease_, [this] { return cancel_.load(); }) ? 1 : 0;
-    });
+    thread_ =
+        std::thread([this, &reg] { result_ = reg.AcquireTicket(lease_, [this] { return cancel_.load(); }) ? 1 : 0; });
   }
   ~Waiter() {
     cancel_ = true;
@@ -251,7 +250,8 @@ TEST(ReplicaRegistryTest, ReloadChangesTheTicketCapacity) {
   ASSERT_TRUE(state.Start().ok());
   std::vector<std::string> leases(2);
   for (int i = 0; i < 2; ++i) {
-    auto m = state.Attach(MakeHello(i), PeerCred{}, [] { return false; }, nullptr, &leases[i]);
+    auto m = state.Attach(
+        MakeHello(i), PeerCred{}, [] { return false; }, nullptr, &leases[i]);
     ASSERT_TRUE(m.ok()) << m.status();
   }
   ASSERT_TRUE(state.AcquireTicket(leases[0], [] { return false; }));
@@ -317,8 +317,7 @@ TEST(ReplicaRegistryTest, OutcomeOtherThanSharedReleasesTheLease) {
   ReplicaRegistry reg(7, 1);
   const std::string a = reg.Attach(MakeHello(0), PeerCred{9, 0, 0}, Shared(), kSegment, nullptr);
   ASSERT_EQ(reg.leases_on(kSegment), 1);
-  ASSERT_TRUE(reg.RecordOutcome(a, MakeOutcome(engram::v1::PRIVATE_PINNED, "cpu", {engram::v1::NO_CUDA_DEVICE}))
-                  .ok());
+  ASSERT_TRUE(reg.RecordOutcome(a, MakeOutcome(engram::v1::PRIVATE_PINNED, "cpu", {engram::v1::NO_CUDA_DEVICE})).ok());
   EXPECT_EQ(reg.leases_on(kSegment), 0);
   auto s = BuildStatus(segments, reg, false);
   EXPECT_EQ(s.replicas(0).mode(), "PRIVATE_PINNED");
@@ -401,7 +400,11 @@ TEST(ReplicaRegistryTest, HintsLoseTheirControlCharacters) {
   EXPECT_EQ(clean.reasons(0).hint(), "fine?4242   0      0/1    0/1    SHARED ?[2Jforged???\xC3\xA9");
   EXPECT_EQ(EchoOf("/ckpt\n/evil"), "/ckpt?/evil");
   // C1 controls (CSI as U+009B) and bidirectional overrides cannot reach a terminal either; other text stays.
-  EXPECT_EQ(engram::Printable("a\xC2\x9B" "2Jb\xE2\x80\xAE" "c\xE2\x81\xA6" "d\xC3\xA9"), "a?2Jb?c?d\xC3\xA9");
+  EXPECT_EQ(engram::Printable("a\xC2\x9B"
+                              "2Jb\xE2\x80\xAE"
+                              "c\xE2\x81\xA6"
+                              "d\xC3\xA9"),
+            "a?2Jb?c?d\xC3\xA9");
 }
 
 TEST(ReplicaRegistryTest, LongHintsAreCutAtACharacterBoundary) {
@@ -436,9 +439,8 @@ TEST(ReplicaRegistryTest, NotifyAllReachesEverySession) {
   ReplicaRegistry reg(7, 1);
   int calls = 0;
   for (int i = 0; i < 3; ++i) {
-    reg.Attach(MakeHello(i), {}, Fallback(), "", [&](const engram::v1::ServerMessage& m) {
-      calls += m.event().kind() == engram::v1::Event::DRAINING;
-    });
+    reg.Attach(MakeHello(i), {}, Fallback(), "",
+               [&](const engram::v1::ServerMessage& m) { calls += m.event().kind() == engram::v1::Event::DRAINING; });
   }
   engram::v1::ServerMessage m;
   m.mutable_event()->set_kind(engram::v1::Event::DRAINING);

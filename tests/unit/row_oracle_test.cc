@@ -2,15 +2,15 @@
 // the production shard reader (io/shard_records.h) against the oracle: a reader that drops or shifts the scale
 // bytes, or reads the wrong row, fails here. Also the oracle's own error paths and its bf16 dequantisation against
 // hand-computed constants.
-#include <algorithm>
 #include <gtest/gtest.h>
+#include <algorithm>
 
 #include <random>
 #include <set>
 
+#include "io/shard_records.h"
 #include "model/checkpoint.h"
 #include "model/fp8.h"
-#include "io/shard_records.h"
 #include "tests/test_util.h"
 #include "tools/row_oracle.h"
 #include "tools/synthetic.h"
@@ -105,7 +105,8 @@ TEST_P(RowOracleTest, OracleEqualsFormulaAndProductionReaderEqualsOracle) {
       std::vector<uint8_t> other(table.size() + 16, 0x11);
       std::vector<uint64_t> other_sums;
       ASSERT_TRUE(ReadShardRecords(**ckpt, {{static_cast<int64_t>(l), 0, rows, 0}}, other.data() + f.offset, 2,
-                                   &other_sums, nullptr, fill).ok());
+                                   &other_sums, nullptr, fill)
+                      .ok());
       const auto first = other.begin() + f.offset, last = first + static_cast<int64_t>(table.size());
       EXPECT_TRUE(std::equal(first, last, table.begin())) << f.name << " " << f.sub_rows << " gave other bytes";
       EXPECT_EQ(other_sums, sums) << f.name << " " << f.sub_rows;

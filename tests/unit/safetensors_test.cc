@@ -138,7 +138,8 @@ TEST(SafetensorsTest, ReadRowsScattersTheRangeIntoStridedRows) {
       ASSERT_EQ(std::string(out.data() + r * kStride, kRowBytes), data.substr((first + r) * kRowBytes, kRowBytes))
           << "row " << r;
       ASSERT_EQ(std::string(out.data() + r * kStride + kRowBytes, kStride - kRowBytes),
-                std::string(kStride - kRowBytes, '\x5A')) << "gap after row " << r << " was written";
+                std::string(kStride - kRowBytes, '\x5A'))
+          << "gap after row " << r << " was written";
     }
   }
   std::vector<char> out(kRows * kStride);

@@ -7,8 +7,8 @@
 // no such mount has free 2 MiB pages; ENGRAM_TEST_HUGETLBFS_DIR names one).
 #include <fcntl.h>
 #include <pthread.h>
-#include <sys/resource.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/vfs.h>
@@ -78,8 +78,8 @@ bool OnHugetlbfs(const std::string& dir) {
 
 // A 64 KiB-page kernel (aarch64, e.g. a Grace host) as far as the segment code can tell: the system page is 64 KiB,
 // a tmpfs reports it as its block size and as its files', and madvise refuses a range that does not start on one
-// (EINVAL), measured from the segment's mapping (on such a kernel every mapping starts on a 64 KiB page). MADV_POPULATE_WRITE is
-// otherwise a no-op here (a tmpfs with room: the writes fault their pages in).
+// (EINVAL), measured from the segment's mapping (on such a kernel every mapping starts on a 64 KiB page).
+// MADV_POPULATE_WRITE is otherwise a no-op here (a tmpfs with room: the writes fault their pages in).
 class BigPageEnv : public PosixEnv {
  public:
   static constexpr size_t kPage = 65536;
@@ -479,16 +479,20 @@ TEST_F(PublishReserveTest, APublishWhereNoThreadCanStartStillSucceeds) {
     std::ifstream statm("/proc/self/statm");
     uint64_t vm_pages = 0;
     statm >> vm_pages;
-    const rlim_t limit = static_cast<rlim_t>(vm_pages * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)) +
-                                             (uint64_t{1} << 30));
-    struct rlimit rl {limit, limit};
+    const rlim_t limit =
+        static_cast<rlim_t>(vm_pages * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)) + (uint64_t{1} << 30));
+    struct rlimit rl {
+      limit, limit
+    };
     if (::setrlimit(RLIMIT_AS, &rl) != 0) std::_Exit(3);
     pthread_attr_t attr;
     ::pthread_attr_init(&attr);
     ::pthread_attr_setstacksize(&attr, size_t{2} << 30);
     if (::pthread_setattr_default_np(&attr) != 0) std::_Exit(4);
     pthread_t t;
-    if (::pthread_create(&t, nullptr, [](void*) -> void* { return nullptr; }, nullptr) == 0) std::_Exit(5);
+    if (::pthread_create(
+            &t, nullptr, [](void*) -> void* { return nullptr; }, nullptr) == 0)
+      std::_Exit(5);
     ::unsetenv("ENGRAM_PUBLISH_DROP_CACHE");  // the default: dropped after READY
     auto r = daemon::Publish(*ckpt_, *layout_, *map_, 1, 0, shm, 1, 1, 4);
     if (!r.ok()) std::_Exit(6);

@@ -29,8 +29,8 @@ using testing::TempDir;
 // Fails chosen calls the way the kernel would.
 class FaultEnv : public PosixEnv {
  public:
-  int fallocate_error = 0;        // returned by PosixFallocate (e.g. ENOSPC)
-  int eintr_budget = 0;           // the next N Open/Pread/PosixFallocate calls fail with EINTR first
+  int fallocate_error = 0;  // returned by PosixFallocate (e.g. ENOSPC)
+  int eintr_budget = 0;     // the next N Open/Pread/PosixFallocate calls fail with EINTR first
   uint64_t statvfs_free_blocks = UINT64_MAX;
   int mlock_errno = 0;
   std::atomic<int> opens{0};
@@ -86,7 +86,7 @@ TEST(ShmEnvTest, FallocateFailingAfterTheProbePassedIsResourceExhaustedAndLeaves
   auto cap = ProbeShm(dir.path(), &env);
   ASSERT_TRUE(cap.ok()) << cap.status();
   ASSERT_GT(cap->free_bytes, uint64_t{1} << 20);  // the probe says there is room
-  env.fallocate_error = ENOSPC;                    // and then there is not
+  env.fallocate_error = ENOSPC;                   // and then there is not
   auto w = SegmentWriter::Create(dir.path(), 0xabc, 1, 0, "d", 1 << 20, 1, 1, &env);
   ASSERT_FALSE(w.ok());
   EXPECT_EQ(w.status().code(), absl::StatusCode::kResourceExhausted) << w.status();

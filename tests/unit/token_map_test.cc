@@ -48,11 +48,11 @@ TEST(NormalizeTest, MergesCaseAccentsWidthAndSpace) {
   EXPECT_EQ(NormalizeEngramKey("a \t\r\n b"), "a b");
   EXPECT_EQ(NormalizeEngramKey("   "), " ");  // a run of spaces collapses to one that survives the strip
   EXPECT_EQ(NormalizeEngramKey("\n"), " ");
-  EXPECT_EQ(NormalizeEngramKey("\u00a0"), " ");  // NFKC makes it a space
+  EXPECT_EQ(NormalizeEngramKey("\u00a0"), " ");   // NFKC makes it a space
   EXPECT_EQ(NormalizeEngramKey("\u3000x"), "x");  // ideographic space: NFKC space, then stripped
   EXPECT_EQ(NormalizeEngramKey("ΟΣ"), "οσ");      // per-code-point lowercase: no final sigma
   EXPECT_EQ(NormalizeEngramKey("İ"), "i");        // i + U+0307, then the mark is stripped
-  EXPECT_EQ(NormalizeEngramKey("का"), "क");        // U+093E is a spacing mark (Mc): stripped too
+  EXPECT_EQ(NormalizeEngramKey("का"), "क");       // U+093E is a spacing mark (Mc): stripped too
   EXPECT_EQ(NormalizeEngramKey(""), "");
 }
 
