@@ -217,7 +217,7 @@ void GroupRegistry::FormLocked(Group& g, Outbox* out) {
 }
 
 void GroupRegistry::DepartLocked(const std::string& key, const std::string& lease_id, const std::string& reason,
-                                 bool breaks_forming, Outbox* out) {
+                                 bool breaks_forming, Outbox* out, const std::vector<int32_t>& stalled) {
   lease_group_.erase(lease_id);
   auto it = groups_.find(key);
   if (it == groups_.end()) return;
@@ -236,27 +236,44 @@ void GroupRegistry::DepartLocked(const std::string& key, const std::string& leas
   self->info.set_left(true);
   self->info.set_left_reason(reason);
   const Member gone = *self;
-  RefreshStatus(g);  // sorts the members: `self` is stale from here
+  // The first member it named stalled that is still in the group (not itself): the group's cause of the break.
+  const Member* cause = nullptr;
+  for (int32_t r : stalled) {
+    for (Member& m : g.members) {
+      if (m.info.edp_rank() != r || m.lease_id == lease_id || m.info.left()) continue;
+      m.info.set_stalled(true);
+      if (cause == nullptr) cause = &m;
+    }
+  }
+  const Member culprit = cause != nullptr ? *cause : gone;
+  RefreshStatus(g);  // sorts the members: `self` and `cause` are stale from here
   if (state != "BROKEN") {
     g.status.set_state("BROKEN");
-    g.status.set_left_pid(gone.peer.pid);
-    g.status.set_left_dp_rank(gone.info.dp_rank());
-    g.status.set_detail(absl::StrFormat("member dp rank %d (edp rank %d, pid %d) left%s: %s", gone.info.dp_rank(),
-                                        gone.info.edp_rank(), gone.peer.pid,
-                                        state == "FORMING" ? " before the group formed" : "", reason));
+    g.status.set_left_pid(culprit.peer.pid);
+    g.status.set_left_dp_rank(culprit.info.dp_rank());
+    if (cause != nullptr) {
+      g.status.set_detail(absl::StrFormat(
+          "member dp rank %d (edp rank %d, pid %d) stalled: member dp rank %d (pid %d) gave up waiting for it: %s",
+          culprit.info.dp_rank(), culprit.info.edp_rank(), culprit.peer.pid, gone.info.dp_rank(), gone.peer.pid,
+          reason));
+    } else {
+      g.status.set_detail(absl::StrFormat("member dp rank %d (edp rank %d, pid %d) left%s: %s", gone.info.dp_rank(),
+                                          gone.info.edp_rank(), gone.peer.pid,
+                                          state == "FORMING" ? " before the group formed" : "", reason));
+    }
     engram::v1::ServerMessage msg;
     auto* u = msg.mutable_group_update();
     u->set_state(engram::v1::GroupUpdate::BROKEN);
     u->set_group(key);
     u->set_detail(g.status.detail());
-    u->set_left_pid(gone.peer.pid);
-    u->set_left_dp_rank(gone.info.dp_rank());
+    u->set_left_pid(culprit.peer.pid);
+    u->set_left_dp_rank(culprit.info.dp_rank());
     u->set_generation(g.generation);
     for (auto& m : g.members) {
       if (!m.info.left()) Enqueue(g, m, msg, out);
     }
-    spdlog::warn("event=group_broken group={} left_pid={} left_dp_rank={} reason=\"{}\"", key, gone.peer.pid,
-                 gone.info.dp_rank(), reason);
+    spdlog::warn("event=group_broken group={} left_pid={} left_dp_rank={} cause_pid={} reason=\"{}\"", key,
+                 gone.peer.pid, gone.info.dp_rank(), culprit.peer.pid, reason);
   }
   if (std::all_of(g.members.begin(), g.members.end(), [](const Member& m) { return m.info.left(); })) RetireLocked(it);
 }
@@ -312,7 +329,12 @@ absl::StatusOr<engram::v1::GroupLeft> GroupRegistry::LeaveGroup(const std::strin
     left.set_group(key);
     left.set_generation(g.generation);
     spdlog::info("event=group_leave group={} lease={} reason=\"{}\"", key, lease_id, reason);
-    DepartLocked(key, lease_id, reason, /*breaks_forming=*/true, &out);
+    if (leave.stalled_edp_ranks_size() > g.status.size()) {
+      return absl::InvalidArgumentError(absl::StrFormat("group leave: %d stalled members named in a group of %d",
+                                                        leave.stalled_edp_ranks_size(), g.status.size()));
+    }
+    const std::vector<int32_t> stalled(leave.stalled_edp_ranks().begin(), leave.stalled_edp_ranks().end());
+    DepartLocked(key, lease_id, reason, /*breaks_forming=*/true, &out, stalled);
   }
   Send(out);
   return left;

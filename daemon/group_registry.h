@@ -114,8 +114,10 @@ class GroupRegistry {
   void FormLocked(Group& g, Outbox* out);
   // Member `self` of the group under `key` departs (`reason` as status shows it); `breaks_forming`: an explicit
   // leave, which breaks a FORMING group too.
+  // `stalled`: the edp ranks the departing member named stalled (GroupLeave.stalled_edp_ranks): status then names
+  // the first of them, not the member that left, as what broke the group.
   void DepartLocked(const std::string& key, const std::string& lease_id, const std::string& reason, bool breaks_forming,
-                    Outbox* out);
+                    Outbox* out, const std::vector<int32_t>& stalled = {});
   void RetireLocked(std::map<std::string, Group>::iterator it);
   static void RefreshStatus(Group& g);
 

@@ -51,6 +51,7 @@ json GroupsJson(const engram::v1::StatusReply& s) {
                      {"max_tokens", m.max_tokens()},
                      {"bytes_per_step", m.bytes_per_step()}};
       if (m.left()) member["left"] = m.left_reason();  // it left (GroupLeave) or its session ended: why
+      if (m.stalled()) member["stalled"] = true;       // a member that left named it stalled
       members.push_back(member);
     }
     json one = {{"group", g.group()},
@@ -80,7 +81,10 @@ void PrintGroups(const engram::v1::StatusReply& s) {
   for (const auto& g : s.groups()) {
     std::vector<std::string> members;
     for (const auto& m : g.members()) {
-      members.push_back(absl::StrFormat("%d:%d%s", m.dp_rank(), m.pid(), m.left() ? "(left)" : ""));
+      members.push_back(absl::StrFormat("%d:%d%s", m.dp_rank(), m.pid(),
+                                        m.stalled() ? "(stalled)"
+                                        : m.left()  ? "(left)"
+                                                    : ""));
     }
     std::cout << absl::StrFormat("%-44s %-6s %-9s %-9s %-7d %-12s %s (%d of %d)\n", g.group(),
                                  absl::StrFormat("%d/%d", g.tp_rank(), g.tp_size()), g.state(), g.transport(), g.slot(),

@@ -112,7 +112,8 @@ class DpHostEngine final : public LookupEngine {
     if (failed_.ok()) {
       failed_ = st;
       region_->Abort(absl::StrCat("dp rank ", t_rank(), ": ", st.message()));
-      group_->Leave(absl::StrCat("its DP engine failed a step: ", st.message()));
+      group_->Leave(absl::StrCat("its DP engine failed a step: ", st.message()),
+                    absl::IsDeadlineExceeded(st) ? region_->stalled() : std::vector<int32_t>{});
     }
     return failed_;
   }

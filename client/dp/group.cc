@@ -63,7 +63,7 @@ absl::StatusOr<std::unique_ptr<DpGroup>> DpGroup::Join(Session& session, const G
 
 DpGroup::~DpGroup() { Leave("its DP engine was closed"); }
 
-void DpGroup::Leave(const std::string& reason) {
+void DpGroup::Leave(const std::string& reason, const std::vector<int32_t>& stalled) {
   if (left_) return;
   left_ = true;
   {
@@ -73,7 +73,7 @@ void DpGroup::Leave(const std::string& reason) {
       state_->broken.store(true, std::memory_order_release);
     }
   }
-  if (auto st = session_->LeaveGroup(join_id_, formed_.group, formed_.generation, reason); !st.ok()) {
+  if (auto st = session_->LeaveGroup(join_id_, formed_.group, formed_.generation, reason, stalled); !st.ok()) {
     Log().warn("engram: event=dp_group_leave_failed detail=\"{}\"", std::string(st.message()));
   }
 }

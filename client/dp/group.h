@@ -40,7 +40,9 @@ class DpGroup {
   std::optional<std::string> Broken() const;
   // Leaves the group with `reason` (the others' error and engramd's status show it); the first call counts, and
   // Broken() says so afterwards.
-  void Leave(const std::string& reason);
+  // `stalled`: the edp ranks this member gives up on because a step timed out waiting for them (engramd's status
+  // names them as the cause).
+  void Leave(const std::string& reason, const std::vector<int32_t>& stalled = {});
 
  private:
   struct State;

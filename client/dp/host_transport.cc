@@ -248,9 +248,11 @@ absl::Status DpHostRegion::WaitAll(uint64_t phase, const BrokenFn& broken, std::
     if (std::chrono::steady_clock::now() - start > timeout) {
       // Name the members that stalled (stopped, or formed and never stepped), not only that one did.
       std::string who;
+      stalled_.clear();
       for (int32_t r = 0; r < shape_.members; ++r) {
         const uint64_t at = member(r).phase.load(std::memory_order_acquire);
         if (at >= phase) continue;
+        stalled_.push_back(r);
         absl::StrAppend(&who, who.empty() ? "" : ", ", "edp rank ", r, " (pid ", member(r).pid, ", at phase ", at, ")");
       }
       const std::string why =

@@ -26,6 +26,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -78,10 +79,13 @@ class DpHostRegion {
   void Publish(uint64_t phase);
   // Every member reached `phase`; Aborted (the region's reason, or the group's), or DeadlineExceeded.
   absl::Status WaitAll(uint64_t phase, const BrokenFn& broken, std::chrono::milliseconds timeout);
+  // After WaitAll's DeadlineExceeded: the edp ranks that had not reached the phase (named to engramd as stalled).
+  const std::vector<int32_t>& stalled() const { return stalled_; }
   // Marks the region aborted with `why` (first reason wins), so every member's WaitAll fails at once.
   void Abort(const std::string& why);
 
  private:
+  std::vector<int32_t> stalled_;
   DpHostRegion() = default;
   absl::Status Map(size_t bytes, bool create);
   std::string name_;

@@ -414,9 +414,10 @@ absl::StatusOr<uint64_t> Session::JoinGroup(const GroupJoinRequest& join,
 }
 
 absl::Status Session::LeaveGroup(uint64_t join_id, const std::string& group, uint64_t generation,
-                                 const std::string& reason) {
+                                 const std::string& reason, const std::vector<int32_t>& stalled_edp_ranks) {
   v1::ClientMessage m;
   auto* l = m.mutable_group_leave();
+  for (int32_t r : stalled_edp_ranks) l->add_stalled_edp_ranks(r);
   l->set_group(group);
   l->set_generation(generation);
   l->set_reason(Utf8Prefix(reason, 512));  // the daemon's bound

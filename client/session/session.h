@@ -133,7 +133,8 @@ class Session {
   // replica and `reason`, and this session may join a group again at once. `group` and `generation` (from FORMED;
   // empty and 0 before it) let the daemon check the membership. Nothing is sent when the membership ended already
   // (the session was lost, or it left); `on_update` is not called again either way.
-  absl::Status LeaveGroup(uint64_t join_id, const std::string& group, uint64_t generation, const std::string& reason);
+  absl::Status LeaveGroup(uint64_t join_id, const std::string& group, uint64_t generation, const std::string& reason,
+                          const std::vector<int32_t>& stalled_edp_ranks = {});
 
  private:
   struct Impl;

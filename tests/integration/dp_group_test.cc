@@ -719,6 +719,17 @@ TEST_F(DpLifecycleTest, AStalledMemberIsNamedByTheSurvivor) {
   ASSERT_TRUE(j.contains("error")) << r0.Output();
   EXPECT_NE(j["error"].get<std::string>().find("edp rank 1 (pid " + std::to_string(r1.pid())), std::string::npos)
       << j.dump();
+  // Status names the stopped member as what broke the group, not the survivor that gave up on it.
+  json broken;
+  ASSERT_TRUE(WaitFor([&] { return !(broken = GroupIn("BROKEN")).is_null(); }, std::chrono::seconds(30)))
+      << Groups().dump();
+  EXPECT_EQ(broken["left"]["pid"], r1.pid()) << broken.dump();
+  EXPECT_EQ(broken["left"]["dp_rank"], 1) << broken.dump();
+  EXPECT_NE(broken["detail"].get<std::string>().find("stalled"), std::string::npos) << broken.dump();
+  for (const json& m : broken["members"]) {
+    if (m["pid"] == r1.pid()) EXPECT_EQ(m.value("stalled", false), true) << broken.dump();
+    if (m["pid"] == r0.pid()) EXPECT_FALSE(m.contains("stalled")) << broken.dump();
+  }
   r1.Signal(SIGCONT);
   r1.Signal(SIGKILL);
   r1.Wait();
