@@ -1,5 +1,6 @@
 #include "client/environment.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -25,14 +26,23 @@ struct Reader {
   std::optional<double> Real(const char* name) const {
     double x = 0;
     const std::string v = Text(name);
-    if (v.empty() || !absl::SimpleAtod(v, &x)) return std::nullopt;
+    if (v.empty() || !absl::SimpleAtod(v, &x) || !std::isfinite(x)) return std::nullopt;
     return x;
   }
+  // 1/true/yes/on and 0/false/no/off (any case, surrounding blanks ignored); anything else leaves it unset.
   std::optional<bool> Flag(const char* name) const {
-    const std::string v = absl::AsciiStrToLower(Text(name));
-    if (v.empty()) return std::nullopt;
-    return !(v == "0" || v == "false" || v == "no" || v == "off");
+    const std::string v = absl::AsciiStrToLower(absl::StripAsciiWhitespace(Text(name)));
+    if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
+    if (v == "0" || v == "false" || v == "no" || v == "off") return false;
+    return std::nullopt;
   }
+  // A duration in ms: (0, 24 h]; anything else leaves it unset.
+  std::optional<int64_t> Millis(const char* name) const {
+    const std::optional<int64_t> v = Int(name);
+    if (!v || *v <= 0 || *v > kMaxMillis) return std::nullopt;
+    return v;
+  }
+  static constexpr int64_t kMaxMillis = int64_t{24} * 3600 * 1000;
 };
 
 }  // namespace
@@ -60,8 +70,8 @@ ClientEnvironment ParseClientEnvironment(const std::function<const char*(const c
   e.host_gather_prewake = r.Int("ENGRAM_HOST_GATHER_PREWAKE");
   e.host_gather_issue_min_rows = r.Int("ENGRAM_HOST_GATHER_ISSUE_MIN_ROWS");
   e.host_gather_stream_unpack = r.Int("ENGRAM_HOST_GATHER_STREAM_UNPACK");
-  e.dp_form_timeout_ms = r.Int("ENGRAM_DP_FORM_TIMEOUT_MS");
-  e.dp_step_timeout_ms = r.Int("ENGRAM_DP_STEP_TIMEOUT_MS");
+  e.dp_form_timeout_ms = r.Millis("ENGRAM_DP_FORM_TIMEOUT_MS");
+  e.dp_step_timeout_ms = r.Millis("ENGRAM_DP_STEP_TIMEOUT_MS");
   e.dp_chunk_kib = r.Int("ENGRAM_DP_CHUNK_KIB");
   e.dp_peer_max_slot = r.Int("ENGRAM_DP_PEER_MAX_SLOT");
   e.dp_graph_max_slot = r.Int("ENGRAM_DP_GRAPH_MAX_SLOT");

@@ -2,8 +2,9 @@
 // of Environment()) and parsed into typed fields. This is the only file of client/ and kernels/ that calls getenv;
 // everything else takes its configuration from ClientOptions, the engine's options, or these fields. The
 // variables are operator and benchmark overrides of measured defaults; docs/configuration.md lists each one.
-// An unset or empty variable leaves its field empty (the code's default applies); a malformed number is ignored
-// the same way. Thread-safe (the parse happens once, under a function-local static).
+// An unset or empty variable leaves its field empty (the code's default applies); a malformed or non-finite
+// number, a flag other than 1/true/yes/on or 0/false/no/off, and a duration outside 1 ms .. 24 h are ignored the
+// same way. Thread-safe (the parse happens once, under a function-local static).
 #pragma once
 
 #include <cstdint>
@@ -38,8 +39,8 @@ struct ClientEnvironment {
   std::optional<int64_t> host_gather_issue_min_rows;    // ENGRAM_HOST_GATHER_ISSUE_MIN_ROWS
   std::optional<int64_t> host_gather_stream_unpack;     // ENGRAM_HOST_GATHER_STREAM_UNPACK
   // DP_SHARDED.
-  std::optional<int64_t> dp_form_timeout_ms;  // ENGRAM_DP_FORM_TIMEOUT_MS (> 0)
-  std::optional<int64_t> dp_step_timeout_ms;  // ENGRAM_DP_STEP_TIMEOUT_MS (> 0)
+  std::optional<int64_t> dp_form_timeout_ms;  // ENGRAM_DP_FORM_TIMEOUT_MS (1 ms .. 24 h)
+  std::optional<int64_t> dp_step_timeout_ms;  // ENGRAM_DP_STEP_TIMEOUT_MS (1 ms .. 24 h)
   std::optional<int64_t> dp_chunk_kib;        // ENGRAM_DP_CHUNK_KIB
   std::optional<int64_t> dp_peer_max_slot;    // ENGRAM_DP_PEER_MAX_SLOT
   std::optional<int64_t> dp_graph_max_slot;   // ENGRAM_DP_GRAPH_MAX_SLOT

@@ -1,6 +1,7 @@
 #include "client/fault_points.h"
 
 #include <atomic>
+#include <memory>
 #include <mutex>
 
 namespace engram::client {
@@ -13,8 +14,8 @@ std::mutex& HookMutex() {
   return *mu;
 }
 
-FaultHook& Hook() {
-  static auto* hook = new FaultHook();
+std::shared_ptr<const FaultHook>& Hook() {
+  static auto* hook = new std::shared_ptr<const FaultHook>();
   return *hook;
 }
 
@@ -31,15 +32,20 @@ std::string_view FaultPointName(FaultPoint p) {
 }
 
 void SetFaultHook(FaultHook hook) {
+  auto next = hook ? std::make_shared<const FaultHook>(std::move(hook)) : nullptr;
   std::lock_guard<std::mutex> lock(HookMutex());
-  g_installed.store(static_cast<bool>(hook), std::memory_order_release);
-  Hook() = std::move(hook);
+  g_installed.store(next != nullptr, std::memory_order_release);
+  Hook() = std::move(next);
 }
 
 bool Fault(FaultPoint point, int64_t arg) {
   if (!g_installed.load(std::memory_order_acquire)) return false;
-  std::lock_guard<std::mutex> lock(HookMutex());
-  return Hook() ? Hook()(point, arg) : false;
+  std::shared_ptr<const FaultHook> hook;
+  {
+    std::lock_guard<std::mutex> lock(HookMutex());
+    hook = Hook();
+  }
+  return hook != nullptr && (*hook)(point, arg);
 }
 
 }  // namespace engram::client

@@ -6,7 +6,8 @@
 #include <string>
 
 #include "engram/log.h"
-#include "spdlog/sinks/base_sink.h"
+#include "spdlog/pattern_formatter.h"
+#include "spdlog/sinks/sink.h"
 
 namespace engram::client {
 namespace {
@@ -21,30 +22,55 @@ LogLevel FromSpdlog(spdlog::level::level_enum l) {
   }
 }
 
-// Formats each line and hands it to the host's callback, or writes it to stderr.
-class RoutingSink final : public spdlog::sinks::base_sink<std::mutex> {
+// Formats each line and hands it to the host's callback, or writes it to stderr. The callback runs with no lock
+// of ours held (it may set another callback or the level); a line it logs itself is dropped, not recursed into.
+class RoutingSink final : public spdlog::sinks::sink {
  public:
   void Set(LogCallback cb) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    callback_ = std::move(cb);
+    auto next = cb ? std::make_shared<const LogCallback>(std::move(cb)) : nullptr;
+    std::lock_guard<std::mutex> lock(mu_);
+    callback_ = std::move(next);
   }
 
- protected:
-  void sink_it_(const spdlog::details::log_msg& msg) override {
-    spdlog::memory_buf_t buf;
-    formatter_->format(msg, buf);
-    std::string line(buf.data(), buf.size());
-    if (callback_) {
-      while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.pop_back();
-      callback_(FromSpdlog(msg.level), line);
-    } else {
-      std::fwrite(line.data(), 1, line.size(), stderr);
+  void log(const spdlog::details::log_msg& msg) override {
+    thread_local bool inside = false;
+    if (inside) return;
+    std::string line;
+    std::shared_ptr<const LogCallback> cb;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      spdlog::memory_buf_t buf;
+      formatter_->format(msg, buf);
+      line.assign(buf.data(), buf.size());
+      cb = callback_;
     }
+    if (cb == nullptr) {
+      std::fwrite(line.data(), 1, line.size(), stderr);
+      return;
+    }
+    while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.pop_back();
+    inside = true;
+    try {
+      (*cb)(FromSpdlog(msg.level), line);
+    } catch (...) {
+      // A host's callback that throws loses its line; the library goes on.
+    }
+    inside = false;
   }
-  void flush_() override { std::fflush(stderr); }
+  void flush() override { std::fflush(stderr); }
+  void set_pattern(const std::string& pattern) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    formatter_ = std::make_unique<spdlog::pattern_formatter>(pattern);
+  }
+  void set_formatter(std::unique_ptr<spdlog::formatter> f) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    formatter_ = std::move(f);
+  }
 
  private:
-  LogCallback callback_;
+  std::mutex mu_;
+  std::unique_ptr<spdlog::formatter> formatter_ = std::make_unique<spdlog::pattern_formatter>();
+  std::shared_ptr<const LogCallback> callback_;
 };
 
 struct State {

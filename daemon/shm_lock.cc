@@ -65,7 +65,11 @@ absl::StatusOr<ShmDirLock> ShmDirLock::Acquire(const std::string& shm_dir, Env* 
   }
   for (int attempt = 0; attempt < 3; ++attempt) {
     int fd = env->Open(lock.path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
-    if (fd < 0 && errno != ELOOP && errno != EACCES && errno != EPERM) return Errno(absl::StrCat("open ", lock.path_));
+    // Something that cannot be opened as our file (a symlink, another uid's file, a directory, a socket, a device)
+    // is foreign, not a reason to stop: it is removed below, or the daemon runs unlocked.
+    const bool foreign_kind = fd < 0 && (errno == ELOOP || errno == EACCES || errno == EPERM || errno == EISDIR ||
+                                         errno == ENXIO || errno == EOPNOTSUPP || errno == ETXTBSY || errno == ENODEV);
+    if (fd < 0 && !foreign_kind) return Errno(absl::StrCat("open ", lock.path_));
     if (fd >= 0 && Ours(env, fd)) {
       if (env->Flock(fd, LOCK_EX | LOCK_NB) != 0) {
         const int err = errno;

@@ -42,7 +42,15 @@ bool SomeoneListens(const std::string& path) {
 
 absl::StatusOr<Listening> ListenUnix(const std::string& path, const ListenOptions& options) {
   if (absl::Status s = CheckSocketPath(path); !s.ok()) return s;
-  ::unlink(path.c_str());  // a stale socket left by a process that died
+  // A stale socket left by a process that died goes; anything else at the path is not ours to remove.
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, " exists and is not a socket: remove it or choose another path (it is left as it is)"));
+    }
+    ::unlink(path.c_str());
+  }
   const int type = SOCK_STREAM | SOCK_CLOEXEC | (options.nonblocking ? SOCK_NONBLOCK : 0);
   Listening out;
   out.fd = ::socket(AF_UNIX, type, 0);

@@ -36,7 +36,8 @@ struct Listening {
   std::string warning;  // non-empty when the socket works but its group could not be set (chown failed)
 };
 
-// Removes a stale file at `path`, binds, sets mode and group, listens. PermissionDenied when bind fails.
+// Removes a stale socket at `path` (anything else there is FailedPrecondition, left alone), binds, sets mode and
+// group, listens. PermissionDenied when bind fails.
 absl::StatusOr<Listening> ListenUnix(const std::string& path, const ListenOptions& options);
 
 // accept4 with SOCK_CLOEXEC (and SOCK_NONBLOCK when asked): the connected descriptor, or -1 with *err set.

@@ -122,7 +122,8 @@ absl::StatusOr<int> FetchSegmentDescriptor(const std::string& channel_path, cons
   const int fd = fds[0];
   struct stat st {};
   const int flags = ::fcntl(fd, F_GETFL);
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || flags < 0 || (flags & O_ACCMODE) != O_RDONLY) {
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || flags < 0 || (flags & O_ACCMODE) != O_RDONLY ||
+      (flags & O_PATH) != 0) {  // an O_PATH descriptor reads as O_RDONLY and maps nothing
     ::close(fd);
     return absl::DataLossError("the daemon passed a descriptor that is not a read-only regular file");
   }

@@ -19,6 +19,7 @@
 #include "client/log.h"
 #include "client/session/descriptor_client.h"
 #include "engram/v1/engram.grpc.pb.h"
+#include "net/unix_socket.h"
 
 namespace engram::client {
 namespace {
@@ -74,11 +75,24 @@ v1::ClientMessage Hello(const Declaration& d) {
   return hello;
 }
 
+// gRPC's target for the daemon's socket path. The path is taken literally: one gRPC would read differently (it
+// percent-decodes and splits on ',' '?' '#') or the kernel could not hold (too long) is refused here, with a clear
+// error, before gRPC sees it.
+absl::StatusOr<std::string> GrpcTarget(const std::string& socket) {
+  RETURN_IF_ERROR(net::CheckSocketPath(socket));
+  if (socket.find_first_of(std::string("%,?#\0", 5)) != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("the socket path '", Printable(socket),
+                                                   "' contains one of % , ? # or a NUL: give the path without them"));
+  }
+  return absl::StrCat("unix:", socket);
+}
+
 // Connects, says hello and waits for the answer within `timeout` (the call is cancelled at the deadline).
 absl::StatusOr<std::unique_ptr<Connection>> Connect(const std::string& socket, std::chrono::milliseconds timeout,
                                                     const Declaration& d, v1::ServerMessage* answer) {
+  ASSIGN_OR_RETURN(const std::string target, GrpcTarget(socket));
   auto c = std::make_unique<Connection>();
-  auto channel = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
+  auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
   const auto deadline = std::chrono::system_clock::now() + timeout;
   if (!channel->WaitForConnected(deadline)) {
     return absl::UnavailableError(
@@ -429,7 +443,8 @@ absl::Status Session::LeaveGroup(uint64_t join_id, const std::string& group, uin
 }
 
 absl::StatusOr<std::string> FetchStatusJson(const std::string& socket, std::chrono::milliseconds timeout) {
-  auto channel = grpc::CreateChannel(absl::StrCat("unix:", socket), grpc::InsecureChannelCredentials());
+  ASSIGN_OR_RETURN(const std::string target, GrpcTarget(socket));
+  auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
   auto stub = v1::Engram::NewStub(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + timeout);

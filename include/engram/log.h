@@ -2,8 +2,10 @@
 // of its own, never through the host process's default logger: lines go to stderr unless the host (an engine)
 // hands the library a callback, which then receives every line at or above the level set. Lines are single
 // `key=value` records ("engram: event=attached mode=SHARED ..."). Both calls are thread-safe; the callback may be
-// called from any thread of the library (attach, the lease watcher, DP group threads) and must not call back into
-// the library.
+// called from any thread of the library (attach, the lease watcher, DP group threads), with no lock of the
+// library held: it may set another callback or the level; a line logged from inside it is dropped, and an
+// exception it throws is swallowed. A host whose runtime shuts down (an interpreter at exit) removes its callback
+// first. gRPC's own diagnostics are gRPC's and are not routed here.
 #pragma once
 
 #include <functional>

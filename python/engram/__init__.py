@@ -77,6 +77,14 @@ def _choice(v, name):
     raise ValueError(f"{name}: True, False, None or 'auto', got {v!r}")
 
 
+def _socket_path(socket):
+    """The daemon's socket path as bytes for the C ABI; a NUL inside it would silently cut it short."""
+    raw = os.fsencode(socket)
+    if b"\0" in raw:
+        raise ValueError("the socket path contains a NUL byte")
+    return raw
+
+
 def attach(checkpoint, *, tp_size=1, tp_rank=0, dp_size=1, dp_rank=0, local_dp_size=None, cpu_offload=None,
            dp_shared_memory="auto", embedding_across_dp=False, elastic_ep=False, socket=DEFAULT_SOCKET,
            shm_dir=None, timeout_ms=10000, backend="auto", private_fallback=True):
@@ -107,7 +115,7 @@ def attach(checkpoint, *, tp_size=1, tp_rank=0, dp_size=1, dp_rank=0, local_dp_s
     req.private_fallback = 1 if private_fallback else 0
     handle = ctypes.c_void_p()
     err = ctypes.create_string_buffer(2048)
-    rc = _lib.lib.engram_attach(os.fsencode(socket), int(timeout_ms), ctypes.byref(req), ctypes.byref(handle), err,
+    rc = _lib.lib.engram_attach(_socket_path(socket), int(timeout_ms), ctypes.byref(req), ctypes.byref(handle), err,
                                 len(err))
     if rc != 0:
         raise EngramError(rc, err.value.decode("utf-8", "replace"))
@@ -118,7 +126,7 @@ def status(socket=DEFAULT_SOCKET, timeout_ms=5000):
     """engramd's status as a dict: shm, segments (state, tp, bytes, ...), replicas (pid, mode, backend, reasons with
     hints), recent_fallbacks, draining. EngramError (UNAVAILABLE, ...) when no daemon answers."""
     out = ctypes.c_void_p()
-    _lib.call(_lib.lib.engram_status_json, os.fsencode(socket), int(timeout_ms), ctypes.byref(out))
+    _lib.call(_lib.lib.engram_status_json, _socket_path(socket), int(timeout_ms), ctypes.byref(out))
     try:
         return json.loads(ctypes.string_at(out.value).decode("utf-8"))
     finally:

@@ -599,6 +599,35 @@ TEST(DaemonHardeningTest, RefusedUidsGetNothingFromAnyService) {
   EXPECT_FALSE(d.Status().is_null());
 }
 
+// Another uid can plant a directory (or a socket) at the lock file's path in a world-writable shm directory: that
+// must not stop engramd from starting (it runs unlocked and says so), and a regular file at the socket's path is
+// not deleted to make room for the listener.
+TEST(DaemonHardeningTest, APlantedDirectoryAtTheLockPathDoesNotStopTheDaemon) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string a = MakeCheckpoint(dir, 8, "a", 1);
+  std::filesystem::create_directory(shm + "/.engramd.lock");
+  Daemon d(dir, {"--checkpoint", a, "--shm-dir", shm}, "planted");
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  EXPECT_NE(d.Log().find("shm_lock_unavailable"), std::string::npos) << d.Log();
+  EXPECT_EQ(AttachOnce(d, a, shm)["decision"], "shared");
+}
+
+TEST(DaemonHardeningTest, ARegularFileAtTheSocketPathIsLeftAndRefused) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string a = MakeCheckpoint(dir, 8, "a", 1);
+  const std::string victim = dir / "victim.sock";
+  { std::ofstream(victim) << "keep me"; }
+  Process p({BinPath("../daemon/engramd"), "--checkpoint", a, "--shm-dir", shm, "--socket", victim},
+            dir / "victim.log");
+  EXPECT_NE(p.Wait(), 0);
+  std::ifstream in(victim);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "keep me") << "the daemon deleted a file that is not a socket";
+  EXPECT_NE(p.Output().find("is not a socket"), std::string::npos) << p.Output();
+}
+
 }  // namespace
 }  // namespace engram
 
@@ -608,3 +637,4 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }
+

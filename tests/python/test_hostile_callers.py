@@ -214,3 +214,16 @@ def test_cpu_torch_outputs_over_foreign_memory_are_refused(table):
     assert (frozen == 0).all()
     ok = torch.zeros((2, L, C), dtype=torch.int32)  # memory torch allocated: accepted
     eng.hash(tok, pos, qsl, out=ok)
+
+
+def test_socket_paths_gRPC_would_rewrite_or_that_hold_a_nul_are_refused(tmp_path):
+    # gRPC percent-decodes its target and splits it on ',' '?' '#': such a path would reach another socket.
+    for bad in (str(tmp_path / "engramd%2esock"), str(tmp_path / "a.sock,b"), str(tmp_path / "a.sock?x=1")):
+        with pytest.raises(ValueError) as e:  # INVALID_ARGUMENT
+            engram.status(socket=bad, timeout_ms=500)
+        assert "contains one of" in str(e.value), str(e.value)
+    with pytest.raises(ValueError):
+        engram.status(socket=str(tmp_path / "a.sock") + "\0junk", timeout_ms=500)
+    with pytest.raises(ValueError) as e:
+        engram.status(socket="/tmp/" + "x" * 300, timeout_ms=500)
+    assert "too long" in str(e.value), str(e.value)

@@ -14,6 +14,7 @@
 #include "spdlog/spdlog.h"
 
 #include <sstream>
+#include <stdexcept>
 #include <vector>
 
 namespace engram::client {
@@ -71,6 +72,29 @@ TEST(ClientEnvironment, MalformedAndEmptyNumbersAreIgnored) {
   EXPECT_FALSE(e.nccl_split_shares_resources);
 }
 
+TEST(ClientEnvironment, NonFiniteNumbersOddFlagsAndOutOfRangeDurationsAreIgnored) {
+  const ClientEnvironment e = From({{"ENGRAM_HOST_GATHER_UVA_SHARE", "nan"},
+                                    {"ENGRAM_HOST_GATHER_DEDUP", " 0 "},
+                                    {"VLLM_PLE_CPU_OFFLOAD", "disable"},
+                                    {"ENGRAM_DP_STEP_TIMEOUT_MS", "10000000000000"},
+                                    {"ENGRAM_DP_FORM_TIMEOUT_MS", "-5"}});
+  EXPECT_FALSE(e.host_gather_uva_share.has_value());
+  EXPECT_EQ(e.host_gather_dedup, false);
+  EXPECT_FALSE(e.vllm_ple_cpu_offload.has_value());
+  EXPECT_FALSE(e.dp_step_timeout_ms.has_value());
+  EXPECT_FALSE(e.dp_form_timeout_ms.has_value());
+  EXPECT_FALSE(From({{"ENGRAM_HOST_GATHER_UVA_SHARE", "inf"}}).host_gather_uva_share.has_value());
+}
+
+TEST(FaultPoints, AHookThatReplacesItselfDoesNotDeadlock) {
+  SetFaultHook([](FaultPoint, int64_t) {
+    SetFaultHook(nullptr);
+    return true;
+  });
+  EXPECT_TRUE(Fault(FaultPoint::kDpPeerOpen));
+  EXPECT_FALSE(Fault(FaultPoint::kDpPeerOpen));
+}
+
 TEST(FaultPoints, FalseWithoutAHookAndOnlyWhereTheHookSays) {
   EXPECT_FALSE(Fault(FaultPoint::kRegisterChunk, 3));
   SetFaultHook([](FaultPoint p, int64_t arg) { return p == FaultPoint::kRegisterChunk && arg == 3; });
@@ -119,6 +143,21 @@ TEST(LibraryLog, LinesGoToTheCallbackNotToTheHostsDefaultLogger) {
   engram_set_log_callback(nullptr, nullptr);
   EXPECT_EQ(seen.level, 3);
   EXPECT_NE(seen.line.find("event=c_line"), std::string::npos);
+}
+
+// A callback may replace itself, log, or throw: no hang, no recursion, the library goes on.
+TEST(LibraryLog, ACallbackThatCallsBackIntoTheLogNeitherHangsNorRecurses) {
+  int calls = 0;
+  SetLogCallback([&calls](LogLevel, std::string_view) {
+    ++calls;
+    Log().warn("engram: event=from_inside");  // dropped
+    SetLogCallback(nullptr);                  // may set another destination
+  });
+  Log().warn("engram: event=outer");
+  EXPECT_EQ(calls, 1);
+  SetLogCallback([](LogLevel, std::string_view) { throw std::runtime_error("host bug"); });
+  Log().warn("engram: event=thrown");  // swallowed
+  SetLogCallback(nullptr);
 }
 
 }  // namespace
