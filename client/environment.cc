@@ -1,5 +1,6 @@
 #include "client/environment.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -83,10 +84,24 @@ ClientEnvironment ParseClientEnvironment(const std::function<const char*(const c
   return e;
 }
 
-const ClientEnvironment& Environment() {
-  static const ClientEnvironment* env =
-      new ClientEnvironment(ParseClientEnvironment([](const char* name) { return std::getenv(name); }));
-  return *env;
+namespace {
+
+const ClientEnvironment* ParseProcessEnvironment() {
+  return new ClientEnvironment(ParseClientEnvironment([](const char* name) { return std::getenv(name); }));
+}
+
+std::atomic<const ClientEnvironment*>& Current() {
+  static std::atomic<const ClientEnvironment*> current{ParseProcessEnvironment()};
+  return current;
+}
+
+}  // namespace
+
+const ClientEnvironment& Environment() { return *Current().load(std::memory_order_acquire); }
+
+void ReloadEnvironment() {
+  // The previous record is kept (never freed): references handed out earlier stay valid.
+  Current().store(ParseProcessEnvironment(), std::memory_order_release);
 }
 
 }  // namespace engram::client

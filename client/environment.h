@@ -54,6 +54,10 @@ struct ClientEnvironment {
 // The process's environment, parsed on the first call.
 const ClientEnvironment& Environment();
 
+// Parses the process's environment again, for a process that changed it on purpose before creating engines (a
+// test, a host configuring the library in-process). Engines created earlier keep what they read.
+void ReloadEnvironment();
+
 // Parses from `lookup` (name -> value or null) instead of the process environment: for tests.
 ClientEnvironment ParseClientEnvironment(const std::function<const char*(const char*)>& lookup);
 

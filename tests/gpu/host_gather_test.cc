@@ -17,6 +17,7 @@
 
 #include "client/engine/device_engine.h"
 #include "client/engine/host_gather.h"
+#include "client/environment.h"
 #include "engram/client.h"
 #include "engram/lookup_engine.h"
 #include "gtest/gtest.h"
@@ -315,8 +316,10 @@ TEST(GpuHostGatherTest, EngineTakesTheChosenPathAndEveryPathServesTheReferenceRo
     if (i < static_cast<size_t>(L * C)) ids[i] = static_cast<int32_t>(li.row_begin);
   }
   ::setenv("ENGRAM_HOST_GATHER_MIN_ITEMS", "100", 1);  // the automatic choice takes the host path for this batch
+  client::ReloadEnvironment();
   auto engine = client::LookupEngine::Create(t, T, nullptr);
   ::unsetenv("ENGRAM_HOST_GATHER_MIN_ITEMS");
+  client::ReloadEnvironment();
   ASSERT_TRUE(engine.ok()) << engine.status();
   DeviceBuffer<int32_t> did(ids);
   auto check = [&](const char* what) {

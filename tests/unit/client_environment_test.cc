@@ -2,6 +2,7 @@
 // into its typed field, malformed and empty values leave the field unset, and the hook answers only while installed.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <map>
 #include <string>
 
@@ -84,6 +85,20 @@ TEST(ClientEnvironment, NonFiniteNumbersOddFlagsAndOutOfRangeDurationsAreIgnored
   EXPECT_FALSE(e.dp_step_timeout_ms.has_value());
   EXPECT_FALSE(e.dp_form_timeout_ms.has_value());
   EXPECT_FALSE(From({{"ENGRAM_HOST_GATHER_UVA_SHARE", "inf"}}).host_gather_uva_share.has_value());
+}
+
+TEST(ClientEnvironment, ReloadReadsTheProcessEnvironmentAgainAndKeepsEarlierReferencesValid) {
+  ::setenv("ENGRAM_LOOKUP_PATH", "uva", 1);
+  ReloadEnvironment();
+  const ClientEnvironment& before = Environment();
+  EXPECT_EQ(before.lookup_path, "uva");
+  ::setenv("ENGRAM_LOOKUP_PATH", "host", 1);
+  EXPECT_EQ(Environment().lookup_path, "uva") << "read once: a change alone is not seen";
+  ReloadEnvironment();
+  EXPECT_EQ(Environment().lookup_path, "host");
+  EXPECT_EQ(before.lookup_path, "uva");  // the earlier record is still alive
+  ::unsetenv("ENGRAM_LOOKUP_PATH");
+  ReloadEnvironment();
 }
 
 TEST(FaultPoints, AHookThatReplacesItselfDoesNotDeadlock) {
