@@ -727,8 +727,12 @@ TEST_F(DpLifecycleTest, AStalledMemberIsNamedByTheSurvivor) {
   EXPECT_EQ(broken["left"]["dp_rank"], 1) << broken.dump();
   EXPECT_NE(broken["detail"].get<std::string>().find("stalled"), std::string::npos) << broken.dump();
   for (const json& m : broken["members"]) {
-    if (m["pid"] == r1.pid()) EXPECT_EQ(m.value("stalled", false), true) << broken.dump();
-    if (m["pid"] == r0.pid()) EXPECT_FALSE(m.contains("stalled")) << broken.dump();
+    if (m["pid"] == r1.pid()) {
+      EXPECT_EQ(m.value("stalled", false), true) << broken.dump();
+    }
+    if (m["pid"] == r0.pid()) {
+      EXPECT_FALSE(m.contains("stalled")) << broken.dump();
+    }
   }
   r1.Signal(SIGCONT);
   r1.Signal(SIGKILL);
