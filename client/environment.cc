@@ -4,6 +4,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -86,8 +89,15 @@ ClientEnvironment ParseClientEnvironment(const std::function<const char*(const c
 
 namespace {
 
+// Every record parsed so far, kept for the whole process (references handed out stay valid across a reload).
 const ClientEnvironment* ParseProcessEnvironment() {
-  return new ClientEnvironment(ParseClientEnvironment([](const char* name) { return std::getenv(name); }));
+  static auto* mu = new std::mutex();
+  static auto* kept = new std::vector<std::unique_ptr<const ClientEnvironment>>();
+  auto parsed = std::make_unique<const ClientEnvironment>(
+      ParseClientEnvironment([](const char* name) { return std::getenv(name); }));
+  std::lock_guard<std::mutex> lock(*mu);
+  kept->push_back(std::move(parsed));
+  return kept->back().get();
 }
 
 std::atomic<const ClientEnvironment*>& Current() {
@@ -99,9 +109,6 @@ std::atomic<const ClientEnvironment*>& Current() {
 
 const ClientEnvironment& Environment() { return *Current().load(std::memory_order_acquire); }
 
-void ReloadEnvironment() {
-  // The previous record is kept (never freed): references handed out earlier stay valid.
-  Current().store(ParseProcessEnvironment(), std::memory_order_release);
-}
+void ReloadEnvironment() { Current().store(ParseProcessEnvironment(), std::memory_order_release); }
 
 }  // namespace engram::client
