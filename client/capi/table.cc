@@ -13,6 +13,18 @@
 
 using namespace engram::capi;  // NOLINT: the entry points' shared helpers
 
+namespace {
+
+// Writes a column range [begin, end) into the caller's two outputs (both required).
+int ColRange(int64_t begin, int64_t end, int* col_begin, int* col_end) {
+  if (col_begin == nullptr || col_end == nullptr) return static_cast<int>(absl::StatusCode::kInvalidArgument);
+  *col_begin = static_cast<int>(begin);
+  *col_end = static_cast<int>(end);
+  return 0;
+}
+
+}  // namespace
+
 extern "C" {
 
 int engram_attach(const char* socket, int timeout_ms, const engram_attach_request* req, engram_table** out, char* err,
@@ -201,29 +213,13 @@ int engram_table_column_rows(const engram_table* t, int layer, int64_t* rows, in
 }
 
 int engram_table_col_range(const engram_table* t, int* col_begin, int* col_end) {
-  try {
-    if (t == nullptr || col_begin == nullptr || col_end == nullptr) {
-      return static_cast<int>(absl::StatusCode::kInvalidArgument);
-    }
-    *col_begin = static_cast<int>(t->table->col_begin());
-    *col_end = static_cast<int>(t->table->col_end());
-    return 0;
-  } catch (...) {
-    return static_cast<int>(absl::StatusCode::kInternal);
-  }
+  if (t == nullptr) return static_cast<int>(absl::StatusCode::kInvalidArgument);
+  return ColRange(t->table->col_begin(), t->table->col_end(), col_begin, col_end);
 }
 
 int engram_table_staging_col_range(const engram_table* t, int* col_begin, int* col_end) {
-  try {
-    if (t == nullptr || col_begin == nullptr || col_end == nullptr) {
-      return static_cast<int>(absl::StatusCode::kInvalidArgument);
-    }
-    *col_begin = static_cast<int>(t->staging_col_begin);
-    *col_end = static_cast<int>(t->staging_col_end);
-    return 0;
-  } catch (...) {
-    return static_cast<int>(absl::StatusCode::kInternal);
-  }
+  if (t == nullptr) return static_cast<int>(absl::StatusCode::kInvalidArgument);
+  return ColRange(t->staging_col_begin, t->staging_col_end, col_begin, col_end);
 }
 
 int engram_table_max_ngram(const engram_table* t) { return t ? static_cast<int>(t->table->layout().max_ngram()) : 0; }
