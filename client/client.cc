@@ -72,12 +72,24 @@ Declaration Declare(const AttachRequest& req, uint64_t fingerprint, bool cpu_off
   return d;
 }
 
+using Clock = std::chrono::steady_clock;
+double SecondsSince(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+absl::StatusOr<std::unique_ptr<Session>> TimedSessionOpen(const ClientOptions& options, const Declaration& d,
+                                                          double* seconds) {
+  const auto t0 = Clock::now();
+  auto s = Session::Open(options.socket, options.timeout, d);
+  *seconds = SecondsSince(t0);
+  return s;
+}
+
 // A shared table from the daemon's grant: map and check, take the node's ticket, pin, report. Null (with the reason
 // added) when this replica must fall back; the session stays usable for reporting that.
 std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& options, const std::string& shm_dir,
                                         Env* env, uint64_t fingerprint, const Layout& layout, const ShardRange& shard,
                                         bool cuda, std::vector<Reason>* reasons) {
   const Grant& g = session.answer().grant;
+  const auto t0 = Clock::now();
   // The descriptor first (any namespace that reaches the socket), the path where it cannot be passed.
   absl::StatusOr<std::unique_ptr<TableImpl>> table = absl::UnavailableError("not attached");
   std::string no_descriptor;
@@ -113,11 +125,16 @@ std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& o
     return nullptr;
   }
   session.NoteMappedFile((*table)->segment_->device(), (*table)->segment_->inode());
+  AttachTimes& times = (*table)->times_;
+  times.map = SecondsSince(t0) - times.populate;
+  const auto ticket0 = Clock::now();
   if (auto st = session.AcquireTicket(); !st.ok()) {
     reasons->push_back({ReasonCode::kDaemonUnavailable, absl::StrCat("no registration ticket: ", st.message())});
     return nullptr;
   }
+  times.ticket = SecondsSince(ticket0);
   RegistrationReport rep = PinTable(**table, cuda, options.register_chunk_bytes);
+  times.pin = rep.seconds;
   (void)session.ReportRegistration(rep);
   if (!rep.ok) {
     reasons->push_back({ReasonCode::kRegisterFailed, rep.error + " (raise ulimit -l / LimitMEMLOCK)"});
@@ -141,7 +158,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
 absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) {
   Env* env = options_.env != nullptr ? options_.env : Env::Default();
   const bool cpu_offload = ResolveCpuOffload(req.cpu_offload);
+  const auto t0 = Clock::now();
+  AttachTimes times;
   ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(req.checkpoint));
+  times.checkpoint = SecondsSince(t0);
   if (ckpt->config().kind == ModelKind::kPle) {
     return absl::UnimplementedError(absl::StrCat(ckpt->config().architecture,
                                                  ": PLE tables are never shared (MODEL_NOT_SHAREABLE) and their "
@@ -150,7 +170,9 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
   ASSIGN_OR_RETURN(Layout layout, Layout::Build(ckpt->config()));
   ASSIGN_OR_RETURN(ShardRange shard, layout.Shard(req.tp_size, req.tp_rank));
   std::string no_gpu;
+  const auto gpu0 = Clock::now();
   ASSIGN_OR_RETURN(const bool cuda, ProbeGpu(options_, cpu_offload, &no_gpu));
+  times.gpu = SecondsSince(gpu0);
   std::vector<Reason> reasons;
   if (!cuda) reasons.push_back({ReasonCode::kNoCudaDevice, no_gpu + ": lookups run the CPU reference"});
 
@@ -164,7 +186,7 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
   if (req.dp_shared_memory == Choice::kFalse && !req.embedding_across_dp) {
     reasons.push_back(
         {ReasonCode::kDpSharedMemoryDisabled, "dp_shared_memory is false: this replica holds its own table"});
-  } else if (auto s = Session::Open(options_.socket, options_.timeout, Declare(req, ckpt->Fingerprint(), cpu_offload));
+  } else if (auto s = TimedSessionOpen(options_, Declare(req, ckpt->Fingerprint(), cpu_offload), &times.session);
              !s.ok()) {
     const bool refused = s.status().code() == absl::StatusCode::kPermissionDenied;
     reasons.push_back(
@@ -210,20 +232,31 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
                                         plan.status().message(), "): this replica holds its own table")});
       }
     }
+    const auto build0 = Clock::now();
     ASSIGN_OR_RETURN(table, BuildPrivateTable(*ckpt, layout, own, dp_sharded ? cpu_offload : mode != Mode::kDevice,
                                               cuda, threads, options_.register_chunk_bytes, env));
+    times.build = SecondsSince(build0);
     if (dp_sharded) table->mode_ = Mode::kDpSharded;
+  } else {  // the shared steps, timed by ShareGranted
+    times.map = table->times_.map;
+    times.populate = table->times_.populate;
+    times.ticket = table->times_.ticket;
+    times.pin = table->times_.pin;
   }
   table->reasons_ = std::move(reasons);
+  times.total = SecondsSince(t0);
+  table->times_ = times;
   if (session != nullptr) {  // status lists this replica with exactly what it runs; the session is its lease
     (void)session->ReportOutcome(table->mode(), table->reasons(), table->backend(), table->attach_method());
     session->Keep();
     table->session_ = std::move(session);
   }
   if (table->mode() == Mode::kShared) {
-    Log().info("engram: event=attached mode=SHARED backend={} attach={} segment={} register_seconds={:.3f}",
-               BackendName(table->backend()), AttachMethodName(table->attach_method()), segment,
-               table->register_seconds());
+    Log().info(
+        "engram: event=attached mode=SHARED backend={} attach={} segment={} seconds={:.3f} populate_seconds={:.3f} "
+        "ticket_seconds={:.3f} register_seconds={:.3f}",
+        BackendName(table->backend()), AttachMethodName(table->attach_method()), segment, times.total, times.populate,
+        times.ticket, table->register_seconds());
   } else {
     Log().warn("engram: event=fallback mode={} backend={} reasons={} detail=\"{}\"", ModeName(table->mode()),
                BackendName(table->backend()), ReasonCodes(table->reasons()), ReasonList(table->reasons()));

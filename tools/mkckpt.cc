@@ -1,4 +1,5 @@
 // engram-mkckpt: writes a synthetic DeepseekV41ForCausalLM checkpoint (see synthetic.h).
+#include <algorithm>
 #include <iostream>
 
 #include "absl/strings/str_format.h"
@@ -10,16 +11,35 @@ int main(int argc, char** argv) {
   Args a;
   auto st = a.Parse(argc, argv, 1,
                     {"--out", "--table-mib", "--layers", "--heads", "--max-ngram", "--head-dim", "--hidden",
-                     "--hc-mult", "--seed", "--shards", "--threads"},
-                    {"--model-prefix", "--help"});
+                     "--hc-mult", "--seed", "--shards", "--threads", "--like", "--engram-vocab-size"},
+                    {"--model-prefix", "--sparse", "--help"});
   if (!st.ok() || a.Has("--help") || !a.Has("--out")) {
     if (!st.ok()) std::cerr << "engram-mkckpt: " << st.message() << "\n";
-    std::cerr << "usage: engram-mkckpt --out DIR [--table-mib N] [--layers 1,3] [--heads N] [--max-ngram N]\n"
-                 "                     [--head-dim N] [--hidden N] [--hc-mult N] [--seed N] [--shards N]\n"
-                 "                     [--model-prefix] [--threads N]\n";
+    std::cerr
+        << "usage: engram-mkckpt --out DIR [--table-mib N] [--layers 1,3] [--heads N] [--max-ngram N]\n"
+           "                     [--head-dim N] [--hidden N] [--hc-mult N] [--engram-vocab-size N] [--sparse]\n"
+           "                     [--seed N] [--shards N] [--model-prefix] [--threads N]\n"
+           "       engram-mkckpt --out DIR --like deepseek-v4.1-flash [--layers 1] [--seed N] [--shards N]\n"
+           "  --sparse: full tensor shapes, pattern rows in a few regions (engram-pattern.json), holes elsewhere\n"
+           "  --like MODEL: that model's real geometry, sparse (--layers picks some of its layer ids)\n";
     return a.Has("--help") && st.ok() ? 0 : 2;
   }
   engram::tools::SyntheticSpec spec;
+  if (a.Has("--like")) {
+    for (const char* f :
+         {"--table-mib", "--heads", "--max-ngram", "--head-dim", "--hidden", "--hc-mult", "--engram-vocab-size"}) {
+      if (a.Has(f)) {
+        std::cerr << "engram-mkckpt: " << f << " conflicts with --like (the model sets the geometry)\n";
+        return 2;
+      }
+    }
+    auto like = engram::tools::LikeModel(a.Get("--like"));
+    if (!like.ok()) {
+      std::cerr << "engram-mkckpt: --like: " << like.status().message() << "\n";
+      return 2;
+    }
+    spec = *like;
+  }
   spec.out_dir = a.Get("--out");
   try {
     spec.table_mib = std::stod(a.Get("--table-mib", "64"));
@@ -33,13 +53,29 @@ int main(int argc, char** argv) {
       std::cerr << "engram-mkckpt: " << l.status().message() << "\n";
       return 2;
     }
+    if (a.Has("--like")) {
+      for (int64_t id : *l) {
+        if (std::find(spec.layers.begin(), spec.layers.end(), id) == spec.layers.end()) {
+          std::cerr << "engram-mkckpt: --layers: " << id << " is not one of " << a.Get("--like")
+                    << "'s Engram layers\n";
+          return 2;
+        }
+      }
+      spec.shards = static_cast<int64_t>(l->size());
+    }
     spec.layers = *l;
   }
+  spec.sparse = spec.sparse || a.Has("--sparse");
   struct {
     const char* name;
     int64_t* field;
-  } ints[] = {{"--heads", &spec.heads},   {"--max-ngram", &spec.max_ngram}, {"--head-dim", &spec.head_dim},
-              {"--hidden", &spec.hidden}, {"--hc-mult", &spec.hc_mult},     {"--shards", &spec.shards}};
+  } ints[] = {{"--heads", &spec.heads},
+              {"--max-ngram", &spec.max_ngram},
+              {"--head-dim", &spec.head_dim},
+              {"--hidden", &spec.hidden},
+              {"--hc-mult", &spec.hc_mult},
+              {"--shards", &spec.shards},
+              {"--engram-vocab-size", &spec.engram_vocab_size}};
   for (auto& i : ints) {
     auto v = a.GetInt(i.name, *i.field);
     if (!v.ok()) {
@@ -63,9 +99,13 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::cout << absl::StrFormat(
-      "wrote %s: compressed vocab %d of %d raw ids, engram_vocab_size %d, tables %.1f MiB, files %.1f MiB in %.2f s "
+      "wrote %s: compressed vocab %d of %d raw ids, engram_vocab_size %d, tables %.1f MiB, files %.1f MiB%s in %.2f s "
       "(%.2f GiB/s)\n",
       spec.out_dir, r->compressed_vocab, r->raw_vocab, r->engram_vocab_size, r->table_bytes / 1048576.0,
-      r->file_bytes / 1048576.0, r->seconds, r->file_bytes / 1073741824.0 / std::max(r->seconds, 1e-9));
+      r->file_bytes / 1048576.0,
+      spec.sparse ? absl::StrFormat(" (sparse: %.1f MiB of data, the pattern in engram-pattern.json)",
+                                    r->written_bytes / 1048576.0)
+                  : std::string(),
+      r->seconds, r->written_bytes / 1073741824.0 / std::max(r->seconds, 1e-9));
   return 0;
 }

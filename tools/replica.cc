@@ -9,8 +9,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <fstream>
 #include <iostream>
 #include <random>
 #include <thread>
@@ -41,6 +43,41 @@ std::vector<uint16_t> RowFromCheckpoint(engram::oracle::RowOracle* oracle, int64
     return std::vector<uint16_t>(static_cast<size_t>(D), 0xFFFF);
   }
   return engram::oracle::DequantBf16Row(*rec, D);
+}
+
+// The rows a sparse checkpoint's pattern says to check (engram-mkckpt --sparse / --like writes engram-pattern.json):
+// per region of each layer, its first two rows, its middle and its last two, and the row just past it (a hole, a
+// zero row), each kept when this shard owns it. Empty when the checkpoint has no pattern file.
+struct PatternRow {
+  int layer = 0;  // index into the table's layers
+  int32_t row = 0;
+  bool in_region = false;
+};
+std::vector<PatternRow> PatternRows(const std::string& checkpoint, const engram::client::Table& t, std::string* error) {
+  std::vector<PatternRow> out;
+  std::ifstream in(checkpoint + "/engram-pattern.json");
+  if (!in) return out;
+  json p = json::parse(in, nullptr, false);
+  if (p.is_discarded() || !p.contains("layers") || !p["layers"].is_array()) {
+    *error = "engram-pattern.json is not a pattern file";
+    return out;
+  }
+  for (const auto& jl : p["layers"]) {
+    const int64_t layer_id = jl.value("layer_id", int64_t{-1});
+    for (size_t l = 0; l < t.layers().size(); ++l) {
+      const auto& li = t.layers()[l];
+      if (li.layer_id != layer_id || !jl.contains("regions") || !jl["regions"].is_array()) continue;
+      for (const auto& r : jl["regions"]) {
+        const int64_t b = r.value("row_begin", int64_t{0}), e = r.value("row_end", int64_t{0});
+        if (e <= b) continue;
+        for (int64_t row : {b, b + 1, b + (e - b) / 2, e - 2, e - 1, e}) {
+          if (row < b || row < li.row_begin || row >= li.row_end || row > INT32_MAX) continue;
+          out.push_back({static_cast<int>(l), static_cast<int32_t>(row), row < e});
+        }
+      }
+    }
+  }
+  return out;
 }
 
 // DP_SHARDED (--embedding-across-dp and no sharing): every batch is one group step through the table's engine
@@ -311,6 +348,53 @@ int main(int argc, char** argv) {
       }
     }
   }
+  // A sparse checkpoint's pattern: rows in every region, the table's last row, holes next to them.
+  std::string pattern_error;
+  const std::vector<PatternRow> pattern =
+      verify > 0 ? PatternRows(req.checkpoint, t, &pattern_error) : std::vector<PatternRow>();
+  int64_t pattern_checked = 0, pattern_mismatches = 0, pattern_nonzero = 0;
+  if (!pattern_error.empty()) {
+    std::cerr << "engram-replica: " << pattern_error << "\n";
+    ++pattern_mismatches;
+  }
+  for (int l = 0; l < L; ++l) {
+    std::vector<int32_t> rows_of_layer;
+    std::vector<bool> in_region;
+    for (const auto& pr : pattern) {
+      if (pr.layer == l) {
+        rows_of_layer.push_back(pr.row);
+        in_region.push_back(pr.in_region);
+      }
+    }
+    // T tokens of C ids per lookup; unused slots ask for row -1 (a zero row).
+    for (size_t first = 0; first < rows_of_layer.size(); first += static_cast<size_t>(T * C)) {
+      std::vector<int32_t> ids_chunk(static_cast<size_t>(T * C), -1);
+      const size_t n = std::min(rows_of_layer.size() - first, static_cast<size_t>(T * C));
+      std::copy_n(rows_of_layer.begin() + static_cast<long>(first), n, ids_chunk.begin());
+      bool looked_up = false;
+#ifdef ENGRAM_HAVE_CUDA
+      if (engine) {
+        looked_up = cudaMemcpy(d_ids, ids_chunk.data(), ids_chunk.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess &&
+                    engine->Lookup(l, d_ids, static_cast<int32_t>(T), C, d_rows, false).ok() &&
+                    cudaMemcpy(rows.data(), d_rows, rows.size() * 2, cudaMemcpyDeviceToHost) == cudaSuccess;
+        if (!looked_up) return 1;
+      }
+#endif
+      if (!looked_up && !host->Lookup(l, ids_chunk.data(), static_cast<int32_t>(T), C, rows.data(), false).ok()) {
+        return 1;
+      }
+      for (size_t k = 0; k < n; ++k) {
+        const auto want =
+            RowFromCheckpoint(oracle.get(), t.layers()[static_cast<size_t>(l)].layer_id, rows_of_layer[first + k], D);
+        const bool zero = std::all_of(want.begin(), want.end(), [](uint16_t v) { return (v & 0x7FFF) == 0; });
+        ++pattern_checked;
+        pattern_nonzero += in_region[first + k] && !zero;
+        // A row past a region must be a hole (zero) unless another region starts there.
+        pattern_mismatches += !std::equal(want.begin(), want.end(), rows.begin() + static_cast<long>(k * D));
+      }
+    }
+  }
+  if (!pattern.empty() && pattern_nonzero == 0) ++pattern_mismatches;  // the pattern's rows read as holes
   json out = {{"mode", engram::client::ModeName(t.mode())},
               {"backend", engram::client::BackendName(t.backend())},
               {"attach", engram::client::AttachMethodName(t.attach_method())},
@@ -321,6 +405,22 @@ int main(int argc, char** argv) {
                                    ? static_cast<double>(T * batches) / (gpu_busy > 0 ? gpu_busy : busy)
                                    : 0.0}};
   if (t.register_seconds() >= 0) out["register_seconds"] = t.register_seconds();
+  const engram::client::AttachTimes at = t.attach_times();
+  out["attach_seconds"] = {{"checkpoint", at.checkpoint},
+                           {"gpu", at.gpu},
+                           {"session", at.session},
+                           {"map", at.map},
+                           {"populate", at.populate},
+                           {"ticket", at.ticket},
+                           {"pin", at.pin},
+                           {"build", at.build},
+                           {"total", at.total}};
+  if (!pattern.empty() || !pattern_error.empty()) {
+    out["pattern_rows"] = pattern_checked;
+    out["pattern_nonzero_rows"] = pattern_nonzero;
+    out["pattern_mismatches"] = pattern_mismatches;
+  }
+  mismatches += pattern_mismatches;
   if (gpu_busy > 0) out["hash_mismatches"] = hash_mismatches;
   mismatches += hash_mismatches;
   out["mismatches"] = mismatches;

@@ -4,11 +4,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -64,13 +66,15 @@ struct PlannedTensor {
   std::string canonical;  // without "model."
   std::string dtype;
   std::vector<int64_t> shape;
-  Kind kind;
-  uint64_t bytes;
-  uint64_t offset = 0;  // relative to the data start
+  Kind kind = Kind::kE4M3;
+  uint64_t bytes = 0;
+  uint64_t offset = 0;                                // relative to the data start
+  bool sparse = false;                                // only `ranges` are written; the rest of the tensor is a hole
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;  // byte [begin, end) within the tensor
 };
 
 absl::Status WriteShard(const std::string& path, std::vector<PlannedTensor>& tensors, uint64_t seed, int threads,
-                        uint64_t* file_bytes) {
+                        uint64_t* file_bytes, uint64_t* written_bytes) {
   json header = json::object();
   uint64_t off = 0;
   for (auto& t : tensors) {
@@ -99,8 +103,15 @@ absl::Status WriteShard(const std::string& path, std::vector<PlannedTensor>& ten
   };
   std::vector<Chunk> chunks;
   for (const auto& t : tensors) {
-    for (uint64_t b = 0; b < t.bytes; b += kChunk) chunks.push_back({&t, b, std::min(kChunk, t.bytes - b)});
+    if (!t.sparse) {
+      for (uint64_t b = 0; b < t.bytes; b += kChunk) chunks.push_back({&t, b, std::min(kChunk, t.bytes - b)});
+      continue;
+    }
+    for (const auto& [begin, end] : t.ranges) {
+      for (uint64_t b = begin; b < end; b += kChunk) chunks.push_back({&t, b, std::min(kChunk, end - b)});
+    }
   }
+  for (const auto& c : chunks) *written_bytes += c.n;
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
   std::atomic<int> err{0};
@@ -126,6 +137,11 @@ absl::Status WriteShard(const std::string& path, std::vector<PlannedTensor>& ten
   std::vector<std::thread> pool;
   for (int i = 0; i < threads; ++i) pool.emplace_back(worker);
   for (auto& th : pool) th.join();
+  // A sparse tensor at the end of the file leaves it short of its header's claim: the size makes the holes.
+  if (!failed && ::ftruncate(fd, static_cast<off_t>(data_start + off)) != 0) {
+    err = errno;
+    failed = true;
+  }
   if (::close(fd) != 0 || failed) {
     return absl::ResourceExhaustedError(absl::StrCat(path, ": write failed: ", std::strerror(err ? err.load() : EIO)));
   }
@@ -225,6 +241,68 @@ std::string SyntheticTokenizerJson(uint64_t seed) {
   return tok.dump(1);
 }
 
+std::vector<std::string> KnownModels() { return {"deepseek-v4.1-flash"}; }
+
+absl::StatusOr<SyntheticSpec> LikeModel(const std::string& name) {
+  SyntheticSpec s;
+  if (name == "deepseek-v4.1-flash") {
+    // DeepSeek-V4.1-Flash's config.json: engram_layer_ids, engram_n_heads, engram_max_ngram_size, engram_head_dim,
+    // engram_vocab_size, hidden_size, hc_mult.
+    s.layers = {1, 14};
+    s.heads = 8;
+    s.max_ngram = 4;
+    s.head_dim = 256;
+    s.engram_vocab_size = 16000000;
+    s.hidden = 5120;
+    s.hc_mult = 4;
+  } else {
+    std::string known;
+    for (const auto& k : KnownModels()) absl::StrAppend(&known, known.empty() ? "" : ", ", k);
+    return absl::InvalidArgumentError(absl::StrCat("no geometry is known for '", name, "' (known: ", known, ")"));
+  }
+  s.sparse = true;
+  s.shards = static_cast<int64_t>(s.layers.size());
+  return s;
+}
+
+std::vector<PatternRegion> SparsePatternRegions(const std::vector<int64_t>& rows, int64_t layer,
+                                                const std::vector<int64_t>& column_offsets, int64_t head_dim) {
+  const int64_t n = rows[static_cast<size_t>(layer)], half = kPatternRegionRows / 2;
+  const uint64_t record = static_cast<uint64_t>(head_dim + head_dim / 32);
+  uint64_t before = 0;  // records of the earlier layers in a TP 1 segment
+  for (int64_t l = 0; l < layer; ++l) before += static_cast<uint64_t>(rows[static_cast<size_t>(l)]) * record;
+  std::vector<PatternRegion> want;
+  auto around = [&](int64_t row, std::string why) {
+    want.push_back({std::max<int64_t>(0, row - half), std::min<int64_t>(n, row + half), std::move(why)});
+  };
+  want.push_back({0, std::min<int64_t>(n, kPatternRegionRows), "first rows"});
+  want.push_back({std::max<int64_t>(0, n - kPatternRegionRows), n, "last rows"});
+  for (size_t c = 1; c < column_offsets.size(); ++c) around(column_offsets[c], absl::StrCat("column ", c, " starts"));
+  for (int k = 31; k <= 36; ++k) {
+    const uint64_t at = uint64_t{1} << k;
+    // The row whose record, or whose weight bytes, hold byte 2^k.
+    if (at >= before && (at - before) / record < static_cast<uint64_t>(n)) {
+      around(static_cast<int64_t>((at - before) / record), absl::StrCat("record bytes cross 2^", k));
+    }
+    if (at / static_cast<uint64_t>(head_dim) < static_cast<uint64_t>(n)) {
+      around(static_cast<int64_t>(at / static_cast<uint64_t>(head_dim)), absl::StrCat("weight bytes cross 2^", k));
+    }
+  }
+  std::sort(want.begin(), want.end(),
+            [](const PatternRegion& a, const PatternRegion& b) { return a.row_begin < b.row_begin; });
+  std::vector<PatternRegion> out;
+  for (auto& r : want) {
+    if (r.row_end <= r.row_begin) continue;
+    if (!out.empty() && r.row_begin <= out.back().row_end) {  // overlapping or touching: one region
+      out.back().row_end = std::max(out.back().row_end, r.row_end);
+      absl::StrAppend(&out.back().why, "; ", r.why);
+    } else {
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
 absl::StatusOr<SyntheticResult> WriteSyntheticCheckpoint(const SyntheticSpec& spec) {
   const auto t0 = std::chrono::steady_clock::now();
   if (spec.out_dir.empty()) return absl::InvalidArgumentError("--out is required");
@@ -246,7 +324,9 @@ absl::StatusOr<SyntheticResult> WriteSyntheticCheckpoint(const SyntheticSpec& sp
   const int64_t n_cols = (spec.max_ngram - 1) * spec.heads;
   const int64_t rec = spec.head_dim + spec.head_dim / 32;
   const double rows_total = spec.table_mib * 1048576.0 / static_cast<double>(rec);
-  int64_t vocab_engram = static_cast<int64_t>(rows_total / static_cast<double>(spec.layers.size() * n_cols));
+  int64_t vocab_engram = spec.engram_vocab_size > 0
+                             ? spec.engram_vocab_size
+                             : static_cast<int64_t>(rows_total / static_cast<double>(spec.layers.size() * n_cols));
   vocab_engram = std::max<int64_t>(vocab_engram, res.compressed_vocab + 1);
   res.engram_vocab_size = vocab_engram;
   auto primes = EngramPrimes(spec.layers, spec.max_ngram, spec.heads, vocab_engram);
@@ -293,16 +373,40 @@ absl::StatusOr<SyntheticResult> WriteSyntheticCheckpoint(const SyntheticSpec& sp
       static_cast<size_t>(std::min<int64_t>(spec.shards, static_cast<int64_t>(spec.layers.size()))));
   const std::string prefix = spec.model_prefix ? "model." : "";
   const int64_t kv_rows = spec.hidden * (spec.hc_mult + 1), kv_cols = n_cols * spec.head_dim;
+  json pattern_layers = json::array();
   for (size_t l = 0; l < spec.layers.size(); ++l) {
     const std::string base = absl::StrCat("layers.", spec.layers[l], ".engram.");
     const int64_t rows = num_embeddings[l];
-    auto add = [&](const std::string& n, const char* dtype, std::vector<int64_t> shape, Kind kind, int64_t esize) {
+    std::vector<PatternRegion> regions;
+    if (spec.sparse) {
+      regions = SparsePatternRegions(num_embeddings, static_cast<int64_t>(l), layout.offsets(static_cast<int64_t>(l)),
+                                     spec.head_dim);
+      json jr = json::array();
+      for (const auto& r : regions) jr.push_back({{"row_begin", r.row_begin}, {"row_end", r.row_end}, {"why", r.why}});
+      pattern_layers.push_back({{"layer_id", spec.layers[l]}, {"rows", rows}, {"regions", jr}});
+    }
+    auto add = [&](const std::string& n, const char* dtype, std::vector<int64_t> shape, Kind kind, int64_t esize,
+                   int64_t row_bytes = 0) {
       uint64_t bytes = static_cast<uint64_t>(esize);
       for (int64_t d : shape) bytes *= static_cast<uint64_t>(d);
-      files[l % files.size()].push_back({prefix + base + n, base + n, dtype, shape, kind, bytes});
+      PlannedTensor t;
+      t.name = prefix + base + n;
+      t.canonical = base + n;
+      t.dtype = dtype;
+      t.shape = std::move(shape);
+      t.kind = kind;
+      t.bytes = bytes;
+      if (spec.sparse && row_bytes > 0) {  // a layer table: only the pattern regions hold data
+        t.sparse = true;
+        for (const auto& r : regions) {
+          t.ranges.push_back({static_cast<uint64_t>(r.row_begin) * static_cast<uint64_t>(row_bytes),
+                              static_cast<uint64_t>(r.row_end) * static_cast<uint64_t>(row_bytes)});
+        }
+      }
+      files[l % files.size()].push_back(std::move(t));
     };
-    add("embed.weight", "F8_E4M3", {rows, spec.head_dim}, Kind::kE4M3, 1);
-    add("embed.scale", "F8_E8M0", {rows, spec.head_dim / 32}, Kind::kScale, 1);
+    add("embed.weight", "F8_E4M3", {rows, spec.head_dim}, Kind::kE4M3, 1, spec.head_dim);
+    add("embed.scale", "F8_E8M0", {rows, spec.head_dim / 32}, Kind::kScale, 1, spec.head_dim / 32);
     add("wkv.weight", "F8_E4M3", {kv_rows, kv_cols}, Kind::kE4M3, 1);
     add("wkv.scale", "F8_E8M0", {(kv_rows + 31) / 32, (kv_cols + 31) / 32}, Kind::kScale, 1);
     add("q_weight", "BF16", {spec.hc_mult, spec.hidden}, Kind::kBf16, 2);
@@ -313,9 +417,20 @@ absl::StatusOr<SyntheticResult> WriteSyntheticCheckpoint(const SyntheticSpec& sp
   for (int64_t f = 0; f < n_files; ++f) {
     const std::string name =
         n_files == 1 ? "model.safetensors" : absl::StrFormat("model-%05d-of-%05d.safetensors", f + 1, n_files);
-    RETURN_IF_ERROR(
-        WriteShard(spec.out_dir + "/" + name, files[static_cast<size_t>(f)], spec.seed, threads, &res.file_bytes));
+    RETURN_IF_ERROR(WriteShard(spec.out_dir + "/" + name, files[static_cast<size_t>(f)], spec.seed, threads,
+                               &res.file_bytes, &res.written_bytes));
     for (const auto& t : files[static_cast<size_t>(f)]) weight_map[t.name] = name;
+  }
+  const std::string pattern_path = spec.out_dir + "/" + kPatternFileName;
+  if (spec.sparse) {
+    json pattern = {
+        {"generator", "engram-mkckpt"},
+        {"seed", spec.seed},
+        {"note", "rows outside these regions of each layer's embed.weight / embed.scale are holes (zero rows)"},
+        {"layers", pattern_layers}};
+    RETURN_IF_ERROR(WriteFileAtomic(pattern_path, pattern.dump(1) + "\n"));
+  } else {
+    ::unlink(pattern_path.c_str());  // a dense checkpoint written over a sparse one
   }
   if (n_files > 1) {
     json index = {{"metadata", {{"total_size", res.file_bytes}}}, {"weight_map", weight_map}};

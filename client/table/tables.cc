@@ -91,7 +91,9 @@ absl::StatusOr<std::unique_ptr<TableImpl>> OpenSharedTable(const Grant& g, int f
   t->bytes_ = r.file_bytes() - r.header().data_offset;
   // Build this process's page tables for the mapping before the node's ticket, so that the ticketed (serialised)
   // registration only pins pages that are already mapped.
+  const auto populate0 = Clock::now();
   env->Madvise(const_cast<uint8_t*>(t->base_), t->bytes_, MADV_POPULATE_READ);
+  t->times_.populate = SecondsSince(populate0);
   for (const auto& gl : g.layers) t->records_.push_back(r.data() + gl.data_offset);
   t->layout_ = std::make_unique<Layout>(layout);
   t->map_ = std::make_unique<TokenMap>(TokenMap::FromIds(std::vector<int32_t>(g.token_map)));

@@ -46,6 +46,7 @@ class TableImpl final : public Table {
   }
   double register_seconds() const override { return register_seconds_; }
   AttachMethod attach_method() const override { return attach_; }
+  AttachTimes attach_times() const override { return times_; }
 
   // The bytes the table's records span (one mapping or allocation), for pinning.
   const uint8_t* base() const { return base_; }
@@ -56,6 +57,7 @@ class TableImpl final : public Table {
   Backend backend_ = Backend::kCpu;
   double register_seconds_ = -1;
   AttachMethod attach_ = AttachMethod::kNone;
+  AttachTimes times_;
   std::vector<Reason> reasons_;
   std::vector<LayerInfo> layers_;
   int64_t col_begin_ = 0, col_end_ = 0;

@@ -81,6 +81,20 @@ struct LayerInfo {
   std::vector<int64_t> multipliers, primes, offsets;
 };
 
+// Where an attach spent its time, in seconds (0 for a step it did not take). `engram-replica` prints it; the
+// client logs the total with event=attached.
+struct AttachTimes {
+  double checkpoint = 0;  // opening the checkpoint: config, index, tensor headers, fingerprint
+  double gpu = 0;         // finding the GPU (creating its context)
+  double session = 0;     // the daemon's answer
+  double map = 0;         // fetching the descriptor, mapping and checking the segment
+  double populate = 0;    // building this process's page tables for the mapping (before the ticket)
+  double ticket = 0;      // waiting for the node's registration ticket
+  double pin = 0;         // registering (pinning) the table
+  double build = 0;       // building a private table (fallbacks only)
+  double total = 0;
+};
+
 class Table {
  public:
   virtual ~Table() = default;
@@ -104,6 +118,8 @@ class Table {
   virtual double register_seconds() const = 0;
   // How a SHARED table reached its segment: the descriptor engramd passed, or its path; kNone otherwise.
   virtual AttachMethod attach_method() const { return AttachMethod::kNone; }
+  // The attach's time, step by step.
+  virtual AttachTimes attach_times() const { return {}; }
   // Hashing, lookups and the gate go through a LookupEngine (engram/lookup_engine.h): the one lookup API, on the
   // GPU or the CPU, and on the host records of any table (LookupEngine::CreateOnHost).
 };
