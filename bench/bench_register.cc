@@ -7,9 +7,15 @@
 //   T x C GiB      prefaulted, then chunks of C GiB registered from T threads (HostRegistration's threads option)
 //   T x C, no pf   the same without the prefault
 //   rw DEVICEMAP   the writer's own read-write mapping, DEVICEMAP only (how the reference figure is taken)
+//   runtime        the ceiling: one plain cudaHostRegister(Mapped | ReadOnly) of the same bytes, prefaulted
+//   each C GiB     prefaulted, chunks of C GiB registered one after another, each chunk's time printed (does the
+//                  cost of a chunk grow with what is registered already?)
 // Each line: population seconds, registration seconds (and per 16 GiB), ms/GiB, unregister seconds, the ratio to the
 // same kind's seq+pf registration in this run and to the reference single-process figure given for that kind.
 // Usage: bench_register [--gib N] [--kind LABEL:DIR:REF_S]... [--threads 2,4,8,16] [--chunks-gib 1,2,4]
+//                       [--file PATH] [--only NAME,NAME]
+//   --file measures an existing file read-only instead (e.g. a segment engramd published: the first page is
+//   skipped, as a replica maps it); --only keeps the variants whose names start with one of the given words.
 //   DIR is a directory on the mount to measure (a tmpfs with huge=never or huge=always, or a hugetlbfs mount: the
 //   file is then sized in whole huge pages and written through the mapping); REF_S is a reference time in seconds
 //   per 16 GiB for that kind (0: none), e.g. a plain cudaHostRegister in one process (bench/RESULTS.md
@@ -93,12 +99,127 @@ struct Variant {
   std::string name;
   int prefault_threads = 0;  // 0: no prefault
   int threads = 1;
-  size_t chunk = 0;  // 0: the whole file
-  bool rw = false;   // the writer's mapping, DEVICEMAP only (raw driver call)
+  size_t chunk = 0;        // 0: the whole file
+  bool rw = false;         // the writer's mapping, DEVICEMAP only (raw driver call)
+  bool runtime = false;    // cudaHostRegister (the runtime API) in one call
+  bool per_chunk = false;  // chunks one after another through the driver, each timed
 };
 
 using RegFn = CUresult (*)(void*, size_t, unsigned int);
 using UnregFn = CUresult (*)(void*);
+
+// One variant on a read-only mapping p of `bytes`: prefault, register, unregister. reg_s < 0 on failure (err set).
+struct Timing {
+  double pf_s = 0, reg_s = -1, unreg_s = 0;
+  std::string err;
+};
+Timing RunReadOnly(uint8_t* p, size_t bytes, const Variant& v, RegFn raw_reg, UnregFn raw_unreg) {
+  Timing t;
+  if (v.prefault_threads > 0) {
+    auto tp = Clock::now();
+    if (int e = ParallelMadvise(p, bytes, MADV_POPULATE_READ, v.prefault_threads); e != 0) {
+      std::printf("prefault: %s\n", std::strerror(e));
+    }
+    t.pf_s = Since(tp);
+  }
+  auto tr = Clock::now();
+  if (v.runtime) {
+    const cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterReadOnly);
+    t.reg_s = Since(tr);
+    if (e != cudaSuccess) {
+      t.err = cudaGetErrorString(e);
+      cudaGetLastError();
+      t.reg_s = -1;
+      return t;
+    }
+    tr = Clock::now();
+    cudaHostUnregister(p);
+    t.unreg_s = Since(tr);
+    return t;
+  }
+  if (v.per_chunk) {
+    std::vector<void*> done;
+    std::string line;
+    for (size_t off = 0; off < bytes; off += v.chunk) {
+      const size_t n = std::min(v.chunk, bytes - off);
+      auto tc = Clock::now();
+      const CUresult e = raw_reg(p + off, n, CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_READ_ONLY);
+      const double s = Since(tc);
+      if (e != CUDA_SUCCESS) {
+        t.err = "chunk at " + std::to_string(off) + ": CUresult " + std::to_string(static_cast<int>(e));
+        break;
+      }
+      done.push_back(p + off);
+      char b[32];
+      std::snprintf(b, sizeof b, "%s%.0f", line.empty() ? "" : " ", s * 1000 * kGiB / static_cast<double>(n));
+      line += b;
+    }
+    t.reg_s = t.err.empty() ? Since(tr) : -1;
+    std::printf("    ms/GiB of each chunk in order: %s\n", line.c_str());
+    tr = Clock::now();
+    for (void* c : done) raw_unreg(c);
+    t.unreg_s = Since(tr);
+    return t;
+  }
+  int failed = -1;
+  engram::client::RegisterOptions o;
+  o.chunk_bytes = v.chunk == 0 ? bytes : v.chunk;
+  o.threads = v.threads;
+  auto r = engram::client::HostRegistration::Register(p, bytes, o, &failed);
+  t.reg_s = Since(tr);
+  if (!r.ok()) {
+    t.err = std::string(r.status().message());
+    t.reg_s = -1;
+  }
+  tr = Clock::now();
+  r = absl::InternalError("released");
+  t.unreg_s = Since(tr);
+  return t;
+}
+
+// --file: every variant on a fresh read-only mapping of an existing file, from its second 4 KiB page (a segment's
+// records; the first page is its header).
+void RunOnFile(const std::string& path, const std::vector<Variant>& variants, int repeat, RegFn raw_reg,
+               UnregFn raw_unreg) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  struct stat st {};
+  if (fd < 0 || ::fstat(fd, &st) != 0) {
+    std::printf("file %s: %s\n", path.c_str(), std::strerror(errno));
+    return;
+  }
+  const size_t file_bytes = static_cast<size_t>(st.st_size);
+  std::printf("file %s: %.2f GiB (blocks %.2f GiB)\n", path.c_str(), file_bytes / kGiB,
+              static_cast<double>(st.st_blocks) * 512 / kGiB);
+  std::printf("(last column: the variant's registration time / the plain cudaHostRegister's, run first)\n");
+  std::vector<Variant> order;
+  for (const Variant& v : variants) {
+    if (v.runtime) order.insert(order.begin(), v);
+    if (!v.runtime && !v.rw) order.push_back(v);
+  }
+  double base = 0;
+  for (const Variant& v : order) {
+    for (int rep = 0; rep < repeat; ++rep) {
+      auto* m = static_cast<uint8_t*>(::mmap(nullptr, file_bytes, PROT_READ, MAP_SHARED, fd, 0));
+      if (m == MAP_FAILED) {
+        std::printf("map: %s\n", std::strerror(errno));
+        return;
+      }
+      const size_t bytes = file_bytes - 4096;
+      Timing t = RunReadOnly(m + 4096, bytes, v, raw_reg, raw_unreg);
+      ::munmap(m, file_bytes);
+      if (t.reg_s < 0) {
+        std::printf("%-10s %-30s FAILED: %s\n", "file", v.name.c_str(), t.err.c_str());
+        continue;
+      }
+      if (v.runtime && base == 0) base = t.reg_s;
+      std::printf("%-10s %-30s %8.3f %8.3f %10.3f %8.1f %8.3f %9.2f\n", "file", v.name.c_str(), t.pf_s, t.reg_s,
+                  t.reg_s * 16 * kGiB / bytes, t.reg_s * 1000 / (bytes / kGiB), t.unreg_s,
+                  base > 0 ? t.reg_s / base : 0.0);
+      std::fflush(stdout);
+    }
+  }
+  ::close(fd);
+}
 
 }  // namespace
 
@@ -107,8 +228,15 @@ int main(int argc, char** argv) {
   std::vector<Kind> kinds;
   std::vector<int> threads_list = {2, 4, 8, 16}, chunks_gib = {1, 2, 4};
   int repeat = 1;
+  std::string file;
+  std::vector<std::string> only;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
+    if (a == "--file") file = v;
+    if (a == "--only") {
+      std::stringstream ss(v);
+      for (std::string x; std::getline(ss, x, ',');) only.push_back(x);
+    }
     if (a == "--gib") gib = std::atof(v.c_str());
     if (a == "--threads") threads_list = IntList(v);
     if (a == "--chunks-gib") chunks_gib = IntList(v);
@@ -122,6 +250,7 @@ int main(int argc, char** argv) {
       kinds.push_back(k);
     }
   }
+  if (!file.empty()) kinds = {{"file", file, 0}};
   if (kinds.empty()) kinds.push_back({"4k-shm", "/dev/shm", 0.64});
   int n_dev = 0;
   if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
@@ -154,7 +283,24 @@ int main(int argc, char** argv) {
   for (int t : threads_list) {
     if (t >= 8) variants.push_back({std::to_string(t) + "thr x 1GiB no pf", 0, t, size_t{1} << 30, false});
   }
-  variants.push_back({"rw DEVICEMAP", pf_threads, 1, 0, true});
+  if (file.empty()) variants.push_back({"rw DEVICEMAP", pf_threads, 1, 0, true});
+  variants.push_back({"runtime cudaHostRegister +pf16", pf_threads, 1, 0, false, true});
+  for (int c : chunks_gib) {
+    variants.push_back(
+        {"each " + std::to_string(c) + "GiB +pf16", pf_threads, 1, static_cast<size_t>(c) << 30, false, false, true});
+  }
+  if (!only.empty()) {
+    std::vector<Variant> kept;
+    for (const auto& v : variants) {
+      for (const auto& o : only) {
+        if (v.name.rfind(o, 0) == 0) {
+          kept.push_back(v);
+          break;
+        }
+      }
+    }
+    variants = kept;
+  }
 
   // The rollback with threads: chunk 5 of 16 fails while other threads register theirs; the error names chunk 5 and
   // no chunk stays registered (the whole range registers again afterwards).
@@ -184,6 +330,10 @@ int main(int argc, char** argv) {
       continue;
     }
     const bool hugetlb = static_cast<unsigned long>(sfs.f_type) == kHugetlbfsMagic;
+    if (!file.empty()) {
+      RunOnFile(file, variants, repeat, raw_reg, raw_unreg);
+      continue;
+    }
     const std::string path = k.dir + "/bench-register-" + std::to_string(::getpid());
     int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
     if (fd < 0) {
@@ -247,7 +397,14 @@ int main(int argc, char** argv) {
         }
         double reg_s = 0, unreg_s = 0;
         std::string err;
-        if (v.rw) {
+        if (v.runtime || v.per_chunk) {
+          Timing t =
+              RunReadOnly(p, bytes, {v.name, 0, v.threads, v.chunk, false, v.runtime, v.per_chunk}, raw_reg, raw_unreg);
+          reg_s = t.reg_s;
+          unreg_s = t.unreg_s;
+          err = t.err;
+          ::munmap(p, bytes);
+        } else if (v.rw) {
           auto tr = Clock::now();
           const CUresult e = raw_reg(p, bytes, CU_MEMHOSTREGISTER_DEVICEMAP);
           reg_s = Since(tr);

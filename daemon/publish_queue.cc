@@ -105,9 +105,10 @@ void SegmentRegistry::PublishLoop() {
         e->checksum = ChecksumState::kOk;
         spdlog::info(
             "event=publish_done path={} bytes={} seconds={:.2f} gib_per_s={:.2f} page_bytes={} "
-            "populated_by_writers={} streamed_bytes={} prefetched_bytes={}",
+            "populated_by_writers={} streamed_bytes={} prefetched_bytes={} release_seconds={:.2f} "
+            "warm_seconds={:.2f}",
             path, r->bytes, r->seconds, r->bytes / 1073741824.0 / std::max(r->seconds, 1e-9), r->page_bytes,
-            r->populated, r->streamed_bytes, r->prefetched_bytes);
+            r->populated, r->streamed_bytes, r->prefetched_bytes, r->release_seconds, r->warm_seconds);
       } else {
         e->state = ServingState::kFailed;
         e->too_small = r.status().code() == absl::StatusCode::kResourceExhausted;

@@ -13,7 +13,10 @@
 #include <thread>
 #include <vector>
 
+#include <sys/mman.h>
+
 #include "absl/strings/str_cat.h"
+#include "base/worker_threads.h"
 #include "io/shard_records.h"
 #include "shm/segment.h"
 #include "spdlog/spdlog.h"
@@ -30,6 +33,35 @@ std::vector<LayerRows> RowsOf(const engram::v1::SegmentDescriptor& d) {
   return rows;
 }
 
+// MADV_POPULATE_READ (or MADV_DONTNEED) over [p, p + bytes) from `threads` threads in 2 MiB-aligned slices.
+void ParallelMadvise(uint8_t* p, uint64_t bytes, int advice, int threads, Env* env) {
+  constexpr uint64_t kSlice = uint64_t{2} << 20;
+  const int n = static_cast<int>(std::clamp<uint64_t>(bytes / (uint64_t{1} << 30), 1, std::max(1, threads)));
+  const uint64_t part = (bytes / static_cast<uint64_t>(n) + kSlice - 1) / kSlice * kSlice;
+  std::atomic<int> next{0};
+  RunWorkers(n, [&](bool) {
+    for (int i = next++; i < n; i = next++) {
+      const uint64_t b = std::min(bytes, part * static_cast<uint64_t>(i)), e = std::min(bytes, b + part);
+      if (e > b) env->Madvise(p + b, e - b, advice);
+    }
+  });
+}
+
+// The first reader of freshly written 4 KiB pages pays about twice what later readers pay to map and register them
+// (94 GiB: populate 6.7 s against 2.9 s, registration 9.0 s against 5.0 s, bench/RESULTS.md "Full scale"): the
+// kernel's first accesses of each page. The daemon takes them before READY, from all its threads: a read-only
+// mapping populated twice, then dropped. Seconds taken.
+double WarmForReaders(const std::string& path, int threads, Env* env) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto reader = SegmentReader::Open(path, env);
+  if (!reader.ok()) return 0;
+  auto* data = const_cast<uint8_t*>((*reader)->data());
+  const uint64_t bytes = (*reader)->file_bytes() - (*reader)->header().data_offset;
+  for (int pass = 0; pass < 2; ++pass) ParallelMadvise(data, bytes, MADV_POPULATE_READ, threads, env);
+  ParallelMadvise(data, bytes, MADV_DONTNEED, threads, env);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 }  // namespace
 
 int DefaultPublishThreads() {
@@ -43,10 +75,12 @@ PublishTuning PublishTuning::FromEnvironment() {
   if (r == "whole") t.reserve = SegmentReserve::kWhole;
   if (r == "writers") t.reserve = SegmentReserve::kWriters;
   const char* drop = std::getenv("ENGRAM_PUBLISH_DROP_CACHE");
-  const std::string d = drop == nullptr ? "after" : drop;
+  const std::string d = drop == nullptr ? "" : drop;
   if (d == "inline") {
     t.drop_cache = DropCache::kInline;
-  } else if (d != "after" && d != "1") {
+  } else if (d == "after" || d == "1") {
+    t.drop_cache = DropCache::kAfterReady;
+  } else if (!d.empty()) {
     t.drop_cache = DropCache::kKeep;
   }
   if (const char* v = std::getenv("ENGRAM_PUBLISH_SUB_ROWS"); v != nullptr) t.sub_rows = std::atoll(v);
@@ -58,6 +92,15 @@ PublishTuning PublishTuning::FromEnvironment() {
     t.stream_stores = std::clamp(std::atoi(v), -1, 1);
   }
   return t;
+}
+
+PublishTuning::DropCache ChooseDropCache(PublishTuning::DropCache setting, uint64_t shard_bytes,
+                                         const NodeMemory& memory) {
+  if (setting != PublishTuning::DropCache::kAuto) return setting;
+  // Twice the shard: the segment and the checkpoint's pages of it, which reading it puts in the page cache.
+  return memory.available_bytes != 0 && shard_bytes > memory.available_bytes / 2
+             ? PublishTuning::DropCache::kInline
+             : PublishTuning::DropCache::kAfterReady;
 }
 
 bool PublishStreamsStores(int setting, bool huge_pages) { return setting > 0 || (setting < 0 && huge_pages); }
@@ -136,8 +179,17 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
     fill.before_write = [env](uint8_t* p, uint64_t n) { return PopulateForWrite(p, n, env); };
   }
   // The checkpoint's pages leave the page cache after READY, on a thread of their own (not job by job inside the
-  // fill, where the eviction cost ~2 s per 16 GiB), unless tuning keeps them or drops them inline.
-  fill.drop_cache = tuning.drop_cache == PublishTuning::DropCache::kInline;
+  // fill, where the eviction cost ~2 s per 16 GiB), unless the node cannot hold them next to the segment: then job
+  // by job, so that the page cache never holds a second copy of the shard (at full size on a node with little room
+  // the kernel would reclaim under the fill, and the after-READY eviction would compete with the first attaches).
+  const PublishTuning::DropCache drop = ChooseDropCache(tuning.drop_cache, data_bytes, ReadNodeMemory());
+  if (drop != tuning.drop_cache && drop == PublishTuning::DropCache::kInline) {
+    spdlog::info(
+        "event=publish_drop_cache mode=inline path={} bytes={} detail=\"the node cannot keep the checkpoint's pages "
+        "next to the segment: they leave the page cache as they are read\"",
+        (*writer)->path(), data_bytes);
+  }
+  fill.drop_cache = drop == PublishTuning::DropCache::kInline;
   if (tuning.sub_rows) fill.sub_rows = *tuning.sub_rows;
   fill.direct_read = tuning.direct_read;
   fill.stream_stores = PublishStreamsStores(tuning.stream_stores, (*writer)->huge_pages());
@@ -165,9 +217,11 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   uint8_t* base = data - reopened->data_offset;
   std::memcpy(base + reopened->desc_offset, final_desc.data(), final_desc.size());
   reinterpret_cast<SegmentHeader*>(base)->desc_checksum = XXH3_64bits(final_desc.data(), final_desc.size());
+  const double release_seconds = (*writer)->ReleaseDataMapping(threads);
+  const double warm_seconds = (*writer)->huge_pages() ? 0 : WarmForReaders((*writer)->path(), threads, env);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (auto f = (*writer)->Finish(seconds); !f.ok()) return f;
-  if (tuning.drop_cache == PublishTuning::DropCache::kAfterReady) {
+  if (drop == PublishTuning::DropCache::kAfterReady) {
     std::function<void()> dropper = ShardCacheDropper(ckpt, RowsOf(desc));
     try {
       std::thread(dropper).detach();
@@ -175,8 +229,11 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
       dropper();  // no thread to be had (EAGAIN): dropped here, slower, but never an exception out of the publish
     }
   }
-  return PublishResult{(*writer)->path(),          reopened->total_bytes, seconds,          (*writer)->page_bytes(),
+  PublishResult result{(*writer)->path(),          reopened->total_bytes, seconds,          (*writer)->page_bytes(),
                        (*writer)->populate_data(), streamed.load(),       prefetched.load()};
+  result.release_seconds = release_seconds;
+  result.warm_seconds = warm_seconds;
+  return result;
 }
 
 absl::Status VerifyChecksums(const std::string& segment_path, int threads, std::atomic<uint64_t>* rows_done) {

@@ -23,6 +23,7 @@
 #include "model/checkpoint.h"
 #include "model/layout.h"
 #include "model/token_map.h"
+#include "shm/capacity.h"
 #include "shm/env.h"
 #include "shm/segment.h"
 
@@ -38,6 +39,8 @@ struct PublishResult {
                                   // or none
   uint64_t prefetched_bytes = 0;  // streamed by the cold-cache readers ahead of the filling threads (read from disk or
                                   // found cached on the way: ColdPrefetch::bytes_streamed); 0 when none ran
+  double release_seconds = 0;     // dropping the writer's page tables before READY (SegmentWriter::ReleaseDataMapping)
+  double warm_seconds = 0;        // the first readers' page accesses, taken before READY on 4 KiB pages
 };
 
 // The descriptor of shard (tp_size, tp_rank): layout, owned rows, token map, with data offsets inside the segment
@@ -52,6 +55,12 @@ int DefaultPublishThreads();
 // Whether a publish streams its stores, for PublishTuning::stream_stores `setting` (-1: only into a segment on huge
 // pages, SegmentWriter::huge_pages).
 bool PublishStreamsStores(int setting, bool huge_pages);
+
+// The page-cache handling a publish of `shard_bytes` uses for PublishTuning::drop_cache `setting`: kAuto becomes
+// kInline when the node's available memory is under twice the shard (the segment and the checkpoint's cached pages
+// of it would not fit together), else kAfterReady; any other setting stays.
+PublishTuning::DropCache ChooseDropCache(PublishTuning::DropCache setting, uint64_t shard_bytes,
+                                         const NodeMemory& memory);
 
 // `tuning`: the daemon's (Options::publish_tuning, read from the environment once at start); bench_daemon passes
 // its variants.

@@ -13,6 +13,9 @@ elif [ "${1:-}" = hostgather ]; then  # only its targets, in an already configur
     bench_kernels > /dev/null
 elif [ "${1:-}" = register ]; then  # only its targets, in an already configured build directory
   cmake --build "$build" --target bench_register bench_daemon engramd > /dev/null
+elif [ "${1:-}" = fullscale ]; then  # only its targets, in an already configured build directory
+  cmake --build "$build" --target bench_register bench_first_touch engramd engramctl engram-replica engram-mkckpt \
+    gpu_client_test > /dev/null
 elif [ "${1:-}" = python ]; then  # only what the Python set needs (a full CUDA build is long on 2 cores)
   [ -f "$build/build.ninja" ] || cmake -S "$root" -B "$build" -G Ninja -DENGRAM_CUDA=ON -DENGRAM_CUDA_ARCHS=90 \
     -DENGRAM_WERROR="${ENGRAM_WERROR:-OFF}" > /dev/null
@@ -49,7 +52,10 @@ case "${1:-kernels}" in
                     "$build/tests/uva_lookup_helper" "$build/bench/bench_kernels") ;;
   # Registration and publishing on each page kind: bench_register, bench_daemon (run.sh register).
   register) bins=("$build/bench/bench_register" "$build/bench/bench_daemon" "$build/daemon/engramd") ;;
-  *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon|client|tests|python|dp|hostgather|register]" >&2; exit 2 ;;
+  # A real-size table (a sparse DeepSeek-V4.1-Flash checkpoint): publish, attach, registration (run.sh fullscale).
+  fullscale) bins=("$build/bench/bench_register" "$build/bench/bench_first_touch" "$build/daemon/engramd" "$build/tools/engramctl"
+                   "$build/tools/engram-replica" "$build/tools/engram-mkckpt" "$build/tests/gpu_client_test") ;;
+  *) echo "usage: scripts/gpu-bundle.sh [kernels|daemon|client|tests|python|dp|hostgather|register|fullscale]" >&2; exit 2 ;;
 esac
 # ENGRAM_BUNDLE_EXTRA="bench/bench_daemon ...": more binaries of the build directory in the same bundle (built already).
 for x in ${ENGRAM_BUNDLE_EXTRA:-}; do bins+=("$build/$x"); done
@@ -239,6 +245,69 @@ if [ "$what" = register ]; then
   rm -rf "$shm"
   echo "$old_hp" > /proc/sys/vm/nr_hugepages
   echo "nr_hugepages put back to $(cat /proc/sys/vm/nr_hugepages)" | tee -a "$out/register-meminfo.txt"
+fi
+if [ "$what" = fullscale ]; then
+  # A sparse checkpoint of DeepSeek-V4.1-Flash's real geometry (ENGRAM_FS_LAYERS, default layer 1: 94.4 GiB of
+  # records at TP 1), on each mount of ENGRAM_FS_MOUNTS (4k: a directory of /dev/shm; thp: a huge=always tmpfs this
+  # run mounts): publish, one replica's attach step by step with every pattern region checked, ENGRAM_FS_FOUR=1:
+  # four replicas at once with each ticket count of ENGRAM_FS_TICKETS (engramd restarted, adopting the segment),
+  # then bench_register on the published segment (ENGRAM_FS_REG: its variants).
+  export NCCL_NVLS_ENABLE=0
+  w=$(mktemp -d /tmp/engram-fs.XXXXXX)
+  log=$out/fullscale.log
+  "$here/bin/engram-mkckpt" --out "$w/ck" --like deepseek-v4.1-flash --layers "${ENGRAM_FS_LAYERS:-1}" | tee -a "$log"
+  { grep -E 'MemTotal|MemAvailable|Shmem:|HugePages_Total' /proc/meminfo; lscpu | grep -E '^(NUMA node|Model name|Socket)';
+    echo "shmem_enabled: $(cat /sys/kernel/mm/transparent_hugepage/shmem_enabled)"; df -h /dev/shm | tail -1; } | tee -a "$log"
+  wait_ready() {
+    for _ in $(seq 1500); do "$here/bin/engramctl" status --socket "$w/sock" --json 2>/dev/null | grep -q '"state":"READY"' && return 0; sleep 0.2; done
+    return 1
+  }
+  for m in ${ENGRAM_FS_MOUNTS:-4k thp}; do
+    if [ "$m" = thp ]; then
+      dir=$(mktemp -d /mnt/engram-fs.XXXXXX)
+      mount -t tmpfs -o size=$(( ${ENGRAM_FS_MOUNT_GIB:-110} ))G,huge=always tmpfs "$dir" || { echo "no huge tmpfs"; rc=1; continue; }
+    else
+      dir=$(mktemp -d /dev/shm/engram-fs.XXXXXX)
+    fi
+    first=1
+    for tickets in ${ENGRAM_FS_TICKETS:-1}; do
+      t0=$(date +%s.%N)
+      "$here/bin/engramd" --checkpoint "$w/ck" --shm-dir "$dir" --socket "$w/sock" --tickets "$tickets" --log-level info 2>> "$out/fullscale-engramd-$m.log" &
+      d=$!
+      wait_ready || { echo "$m: not READY"; rc=1; }
+      echo "== $m ($dir), tickets $tickets: READY after $(awk "BEGIN{print $(date +%s.%N) - $t0}") s; $("$here/bin/engramctl" status --socket "$w/sock" --json | grep -o '"load_seconds":[0-9.]*' | head -1)" | tee -a "$log"
+      grep -E 'MemAvailable|Shmem:|ShmemHugePages' /proc/meminfo | tr '\n' ' ' | tee -a "$log"; echo | tee -a "$log"
+      if [ $first = 1 ]; then
+        "$here/bin/engram-replica" --socket "$w/sock" --checkpoint "$w/ck" --dp-size 2 --tokens 1024 --batches 2 --verify 64 2>&1 | tail -1 | tee -a "$log"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        first=0
+      fi
+      if [ "${ENGRAM_FS_FOUR:-0}" = 1 ]; then
+        t1=$(date +%s.%N)
+        for r in 0 1 2 3; do
+          "$here/bin/engram-replica" --socket "$w/sock" --checkpoint "$w/ck" --dp-size 4 --dp-rank $r --tokens 1024 \
+            --batches 1 --verify 16 > "$w/r$r.json" 2>&1 &
+        done
+        wait $(jobs -p | grep -v "^$d$") 2>/dev/null
+        echo "  4 replicas, tickets $tickets: all done in $(awk "BEGIN{print $(date +%s.%N) - $t1}") s" | tee -a "$log"
+        for r in 0 1 2 3; do tail -1 "$w/r$r.json" | tee -a "$log"; done
+      fi
+      kill $d; wait $d
+    done
+    seg=$(ls "$dir"/engram-* 2>/dev/null | head -1)
+    [ -z "$seg" ] || [ -z "${ENGRAM_FS_REG:-runtime,seq+pf,each}" ] || \
+      "$here/bin/bench_register" --file "$seg" --only "${ENGRAM_FS_REG:-runtime,seq+pf,each}" --chunks-gib "${ENGRAM_FS_CHUNKS:-16}" 2>&1 | tee -a "$log"
+    rm -f "$dir"/engram-*
+    # The publish's ceiling on the same mount: a first-touch copy of the same bytes (and after fallocate).
+    [ "${ENGRAM_FS_COPY:-1}" = 0 ] || "$here/bin/bench_first_touch" --dir "$dir" --gib "${ENGRAM_FS_COPY_GIB:-94.4}" 2>&1 | tee -a "$log"
+    [ "$m" = thp ] && umount "$dir"
+    rm -rf "$dir"
+  done
+  rm -rf "$w"
+  if [ "${ENGRAM_FS_TEST:-1}" = 1 ]; then
+    "$here/bin/gpu_client_test" --gtest_filter="${ENGRAM_FS_TEST_FILTER:-GpuFullScale.*}" 2>&1 | tee "$out/gpu_fullscale_test.log" | \
+      grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure|full-scale|Skipped' ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  fi
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   "$here/bin/bench_kernels" "$here/data/configs/v41-flash.json" "${ENGRAM_TABLE_GIB:-16}" 2>&1 | tee "$out/bench_kernels.log" || rc=1

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <vector>
 
@@ -58,6 +59,12 @@ uint64_t HugetlbFreeBytes() {
   return free_pages * page_kb * 1024;
 }
 
+uint64_t MeminfoBytes(const std::string& text, const std::string& key) {
+  const size_t at = text.find("\n" + key + ":");
+  if (at == std::string::npos) return 0;
+  return std::strtoull(text.c_str() + at + key.size() + 2, nullptr, 10) * 1024;
+}
+
 uint64_t ReadCount(const std::string& path) {
   std::ifstream in(path);
   uint64_t v = 0;
@@ -65,6 +72,22 @@ uint64_t ReadCount(const std::string& path) {
 }
 
 }  // namespace
+
+NodeMemory ReadNodeMemory() {
+  std::ifstream in("/proc/meminfo");
+  std::string text = "\n" + std::string(std::istreambuf_iterator<char>(in), {});
+  return {MeminfoBytes(text, "MemTotal"), MeminfoBytes(text, "MemAvailable")};
+}
+
+bool SegmentsOnHugePages(const ShmCapacity& c) {
+  return c.fs_type == "hugetlbfs" || c.huge_pages == "always" || c.huge_pages == "within_size" ||
+         c.huge_pages == "advise";
+}
+
+uint64_t MappingOverheadBytes(uint64_t bytes, bool huge_pages) {
+  const uint64_t page = huge_pages ? uint64_t{2} << 20 : 4096;
+  return (bytes + page - 1) / page * 16;
+}
 
 HugePool ReadHugePool(uint64_t page_bytes) {
   HugePool p;

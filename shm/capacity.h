@@ -27,6 +27,22 @@ struct ShmCapacity {
   uint64_t inode = 0;
 };
 
+// The node's memory (/proc/meminfo MemTotal and MemAvailable; zeros when unreadable).
+struct NodeMemory {
+  uint64_t total_bytes = 0;
+  uint64_t available_bytes = 0;
+};
+NodeMemory ReadNodeMemory();
+
+// Whether segments published in a directory with these properties sit on huge pages: hugetlbfs, or a tmpfs whose
+// huge= option gives them (always, within_size, or advise: the publisher advises its mapping).
+bool SegmentsOnHugePages(const ShmCapacity& c);
+
+// What one replica process holds, besides the shared pages, to map and register `bytes` of a segment: its page
+// tables and the driver's list of the pinned pages, 8 bytes per page each (4 KiB pages: 4 MiB per GiB; 2 MiB pages:
+// 8 KiB per GiB).
+uint64_t MappingOverheadBytes(uint64_t bytes, bool huge_pages);
+
 // NotFound when the directory does not exist (reason SHM_MISSING upstream).
 absl::StatusOr<ShmCapacity> ProbeShm(const std::string& dir, Env* env = Env::Default());
 

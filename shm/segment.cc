@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
@@ -15,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/worker_threads.h"
 #include "shm/env.h"
 #include "xxhash.h"
 
@@ -195,6 +197,23 @@ absl::Status SegmentWriter::Finish(double load_seconds) {
       .store(static_cast<uint32_t>(SegmentState::kReady), std::memory_order_release);
   finished_ = true;
   return absl::OkStatus();
+}
+
+double SegmentWriter::ReleaseDataMapping(int threads) {
+  const auto t0 = std::chrono::steady_clock::now();
+  uint8_t* data = this->data();
+  const uint64_t bytes = size_ - header()->data_offset;
+  constexpr uint64_t kSlice = uint64_t{2} << 20;
+  const int n = static_cast<int>(std::clamp<uint64_t>(bytes / (uint64_t{1} << 30), 1, std::max(1, threads)));
+  const uint64_t part = (bytes / static_cast<uint64_t>(n) + kSlice - 1) / kSlice * kSlice;
+  std::atomic<int> next{0};
+  RunWorkers(n, [&](bool) {
+    for (int i = next++; i < n; i = next++) {
+      const uint64_t b = std::min(bytes, part * static_cast<uint64_t>(i)), e = std::min(bytes, b + part);
+      if (e > b) env_->Madvise(data + b, e - b, MADV_DONTNEED);
+    }
+  });
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 SegmentWriter::~SegmentWriter() {

@@ -113,6 +113,12 @@ class SegmentWriter {
   void SetLoading();
   // Marks READY (after an msync of the data) and keeps the file.
   absl::Status Finish(double load_seconds);
+  // Drops this writer's page-table entries for the records before READY (MADV_DONTNEED of a shared mapping: the file
+  // keeps every byte; data() must not be read or written afterwards), from `threads` threads in 2 MiB-aligned
+  // slices. Left to the destructor's munmap, the teardown ran after READY, under the first replica's attach, both
+  // walking the same pages (measured on 94 GiB of 4 KiB pages: that replica attached in 14.8 s, later ones in
+  // 7.3 s). Returns the seconds it took.
+  double ReleaseDataMapping(int threads);
 
  private:
   SegmentWriter() = default;

@@ -5,9 +5,12 @@
 // without a GPU; a CUDA error fails.
 #include <cuda_runtime_api.h>
 #include <pthread.h>
+#include <sys/statvfs.h>
 
+#include <algorithm>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
 #include <thread>
@@ -21,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "model/reference.h"
 #include "nlohmann/json.hpp"
+#include "shm/capacity.h"
 #include "tests/gpu/gpu_util.h"
 #include "tests/integration/process.h"
 #include "tests/test_util.h"
@@ -282,6 +286,161 @@ TEST(GpuClientTest, SharedSegmentRegisteredReadOnlyServesTheOraclesRows) {
           << "bf16 row " << ids[static_cast<size_t>(i)] << " of layer " << li.layer_id;
     }
   }
+  table->reset();
+  EXPECT_TRUE(daemon.Running()) << daemon.Output();
+}
+
+// A field of /proc/<pid>/status in bytes (its kB figure), -1 when absent.
+int64_t StatusBytes(pid_t pid, const std::string& key) {
+  std::ifstream in(pid > 0 ? "/proc/" + std::to_string(pid) + "/status" : "/proc/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(key + ":", 0) == 0) return std::atoll(line.c_str() + key.size() + 1) * 1024;
+  }
+  return -1;
+}
+
+// The real size: one DeepSeek-V4.1-Flash Engram layer (384,006,168 rows, 94.4 GiB of records at TP 1) from a sparse
+// checkpoint, published by engramd into /dev/shm, attached SHARED and registered; rows of every pattern region, the
+// table's last row and the holes next to the regions are looked up on the GPU and compared with the independent
+// oracle's reading of the checkpoint, and the oracle's bytes of the regions with the generator's pattern. Neither
+// the replica nor the daemon holds a private copy meanwhile. Skipped, saying why, where /dev/shm or the memory
+// cannot hold the table.
+TEST(GpuFullScale, ADeepSeekV41FlashLayerIsPublishedAttachedAndExact) {
+  REQUIRE_GPU();
+  auto like = tools::LikeModel("deepseek-v4.1-flash");
+  ASSERT_TRUE(like.ok()) << like.status();
+  tools::SyntheticSpec spec = *like;
+  spec.layers = {1};
+  spec.shards = 1;
+  spec.seed = 23;
+  const uint64_t need = uint64_t{384006168} * 264 + (uint64_t{4} << 30);  // the records and room to spare
+  struct statvfs shm_fs {};
+  const uint64_t shm_free =
+      ::statvfs("/dev/shm", &shm_fs) == 0 ? static_cast<uint64_t>(shm_fs.f_bavail) * shm_fs.f_frsize : 0;
+  const NodeMemory mem = ReadNodeMemory();
+  if (shm_free < need || mem.available_bytes < need) {
+    GTEST_SKIP() << "a full-size layer needs " << (need >> 30) << " GiB of /dev/shm and of available memory; this "
+                 << "machine has " << (shm_free >> 30) << " GiB and " << (mem.available_bytes >> 30) << " GiB";
+  }
+  testing::TempDir dir;
+  std::string shm_tmpl = "/dev/shm/engram-gpu-full-XXXXXX";
+  ASSERT_NE(::mkdtemp(shm_tmpl.data()), nullptr);
+  const std::string shm = shm_tmpl, sock = dir / "engramd.sock";
+  struct RemoveShm {
+    std::string path;
+    ~RemoveShm() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  } remove_shm{shm};
+  spec.out_dir = dir / "ck";
+  auto made = tools::WriteSyntheticCheckpoint(spec);
+  ASSERT_TRUE(made.ok()) << made.status();
+  ASSERT_EQ(made->table_bytes, uint64_t{384006168} * 264);
+  testing::Process daemon(
+      {testing::BinPath("../daemon/engramd"), "--checkpoint", spec.out_dir, "--shm-dir", shm, "--socket", sock},
+      dir / "engramd.log");
+  client::ClientOptions opts;
+  opts.socket = sock;
+  opts.timeout = std::chrono::milliseconds(300000);  // the daemon answers once the 94 GiB are published
+  client::AttachRequest req;
+  req.checkpoint = spec.out_dir;
+  req.dp_size = 2;
+  req.dp_shared_memory = client::Choice::kTrue;
+  absl::StatusOr<std::unique_ptr<client::Table>> table = absl::UnavailableError("not yet");
+  ASSERT_TRUE(testing::WaitFor(
+      [&] {
+        auto c = client::Client::Create(opts);
+        if (!c.ok()) return false;
+        table = (*c)->Attach(req);
+        return table.ok();
+      },
+      std::chrono::seconds(600)))
+      << table.status() << "\n"
+      << daemon.Output();
+  const auto& t = **table;
+  ASSERT_EQ(t.mode(), client::Mode::kShared);
+  ASSERT_EQ(t.backend(), client::Backend::kCuda);
+  ASSERT_EQ(t.layers().size(), 1u);
+  const auto& li = t.layers()[0];
+  ASSERT_EQ(li.row_end - li.row_begin, 384006168);
+  const client::AttachTimes at = t.attach_times();
+  std::printf("full-scale attach: %.2f s (populate %.2f, ticket %.2f, register %.2f)\n", at.total, at.populate,
+              at.ticket, at.pin);
+  // No second copy: the replica's private memory and the daemon's stay far below the table.
+  EXPECT_LT(StatusBytes(0, "RssAnon"), int64_t{4} << 30);
+  EXPECT_LT(StatusBytes(daemon.pid(), "RssAnon"), int64_t{4} << 30);
+
+  // The rows to check: per region its first, middle and last row, and the row past it (a hole, unless the table
+  // ends there); the table's last row is the last region's last.
+  std::ifstream pf(spec.out_dir + "/" + tools::kPatternFileName);
+  const nlohmann::json pattern = nlohmann::json::parse(pf, nullptr, false);
+  ASSERT_FALSE(pattern.is_discarded());
+  std::vector<int32_t> ids;
+  std::vector<bool> in_region;
+  int regions = 0;
+  for (const auto& r : pattern["layers"][0]["regions"]) {
+    const int64_t b = r["row_begin"], e = r["row_end"];
+    ++regions;
+    for (int64_t row : {b, b + (e - b) / 2, e - 1, e}) {
+      if (row >= li.row_end) continue;
+      ids.push_back(static_cast<int32_t>(row));
+      in_region.push_back(row < e);
+    }
+  }
+  EXPECT_GE(regions, 30);
+  ASSERT_EQ(ids[ids.size() - 1], li.row_end - 1) << "the last region ends at the table's last row";
+  const int64_t D = t.head_dim(), rb = D + D / 32;
+  const int C = static_cast<int>(t.n_cols());
+  const int T = static_cast<int>((ids.size() + static_cast<size_t>(C) - 1) / static_cast<size_t>(C));
+  std::vector<int32_t> padded(static_cast<size_t>(T * C), -1);  // -1: a zero row
+  std::copy(ids.begin(), ids.end(), padded.begin());
+  auto engine = client::LookupEngine::Create(t, T, nullptr);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  DeviceBuffer<int32_t> d_ids(padded);
+  DeviceBuffer<uint16_t> rows(padded.size() * static_cast<size_t>(D));
+  DeviceBuffer<uint8_t> packed(padded.size() * static_cast<size_t>(rb));
+  rows.Fill(0xFF);
+  packed.Fill(0xAB);
+  ASSERT_TRUE((*engine)->Lookup(0, d_ids.get(), T, C, rows.get(), false).ok());
+  ASSERT_TRUE((*engine)->Lookup(0, d_ids.get(), T, C, packed.get(), true).ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto got = rows.Download();
+  const auto got_packed = packed.Download();
+  std::string error;
+  auto oracle = oracle::RowOracle::Open(spec.out_dir, &error);
+  ASSERT_NE(oracle, nullptr) << error;
+  int nonzero = 0;
+  for (size_t i = 0; i < padded.size(); ++i) {
+    std::vector<uint8_t> rec(static_cast<size_t>(rb), 0);
+    if (i < ids.size()) {
+      auto r = oracle->Record(li.layer_id, ids[i], &error);
+      ASSERT_TRUE(r.has_value()) << error;
+      rec = *r;
+      const bool zero = std::all_of(rec.begin(), rec.end(), [](uint8_t v) { return v == 0; });
+      if (in_region[i]) {
+        // The checkpoint holds the generator's pattern there (weights then scales of row ids[i])...
+        ASSERT_FALSE(zero) << "row " << ids[i] << " of a pattern region reads as a hole";
+        for (int64_t j = 0; j < D; j += 37) {
+          ASSERT_EQ(
+              rec[static_cast<size_t>(j)],
+              tools::SyntheticByte(spec.seed, "layers.1.engram.embed.weight",
+                                   static_cast<uint64_t>(ids[i]) * static_cast<uint64_t>(D) + static_cast<uint64_t>(j),
+                                   false, false));
+        }
+        ++nonzero;
+      } else {
+        ASSERT_TRUE(zero) << "row " << ids[i] << " past a region is not a hole";
+      }
+    }
+    // ...and the GPU read exactly the checkpoint's bytes (a -1 id: zeros).
+    ASSERT_TRUE(std::equal(rec.begin(), rec.end(), got_packed.begin() + static_cast<long>(i) * rb))
+        << "packed row " << (i < ids.size() ? ids[i] : -1);
+    const auto want = i < ids.size() ? oracle::DequantBf16Row(rec, D) : std::vector<uint16_t>(D, 0);
+    ASSERT_TRUE(std::equal(want.begin(), want.end(), got.begin() + static_cast<long>(i) * D))
+        << "bf16 row " << (i < ids.size() ? ids[i] : -1);
+  }
+  EXPECT_GE(nonzero, 3 * regions - 2);
   table->reset();
   EXPECT_TRUE(daemon.Running()) << daemon.Output();
 }
