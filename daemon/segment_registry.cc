@@ -158,6 +158,13 @@ absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
     workers_.emplace_back([this] { PublishLoop(); });
     return absl::OkStatus();
   }
+  uint64_t planned = 0;
+  for (const auto& [dir, c] : checkpoints_) {
+    for (const auto& [key, e] : c->segments) planned += e.bytes;
+  }
+  if (auto why = ShmPagesWarning(*shm_, planned)) {
+    spdlog::warn("event=shm_small_pages dir={} bytes={} detail=\"{}\"", shm_dir_, planned, *why);
+  }
   ScanShmDirLocked();
   for (auto& [dir, c] : checkpoints_) {
     for (auto& [key, e] : c->segments) {

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -42,6 +43,12 @@ bool SegmentsOnHugePages(const ShmCapacity& c);
 // tables and the driver's list of the pinned pages, 8 bytes per page each (4 KiB pages: 4 MiB per GiB; 2 MiB pages:
 // 8 KiB per GiB).
 uint64_t MappingOverheadBytes(uint64_t bytes, bool huge_pages);
+
+// What engramd warns about at start for a shm directory holding `table_bytes` of segments, or nothing: a directory
+// that is not in memory (neither tmpfs nor hugetlbfs), or segments of more than kSmallPagesWarnBytes on 4 KiB pages,
+// with the cost measured on an H200 host at 94 GiB (bench/RESULTS.md "Full scale").
+inline constexpr uint64_t kSmallPagesWarnBytes = uint64_t{4} << 30;
+std::optional<std::string> ShmPagesWarning(const ShmCapacity& c, uint64_t table_bytes);
 
 // NotFound when the directory does not exist (reason SHM_MISSING upstream).
 absl::StatusOr<ShmCapacity> ProbeShm(const std::string& dir, Env* env = Env::Default());

@@ -4,7 +4,9 @@ README promises. No cluster is needed; where `kubectl` is installed, `kubectl ku
 
 Promised (README "Kubernetes", "Docker"): engramd runs as a DaemonSet with the socket directory and its segment
 directory as hostPath volumes, no host namespaces, not privileged, a readiness probe on `engramctl ready`, its shm
-directory argument pointing at the mounted segment directory, a memory limit (the table is charged to it); the example
+directory argument pointing at the mounted segment directory, a memory limit (the table is charged to it); the segment
+directory is the node's huge-page tmpfs, which a second DaemonSet mounts (the one privileged container: Bidirectional
+mount propagation requires it) and engramd waits for; the example
 engine pod mounts only the socket directory (read-only) and the model, no /dev/shm, no host namespaces, runs as a
 non-root member of the daemon's group; the kustomization lists every manifest; compose has no `ipc: host`.
 Usage: manifests_test.py REPO_ROOT (exit 0 when every check holds; each failure is printed)."""
@@ -70,6 +72,29 @@ if "--shm-dir" in args:
     check(any(m["mountPath"] == shm and m["name"] in hp for m in mounts.values()),
           f"engramd: its --shm-dir {shm} is a mounted hostPath (segments outlive the pod, and are adopted)")
 check("--group" in args, "engramd: --group lets non-root engines in")
+# Segments on the node's huge-page tmpfs by default (node-shm-daemonset.yaml mounts it), seen through HostToContainer
+# propagation, and engramd waits for it rather than publishing onto the node's disk.
+check(hp.get("segments") == "/var/lib/engram/shm", f"engramd: segments on /var/lib/engram/shm ({hp.get('segments')})")
+check(mounts.get("segments", {}).get("mountPropagation") == "HostToContainer",
+      "engramd: the segment directory mounted with HostToContainer propagation (the tmpfs may come later)")
+inits = pod.get("initContainers", [])
+check(any("/var/lib/engram/shm" in " ".join(i.get("command", [])) and "tmpfs" in " ".join(i.get("command", []))
+          for i in inits), "engramd: an init container waits for the tmpfs")
+
+nshm = load("node-shm-daemonset.yaml")
+check(nshm.get("kind") == "DaemonSet", "node-shm-daemonset.yaml is a DaemonSet")
+nspec = nshm["spec"]["template"]["spec"]
+for key in ("hostIPC", "hostPID", "hostNetwork"):
+    check(not nspec.get(key, False), f"node-shm: {key} must not be set")
+(nc,) = nspec["containers"]
+script = " ".join(nc.get("command", []))
+check("mount -t tmpfs" in script and "huge=within_size" in script and "/host/shm" in script,
+      "node-shm: mounts a huge=within_size tmpfs at /host/shm")
+check(host_paths(nspec) == {"shm": "/var/lib/engram/shm"}, f"node-shm: only the segment directory ({host_paths(nspec)})")
+check({m["name"]: m for m in nc.get("volumeMounts", [])}.get("shm", {}).get("mountPropagation") == "Bidirectional",
+      "node-shm: Bidirectional propagation (the mount reaches the host)")
+check(nshm["spec"]["template"]["spec"].get("nodeSelector") == pod.get("nodeSelector"),
+      "node-shm runs on the nodes engramd runs on")
 probe = c.get("readinessProbe", {}).get("exec", {}).get("command", [])
 check(len(probe) >= 2 and probe[0].endswith("engramctl") and probe[1] == "ready"
       and "/run/engramd/engramd.sock" in probe, f"engramd: readinessProbe runs `engramctl ready` ({probe})")
@@ -121,7 +146,7 @@ if kubectl:
     check(r.returncode == 0, f"kubectl kustomize: {r.stderr.strip()}")
     if r.returncode == 0:
         kinds = sorted(d["kind"] for d in yaml.safe_load_all(r.stdout) if d)
-        check(kinds == ["DaemonSet", "Namespace", "Pod"], f"kustomize builds {kinds}")
+        check(kinds == ["DaemonSet", "DaemonSet", "Namespace", "Pod"], f"kustomize builds {kinds}")
 else:
     print("manifests_test: kubectl not installed; `kubectl kustomize` skipped, the structural checks ran")
 

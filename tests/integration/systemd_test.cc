@@ -56,6 +56,21 @@ TEST(SystemdTest, UnitKeepsSharedMemoryShared) {
   EXPECT_EQ(one("Restart"), "on-failure");
   EXPECT_EQ(one("LimitMEMLOCK"), "infinity");
   EXPECT_NE(one("ExecStart").find("--config /etc/engramd/engramd.conf"), std::string::npos);
+  // Segments on the huge-page tmpfs by default: the service requires the mount, the shipped config points there, and
+  // the mount gives huge pages.
+  EXPECT_EQ(one("Requires"), "var-lib-engram-shm.mount");
+  bool after_mount = false;
+  for (auto [it, end] = keys.equal_range("After"); it != end; ++it) after_mount |= it->second == "var-lib-engram-shm.mount";
+  EXPECT_TRUE(after_mount) << "engramd starts after its tmpfs is mounted";
+  auto mount = UnitKeys(testing::ReadFile(SourcePath("systemd/var-lib-engram-shm.mount")));
+  ASSERT_EQ(mount.count("Where"), 1u);
+  EXPECT_EQ(mount.find("Where")->second, "/var/lib/engram/shm");
+  EXPECT_EQ(mount.find("Type")->second, "tmpfs");
+  EXPECT_NE(mount.find("Options")->second.find("huge=within_size"), std::string::npos);
+  EXPECT_NE(testing::ReadFile(SourcePath("etc/engramd.conf")).find("\nshm_dir = /var/lib/engram/shm\n"),
+            std::string::npos);
+  EXPECT_NE(testing::ReadFile(SourcePath("systemd/engramd.tmpfiles")).find("d /var/lib/engram/shm 0750 engram engram"),
+            std::string::npos);
 }
 
 TEST(SystemdTest, SystemdAnalyzeVerifiesTheUnits) {
@@ -64,7 +79,10 @@ TEST(SystemdTest, SystemdAnalyzeVerifiesTheUnits) {
   const std::string unit = Replace(testing::ReadFile(SourcePath("systemd/engramd.service")), "/usr/local/bin/engramd",
                                    BinPath("../daemon/engramd"));
   testing::WriteFile(dir / "engramd.service", unit);
-  auto r = RunCmd("systemd-analyze verify " + (dir / "engramd.service") + " 2>&1");
+  // The mount unit it requires, next to it (verify looks for units in the directories of the files it is given).
+  testing::WriteFile(dir / "var-lib-engram-shm.mount", testing::ReadFile(SourcePath("systemd/var-lib-engram-shm.mount")));
+  auto r = RunCmd("systemd-analyze verify " + (dir / "engramd.service") + " " + (dir / "var-lib-engram-shm.mount") +
+                  " 2>&1");
   EXPECT_EQ(r.exit_code, 0) << r.out;
   EXPECT_EQ(r.out, "") << "systemd-analyze complains";
   auto m = RunCmd("systemd-analyze verify " + SourcePath("systemd/var-lib-engram-shm.mount") + " 2>&1");
@@ -78,7 +96,7 @@ TEST(SystemdTest, ExecStartReachesReadyThroughNotifySocketAndReloads) {
   // The shipped config, pointed at the test's checkpoint, shm and socket.
   std::string conf = testing::ReadFile(SourcePath("etc/engramd.conf"));
   conf = Replace(conf, "#checkpoint = /models/DeepSeek-V4.1-Flash", "checkpoint = " + (dir / "ck"));
-  conf = Replace(conf, "shm_dir = /dev/shm", "shm_dir = " + (dir / "shm"));
+  conf = Replace(conf, "shm_dir = /var/lib/engram/shm", "shm_dir = " + (dir / "shm"));
   conf = Replace(conf, "socket = /run/engramd/engramd.sock", "socket = " + (dir / "run/engramd.sock"));
   conf = Replace(conf, "group = engram", "group = root");
   testing::WriteFile(dir / "engramd.conf", conf);
