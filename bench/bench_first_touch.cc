@@ -88,8 +88,8 @@ int main(int argc, char** argv) {
     double reserve_s = 0;
     const double s = CopyOnce(dir, bytes, threads, r == 1, &reserve_s);
     if (s < 0) return 1;
-    std::printf("first-touch copy into %s, %.2f GiB, %d threads%s: %.2f s = %.2f GiB/s%s\n", dir.c_str(),
-                bytes / kGiB, threads, r ? ", reserved first (fallocate)" : "", s, bytes / kGiB / s,
+    std::printf("first-touch copy into %s, %.2f GiB, %d threads%s: %.2f s = %.2f GiB/s%s\n", dir.c_str(), bytes / kGiB,
+                threads, r ? ", reserved first (fallocate)" : "", s, bytes / kGiB / s,
                 r ? (" (fallocate " + std::to_string(reserve_s) + " s)").c_str() : "");
   }
   return 0;

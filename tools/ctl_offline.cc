@@ -138,6 +138,20 @@ int CmdPlan(int argc, char** argv) {
                       {"bytes", s.bytes(layout->record_bytes())}});
   }
   out["shards"] = shards;
+  // The node's memory: the tables (one copy, in the shm directory) and what every replica process holds to map and
+  // register its shard (page tables and the driver's pinned-page list; per DP replica, all TP shards: the table).
+  auto local_replicas = a.GetInt("--local-dp", a.GetInt("--dp", 1).value_or(1));
+  if (!local_replicas.ok() || *local_replicas < 1) return Usage("--dp and --local-dp want positive integers");
+  const bool huge = cap.ok() && SegmentsOnHugePages(*cap);
+  const NodeMemory mem = ReadNodeMemory();
+  const uint64_t overhead = static_cast<uint64_t>(*local_replicas) * MappingOverheadBytes(needed, huge);
+  out["node_memory"] = {{"total_bytes", mem.total_bytes},
+                        {"available_bytes", mem.available_bytes},
+                        {"tables_bytes", needed},
+                        {"dp_replicas", *local_replicas},
+                        {"huge_pages", huge},
+                        {"mapping_bytes", overhead},
+                        {"fits", mem.total_bytes >= needed + overhead}};
   out["node_shm"] = {{"path", cap.ok() ? cap->path : shm_dir},
                      {"total_bytes", cap.ok() ? cap->total_bytes : 0},
                      {"free_bytes", cap.ok() ? cap->free_bytes : 0},
@@ -215,6 +229,12 @@ int CmdPlan(int argc, char** argv) {
   } else {
     std::cout << "\nshm " << shm_dir << ": " << cap.status().message() << " (replicas would fall back: SHM_MISSING)\n";
   }
+  std::cout << absl::StrFormat(
+      "node memory %s: tables %s + %s for %d DP replica%s to map and register them (%s pages): %s\n",
+      GiB(mem.total_bytes), GiB(needed), GiB(overhead), *local_replicas, *local_replicas == 1 ? "" : "s",
+      huge ? "2 MiB" : "4 KiB",
+      mem.total_bytes >= needed + overhead ? "fits" : "DOES NOT FIT: the node cannot hold one copy of the tables");
+  if (auto why = cap.ok() ? ShmPagesWarning(*cap, needed) : std::nullopt) std::cout << "  " << *why << "\n";
   if (out.contains("embedding_across_dp")) {
     const json& p = out["embedding_across_dp"];
     std::cout << absl::StrFormat(

@@ -389,12 +389,13 @@ int main(int argc, char** argv) {
         const bool zero = std::all_of(want.begin(), want.end(), [](uint16_t v) { return (v & 0x7FFF) == 0; });
         ++pattern_checked;
         pattern_nonzero += in_region[first + k] && !zero;
-        // A row past a region must be a hole (zero) unless another region starts there.
+        // The lookup must return the checkpoint's row; a row of a region must hold data (its scale bytes are never
+        // 0 in the generator's pattern), or the pattern file and the checkpoint disagree.
         pattern_mismatches += !std::equal(want.begin(), want.end(), rows.begin() + static_cast<long>(k * D));
+        pattern_mismatches += in_region[first + k] && zero;
       }
     }
   }
-  if (!pattern.empty() && pattern_nonzero == 0) ++pattern_mismatches;  // the pattern's rows read as holes
   json out = {{"mode", engram::client::ModeName(t.mode())},
               {"backend", engram::client::BackendName(t.backend())},
               {"attach", engram::client::AttachMethodName(t.attach_method())},

@@ -428,5 +428,97 @@ TEST_F(ClientTest, FourSeparateDpOneEnginesShareOneCopy) {
   }
 }
 
+// A sparse checkpoint (engram-mkckpt --sparse): engram-replica --verify checks rows of every pattern region and the
+// holes next to them through a real engramd, and fails when the pattern file claims rows the checkpoint does not
+// hold, or when the checkpoint's bytes differ from what the node serves.
+TEST(SparseCheckpointTest, ReplicaChecksEveryRegionAndCatchesALieAndAChangedRow) {
+  TempDir dir;
+  const std::string ck = dir / "ck", shm = dir / "shm", sock = dir / "engramd.sock";
+  ::mkdir(shm.c_str(), 0755);
+  ASSERT_EQ(RunCmd(BinPath("engram-mkckpt") + " --out " + ck + " --sparse --table-mib 64 --shards 1").exit_code, 0);
+  Process daemon({BinPath("../daemon/engramd"), "--checkpoint", ck, "--shm-dir", shm, "--socket", sock},
+                 dir / "engramd.log");
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto r = RunCmd(BinPath("engramctl") + " status --json --socket " + sock);
+        return r.exit_code == 0 && r.out.find("\"state\":\"READY\"") != std::string::npos;
+      },
+      std::chrono::seconds(60)))
+      << daemon.Output();
+  auto replica = [&](const std::string& name, int* code) {
+    Process p({BinPath("engram-replica"), "--socket", sock, "--checkpoint", ck, "--dp-size", "2", "--verify", "64",
+               "--tokens", "64"},
+              dir / (name + ".log"));
+    *code = p.Wait();
+    return LastJson(p.Output());
+  };
+  int code = -1;
+  json ok = replica("clean", &code);
+  EXPECT_EQ(code, 0) << ok.dump();
+  EXPECT_EQ(ok["mode"], "SHARED");
+  EXPECT_GT(ok["pattern_rows"].get<int>(), 60);
+  EXPECT_GT(ok["pattern_nonzero_rows"].get<int>(), 40);
+  EXPECT_EQ(ok["pattern_mismatches"], 0);
+
+  // A region the pattern file claims inside the holes: those rows read as zero rows.
+  const std::string pattern_path = ck + "/" + tools::kPatternFileName;
+  const std::string honest = testing::ReadFile(pattern_path);
+  json p = json::parse(honest);
+  const int64_t hole = p["layers"][0]["regions"][0]["row_end"].get<int64_t>() + 10;
+  p["layers"][0]["regions"].insert(p["layers"][0]["regions"].begin() + 1,
+                                   json{{"row_begin", hole}, {"row_end", hole + 4}, {"why", "not written"}});
+  testing::WriteFile(pattern_path, p.dump());
+  json lie = replica("lie", &code);
+  EXPECT_EQ(code, 1) << lie.dump();
+  EXPECT_GE(lie["pattern_mismatches"].get<int>(), 1);
+  testing::WriteFile(pattern_path, honest);
+
+  // One byte of row 0 of layer 1 changed in the checkpoint after the publish, its modification time put back (the
+  // fingerprint cannot see it, as model/checkpoint.h says): the node serves the old row, and --verify says so.
+  const std::string file = ck + "/model.safetensors";
+  std::ifstream in(file, std::ios::binary);
+  uint64_t header_len = 0;
+  in.read(reinterpret_cast<char*>(&header_len), 8);
+  std::string header(header_len, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(header_len));
+  const uint64_t at =
+      8 + header_len + json::parse(header)["layers.1.engram.embed.weight"]["data_offsets"][0].get<uint64_t>();
+  const int fd = ::open(file.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  struct stat st {};
+  ASSERT_EQ(::fstat(fd, &st), 0);
+  uint8_t b = 0;
+  ASSERT_EQ(::pread(fd, &b, 1, static_cast<off_t>(at)), 1);
+  b ^= 0x11;
+  ASSERT_EQ(::pwrite(fd, &b, 1, static_cast<off_t>(at)), 1);
+  const struct timespec times[2] = {st.st_atim, st.st_mtim};
+  ASSERT_EQ(::futimens(fd, times), 0);
+  ::close(fd);
+  json changed = replica("changed", &code);
+  EXPECT_EQ(code, 1) << changed.dump();
+  EXPECT_GE(changed["pattern_mismatches"].get<int>(), 1);
+  EXPECT_TRUE(daemon.Running());
+}
+
+// engram-mkckpt --like: the model sets the geometry; a geometry flag beside it, an unknown model or a layer id the
+// model does not have is a usage error naming the problem, and nothing is written.
+TEST(SparseCheckpointTest, MkckptLikeRefusesConflictingOrUnknownArguments) {
+  TempDir dir;
+  const std::string mk = BinPath("engram-mkckpt") + " --out " + (dir / "x");
+  struct Case {
+    std::string args, says;
+  } cases[] = {{" --like deepseek-v4.1-flash --table-mib 64", "--table-mib conflicts with --like"},
+               {" --like deepseek-v4.1-flash --heads 4", "--heads conflicts with --like"},
+               {" --like deepseek-v9", "no geometry is known for 'deepseek-v9'"},
+               {" --like deepseek-v4.1-flash --layers 3", "3 is not one of deepseek-v4.1-flash's Engram layers"}};
+  for (const auto& c : cases) {
+    auto r = RunCmd(mk + c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args;
+    EXPECT_NE(r.err.find(c.says), std::string::npos) << c.args << ": " << r.err;
+  }
+  struct stat st {};
+  EXPECT_NE(::stat((dir / "x/config.json").c_str(), &st), 0) << "nothing written";
+}
+
 }  // namespace
 }  // namespace engram

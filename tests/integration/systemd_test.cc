@@ -60,7 +60,8 @@ TEST(SystemdTest, UnitKeepsSharedMemoryShared) {
   // the mount gives huge pages.
   EXPECT_EQ(one("Requires"), "var-lib-engram-shm.mount");
   bool after_mount = false;
-  for (auto [it, end] = keys.equal_range("After"); it != end; ++it) after_mount |= it->second == "var-lib-engram-shm.mount";
+  for (auto [it, end] = keys.equal_range("After"); it != end; ++it)
+    after_mount |= it->second == "var-lib-engram-shm.mount";
   EXPECT_TRUE(after_mount) << "engramd starts after its tmpfs is mounted";
   auto mount = UnitKeys(testing::ReadFile(SourcePath("systemd/var-lib-engram-shm.mount")));
   ASSERT_EQ(mount.count("Where"), 1u);
@@ -80,7 +81,8 @@ TEST(SystemdTest, SystemdAnalyzeVerifiesTheUnits) {
                                    BinPath("../daemon/engramd"));
   testing::WriteFile(dir / "engramd.service", unit);
   // The mount unit it requires, next to it (verify looks for units in the directories of the files it is given).
-  testing::WriteFile(dir / "var-lib-engram-shm.mount", testing::ReadFile(SourcePath("systemd/var-lib-engram-shm.mount")));
+  testing::WriteFile(dir / "var-lib-engram-shm.mount",
+                     testing::ReadFile(SourcePath("systemd/var-lib-engram-shm.mount")));
   auto r = RunCmd("systemd-analyze verify " + (dir / "engramd.service") + " " + (dir / "var-lib-engram-shm.mount") +
                   " 2>&1");
   EXPECT_EQ(r.exit_code, 0) << r.out;
