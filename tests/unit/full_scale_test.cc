@@ -138,9 +138,9 @@ TEST_F(FullScale, EveryRegionHoldsThePatternAndEverythingElseIsAHole) {
               << "layer " << l << " row " << row;
         }
         for (int64_t j = 0; j < 8; ++j) {
-          ASSERT_EQ((*rec)[static_cast<size_t>(256 + j)],
-                    tools::SyntheticByte(spec_.seed, name + "embed.scale", static_cast<uint64_t>(row) * 8 + j, true,
-                                         false));
+          ASSERT_EQ(
+              (*rec)[static_cast<size_t>(256 + j)],
+              tools::SyntheticByte(spec_.seed, name + "embed.scale", static_cast<uint64_t>(row) * 8 + j, true, false));
         }
       }
       if (e < rows[l]) {  // the row after a region: a hole
@@ -167,8 +167,10 @@ TEST_F(FullScale, TheProductionReaderAgreesWithTheOracleAtTheFarRows) {
   ASSERT_NE(oracle, nullptr) << error;
   // The last 300 rows of each layer, and rows around the record byte 2^36 of a TP 1 segment (row 260,301,048) and
   // around 2^32 bytes of weights (row 16,777,216).
-  const std::vector<std::pair<int64_t, int64_t>> spans = {{0, kRows0 - 300},        {1, kRows1 - 300},
-                                                          {0, 260301048 - 150},     {0, 16777216 - 150},
+  const std::vector<std::pair<int64_t, int64_t>> spans = {{0, kRows0 - 300},
+                                                          {1, kRows1 - 300},
+                                                          {0, 260301048 - 150},
+                                                          {0, 16777216 - 150},
                                                           {1, (int64_t{1} << 36) / 256 - 150}};
   for (const auto& [layer, first] : spans) {
     std::vector<uint8_t> got(300 * kRecord, 0xCD);
