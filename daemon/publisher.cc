@@ -54,7 +54,11 @@ void ParallelMadvise(uint8_t* p, uint64_t bytes, int advice, int threads, Env* e
 double WarmForReaders(const std::string& path, int threads, Env* env) {
   const auto t0 = std::chrono::steady_clock::now();
   auto reader = SegmentReader::Open(path, env);
-  if (!reader.ok()) return 0;
+  if (!reader.ok()) {
+    spdlog::warn("event=publish_warm_skipped path={} detail=\"{}\": the first replica maps the pages cold", path,
+                 std::string(reader.status().message()));
+    return 0;
+  }
   auto* data = const_cast<uint8_t*>((*reader)->data());
   const uint64_t bytes = (*reader)->file_bytes() - (*reader)->header().data_offset;
   for (int pass = 0; pass < 2; ++pass) ParallelMadvise(data, bytes, MADV_POPULATE_READ, threads, env);
@@ -168,6 +172,7 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   // On hugetlbfs the data's pages are populated by the filling threads (in parallel, next to their writes), not
   // zeroed up front by one thread in fallocate; a tmpfs is reserved whole (SegmentReserve::kAuto; tuning may force
   // one).
+  const NodeMemory memory_before = ReadNodeMemory();  // before the segment's reservation takes its share
   auto writer = SegmentWriter::Create(shm_dir, fingerprint, tp_size, tp_rank, desc.SerializeAsString(), data_bytes,
                                       instance_id, epoch, env, tuning.reserve);
   if (!writer.ok()) return writer.status();
@@ -182,7 +187,7 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   // fill, where the eviction cost ~2 s per 16 GiB), unless the node cannot hold them next to the segment: then job
   // by job, so that the page cache never holds a second copy of the shard (at full size on a node with little room
   // the kernel would reclaim under the fill, and the after-READY eviction would compete with the first attaches).
-  const PublishTuning::DropCache drop = ChooseDropCache(tuning.drop_cache, data_bytes, ReadNodeMemory());
+  const PublishTuning::DropCache drop = ChooseDropCache(tuning.drop_cache, data_bytes, memory_before);
   if (drop != tuning.drop_cache && drop == PublishTuning::DropCache::kInline) {
     spdlog::info(
         "event=publish_drop_cache mode=inline path={} bytes={} detail=\"the node cannot keep the checkpoint's pages "

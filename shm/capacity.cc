@@ -81,8 +81,7 @@ NodeMemory ReadNodeMemory() {
 }
 
 bool SegmentsOnHugePages(const ShmCapacity& c) {
-  return c.fs_type == "hugetlbfs" || c.huge_pages == "always" || c.huge_pages == "within_size" ||
-         c.huge_pages == "advise";
+  return c.fs_type == "hugetlbfs" || c.huge_pages == "always" || c.huge_pages == "within_size";
 }
 
 std::optional<std::string> ShmPagesWarning(const ShmCapacity& c, uint64_t table_bytes) {

@@ -36,7 +36,8 @@ struct NodeMemory {
 NodeMemory ReadNodeMemory();
 
 // Whether segments published in a directory with these properties sit on huge pages: hugetlbfs, or a tmpfs whose
-// huge= option gives them (always, within_size, or advise: the publisher advises its mapping).
+// huge= option gives them (always, within_size; not advise: the segment's space is reserved before any mapping
+// advises it, and measured so it stays on 4 KiB pages).
 bool SegmentsOnHugePages(const ShmCapacity& c);
 
 // What one replica process holds, besides the shared pages, to map and register `bytes` of a segment: its page

@@ -123,7 +123,10 @@ absl::StatusOr<std::unique_ptr<SegmentWriter>> SegmentWriter::Create(const std::
     return st;
   };
   // The mount's page: hugetlbfs and a huge=always tmpfs report their huge page as the file's block size; a tmpfs
-  // otherwise reports the system's page (4 KiB, or 64 KiB on a 64 KiB-page aarch64 kernel: not huge).
+  // otherwise reports the system's page (4 KiB, or 64 KiB on a 64 KiB-page aarch64 kernel: not huge). A
+  // huge=within_size tmpfs reports it only for a file large enough: the file is sized first (best effort: hugetlbfs
+  // refuses a size that is not whole huge pages, and reports its page whatever the size).
+  (void)env->Ftruncate(fd, static_cast<off_t>(total));
   struct stat st {};
   if (env->Fstat(fd, &st) == 0 && st.st_blksize > 4096) w->page_ = static_cast<uint64_t>(st.st_blksize);
   w->huge_ = w->page_ > std::max<uint64_t>(env->PageBytes(), 4096);

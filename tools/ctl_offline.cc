@@ -141,7 +141,9 @@ int CmdPlan(int argc, char** argv) {
   // The node's memory: the tables (one copy, in the shm directory) and what every replica process holds to map and
   // register its shard (page tables and the driver's pinned-page list; per DP replica, all TP shards: the table).
   auto local_replicas = a.GetInt("--local-dp", a.GetInt("--dp", 1).value_or(1));
-  if (!local_replicas.ok() || *local_replicas < 1) return Usage("--dp and --local-dp want positive integers");
+  if (!local_replicas.ok() || *local_replicas < 1 || *local_replicas > 4096) {
+    return Usage("--dp and --local-dp want integers in [1, 4096]");
+  }
   const bool huge = cap.ok() && SegmentsOnHugePages(*cap);
   const NodeMemory mem = ReadNodeMemory();
   const uint64_t overhead = static_cast<uint64_t>(*local_replicas) * MappingOverheadBytes(needed, huge);
@@ -233,7 +235,9 @@ int CmdPlan(int argc, char** argv) {
       "node memory %s: tables %s + %s for %d DP replica%s to map and register them (%s pages): %s\n",
       GiB(mem.total_bytes), GiB(needed), GiB(overhead), *local_replicas, *local_replicas == 1 ? "" : "s",
       huge ? "2 MiB" : "4 KiB",
-      mem.total_bytes >= needed + overhead ? "fits" : "DOES NOT FIT: the node cannot hold one copy of the tables");
+      mem.total_bytes >= needed + overhead ? "fits"
+      : mem.total_bytes >= needed          ? "DOES NOT FIT: one copy fits, but not with every replica's mappings"
+                                           : "DOES NOT FIT: the node cannot hold one copy of the tables");
   if (auto why = cap.ok() ? ShmPagesWarning(*cap, needed) : std::nullopt) std::cout << "  " << *why << "\n";
   if (out.contains("embedding_across_dp")) {
     const json& p = out["embedding_across_dp"];

@@ -61,6 +61,14 @@ int main(int argc, char** argv) {
           return 2;
         }
       }
+      // A layer's primes depend on every layer before it in the list: only a prefix of the model's layers keeps
+      // the model's rows and primes.
+      if (l->size() > spec.layers.size() || !std::equal(l->begin(), l->end(), spec.layers.begin())) {
+        std::cerr << "engram-mkckpt: --layers: with --like, the first layers of the model in order (its prime "
+                     "buckets depend on the layers before): e.g. --layers "
+                  << spec.layers.front() << "\n";
+        return 2;
+      }
       spec.shards = static_cast<int64_t>(l->size());
     }
     spec.layers = *l;
@@ -83,6 +91,10 @@ int main(int argc, char** argv) {
       return 2;
     }
     *i.field = *v;
+  }
+  if (spec.engram_vocab_size < 0) {
+    std::cerr << "engram-mkckpt: --engram-vocab-size must be positive\n";
+    return 2;
   }
   auto seed = a.GetInt("--seed", 1);
   auto threads = a.GetInt("--threads", 0);

@@ -46,37 +46,56 @@ std::vector<uint16_t> RowFromCheckpoint(engram::oracle::RowOracle* oracle, int64
 }
 
 // The rows a sparse checkpoint's pattern says to check (engram-mkckpt --sparse / --like writes engram-pattern.json):
-// per region of each layer, its first two rows, its middle and its last two, and the row just past it (a hole, a
-// zero row), each kept when this shard owns it. Empty when the checkpoint has no pattern file.
+// per region of each layer, its first two rows, its middle and its last two, and the row just past it (a hole: it
+// must read as a zero row), each kept when this shard owns it. Empty when the checkpoint has no pattern file; a file
+// that is malformed, names a layer the table does not have, holds a region outside its layer or selects no row of
+// this shard sets *error (a check that checks nothing must not pass).
 struct PatternRow {
   int layer = 0;  // index into the table's layers
   int32_t row = 0;
   bool in_region = false;
 };
 std::vector<PatternRow> PatternRows(const std::string& checkpoint, const engram::client::Table& t, std::string* error) {
-  std::vector<PatternRow> out;
   std::ifstream in(checkpoint + "/engram-pattern.json");
-  if (!in) return out;
-  json p = json::parse(in, nullptr, false);
-  if (p.is_discarded() || !p.contains("layers") || !p["layers"].is_array()) {
-    *error = "engram-pattern.json is not a pattern file";
-    return out;
+  if (!in) return {};
+  auto bad = [&](const std::string& why) {
+    *error = "engram-pattern.json: " + why;
+    return std::vector<PatternRow>();
+  };
+  const json p = json::parse(in, nullptr, false);
+  if (p.is_discarded() || !p.is_object() || !p.contains("layers") || !p["layers"].is_array()) {
+    return bad("not a pattern file");
   }
+  auto integer = [](const json& o, const char* key) {
+    return o.is_object() && o.contains(key) && o[key].is_number_integer();
+  };
+  std::vector<PatternRow> out;
   for (const auto& jl : p["layers"]) {
-    const int64_t layer_id = jl.value("layer_id", int64_t{-1});
-    for (size_t l = 0; l < t.layers().size(); ++l) {
-      const auto& li = t.layers()[l];
-      if (li.layer_id != layer_id || !jl.contains("regions") || !jl["regions"].is_array()) continue;
-      for (const auto& r : jl["regions"]) {
-        const int64_t b = r.value("row_begin", int64_t{0}), e = r.value("row_end", int64_t{0});
-        if (e <= b) continue;
-        for (int64_t row : {b, b + 1, b + (e - b) / 2, e - 2, e - 1, e}) {
-          if (row < b || row < li.row_begin || row >= li.row_end || row > INT32_MAX) continue;
-          out.push_back({static_cast<int>(l), static_cast<int32_t>(row), row < e});
-        }
+    if (!integer(jl, "layer_id") || !jl.contains("regions") || !jl["regions"].is_array()) {
+      return bad("a layer without an integer layer_id and a regions array");
+    }
+    const int64_t layer_id = jl["layer_id"].get<int64_t>();
+    int l = -1;
+    for (size_t i = 0; i < t.layers().size(); ++i) {
+      if (t.layers()[i].layer_id == layer_id) l = static_cast<int>(i);
+    }
+    if (l < 0) return bad("layer " + std::to_string(layer_id) + " is not one of this table's layers");
+    const auto& li = t.layers()[static_cast<size_t>(l)];
+    const int64_t rows = t.layout().rows(l);
+    for (const auto& r : jl["regions"]) {
+      if (!integer(r, "row_begin") || !integer(r, "row_end")) return bad("a region without integer row_begin/row_end");
+      const int64_t b = r["row_begin"].get<int64_t>(), e = r["row_end"].get<int64_t>();
+      if (b < 0 || e <= b || e > rows) {
+        return bad("region [" + r["row_begin"].dump() + ", " + r["row_end"].dump() + ") is not inside layer " +
+                   std::to_string(layer_id) + "'s " + std::to_string(rows) + " rows");
+      }
+      for (int64_t row : {b, b + 1, b + (e - b) / 2, e - 2, e - 1, e}) {
+        if (row < b || row >= rows || row < li.row_begin || row >= li.row_end || row > INT32_MAX) continue;
+        out.push_back({l, static_cast<int32_t>(row), row < e});
       }
     }
   }
+  if (out.empty()) return bad("selects no row of this shard");
   return out;
 }
 
@@ -252,6 +271,10 @@ int main(int argc, char** argv) {
   }
   const int64_t D = t.head_dim(), L = static_cast<int64_t>(t.layers().size()), C = t.n_cols();
   const int64_t T = geti("--tokens", 256), batches = geti("--batches", 4), verify = geti("--verify", 64);
+  if (T < 1) {
+    std::cout << json{{"error", "--tokens must be at least 1"}}.dump() << std::endl;
+    return 2;
+  }
   std::mt19937_64 rng(std::random_device{}());
   int64_t verified = 0, mismatches = 0, hash_mismatches = 0;
   double busy = 0, gpu_busy = 0;
@@ -392,7 +415,7 @@ int main(int argc, char** argv) {
         // The lookup must return the checkpoint's row; a row of a region must hold data (its scale bytes are never
         // 0 in the generator's pattern), or the pattern file and the checkpoint disagree.
         pattern_mismatches += !std::equal(want.begin(), want.end(), rows.begin() + static_cast<long>(k * D));
-        pattern_mismatches += in_region[first + k] && zero;
+        pattern_mismatches += in_region[first + k] == zero;  // data in a region, a hole after it
       }
     }
   }

@@ -1,5 +1,6 @@
 #include "tools/synthetic.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -313,6 +314,17 @@ absl::StatusOr<SyntheticResult> WriteSyntheticCheckpoint(const SyntheticSpec& sp
   const int threads =
       spec.threads > 0 ? spec.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   SyntheticResult res;
+  // Shards of an earlier checkpoint in the same directory would be read with this one's (another file count leaves
+  // them in place, and the index of the earlier one): removed first.
+  if (DIR* d = ::opendir(spec.out_dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string n = e->d_name;
+      if (n.rfind("model", 0) == 0 && (n.find(".safetensors") != std::string::npos)) {
+        ::unlink((spec.out_dir + "/" + n).c_str());
+      }
+    }
+    ::closedir(d);
+  }
 
   const std::string tok_text = SyntheticTokenizerJson(spec.seed);
   ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Parse(tok_text, "synthetic tokenizer"));

@@ -43,7 +43,11 @@ TEST_F(CliTest, PlanJsonHasExactlyTheDocumentedShape) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   json j = json::parse(r.out);
   EXPECT_EQ(Keys(j), (std::set<std::string>{"architecture", "compressed_vocab", "table_bytes", "tp", "layers", "shards",
-                                            "node_shm"}));
+                                            "node_shm", "node_memory"}));
+  EXPECT_EQ(Keys(j["node_memory"]), (std::set<std::string>{"total_bytes", "available_bytes", "tables_bytes",
+                                                           "dp_replicas", "huge_pages", "mapping_bytes", "fits"}));
+  EXPECT_EQ(j["node_memory"]["tables_bytes"], j["table_bytes"]);
+  EXPECT_EQ(j["node_memory"]["dp_replicas"], 1);
   EXPECT_EQ(j["architecture"], "DeepseekV41ForCausalLM");
   EXPECT_EQ(j["tp"], 2);
   ASSERT_EQ(j["layers"].size(), 2u);

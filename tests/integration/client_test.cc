@@ -471,6 +471,25 @@ TEST(SparseCheckpointTest, ReplicaChecksEveryRegionAndCatchesALieAndAChangedRow)
   json lie = replica("lie", &code);
   EXPECT_EQ(code, 1) << lie.dump();
   EXPECT_GE(lie["pattern_mismatches"].get<int>(), 1);
+  // Pattern files that are malformed or check nothing: a clear failure, never a crash and never a pass.
+  const int64_t rows = p["layers"][0]["rows"].get<int64_t>();
+  for (const std::string& hostile : std::vector<std::string>{
+           std::string(R"({"layers":[{"layer_id":"1","regions":[{"row_begin":0,"row_end":10}]}]})"),
+           std::string(R"({"layers":[[1,2]]})"), std::string(R"({"layers":[{"layer_id":1,"regions":[5]}]})"),
+           std::string(R"({"layers":[{"layer_id":1,"regions":[{"row_begin":"0","row_end":10}]}]})"),
+           std::string(R"({"layers":[]})"), std::string(R"({"layers":[{"layer_id":99,"regions":[]}]})"),
+           std::string(R"({"layers":[{"layer_id":1}]})"),
+           std::string(R"({"layers":[{"layer_id":1,"regions":[{"row_begin":0,"row_end":18446744073709551615}]}]})"),
+           std::string(R"({"layers":[{"layer_id":1,"regions":[{"row_begin":-9223372036854775808,)") +
+               R"("row_end":9223372036854775807}]}]})",
+           std::string(R"({"layers":[{"layer_id":1,"regions":[{"row_begin":5,"row_end":5}]}]})"),
+           R"({"layers":[{"layer_id":1,"regions":[{"row_begin":0,"row_end":)" + std::to_string(rows + 1) + "}]}]}",
+           std::string("[1, 2"), std::string("42")}) {
+    testing::WriteFile(pattern_path, hostile);
+    json j = replica("hostile", &code);
+    EXPECT_EQ(code, 1) << hostile << ": " << j.dump();
+    EXPECT_GE(j.value("pattern_mismatches", 0), 1) << hostile << ": " << j.dump();
+  }
   testing::WriteFile(pattern_path, honest);
 
   // One byte of row 0 of layer 1 changed in the checkpoint after the publish, its modification time put back (the
@@ -510,7 +529,10 @@ TEST(SparseCheckpointTest, MkckptLikeRefusesConflictingOrUnknownArguments) {
   } cases[] = {{" --like deepseek-v4.1-flash --table-mib 64", "--table-mib conflicts with --like"},
                {" --like deepseek-v4.1-flash --heads 4", "--heads conflicts with --like"},
                {" --like deepseek-v9", "no geometry is known for 'deepseek-v9'"},
-               {" --like deepseek-v4.1-flash --layers 3", "3 is not one of deepseek-v4.1-flash's Engram layers"}};
+               {" --like deepseek-v4.1-flash --layers 3", "3 is not one of deepseek-v4.1-flash's Engram layers"},
+               // Layer 14 alone would get layer 1's primes and rows: not the model's layer 14.
+               {" --like deepseek-v4.1-flash --layers 14", "the first layers of the model in order"},
+               {" --sparse --engram-vocab-size -5", "--engram-vocab-size must be positive"}};
   for (const auto& c : cases) {
     auto r = RunCmd(mk + c.args);
     EXPECT_EQ(r.exit_code, 2) << c.args;

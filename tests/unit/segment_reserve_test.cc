@@ -7,11 +7,14 @@
 // no such mount has free 2 MiB pages; ENGRAM_TEST_HUGETLBFS_DIR names one).
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/vfs.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -384,7 +387,7 @@ TEST(PublishTuningTest, FromEnvReadsEachKnob) {
   unset_all();
   daemon::PublishTuning t = daemon::PublishTuning::FromEnvironment();
   EXPECT_EQ(t.reserve, SegmentReserve::kAuto);
-  EXPECT_EQ(t.drop_cache, Drop::kAfterReady);
+  EXPECT_EQ(t.drop_cache, Drop::kAuto);  // chosen per publish (ChooseDropCache)
   EXPECT_FALSE(t.sub_rows.has_value());
   EXPECT_FALSE(t.direct_read);
   EXPECT_EQ(t.stream_stores, -1);
@@ -567,6 +570,51 @@ TEST_F(PublishReserveTest, ASegmentInHugetlbfsIsPublishedReadVerifiedAndRetired)
   auto h = ReadSegmentHeader(r->path);
   ASSERT_TRUE(h.ok()) << h.status();
   EXPECT_EQ(h->state, static_cast<uint32_t>(SegmentState::kRetired));
+}
+
+}  // namespace
+}  // namespace engram
+
+namespace engram {
+namespace {
+
+// The page size a SegmentWriter sees for an 8 MiB segment in a fresh tmpfs mounted with `huge` (in a child of its
+// own mount namespace: nothing is mounted for anyone else); 0 when this machine cannot mount one (no privilege).
+uint64_t WriterPageOnTmpfs(const std::string& huge) {
+  int fds[2];
+  if (::pipe(fds) != 0) return 0;
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    uint64_t page = 0;
+    testing::TempDir dir;
+    if (::unshare(CLONE_NEWNS) == 0 && ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) == 0 &&
+        ::mount("tmpfs", dir.path().c_str(), "tmpfs", 0, ("size=64m,huge=" + huge).c_str()) == 0) {
+      auto w = SegmentWriter::Create(dir.path(), 0x57, 1, 0, "desc", uint64_t{8} << 20, 1, 1);
+      page = w.ok() ? (*w)->page_bytes() : 1;
+      w = absl::InternalError("released");
+      ::umount(dir.path().c_str());
+    }
+    (void)!::write(fds[1], &page, sizeof page);
+    std::_Exit(0);
+  }
+  ::close(fds[1]);
+  uint64_t page = 0;
+  if (::read(fds[0], &page, sizeof page) != sizeof page) page = 0;
+  ::close(fds[0]);
+  ::waitpid(pid, nullptr, 0);
+  return page;
+}
+
+// A huge=within_size tmpfs (the shipped mount) gives a segment huge pages once the file is sized: the writer must
+// see them (and take the huge-page publish path), as on huge=always. Skipped where this machine cannot mount a
+// tmpfs, or gives shmem no huge pages at all.
+TEST(SegmentPages, AWithinSizeTmpfsIsSeenAsHugePages) {
+  const uint64_t always = WriterPageOnTmpfs("always");
+  if (always == 0) GTEST_SKIP() << "cannot mount a tmpfs in a private mount namespace here";
+  if (always <= 4096) GTEST_SKIP() << "this kernel gives tmpfs no huge pages (huge=always: " << always << ")";
+  EXPECT_EQ(WriterPageOnTmpfs("within_size"), always);
+  EXPECT_EQ(WriterPageOnTmpfs("never"), 4096u);
 }
 
 }  // namespace
