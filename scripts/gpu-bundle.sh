@@ -249,7 +249,7 @@ fi
 if [ "$what" = fullscale ]; then
   # A sparse checkpoint of DeepSeek-V4.1-Flash's real geometry (ENGRAM_FS_LAYERS, default layer 1: 94.4 GiB of
   # records at TP 1), on each mount of ENGRAM_FS_MOUNTS (4k: a directory of /dev/shm; thp: a tmpfs this run mounts
-  # with huge=$ENGRAM_FS_HUGE, default within_size as the shipped mount unit): publish, one replica's attach step by step with every pattern region checked, ENGRAM_FS_FOUR=1:
+  # with huge=$ENGRAM_FS_HUGE, default always as the shipped mount unit): publish, one replica's attach step by step with every pattern region checked, ENGRAM_FS_FOUR=1:
   # four replicas at once with each ticket count of ENGRAM_FS_TICKETS (engramd restarted, adopting the segment),
   # then bench_register on the published segment (ENGRAM_FS_REG: its variants).
   export NCCL_NVLS_ENABLE=0
@@ -265,7 +265,7 @@ if [ "$what" = fullscale ]; then
   for m in ${ENGRAM_FS_MOUNTS:-4k thp}; do
     if [ "$m" = thp ]; then
       dir=$(mktemp -d /mnt/engram-fs.XXXXXX)
-      mount -t tmpfs -o size=$(( ${ENGRAM_FS_MOUNT_GIB:-110} ))G,huge=${ENGRAM_FS_HUGE:-within_size} tmpfs "$dir" || { echo "no huge tmpfs"; rc=1; continue; }
+      mount -t tmpfs -o size=$(( ${ENGRAM_FS_MOUNT_GIB:-110} ))G,huge=${ENGRAM_FS_HUGE:-always} tmpfs "$dir" || { echo "no huge tmpfs"; rc=1; continue; }
     else
       dir=$(mktemp -d /dev/shm/engram-fs.XXXXXX)
     fi

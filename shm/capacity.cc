@@ -96,7 +96,7 @@ std::optional<std::string> ShmPagesWarning(const ShmCapacity& c, uint64_t table_
       "%s is to hold %.1f GiB of segments on 4 KiB pages (tmpfs huge=%s): each replica's attach costs about 75 ms per "
       "GiB "
       "of its TP shard (7 s for a 94 GiB shard) against about 31 ms on huge pages, and a publish is about 4x slower; "
-      "mount a tmpfs with huge=within_size (systemd/var-lib-engram-shm.mount) and point shm_dir at it",
+      "mount a tmpfs with huge=always (systemd/var-lib-engram-shm.mount) and point shm_dir at it",
       c.path, gib, c.huge_pages.empty() ? "never" : c.huge_pages);
 }
 

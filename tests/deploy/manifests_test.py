@@ -88,8 +88,8 @@ for key in ("hostIPC", "hostPID", "hostNetwork"):
     check(not nspec.get(key, False), f"node-shm: {key} must not be set")
 (nc,) = nspec["containers"]
 script = " ".join(nc.get("command", []))
-check("mount -t tmpfs" in script and "huge=within_size" in script and "/host/shm" in script,
-      "node-shm: mounts a huge=within_size tmpfs at /host/shm")
+check("mount -t tmpfs" in script and "huge=always" in script and "/host/shm" in script,
+      "node-shm: mounts a huge=always tmpfs at /host/shm")
 check(host_paths(nspec) == {"shm": "/var/lib/engram/shm"}, f"node-shm: only the segment directory ({host_paths(nspec)})")
 check({m["name"]: m for m in nc.get("volumeMounts", [])}.get("shm", {}).get("mountPropagation") == "Bidirectional",
       "node-shm: Bidirectional propagation (the mount reaches the host)")

@@ -231,7 +231,7 @@ TEST(FullScalePolicy, MappingOverheadAndThe4KiBWarning) {
   auto w = ShmPagesWarning(c, uint64_t{189} << 30);
   ASSERT_TRUE(w.has_value());
   EXPECT_NE(w->find("4 KiB"), std::string::npos) << *w;
-  EXPECT_NE(w->find("huge=within_size"), std::string::npos) << *w;
+  EXPECT_NE(w->find("huge=always"), std::string::npos) << *w;
   EXPECT_FALSE(ShmPagesWarning(c, kSmallPagesWarnBytes).has_value()) << "small tables: no warning";
   c.huge_pages = "advise";  // reserved before any mapping advises it: 4 KiB pages
   EXPECT_FALSE(SegmentsOnHugePages(c));
