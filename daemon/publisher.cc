@@ -33,20 +33,6 @@ std::vector<LayerRows> RowsOf(const engram::v1::SegmentDescriptor& d) {
   return rows;
 }
 
-// MADV_POPULATE_READ (or MADV_DONTNEED) over [p, p + bytes) from `threads` threads in 2 MiB-aligned slices.
-void ParallelMadvise(uint8_t* p, uint64_t bytes, int advice, int threads, Env* env) {
-  constexpr uint64_t kSlice = uint64_t{2} << 20;
-  const int n = static_cast<int>(std::clamp<uint64_t>(bytes / (uint64_t{1} << 30), 1, std::max(1, threads)));
-  const uint64_t part = (bytes / static_cast<uint64_t>(n) + kSlice - 1) / kSlice * kSlice;
-  std::atomic<int> next{0};
-  RunWorkers(n, [&](bool) {
-    for (int i = next++; i < n; i = next++) {
-      const uint64_t b = std::min(bytes, part * static_cast<uint64_t>(i)), e = std::min(bytes, b + part);
-      if (e > b) env->Madvise(p + b, e - b, advice);
-    }
-  });
-}
-
 // The first reader of freshly written 4 KiB pages pays about twice what later readers pay to map and register them
 // (94 GiB: populate 6.7 s against 2.9 s, registration 9.0 s against 5.0 s, bench/RESULTS.md "Full scale"): the
 // kernel's first accesses of each page. The daemon takes them before READY, from all its threads: a read-only
@@ -61,8 +47,8 @@ double WarmForReaders(const std::string& path, int threads, Env* env) {
   }
   auto* data = const_cast<uint8_t*>((*reader)->data());
   const uint64_t bytes = (*reader)->file_bytes() - (*reader)->header().data_offset;
-  for (int pass = 0; pass < 2; ++pass) ParallelMadvise(data, bytes, MADV_POPULATE_READ, threads, env);
-  ParallelMadvise(data, bytes, MADV_DONTNEED, threads, env);
+  for (int pass = 0; pass < 2; ++pass) (void)MadviseInSlices(env, data, bytes, MADV_POPULATE_READ, threads);
+  (void)MadviseInSlices(env, data, bytes, MADV_DONTNEED, threads);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

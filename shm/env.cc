@@ -6,7 +6,12 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <string_view>
+
+#include "base/worker_threads.h"
 
 namespace engram {
 
@@ -55,5 +60,22 @@ size_t PosixEnv::PageBytes() {
 int PosixEnv::Mprotect(void* addr, size_t len, int prot) { return ::mprotect(addr, len, prot); }
 int PosixEnv::Mlock(const void* addr, size_t len) { return ::mlock(addr, len); }
 int PosixEnv::Munlock(const void* addr, size_t len) { return ::munlock(addr, len); }
+
+int MadviseInSlices(Env* env, uint8_t* p, uint64_t bytes, int advice, int max_threads) {
+  constexpr uint64_t kSlice = uint64_t{2} << 20;
+  const int n = static_cast<int>(std::clamp<uint64_t>(bytes >> 30, 1, static_cast<uint64_t>(std::max(1, max_threads))));
+  const uint64_t part = (bytes / static_cast<uint64_t>(n) + kSlice - 1) / kSlice * kSlice;
+  std::atomic<int> next{0}, first_error{0};
+  RunWorkers(n, [&](bool) {
+    for (int i = next++; i < n; i = next++) {
+      const uint64_t b = std::min(bytes, part * static_cast<uint64_t>(i)), e = std::min(bytes, b + part);
+      if (e > b && env->Madvise(p + b, e - b, advice) != 0) {
+        int expected = 0;
+        first_error.compare_exchange_strong(expected, errno != 0 ? errno : EINVAL);
+      }
+    }
+  });
+  return first_error.load();
+}
 
 }  // namespace engram

@@ -12,6 +12,7 @@
 // thread-safe in PosixEnv, and overrides must be too.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -94,5 +95,10 @@ auto RetryEintr(F call) -> decltype(call()) {
   } while (r == -1 && errno == EINTR);
   return r;
 }
+
+// madvise(advice) over [p, p + bytes) through `env` from up to `max_threads` threads (one per GiB, at least one), in
+// slices whose starts are whole 2 MiB past p: populating or dropping a table-sized mapping in parallel (the client
+// before its ticket, the publisher before READY). Returns the first failing call's errno, 0 when all succeeded.
+int MadviseInSlices(Env* env, uint8_t* p, uint64_t bytes, int advice, int max_threads);
 
 }  // namespace engram

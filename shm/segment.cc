@@ -204,18 +204,7 @@ absl::Status SegmentWriter::Finish(double load_seconds) {
 
 double SegmentWriter::ReleaseDataMapping(int threads) {
   const auto t0 = std::chrono::steady_clock::now();
-  uint8_t* data = this->data();
-  const uint64_t bytes = size_ - header()->data_offset;
-  constexpr uint64_t kSlice = uint64_t{2} << 20;
-  const int n = static_cast<int>(std::clamp<uint64_t>(bytes / (uint64_t{1} << 30), 1, std::max(1, threads)));
-  const uint64_t part = (bytes / static_cast<uint64_t>(n) + kSlice - 1) / kSlice * kSlice;
-  std::atomic<int> next{0};
-  RunWorkers(n, [&](bool) {
-    for (int i = next++; i < n; i = next++) {
-      const uint64_t b = std::min(bytes, part * static_cast<uint64_t>(i)), e = std::min(bytes, b + part);
-      if (e > b) env_->Madvise(data + b, e - b, MADV_DONTNEED);
-    }
-  });
+  (void)MadviseInSlices(env_, data(), size_ - header()->data_offset, MADV_DONTNEED, threads);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

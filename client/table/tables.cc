@@ -25,25 +25,12 @@ using Clock = std::chrono::steady_clock;
 
 double SecondsSince(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// MADV_POPULATE_READ over the mapping from several threads, in slices of whole 2 MiB (one thread walks 4 KiB page
-// tables at about 15 GiB/s: 6 s for a 94 GiB shard; 16 threads take about 1.5 s, bench/RESULTS.md "Full scale").
-// Best effort: a kernel without MADV_POPULATE_READ leaves the pages to the registration, which faults them itself.
+// MADV_POPULATE_READ over the mapping from up to 16 threads, one per GiB (one thread walks 4 KiB page tables at about
+// 15 GiB/s: 6 s for a 94 GiB shard; 16 threads take about 2.5 s, bench/RESULTS.md "Full scale"). Best effort: a
+// kernel without MADV_POPULATE_READ leaves the pages to the registration, which faults them itself.
 void PopulateForRead(uint8_t* p, size_t bytes, Env* env) {
-  constexpr size_t kSlice = size_t{2} << 20, kPerThread = size_t{1} << 30;  // a thread for every GiB, up to 16
-  const int threads = static_cast<int>(std::clamp<size_t>(
-      bytes / kPerThread, 1, std::min<size_t>(16, std::max(1u, std::thread::hardware_concurrency()))));
-  if (threads == 1) {
-    env->Madvise(p, bytes, MADV_POPULATE_READ);
-    return;
-  }
-  const size_t part = (bytes / static_cast<size_t>(threads) + kSlice - 1) / kSlice * kSlice;
-  std::atomic<int> next{0};
-  RunWorkers(threads, [&](bool) {
-    for (int i = next++; i < threads; i = next++) {
-      const size_t b = std::min(bytes, part * static_cast<size_t>(i)), e = std::min(bytes, b + part);
-      if (e > b) env->Madvise(p + b, e - b, MADV_POPULATE_READ);
-    }
-  });
+  const int threads = static_cast<int>(std::min(16u, std::max(1u, std::thread::hardware_concurrency())));
+  (void)MadviseInSlices(env, p, bytes, MADV_POPULATE_READ, threads);
 }
 
 void FillLayers(const Layout& layout, const ShardRange& shard, TableImpl* t) {

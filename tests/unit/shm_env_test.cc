@@ -6,11 +6,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -335,6 +337,51 @@ TEST(ShmCapacityTest, HugePoolOfTheDefaultSizeMatchesMeminfo) {
   EXPECT_EQ(p.page_bytes, page_kb * 1024);
   EXPECT_EQ(p.total_pages, total);
   EXPECT_LE(p.available_pages, p.total_pages);
+}
+
+// MadviseInSlices: the slices tile [p, p + bytes) exactly, each starts a whole 2 MiB past p, at most one per GiB and
+// per thread; a failing slice's errno is returned. The recording Env never touches memory (p is never dereferenced).
+class SliceEnv : public PosixEnv {
+ public:
+  int Madvise(void* addr, size_t len, int advice) override {
+    std::lock_guard<std::mutex> lock(mu);
+    calls.push_back({reinterpret_cast<uintptr_t>(addr), len});
+    EXPECT_EQ(advice, MADV_DONTNEED);
+    if (fail_at != 0 && reinterpret_cast<uintptr_t>(addr) == fail_at) {
+      errno = ENOMEM;
+      return -1;
+    }
+    return 0;
+  }
+  std::mutex mu;
+  std::vector<std::pair<uintptr_t, size_t>> calls;
+  uintptr_t fail_at = 0;
+};
+
+TEST(MadviseInSlices, SlicesTileTheRangeOnWhole2MiBAndFailuresAreReported) {
+  auto* const p = reinterpret_cast<uint8_t*>(uintptr_t{1} << 44);
+  const uint64_t GiB = uint64_t{1} << 30;
+  for (uint64_t bytes : {uint64_t{1}, uint64_t{10} << 20, 3 * GiB + 12345, 94 * GiB + 4096, 100 * GiB}) {
+    for (int threads : {1, 4, 16}) {
+      SliceEnv env;
+      ASSERT_EQ(MadviseInSlices(&env, p, bytes, MADV_DONTNEED, threads), 0);
+      std::sort(env.calls.begin(), env.calls.end());
+      const uint64_t most = std::max<uint64_t>(1, std::min<uint64_t>(bytes / GiB, static_cast<uint64_t>(threads)));
+      EXPECT_LE(env.calls.size(), most) << bytes << " bytes, " << threads << " threads";
+      uint64_t at = 0;
+      for (const auto& [addr, len] : env.calls) {
+        const uint64_t off = addr - reinterpret_cast<uintptr_t>(p);
+        EXPECT_EQ(off, at) << "no gap, no overlap";
+        EXPECT_EQ(off % (uint64_t{2} << 20), 0u);
+        at = off + len;
+      }
+      EXPECT_EQ(at, bytes) << "the whole range";
+    }
+  }
+  SliceEnv failing;
+  failing.fail_at = reinterpret_cast<uintptr_t>(p) + 0;  // the first slice
+  EXPECT_EQ(MadviseInSlices(&failing, p, 8 * GiB, MADV_DONTNEED, 4), ENOMEM);
+  EXPECT_EQ(failing.calls.size(), 4u) << "the other slices still run";
 }
 
 }  // namespace
