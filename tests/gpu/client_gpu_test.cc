@@ -196,24 +196,47 @@ TEST(GpuClientTest, ThreadedRegistrationRollsBackAndSurvivesRefusedThreads) {
   EXPECT_EQ((*alone)->chunks(), bytes / chunk);
 }
 
+// A directory of /dev/shm of the test's own (engramd scans only its --shm-dir, so nothing else there is touched),
+// removed with everything in it when the test ends.
+struct ShmDir {
+  std::string path;
+  explicit ShmDir(const char* prefix) {
+    std::string tmpl = std::string("/dev/shm/") + prefix + "-XXXXXX";
+    if (::mkdtemp(tmpl.data()) != nullptr) path = tmpl;
+  }
+  ~ShmDir() {
+    std::error_code ec;
+    if (!path.empty()) std::filesystem::remove_all(path, ec);
+  }
+};
+
+// Attach through the daemon at opts.socket, retrying the connect until its socket is up (an event, not a sleep),
+// for at most `limit`; the last result.
+absl::StatusOr<std::unique_ptr<client::Table>> AttachWhenUp(const client::ClientOptions& opts,
+                                                            const client::AttachRequest& req,
+                                                            std::chrono::seconds limit) {
+  absl::StatusOr<std::unique_ptr<client::Table>> table = absl::UnavailableError("the daemon never answered");
+  testing::WaitFor(
+      [&] {
+        auto c = client::Client::Create(opts);
+        if (!c.ok()) return false;
+        table = (*c)->Attach(req);
+        return table.ok();
+      },
+      limit);
+  return table;
+}
+
 // A real engramd publishes into this test's own shm directory; a DP 2 replica attaches, maps the segment read-only
 // and registers it with CUDA; the GPU lookup (bf16 and packed) reads rows through that registration, and every row
 // equals the oracle's reading of the checkpoint files.
 TEST(GpuClientTest, SharedSegmentRegisteredReadOnlyServesTheOraclesRows) {
   REQUIRE_GPU();
   testing::TempDir dir;
-  // The segment lives where production puts it (a tmpfs), in this test's own subdirectory of /dev/shm: engramd scans
-  // only its --shm-dir, so nothing else there is touched; the subdirectory is removed at the end.
-  std::string shm_tmpl = "/dev/shm/engram-gpu-test-XXXXXX";
-  ASSERT_NE(::mkdtemp(shm_tmpl.data()), nullptr);
-  const std::string shm = shm_tmpl, sock = dir / "engramd.sock";
-  struct RemoveShm {
-    std::string path;
-    ~RemoveShm() {
-      std::error_code ec;
-      std::filesystem::remove_all(path, ec);
-    }
-  } remove_shm{shm};
+  // The segment lives where production puts it (a tmpfs), in this test's own subdirectory of /dev/shm.
+  ShmDir shm_dir("engram-gpu-test");
+  ASSERT_FALSE(shm_dir.path.empty());
+  const std::string shm = shm_dir.path, sock = dir / "engramd.sock";
   tools::SyntheticSpec spec;
   spec.out_dir = dir / "ck";
   spec.table_mib = 64;
@@ -231,18 +254,8 @@ TEST(GpuClientTest, SharedSegmentRegisteredReadOnlyServesTheOraclesRows) {
   req.dp_size = 2;
   req.shm_dir = shm;                             // the replica's view of the daemon's directory (SHM_NOT_VISIBLE check)
   req.dp_shared_memory = client::Choice::kTrue;  // a fallback is an error here
-  absl::StatusOr<std::unique_ptr<client::Table>> table = absl::UnavailableError("not yet");
-  // The daemon answers once its socket is up: retry the connect until it does (an event, not a sleep).
-  ASSERT_TRUE(testing::WaitFor(
-      [&] {
-        auto c = client::Client::Create(opts);
-        if (!c.ok()) return false;
-        table = (*c)->Attach(req);
-        return table.ok();
-      },
-      std::chrono::seconds(120)))
-      << table.status() << "\n"
-      << daemon.Output();
+  auto table = AttachWhenUp(opts, req, std::chrono::seconds(120));
+  ASSERT_TRUE(table.ok()) << table.status() << "\n" << daemon.Output();
   const auto& t = **table;
   ASSERT_EQ(t.mode(), client::Mode::kShared);
   ASSERT_EQ(t.backend(), client::Backend::kCuda);
@@ -323,16 +336,9 @@ TEST(GpuFullScale, ADeepSeekV41FlashLayerIsPublishedAttachedAndExact) {
                  << "machine has " << (shm_free >> 30) << " GiB and " << (mem.available_bytes >> 30) << " GiB";
   }
   testing::TempDir dir;
-  std::string shm_tmpl = "/dev/shm/engram-gpu-full-XXXXXX";
-  ASSERT_NE(::mkdtemp(shm_tmpl.data()), nullptr);
-  const std::string shm = shm_tmpl, sock = dir / "engramd.sock";
-  struct RemoveShm {
-    std::string path;
-    ~RemoveShm() {
-      std::error_code ec;
-      std::filesystem::remove_all(path, ec);
-    }
-  } remove_shm{shm};
+  ShmDir shm_dir("engram-gpu-full");
+  ASSERT_FALSE(shm_dir.path.empty());
+  const std::string shm = shm_dir.path, sock = dir / "engramd.sock";
   spec.out_dir = dir / "ck";
   auto made = tools::WriteSyntheticCheckpoint(spec);
   ASSERT_TRUE(made.ok()) << made.status();
@@ -347,17 +353,8 @@ TEST(GpuFullScale, ADeepSeekV41FlashLayerIsPublishedAttachedAndExact) {
   req.checkpoint = spec.out_dir;
   req.dp_size = 2;
   req.dp_shared_memory = client::Choice::kTrue;
-  absl::StatusOr<std::unique_ptr<client::Table>> table = absl::UnavailableError("not yet");
-  ASSERT_TRUE(testing::WaitFor(
-      [&] {
-        auto c = client::Client::Create(opts);
-        if (!c.ok()) return false;
-        table = (*c)->Attach(req);
-        return table.ok();
-      },
-      std::chrono::seconds(600)))
-      << table.status() << "\n"
-      << daemon.Output();
+  auto table = AttachWhenUp(opts, req, std::chrono::seconds(600));
+  ASSERT_TRUE(table.ok()) << table.status() << "\n" << daemon.Output();
   const auto& t = **table;
   ASSERT_EQ(t.mode(), client::Mode::kShared);
   ASSERT_EQ(t.backend(), client::Backend::kCuda);
