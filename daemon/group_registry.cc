@@ -1,6 +1,7 @@
 #include "daemon/group_registry.h"
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -170,10 +171,17 @@ void GroupRegistry::Send(Outbox& out) {
 void GroupRegistry::RetireLocked(std::map<std::string, Group>::iterator it) {
   // A host-transport group's exchange region (a POSIX shm object its rank 0 named as the rendezvous) goes with
   // the group: its creator may have died before removing it, or every member while it existed. Only a name of
-  // the region's own form is removed (kDpRegionPrefix, one component); where this daemon may not (the region is
-  // another uid's and the daemon is not root) the log says so.
+  // the region's own form is removed (kDpRegionPrefix, one component), and only a region owned by the group's uid:
+  // a member may name any region as its rendezvous, and a daemon running as root would otherwise remove another
+  // tenant's. Where this daemon may not remove it (another uid's, the daemon not root) the log says so.
   const Group& g = it->second;
-  if (g.status.transport() == "host" && IsDpRegionName(g.rendezvous)) {
+  struct stat st {};
+  const bool owned = !g.members.empty() && env_->Lstat(("/dev/shm" + g.rendezvous).c_str(), &st) == 0 &&
+                     S_ISREG(st.st_mode) && st.st_uid == g.members.front().peer.uid;
+  if (g.status.transport() == "host" && IsDpRegionName(g.rendezvous) && !owned && st.st_mode != 0) {
+    spdlog::warn("event=group_region_kept group={} region={} owner_uid={} group_uid={}: not the group's, left in place",
+                 it->first, g.rendezvous, st.st_uid, g.members.empty() ? 0 : g.members.front().peer.uid);
+  } else if (g.status.transport() == "host" && IsDpRegionName(g.rendezvous) && owned) {
     if (env_->ShmUnlink(g.rendezvous.c_str()) == 0) {
       spdlog::info("event=group_region_removed group={} region={}", it->first, g.rendezvous);
     } else if (errno != ENOENT) {

@@ -4,6 +4,9 @@
 // never held while a member is notified: a member whose notification blocks does not stall status, other joins or
 // leaves, while each member still gets its group's updates in the order they were decided. Blocking is a latch the
 // test opens; the bounds below are deadlines for a hang, not timings.
+#include <sys/stat.h>
+
+#include <algorithm>
 #include <chrono>
 #include <future>
 #include <mutex>
@@ -243,6 +246,55 @@ TEST(GroupRegistryTest, AMemberGetsFormedBeforeBroken) {
   ASSERT_EQ(got.size(), 2u);
   EXPECT_EQ(got[0].state(), GroupUpdate::FORMED);
   EXPECT_EQ(got[1].state(), GroupUpdate::BROKEN);
+}
+
+// A broken host group's region is removed only when it is the group's own: a member may name any region of the
+// DP form as its rendezvous, and a daemon running as root must not remove another tenant's. The Env stands in for
+// /dev/shm (the region's owner as Lstat reports it; removals recorded, never made).
+class RegionEnv : public PosixEnv {
+ public:
+  explicit RegionEnv(uint32_t owner) : owner_(owner) {}
+  int Lstat(const char* path, struct stat* st) override {
+    if (std::string(path) != "/dev/shm/engram-dp-1-x") return PosixEnv::Lstat(path, st);
+    *st = {};
+    st->st_mode = S_IFREG | 0600;
+    st->st_uid = owner_;
+    return 0;
+  }
+  int ShmUnlink(const char* name) override {
+    std::lock_guard<std::mutex> lock(mu);
+    unlinked.push_back(name);
+    return 0;
+  }
+  std::mutex mu;
+  std::vector<std::string> unlinked;
+
+ private:
+  uint32_t owner_;
+};
+
+TEST(GroupRegistryTest, ABrokenGroupsRegionIsRemovedOnlyWhenItIsTheGroupsOwn) {
+  for (uint32_t owner : {1u, 2u}) {  // the group's members are uid 1
+    RegionEnv env(owner);
+    {
+      GroupRegistry r(&env);
+      Inbox a, b;
+      ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerCred(100, 1, 1), MakeJoin(0, 7), a.notify()).ok());
+      ASSERT_TRUE(r.Join("lease-b", MakeHello(1), PeerCred(101, 1, 1), MakeJoin(1, 9), b.notify()).ok());
+      r.Leave("lease-a");
+      r.Leave("lease-b");
+      // Replaced by a new group under the same key, the broken one retires.
+      Inbox c;
+      ASSERT_TRUE(r.Join("lease-c", MakeHello(0), PeerCred(102, 1, 1), MakeJoin(0, 8), c.notify()).ok());
+    }
+    std::lock_guard<std::mutex> lock(env.mu);
+    if (owner == 1) {
+      EXPECT_NE(std::find(env.unlinked.begin(), env.unlinked.end(), "/engram-dp-1-x"), env.unlinked.end())
+          << "the group's own region goes with it";
+    } else {
+      EXPECT_TRUE(env.unlinked.empty()) << "uid 2's region was removed for a group of uid 1";
+    }
+  }
 }
 
 }  // namespace
