@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/log.h"
 
 namespace engram::client {
 namespace {
@@ -66,6 +67,12 @@ absl::Status DpHostRegion::Map(size_t bytes, bool create) {
       return absl::ResourceExhaustedError(
           absl::StrCat("/dev/shm cannot hold the DP exchange region (", bytes, " bytes: ", std::strerror(rc),
                        "): give the containers a larger /dev/shm (--shm-size, or an emptyDir of medium Memory)"));
+    }
+    if (rc != 0) {  // a /dev/shm that cannot reserve: the region stays sparse, and a full /dev/shm means SIGBUS
+      Log().warn(
+          "engram: event=dp_region_not_reserved bytes={} errno={} detail=\"posix_fallocate: {}: the region "
+          "is sparse; if /dev/shm fills, members die of SIGBUS at a step\"",
+          bytes, rc, std::strerror(rc));
     }
   }
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
