@@ -141,8 +141,17 @@ TEST_F(ClientTest, EveryFallbackServesCorrectRowsAndSaysWhy) {
   Process holder(Replica("--dp-size 4 --elastic-ep --hold 600 --verify 4"), dir_ / "holder.log");
   ASSERT_TRUE(
       WaitFor([&] { return holder.Output().find("\"attached\"") != std::string::npos; }, std::chrono::seconds(20)));
-  auto st = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
-  json status = json::parse(st.out);
+  // The replica reports its outcome on its session and goes on without waiting for the daemon to read it: status
+  // lists it once the daemon has (an event to wait for, not a race to win).
+  testing::CommandResult st;
+  json status;
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        st = RunCmd(BinPath("engramctl") + " status --json --socket " + socket_);
+        status = json::parse(st.out, nullptr, false);
+        return !status.is_discarded() && status["replicas"].size() == 1;
+      },
+      std::chrono::seconds(20)));
   ASSERT_EQ(status["replicas"].size(), 1u) << st.out;
   EXPECT_EQ(status["replicas"][0]["mode"], "PRIVATE_PINNED");
   EXPECT_TRUE(Reasons(status["replicas"][0]).count("ELASTIC_EP")) << st.out;
