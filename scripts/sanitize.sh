@@ -7,8 +7,10 @@
 #                                    against their own locks; gRPC, uninstrumented, stays outside). In CI.
 #   scripts/sanitize.sh tsan integration
 #                                    the same build, then the integration tests (real engramd and replica processes,
-#                                    all instrumented) minus those the instrument breaks (below). About 28 min on two
-#                                    cores, too long for CI next to the rest: run by hand (docs/testing.md)
+#                                    all instrumented) minus those the instrument breaks (below). 12 min on two
+#                                    cores alone, 28 beside a build; by hand, not in CI: next to ASan it would take
+#                                    CI to about 70 of its 90 minutes, and its timed waits under a 5-15x slowdown
+#                                    are the kind of failure that turns CI red without a bug
 # Suppressions (tests/sanitizers/*.supp) name only third-party code.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
