@@ -87,7 +87,7 @@ absl::StatusOr<std::unique_ptr<Session>> TimedSessionOpen(const ClientOptions& o
 // added) when this replica must fall back; the session stays usable for reporting that.
 std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& options, const std::string& shm_dir,
                                         Env* env, uint64_t fingerprint, const Layout& layout, const ShardRange& shard,
-                                        bool cuda, std::vector<Reason>* reasons) {
+                                        bool cuda, AttachTimes* times, std::vector<Reason>* reasons) {
   const Grant& g = session.answer().grant;
   const auto t0 = Clock::now();
   // The descriptor first (any namespace that reaches the socket), the path where it cannot be passed.
@@ -125,16 +125,16 @@ std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& o
     return nullptr;
   }
   session.NoteMappedFile((*table)->segment_->device(), (*table)->segment_->inode());
-  AttachTimes& times = (*table)->times_;
-  times.map = SecondsSince(t0) - times.populate;
+  times->populate = (*table)->times_.populate;  // timed where the mapping is made
+  times->map = SecondsSince(t0) - times->populate;
   const auto ticket0 = Clock::now();
   if (auto st = session.AcquireTicket(); !st.ok()) {
     reasons->push_back({ReasonCode::kDaemonUnavailable, absl::StrCat("no registration ticket: ", st.message())});
     return nullptr;
   }
-  times.ticket = SecondsSince(ticket0);
+  times->ticket = SecondsSince(ticket0);
   RegistrationReport rep = PinTable(**table, cuda, options.register_chunk_bytes);
-  times.pin = rep.seconds;
+  times->pin = rep.seconds;
   (void)session.ReportRegistration(rep);
   if (!rep.ok) {
     reasons->push_back({ReasonCode::kRegisterFailed, rep.error + " (raise ulimit -l / LimitMEMLOCK)"});
@@ -195,7 +195,8 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
     session = std::move(*s);
     if (session->answer().granted) {
       segment = session->answer().grant.segment_path;
-      table = ShareGranted(*session, options_, req.shm_dir, env, ckpt->Fingerprint(), layout, shard, cuda, &reasons);
+      table = ShareGranted(*session, options_, req.shm_dir, env, ckpt->Fingerprint(), layout, shard, cuda, &times,
+                           &reasons);
     } else {
       mode = session->answer().mode;
       reasons.insert(reasons.end(), session->answer().reasons.begin(), session->answer().reasons.end());
@@ -237,11 +238,6 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
                                               cuda, threads, options_.register_chunk_bytes, env));
     times.build = SecondsSince(build0);
     if (dp_sharded) table->mode_ = Mode::kDpSharded;
-  } else {  // the shared steps, timed by ShareGranted
-    times.map = table->times_.map;
-    times.populate = table->times_.populate;
-    times.ticket = table->times_.ticket;
-    times.pin = table->times_.pin;
   }
   table->reasons_ = std::move(reasons);
   times.total = SecondsSince(t0);

@@ -14,10 +14,10 @@ namespace engram::daemon {
 // environment (engramd does once, at start, into Options::publish_tuning):
 //   ENGRAM_PUBLISH_RESERVE=whole|writers forces a SegmentReserve (else kAuto: populated by the filling threads on
 //     hugetlbfs, reserved whole on tmpfs);
-//   ENGRAM_PUBLISH_DROP_CACHE: unset chooses per publish (kAuto: inline when the node could not hold the segment and
-//     the checkpoint's cached pages of it together, else after READY), "after" or "1" drops the checkpoint's pages
-//     from the page cache after READY (a detached thread), "inline" drops them job by job inside the fill, anything
-//     else ("0") keeps them;
+//   ENGRAM_PUBLISH_DROP_CACHE: unset chooses per publish (kAuto, ChooseDropCache: inline when the free memory could
+//     not hold the segment and the checkpoint's cached pages of it together, else after READY); "after" or "1"
+//     drops the checkpoint's pages from the page cache after READY (a detached thread), "inline" drops them job by
+//     job inside the fill, anything else ("0") keeps them;
 //   ENGRAM_PUBLISH_SUB_ROWS=N rows per read-pack-hash step (unset: ShardFillOptions' default, 1024).
 //   ENGRAM_PUBLISH_DIRECT_READ=1 reads the weights straight into their records (ShardFillOptions::direct_read).
 //   ENGRAM_PUBLISH_COLD_READERS=N readers stream a checkpoint that is not in the page cache ahead of the workers

@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/worker_threads.h"
+#include "io/cold_prefetch.h"
 #include "io/shard_records.h"
 #include "shm/segment.h"
 #include "spdlog/spdlog.h"
@@ -84,13 +85,10 @@ PublishTuning PublishTuning::FromEnvironment() {
   return t;
 }
 
-PublishTuning::DropCache ChooseDropCache(PublishTuning::DropCache setting, uint64_t shard_bytes,
-                                         const NodeMemory& memory) {
+PublishTuning::DropCache ChooseDropCache(PublishTuning::DropCache setting, uint64_t shard_bytes, uint64_t free_bytes) {
   if (setting != PublishTuning::DropCache::kAuto) return setting;
   // Twice the shard: the segment and the checkpoint's pages of it, which reading it puts in the page cache.
-  return memory.available_bytes != 0 && shard_bytes > memory.available_bytes / 2
-             ? PublishTuning::DropCache::kInline
-             : PublishTuning::DropCache::kAfterReady;
+  return shard_bytes > free_bytes / 2 ? PublishTuning::DropCache::kInline : PublishTuning::DropCache::kAfterReady;
 }
 
 bool PublishStreamsStores(int setting, bool huge_pages) { return setting > 0 || (setting < 0 && huge_pages); }
@@ -158,7 +156,7 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   // On hugetlbfs the data's pages are populated by the filling threads (in parallel, next to their writes), not
   // zeroed up front by one thread in fallocate; a tmpfs is reserved whole (SegmentReserve::kAuto; tuning may force
   // one).
-  const NodeMemory memory_before = ReadNodeMemory();  // before the segment's reservation takes its share
+  const uint64_t free_before = ColdPrefetch::FreeMemoryBytes();  // before the segment's reservation takes its share
   auto writer = SegmentWriter::Create(shm_dir, fingerprint, tp_size, tp_rank, desc.SerializeAsString(), data_bytes,
                                       instance_id, epoch, env, tuning.reserve);
   if (!writer.ok()) return writer.status();
@@ -173,7 +171,7 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   // fill, where the eviction cost ~2 s per 16 GiB), unless the node cannot hold them next to the segment: then job
   // by job, so that the page cache never holds a second copy of the shard (at full size on a node with little room
   // the kernel would reclaim under the fill, and the after-READY eviction would compete with the first attaches).
-  const PublishTuning::DropCache drop = ChooseDropCache(tuning.drop_cache, data_bytes, memory_before);
+  const PublishTuning::DropCache drop = ChooseDropCache(tuning.drop_cache, data_bytes, free_before);
   if (drop != tuning.drop_cache && drop == PublishTuning::DropCache::kInline) {
     spdlog::info(
         "event=publish_drop_cache mode=inline path={} bytes={} detail=\"the node cannot keep the checkpoint's pages "

@@ -23,7 +23,6 @@
 #include "model/checkpoint.h"
 #include "model/layout.h"
 #include "model/token_map.h"
-#include "shm/capacity.h"
 #include "shm/env.h"
 #include "shm/segment.h"
 
@@ -57,10 +56,10 @@ int DefaultPublishThreads();
 bool PublishStreamsStores(int setting, bool huge_pages);
 
 // The page-cache handling a publish of `shard_bytes` uses for PublishTuning::drop_cache `setting`: kAuto becomes
-// kInline when the node's available memory is under twice the shard (the segment and the checkpoint's cached pages
-// of it would not fit together), else kAfterReady; any other setting stays.
-PublishTuning::DropCache ChooseDropCache(PublishTuning::DropCache setting, uint64_t shard_bytes,
-                                         const NodeMemory& memory);
+// kInline when `free_bytes` (ColdPrefetch::FreeMemoryBytes: MemAvailable, or less where the daemon's cgroup has
+// less room) is under twice the shard (the segment and the checkpoint's cached pages of it would not fit
+// together), else kAfterReady; any other setting stays.
+PublishTuning::DropCache ChooseDropCache(PublishTuning::DropCache setting, uint64_t shard_bytes, uint64_t free_bytes);
 
 // `tuning`: the daemon's (Options::publish_tuning, read from the environment once at start); bench_daemon passes
 // its variants.

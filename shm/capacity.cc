@@ -93,10 +93,9 @@ std::optional<std::string> ShmPagesWarning(const ShmCapacity& c, uint64_t table_
   if (SegmentsOnHugePages(c) || table_bytes <= kSmallPagesWarnBytes) return std::nullopt;
   const double gib = static_cast<double>(table_bytes) / 1073741824.0;
   return absl::StrFormat(
-      "%s is to hold %.1f GiB of segments on 4 KiB pages (tmpfs huge=%s): each replica's attach costs about 75 ms per "
-      "GiB "
-      "of its TP shard (7 s for a 94 GiB shard) against about 31 ms on huge pages, and a publish is about 4x slower; "
-      "mount a tmpfs with huge=always (systemd/var-lib-engram-shm.mount) and point shm_dir at it",
+      "%s is to hold %.1f GiB of segments on 4 KiB pages (tmpfs huge=%s): each replica's attach costs about 75 ms "
+      "per GiB of its TP shard (7 s for a 94 GiB shard) against about 31 ms on huge pages, and a publish is about "
+      "4x slower; mount a tmpfs with huge=always (systemd/var-lib-engram-shm.mount) and point shm_dir at it",
       c.path, gib, c.huge_pages.empty() ? "never" : c.huge_pages);
 }
 

@@ -69,9 +69,9 @@ struct PlannedTensor {
   std::vector<int64_t> shape;
   Kind kind = Kind::kE4M3;
   uint64_t bytes = 0;
-  uint64_t offset = 0;                                // relative to the data start
-  bool sparse = false;                                // only `ranges` are written; the rest of the tensor is a hole
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;  // byte [begin, end) within the tensor
+  uint64_t offset = 0;  // relative to the data start
+  // Sparse: only these byte ranges [begin, end) of the tensor are written, the rest is a hole; empty: all of it.
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
 };
 
 absl::Status WriteShard(const std::string& path, std::vector<PlannedTensor>& tensors, uint64_t seed, int threads,
@@ -104,11 +104,8 @@ absl::Status WriteShard(const std::string& path, std::vector<PlannedTensor>& ten
   };
   std::vector<Chunk> chunks;
   for (const auto& t : tensors) {
-    if (!t.sparse) {
-      for (uint64_t b = 0; b < t.bytes; b += kChunk) chunks.push_back({&t, b, std::min(kChunk, t.bytes - b)});
-      continue;
-    }
-    for (const auto& [begin, end] : t.ranges) {
+    const std::vector<std::pair<uint64_t, uint64_t>> whole = {{0, t.bytes}};
+    for (const auto& [begin, end] : t.ranges.empty() ? whole : t.ranges) {
       for (uint64_t b = begin; b < end; b += kChunk) chunks.push_back({&t, b, std::min(kChunk, end - b)});
     }
   }
@@ -409,7 +406,6 @@ absl::StatusOr<SyntheticResult> WriteSyntheticCheckpoint(const SyntheticSpec& sp
       t.kind = kind;
       t.bytes = bytes;
       if (spec.sparse && row_bytes > 0) {  // a layer table: only the pattern regions hold data
-        t.sparse = true;
         for (const auto& r : regions) {
           t.ranges.push_back({static_cast<uint64_t>(r.row_begin) * static_cast<uint64_t>(row_bytes),
                               static_cast<uint64_t>(r.row_end) * static_cast<uint64_t>(row_bytes)});

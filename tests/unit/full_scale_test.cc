@@ -210,11 +210,11 @@ TEST_F(FullScale, TheSegmentLayoutPlacesTheSecondLayerPast2To36) {
 TEST(FullScalePolicy, APublishDropsTheCacheInlineOnlyWhereBothCopiesCannotFit) {
   using D = daemon::PublishTuning::DropCache;
   const uint64_t shard = uint64_t{94} << 30;
-  EXPECT_EQ(daemon::ChooseDropCache(D::kAuto, shard, {uint64_t{128} << 30, uint64_t{126} << 30}), D::kInline);
-  EXPECT_EQ(daemon::ChooseDropCache(D::kAuto, shard, {uint64_t{2048} << 30, uint64_t{2000} << 30}), D::kAfterReady);
-  EXPECT_EQ(daemon::ChooseDropCache(D::kAuto, shard, {0, 0}), D::kAfterReady) << "meminfo unreadable: the default";
+  EXPECT_EQ(daemon::ChooseDropCache(D::kAuto, shard, uint64_t{126} << 30), D::kInline);
+  EXPECT_EQ(daemon::ChooseDropCache(D::kAuto, shard, uint64_t{2000} << 30), D::kAfterReady);
+  EXPECT_EQ(daemon::ChooseDropCache(D::kAuto, shard, ~uint64_t{0}), D::kAfterReady) << "no bound known: the default";
   for (D d : {D::kAfterReady, D::kInline, D::kKeep}) {
-    EXPECT_EQ(daemon::ChooseDropCache(d, shard, {uint64_t{128} << 30, uint64_t{126} << 30}), d) << "a setting stays";
+    EXPECT_EQ(daemon::ChooseDropCache(d, shard, uint64_t{126} << 30), d) << "a setting stays";
   }
 }
 
