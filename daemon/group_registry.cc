@@ -175,14 +175,16 @@ void GroupRegistry::RetireLocked(std::map<std::string, Group>::iterator it) {
   // a member may name any region as its rendezvous, and a daemon running as root would otherwise remove another
   // tenant's. Where this daemon may not remove it (another uid's, the daemon not root) the log says so.
   const Group& g = it->second;
-  struct stat st {};
-  const bool owned = !g.members.empty() && env_->Lstat(("/dev/shm" + g.rendezvous).c_str(), &st) == 0 &&
-                     S_ISREG(st.st_mode) && st.st_uid == g.members.front().peer.uid;
-  if (g.status.transport() == "host" && IsDpRegionName(g.rendezvous) && !owned && st.st_mode != 0) {
-    spdlog::warn("event=group_region_kept group={} region={} owner_uid={} group_uid={}: not the group's, left in place",
-                 it->first, g.rendezvous, st.st_uid, g.members.empty() ? 0 : g.members.front().peer.uid);
-  } else if (g.status.transport() == "host" && IsDpRegionName(g.rendezvous) && owned) {
-    if (env_->ShmUnlink(g.rendezvous.c_str()) == 0) {
+  if (g.status.transport() == "host" && IsDpRegionName(g.rendezvous) && !g.members.empty()) {
+    const uint32_t group_uid = g.members.front().peer.uid;
+    struct stat st {};
+    if (env_->Lstat(("/dev/shm" + g.rendezvous).c_str(), &st) != 0) {
+      // gone already: its creator removed it
+    } else if (!S_ISREG(st.st_mode) || st.st_uid != group_uid) {
+      spdlog::warn(
+          "event=group_region_kept group={} region={} owner_uid={} group_uid={}: not the group's, left in place",
+          it->first, g.rendezvous, st.st_uid, group_uid);
+    } else if (env_->ShmUnlink(g.rendezvous.c_str()) == 0) {
       spdlog::info("event=group_region_removed group={} region={}", it->first, g.rendezvous);
     } else if (errno != ENOENT) {
       spdlog::warn("event=group_region_left group={} region={} errno={}: remove it by hand", it->first, g.rendezvous,

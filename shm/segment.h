@@ -115,9 +115,9 @@ class SegmentWriter {
   absl::Status Finish(double load_seconds);
   // Drops this writer's page-table entries for the records before READY (MADV_DONTNEED of a shared mapping: the file
   // keeps every byte; data() must not be read or written afterwards), from `threads` threads in 2 MiB-aligned
-  // slices. Left to the destructor's munmap, the teardown ran after READY, under the first replica's attach, both
-  // walking the same pages (measured on 94 GiB of 4 KiB pages: that replica attached in 14.8 s, later ones in
-  // 7.3 s). Returns the seconds it took.
+  // slices, so that tearing them down is not left to the destructor's munmap, after READY, beside the first
+  // replicas' attach (0.3 s for 94 GiB of 4 KiB pages in parallel; it did not by itself make the first attach after
+  // a publish faster, bench/RESULTS.md "Full scale"). Returns the seconds it took.
   double ReleaseDataMapping(int threads);
 
  private:
