@@ -11,6 +11,7 @@ PKGS=(
   libicu-dev libsystemd-dev libxxhash-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy python3-yaml python3-pytest util-linux clang-format
+  python3-venv python3-pip patchelf binutils   # the wheel: scripts/build-wheel.sh and its test
 )
 
 missing=()
