@@ -23,11 +23,21 @@ from collections import namedtuple
 
 from . import _lib
 from ._arrays import check, no_overlap, torch_module, view
-from ._lib import EngramError
+from ._lib import EngramError, LibraryError
 
-__all__ = ["attach", "status", "Table", "Engine", "Reason", "Layout", "LayerLayout", "EngramError",
+__all__ = ["attach", "status", "Table", "Engine", "Reason", "Layout", "LayerLayout", "EngramError", "LibraryError",
            "DEFAULT_SOCKET"]
-__version__ = "0.1.0"
+_PACKAGE_VERSION = _lib.package_version()
+if _PACKAGE_VERSION is not None:
+    __version__ = _PACKAGE_VERSION
+
+
+def __getattr__(name):
+    # A source tree has no version file of its own: its version is the build's library's (loaded when asked for).
+    if name == "__version__":
+        return _lib.library_version()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 DEFAULT_SOCKET = "/run/engramd/engramd.sock"
 
@@ -343,11 +353,13 @@ class Engine:
         return ("bfloat16", "uint16")
 
     # -- the calls --------------------------------------------------------------------------------------------
-    def hash(self, tokens, positions, query_start_loc, lookback=None, dead=None, out=None):
+    def hash(self, tokens, positions, query_start_loc, lookback=None, dead=None, lookback_dead=None, out=None):
         """Hash ids of a flattened batch of requests (docs/math.md section 5). tokens int32 [T] raw ids; positions
         int64 [T] (contiguous within each request); query_start_loc int32 [R+1] (0 .. T); lookback int32 [R, N-1], the
         N-1 raw ids before each request's chunk, oldest first, -1 unknown (None: all unknown); dead bool/uint8 [T]
-        (DEAD spans: no n-grams across them). Returns (or writes) out int32 [T, n_layers, n_cols]."""
+        (DEAD spans: no n-grams across them); lookback_dead bool/uint8 [R, N-1], the columns of lookback: true = that
+        lookback id is DEAD (read only where the id is known; needs lookback; None: none dead). Returns (or writes) out
+        int32 [T, n_layers, n_cols]."""
         L, C, N = len(self.layout.layers), self.layout.n_cols, self.layout.max_ngram
         tv = self._v(tokens, "tokens", ("int32",), (None,))
         T = tv.shape[0]
@@ -359,13 +371,17 @@ class Engine:
             raise ValueError("query_start_loc: needs at least two entries (one request)")
         lv = self._v(lookback, "lookback", ("int32",), (R, N - 1)) if lookback is not None else None
         dv = self._v(dead, "dead", ("bool", "uint8"), (T,)) if dead is not None else None
+        if lookback_dead is not None and lookback is None:
+            raise ValueError("lookback_dead: needs lookback (the ids it flags)")
+        ldv = (self._v(lookback_dead, "lookback_dead", ("bool", "uint8"), (R, N - 1))
+               if lookback_dead is not None else None)
         if out is None:
             out = self._empty(tv, (T, L, C), "int32")
         ov = self._v(out, "out", ("int32",), (T, L, C), writable=True)
         no_overlap(ov, "out", [(tv, "tokens"), (pv, "positions"), (qv, "query_start_loc"), (lv, "lookback"),
-                               (dv, "dead")])
-        self._c(_lib.lib.engram_engine_hash, tv.ptr, pv.ptr, qv.ptr, lv.ptr if lv else None,
-                  dv.ptr if dv else None, T, R, ov.ptr, self.stream())
+                               (dv, "dead"), (ldv, "lookback_dead")])
+        self._c(_lib.lib.engram_engine_hash_v2, tv.ptr, pv.ptr, qv.ptr, lv.ptr if lv else None,
+                  ldv.ptr if ldv else None, dv.ptr if dv else None, T, R, ov.ptr, self.stream())
         return out
 
     def lookup(self, layer, ids, out, packed=False):

@@ -1,11 +1,14 @@
-"""engram.vllm on the GPU against vLLM's own Engram module (loaded from ENGRAM_VLLM_SRC with stand-ins of the vllm.*
-modules it imports, vllm_stubs.py): the rows the plugin's lookup writes equal, bit for bit, those of vLLM's own
-Triton kernel on vLLM's own pinned table filled by vLLM's own weight loader, for ids including -1 and ids outside
-the TP shard, TP 1 and both ranks of TP 2 (a column window), bf16 and packed (vLLM's packed batch at its token
-stride), eagerly, under torch.cuda.graph capture and replay, and through vLLM's own prefetch on its side stream; a
-checkpoint other than the served one fails the load; engramd down keeps vLLM's own storage (or fails when required);
-and our hash equals vLLM's _hash_ids_kernel (through its NgramHashState and its own token map) where lookbacks have
-unknown ids. Skipped, with the reason, without torch >= 2.4 and a GPU, triton, or ENGRAM_VLLM_SRC."""
+"""engram.vllm on the GPU against every stored vLLM layout it serves (vllm_stubs.VERSIONS, the commits in the test
+ids: loaded from ENGRAM_VLLM_SRC with stand-ins of the vllm.* modules they import), the layer built by the model's
+own Engram class as the DeepSeek-V4.1 model builds it: the rows the plugin's lookup writes equal, bit for bit,
+those of vLLM's own Triton kernel on vLLM's own pinned table filled by vLLM's own weight loader, for ids including
+-1 and ids outside the TP shard, TP 1 and both ranks of TP 2 (a column window), bf16 and packed (vLLM's packed
+batch at its token stride), eagerly, under torch.cuda.graph capture and replay, and through the layer's own
+prefetch on vLLM's side stream; a checkpoint other than the served one fails the load; engramd down keeps vLLM's
+own storage (or fails when required); and our hash equals vLLM's _hash_ids_kernel (through its NgramHashState and
+its own token map) where lookbacks have unknown ids. Skipped, with the reason, without torch >= 2.4 and a GPU,
+triton, or a version's files under ENGRAM_VLLM_SRC."""
+import inspect
 import logging
 import os
 import subprocess
@@ -26,11 +29,12 @@ try:
     import triton  # noqa: F401
 except ImportError:
     pytest.skip("vLLM's Engram kernels need triton", allow_module_level=True)
-SRC, WHY = vllm_stubs.src_dir_or_skip_reason()
+SRC, WHY = vllm_stubs.src_root_or_skip_reason()
 if SRC is None:
     pytest.skip(WHY, allow_module_level=True)
 
 MAX_TOKENS = 4096
+SERVED = [v for v, _ in vllm_stubs.available_versions() if v.served]
 
 
 @pytest.fixture(scope="module")
@@ -69,27 +73,38 @@ def served(ckpt, tmp_path_factory):
         d.stop()
 
 
-@pytest.fixture(scope="module")
-def mod():
-    m = vllm_stubs.load_engram_module(SRC)
+@pytest.fixture(scope="module", params=SERVED, ids=lambda v: v.tag)
+def mod(request, tmp_path_factory):
+    """A served version's real modules with the plugin installed into each of its Engram modules."""
+    why = vllm_stubs.missing_files(request.param)
+    if why:
+        pytest.skip(why)
+    vm = vllm_stubs.load_version(request.param, str(tmp_path_factory.mktemp("vllm-version")))
     ev.uninstall()
-    ev.install(m)
-    yield m
+    for s in ev.layouts.find(lambda name, e: pytest.fail(f"{name}: {e}")):
+        ev.install(s)
+    yield vm
     ev.uninstall()
+
+
+def make(vm, ckpt, socket, tp, li, *, require=False, own=False):
+    """(embedding, layout, layer) for layer index li at TP (size, rank), the layer built by the model's own Engram
+    class: the plugin's table when own is False, else vLLM's own."""
+    vllm_stubs.STATE.tp = tp
+    extra = {} if own else {"engram": {"socket": socket, "require": require, "timeout_ms": 3000}}
+    vllm_stubs.STATE.config = vllm_stubs.make_vllm_config(ckpt, additional_config=extra, max_tokens=MAX_TOKENS,
+                                                          engram_fields=vm.engram_fields, dp_shared_memory=False)
+    with torch.device("cuda"):
+        layer, layout = vm.build_layer(ckpt, li)
+    return layer.embed_tokens, layout, layer
+
+
+def packed_kw(emb):
+    """The keyword a version's lookup takes for a packed out (None: it reads the out's dtype)."""
+    return {"packed": True} if "packed" in inspect.signature(type(emb).lookup).parameters else {}
 
 
 tensors = embed_tensors
-
-
-def make(mod, ckpt, socket, tp, li, *, require=False, own=False):
-    """(embedding, layout) for layer index li at TP (size, rank): the plugin's when own is False, else vLLM's own."""
-    vllm_stubs.STATE.tp = tp
-    extra = {} if own else {"engram": {"socket": socket, "require": require, "timeout_ms": 3000}}
-    vllm_stubs.STATE.config = vllm_stubs.make_vllm_config(ckpt, additional_config=extra, max_tokens=MAX_TOKENS)
-    layout = mod.EngramLayout.from_config(vllm_stubs.hf_config(ckpt))
-    with torch.device("cuda"):
-        emb = mod.Engram._create_embedding(SimpleNamespace(), layout, li)
-    return emb, layout
 
 
 def load(emb, ckpt, layout, li):
@@ -124,10 +139,10 @@ TPS = [(1, 0), (2, 0), (2, 1)]
 def test_rows_equal_vllms_own_kernel_on_vllms_own_table(mod, ckpt, served, tp, caplog):
     for li in (0, 1):
         with caplog.at_level(logging.INFO, logger="vllm.engram"):
-            ours, layout = make(mod, ckpt, served.socket, tp, li)
+            ours, layout, _ = make(mod, ckpt, served.socket, tp, li)
         assert type(ours).__name__ == "EngramdEmbedding", caplog.text
-        theirs, _ = make(mod, ckpt, served.socket, tp, li, own=True)
-        assert type(theirs) is mod.ParallelEngramEmbedding
+        theirs, _, _ = make(mod, ckpt, served.socket, tp, li, own=True)
+        assert type(theirs) is mod.model_module.ParallelEngramEmbedding
         assert ours.weight.untyped_storage().nbytes() <= ours.dim, "vLLM must allocate no table for the plugin"
         load(ours, ckpt, layout, li)
         load(theirs, ckpt, layout, li)
@@ -144,18 +159,18 @@ def test_rows_equal_vllms_own_kernel_on_vllms_own_table(mod, ckpt, served, tp, c
             # Packed, into vLLM's batch layout [T, L, part, 264] at one layer (a token stride of L * part * 264).
             RB = D + D // 32
             want_p = torch.zeros((T, L, part, RB), dtype=torch.uint8, device="cuda")
-            theirs.lookup(ids, want_p[:, li])
+            theirs.lookup(ids, want_p[:, li], **packed_kw(theirs))
             got_p = torch.full((T, L, part, RB), 0xA5, dtype=torch.uint8, device="cuda")
-            ours.lookup(ids, got_p[:, li], background=True)
+            ours.lookup(ids, got_p[:, li], background=True, **packed_kw(theirs))
             torch.cuda.synchronize()
             assert torch.equal(got_p[:, li], want_p[:, li]), (tp, li, T, "packed")
             assert bool((got_p[:, 1 - li] == 0xA5).all()), "the other layer's slots must stay untouched"
-    assert "event=attached mode=SHARED backend=cuda" in caplog.text, caplog.text
+    assert "event=attached layout=" in caplog.text and "mode=SHARED backend=cuda" in caplog.text, caplog.text
 
 
 def test_cuda_graph_capture_and_replay_with_new_ids(mod, ckpt, served):
-    ours, layout = make(mod, ckpt, served.socket, (1, 0), 0)
-    theirs, _ = make(mod, ckpt, served.socket, (1, 0), 0, own=True)
+    ours, layout, _ = make(mod, ckpt, served.socket, (1, 0), 0)
+    theirs, _, _ = make(mod, ckpt, served.socket, (1, 0), 0, own=True)
     load(ours, ckpt, layout, 0)
     load(theirs, ckpt, layout, 0)
     for T in (1, 64, 2048):
@@ -179,23 +194,18 @@ def test_cuda_graph_capture_and_replay_with_new_ids(mod, ckpt, served):
             assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (T, seed)
 
 
-def test_through_vllms_own_prefetch_on_its_side_stream(mod, ckpt, served):
-    ours, layout = make(mod, ckpt, served.socket, (1, 0), 1)
-    theirs, _ = make(mod, ckpt, served.socket, (1, 0), 1, own=True)
+def test_through_the_layers_own_prefetch_on_vllms_side_stream(mod, ckpt, served):
+    ours, layout, layer = make(mod, ckpt, served.socket, (1, 0), 1)
+    theirs, _, _ = make(mod, ckpt, served.socket, (1, 0), 1, own=True)
     load(ours, ckpt, layout, 1)
     load(theirs, ckpt, layout, 1)
-    shell = mod.Engram.__new__(mod.Engram)
-    torch.nn.Module.__init__(shell)
-    shell.embed_tokens = ours
-    shell._prefetch_stream = None
-    with torch.device("cuda"):
-        shell._init_staging(MAX_TOKENS, layout.head_dim)
-    assert shell._prefetch_stream is not None, "an offloaded table prefetches on vLLM's side stream"
+    if mod.nvidia is not None:
+        assert layer._prefetch_stream is not None, "an offloaded table prefetches on vLLM's side stream"
     for T in (3, 512):
         ids = random_ids(layout, 1, T, seed=T)[:, 1, :]
-        shell.staged_rows.fill_(float("nan"))
-        shell.prepare_embeddings(ids)
-        rows = shell._ready_rows(T)
+        layer.staged_rows.fill_(float("nan"))
+        layer.prepare_embeddings(ids)
+        rows = layer._ready_rows(T)
         want = torch.empty_like(rows)
         theirs.lookup(ids, want)
         torch.cuda.synchronize()
@@ -203,7 +213,7 @@ def test_through_vllms_own_prefetch_on_its_side_stream(mod, ckpt, served):
 
 
 def test_a_checkpoint_other_than_the_served_one_fails_the_load(mod, ckpt, other_ckpt, served):
-    ours, layout = make(mod, ckpt, served.socket, (1, 0), 0)
+    ours, layout, _ = make(mod, ckpt, served.socket, (1, 0), 0)
     t = tensors(other_ckpt, layout.layer_ids[0])
     with pytest.raises(RuntimeError, match="not the one engramd serves") as e:
         ours.weight.weight_loader(ours.weight, t["weight"])
@@ -215,8 +225,8 @@ def test_engramd_down_keeps_vllms_own_storage_or_fails_when_required(mod, ckpt, 
     sock = str(tmp_path / "none.sock")
     ev._state["attachments"].clear()
     with caplog.at_level(logging.WARNING, logger="vllm.engram"):
-        emb, layout = make(mod, ckpt, sock, (1, 0), 0)
-    assert type(emb) is mod.ParallelEngramEmbedding
+        emb, layout, _ = make(mod, ckpt, sock, (1, 0), 0)
+    assert type(emb) is mod.model_module.ParallelEngramEmbedding
     assert "DAEMON_UNAVAILABLE" in caplog.text and "vLLM keeps its own" in caplog.text
     load(emb, ckpt, layout, 0)  # vLLM's own pinned table, loaded by vLLM's own loader
     ev._state["attachments"].clear()
@@ -230,9 +240,9 @@ def test_our_hash_equals_vllms_hash_kernel_where_lookbacks_have_unknown_ids(mod,
     vcfg.use_v2_model_runner = True  # no slot cache: unknown lookback ids hash as pad
     vcfg.model_config.tokenizer = ckpt
     vcfg.model_config.trust_remote_code = False
-    layout = mod.EngramLayout.from_config(vllm_stubs.hf_config(ckpt))
+    layout = mod.layout(ckpt)
     with torch.device("cuda"):
-        hasher = mod.NgramHashState(vcfg, layout, SimpleNamespace(block_size=16, kv_cache=None)).cuda()
+        hasher = mod.common.NgramHashState(vcfg, layout, SimpleNamespace(block_size=16, kv_cache=None)).cuda()
     t = engram.attach(ckpt, socket=served.socket)
     eng = t.engine(MAX_TOKENS)
     rng = np.random.default_rng(5)

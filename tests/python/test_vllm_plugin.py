@@ -220,7 +220,8 @@ def test_a_different_surface_fails_closed_naming_the_version_and_the_difference(
     assert STAND_IN_VERSION in str(e.value) and named in str(e.value) and "fail closed" in str(e.value)
 
 
-@pytest.mark.parametrize("drop, named", [(("engram_config", "use_thp"), "engram_config lacks use_thp"),
+@pytest.mark.parametrize("drop, named", [(("engram_config", "dp_shared_memory"), "engram_config lacks dp_shared_memory"),
+                                         (("engram_config", "cpu_offload"), "engram_config lacks cpu_offload"),
                                          (("parallel_config", "enable_elastic_ep"), "lacks enable_elastic_ep"),
                                          (("parallel_config", "data_parallel_size_local"),
                                           "lacks data_parallel_size_local"),
@@ -233,6 +234,124 @@ def test_an_engine_config_without_the_fields_the_plugin_reads_fails_closed(fake_
     delattr(getattr(m.config, drop[0]), drop[1])
     with pytest.raises(RuntimeError, match=named):
         m.Engram()._create_embedding(None, 0)
+
+
+def test_the_thp_field_under_either_name_is_not_required(fake_vllm, checkpoint, tmp_path, caplog):
+    # vLLM has called its huge-page packing setting use_thp and thp_packing; the plugin reads neither to serve.
+    m = stand_in()
+    ev.install(m)
+    for name in ("use_thp", "thp_packing", None):
+        fields = {"cpu_offload": True, "dp_shared_memory": None, "embedding_across_dp": False}
+        if name:
+            fields[name] = True
+        m.config = vllm_stubs.make_vllm_config(checkpoint, engram_fields=fields, additional_config={
+            "engram": {"socket": str(tmp_path / "none.sock"), "timeout_ms": 200, "require": True}})
+        with pytest.raises(RuntimeError, match="DAEMON_UNAVAILABLE"):  # got as far as attaching
+            m.Engram()._create_embedding(None, 0)
+
+
+def nvidia_stand_in(tmp_path):
+    """A split layout written here: <pkg>.common.engram (the GPU-resident base) and <pkg>.nvidia.engram (the
+    NVIDIA subclasses the model builds), as importable modules."""
+    import importlib
+    root = tmp_path / "split"
+    for part in ("common", "nvidia"):
+        (root / "splitpkg" / part).mkdir(parents=True)
+        (root / "splitpkg" / part / "__init__.py").write_text("")
+    (root / "splitpkg" / "__init__.py").write_text("")
+    (root / "splitpkg" / "common" / "engram.py").write_text(
+        "class ParallelEngramEmbedding:\n"
+        "    def __init__(self, num_embeddings, dim, head_sizes, block_size=32):\n"
+        "        self.args = (num_embeddings, dim, head_sizes)\n"
+        "class Engram:\n"
+        "    def _create_embedding(self, layout, layer_hash_index):\n"
+        "        return ('common', layer_hash_index)\n"
+        "get_tensor_model_parallel_rank = lambda: 0\n"
+        "get_tensor_model_parallel_world_size = lambda: 1\n"
+        "config = None\n"
+        "get_current_vllm_config = lambda: config\n")
+    (root / "splitpkg" / "nvidia" / "engram.py").write_text(
+        "from splitpkg.common import engram as base\n"
+        "from splitpkg.common.engram import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size\n"
+        "def get_current_vllm_config():\n"
+        "    return base.config\n"
+        "get_engram_dp_size = lambda: 1\n"
+        "class ParallelEngramEmbedding(base.ParallelEngramEmbedding):\n"
+        "    _weight_loader = staticmethod(lambda p, w: None)\n"
+        "    def __init__(self, num_embeddings, dim, head_sizes, block_size=32, cpu_offload=False,\n"
+        "                 dp_shared_memory=False, disk_offload_dir=None):\n"
+        "        super().__init__(num_embeddings, dim, head_sizes, block_size)\n"
+        "    def _allocate_weights(self):\n"
+        "        return None, None\n"
+        "    def _storage(self):\n"
+        "        return None, None\n"
+        "    def lookup(self, indices, out, background=False, packed=False):\n"
+        "        return None\n"
+        "class Engram(base.Engram):\n"
+        "    def _create_embedding(self, layout, layer_hash_index):\n"
+        "        return ('nvidia', layer_hash_index)\n")
+    sys.path.insert(0, str(root))
+    try:
+        common = importlib.import_module("splitpkg.common.engram")
+        nvidia = importlib.import_module("splitpkg.nvidia.engram")
+    finally:
+        sys.path.remove(str(root))
+    return common, nvidia
+
+
+@pytest.fixture
+def split(tmp_path):
+    yield nvidia_stand_in(tmp_path)
+    for n in [n for n in sys.modules if n == "splitpkg" or n.startswith("splitpkg.")]:
+        del sys.modules[n]
+
+
+def test_the_nvidia_class_of_a_split_layout_is_patched_and_served(fake_vllm, split, checkpoint, tmp_path, caplog):
+    common, nvidia = split
+    sc, sn = ev.layouts.Surface(common), ev.layouts.Surface(nvidia)
+    assert (sc.kind, sc.served, sc.problems) == ("common", False, [])
+    assert (sn.kind, sn.served, sn.problems) == ("nvidia", True, [])  # extra defaulted parameters are fine
+    with caplog.at_level(logging.INFO, logger="vllm.engram"):
+        ev.install(sn)
+        ev.install(sc)
+    assert "module=splitpkg.nvidia.engram layout=nvidia" in caplog.text and "served=yes" in caplog.text
+    assert "module=splitpkg.common.engram layout=common" in caplog.text
+    common.config = vllm_stubs.make_vllm_config(checkpoint, additional_config={
+        "engram": {"socket": str(tmp_path / "none.sock"), "timeout_ms": 200, "require": True}})
+    # The model builds the NVIDIA class: its own override is the one patched, and it attaches (here: to nothing).
+    with pytest.raises(RuntimeError, match="require is true: .*DAEMON_UNAVAILABLE"):
+        nvidia.Engram()._create_embedding(None, 0)
+    # The GPU-resident base class, configured: refused with the reason, never silently its own table.
+    with pytest.raises(RuntimeError, match="keeps its Engram table in GPU memory"):
+        common.Engram()._create_embedding(None, 0)
+    common.config.additional_config["engram"]["require"] = False
+    with caplog.at_level(logging.WARNING, logger="vllm.engram"):
+        assert common.Engram()._create_embedding(None, 3) == ("common", 3)
+        assert common.Engram()._create_embedding(None, 4) == ("common", 4)
+    assert caplog.text.count("keeps its Engram table in GPU memory") == 1, caplog.text
+    ev.uninstall()
+    assert nvidia.Engram()._create_embedding(None, 1) == ("nvidia", 1)
+
+
+def test_an_engram_class_without_create_embedding_is_guarded(fake_vllm, checkpoint):
+    m = stand_in()
+    del m.Engram._create_embedding
+
+    def __init__(self):
+        self.built = True
+
+    m.Engram.__init__ = __init__
+    problems = ev.check_surface(m)
+    assert any("no _create_embedding" in p for p in problems), problems
+    ev.install(m)
+    m.config = vllm_stubs.make_vllm_config(checkpoint)
+    assert m.Engram().built  # unconfigured: vLLM as it is
+    m.config.additional_config = {"engram": {}}
+    with pytest.raises(RuntimeError, match="fail closed") as e:
+        m.Engram()
+    assert STAND_IN_VERSION in str(e.value)
+    ev.uninstall()
+    assert m.Engram().built
 
 
 # -- vLLM's own module -------------------------------------------------------------------------------------------
