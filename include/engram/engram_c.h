@@ -22,6 +22,18 @@
 extern "C" {
 #endif
 
+/* ---- Versions ----
+ * ENGRAM_ABI_VERSION: the version of this C ABI, maintained by hand. It is bumped on every incompatible change of
+ * its functions or structs (a function removed or its signature or meaning changed, a struct's layout or an enum's
+ * numbers changed); adding a function is compatible and keeps it. A binding checks engram_abi_version() against
+ * the number it was written for before it calls anything else.
+ * engram_version(): this library's version, ENGRAM_VERSION_STRING of the engram/version.h it was built with
+ * ("major.minor.patch"), in static storage. engram_abi_version(): the ENGRAM_ABI_VERSION it was built with. Both may be
+ * called first, before anything else, from any thread, and never fail. */
+#define ENGRAM_ABI_VERSION 1
+const char* engram_version(void);
+int engram_abi_version(void);
+
 typedef struct engram_table engram_table;
 
 /* Why a table is not shared: the same numbers as engram.v1.FallbackReason and engram::client::ReasonCode. */

@@ -1,12 +1,14 @@
 /* The C API from C: attach with no daemon (a private table from the checkpoint), read mode and reasons, hash one
  * request and compare every id with an independent recomputation of docs/math.md section 5, look layer 0's rows up and
- * compare each with the independent row oracle (c_api_oracle.h), and hit every refusal. Prints "N passed, N failed".
+ * compare each with the independent row oracle (c_api_oracle.h), and hit every refusal; first, the versions against
+ * engram/version.h. Prints "N passed, N failed".
  * Usage: c_api_test CHECKPOINT_DIR PLAN_JSON TOKENMAP_BIN (from `engramctl plan --json` and `engramctl tokenmap`) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "engram/engram_c.h"
+#include "engram/version.h"
 #include "tests/integration/c_api_oracle.h"
 
 static int passed = 0, failed = 0;
@@ -22,6 +24,11 @@ static int passed = 0, failed = 0;
 
 int main(int argc, char** argv) {
   if (argc != 4) return 2;
+  /* The versions, called first (before anything else): the library's are this build's (engram/version.h). */
+  CHECK(engram_abi_version() == ENGRAM_ABI_VERSION);
+  CHECK(ENGRAM_ABI_VERSION >= 1);
+  CHECK(engram_version() != NULL && strcmp(engram_version(), ENGRAM_VERSION_STRING) == 0);
+  CHECK(engram_version() == engram_version()); /* static storage: the same string every call */
   char err[512] = {0};
   engram_table* t = NULL;
   engram_attach_request req = ENGRAM_ATTACH_REQUEST_INIT;
