@@ -2,6 +2,7 @@
 //
 //   engramd --checkpoint DIR [--checkpoint DIR ...] --tp 1[,2,...] [--shm-dir DIR] [--socket PATH] [--group NAME]
 //           [--tickets N] [--threads N] [--log-level LEVEL] [--metrics-file PATH] [--config FILE]
+//   engramd --version     prints "engramd <version>" (engram/version.h) and exits 0
 //
 // Runs in the foreground, logs to stderr, readiness through sd_notify (READY=1 once the requested segments are
 // settled, STATUS= progress while loading). SIGTERM/SIGINT: stop accepting, tell sessions, leave READY segments in
@@ -25,6 +26,7 @@
 #include "daemon/options.h"
 #include "daemon/refuser.h"
 #include "daemon/service.h"
+#include "engram/version.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -36,7 +38,12 @@ int main(int argc, char** argv) {
           "usage: engramd --checkpoint DIR [--checkpoint DIR ...] [--tp 1,2] [--shm-dir DIR] [--socket PATH]\n"
           "               [--group NAME] [--admin-group NAME] [--tickets N] [--max-sessions N] [--max-sessions-per-uid "
           "N] [--threads N] [--log-level LEVEL]\n"
-          "               [--metrics-file PATH] [--config FILE]\n");
+          "               [--metrics-file PATH] [--config FILE]\n"
+          "       engramd --version\n");
+      return 0;
+    }
+    if (std::string(argv[i]) == "--version") {
+      std::printf("engramd %s\n", ENGRAM_VERSION_STRING);
       return 0;
     }
   }
@@ -117,8 +124,8 @@ int main(int argc, char** argv) {
   }
   listener.Start(
       [&](int fd, bool allowed) { grpc::AddInsecureChannelFromFd(allowed ? server.get() : refuser.get(), fd); });
-  spdlog::info("event=listening socket={} shm_dir={} checkpoints={} tickets={}", opts->socket, opts->shm_dir,
-               opts->checkpoints.size(), opts->tickets);
+  spdlog::info("event=listening version={} socket={} shm_dir={} checkpoints={} tickets={}", ENGRAM_VERSION_STRING,
+               opts->socket, opts->shm_dir, opts->checkpoints.size(), opts->tickets);
 
   std::atomic<bool> done{false};
   std::thread readiness([&] {

@@ -5,6 +5,7 @@
 #include <iostream>
 #include <vector>
 
+#include "engram/version.h"
 #include "tools/ctl_daemon.h"
 #include "tools/ctl_offline.h"
 
@@ -25,7 +26,8 @@ int Help(int code) {
          "  attach --checkpoint DIR [--tp-size N --tp-rank R --dp-size N --dp-rank R --local-dp-size N]\n"
          "         [--cpu-offload auto|true|false] [--dp-shared-memory auto|true|false] [--embedding-across-dp]\n"
          "         [--elastic-ep] [--no-descriptor] [--shm-dir DIR] [--ticket] [--verify N] [--hold S]\n"
-         "         [--socket PATH]\n";
+         "         [--socket PATH]\n"
+         "  --version                          (print engramctl's version)\n";
   return code;
 }
 
@@ -44,6 +46,10 @@ int main(int argc, char** argv) {
   if (argc < 2) return Help(2);
   const std::string cmd = argv[1];
   if (cmd == "-h" || cmd == "--help" || cmd == "help") return Help(0);
+  if (cmd == "--version") {
+    std::cout << "engramctl " << ENGRAM_VERSION_STRING << "\n";
+    return 0;
+  }
   if (cmd == "plan") return engram::tools::CmdPlan(argc, argv);
   if (cmd == "tokenmap") return engram::tools::CmdTokenMap(argc, argv);
   if (cmd == "hash") return engram::tools::CmdHash(argc, argv);

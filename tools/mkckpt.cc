@@ -3,6 +3,7 @@
 #include <iostream>
 
 #include "absl/strings/str_format.h"
+#include "engram/version.h"
 #include "tools/args.h"
 #include "tools/synthetic.h"
 
@@ -12,7 +13,11 @@ int main(int argc, char** argv) {
   auto st = a.Parse(argc, argv, 1,
                     {"--out", "--table-mib", "--layers", "--heads", "--max-ngram", "--head-dim", "--hidden",
                      "--hc-mult", "--seed", "--shards", "--threads", "--like", "--engram-vocab-size"},
-                    {"--model-prefix", "--sparse", "--help"});
+                    {"--model-prefix", "--sparse", "--help", "--version"});
+  if (st.ok() && a.Has("--version")) {
+    std::cout << "engram-mkckpt " << ENGRAM_VERSION_STRING << "\n";
+    return 0;
+  }
   if (!st.ok() || a.Has("--help") || !a.Has("--out")) {
     if (!st.ok()) std::cerr << "engram-mkckpt: " << st.message() << "\n";
     std::cerr
@@ -21,6 +26,7 @@ int main(int argc, char** argv) {
            "                     [--seed N] [--shards N] [--model-prefix] [--threads N]\n"
            "       engram-mkckpt --out DIR --like deepseek-v4.1-flash [--layers 1] [--seed N] [--shards N]\n"
            "  --sparse: full tensor shapes, pattern rows in a few regions (engram-pattern.json), holes elsewhere\n"
+           "       engram-mkckpt --version\n"
            "  --like MODEL: that model's real geometry, sparse (--layers picks some of its layer ids)\n";
     return a.Has("--help") && st.ok() ? 0 : 2;
   }

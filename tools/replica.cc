@@ -20,6 +20,7 @@
 #include "client/dp/plan.h"
 #include "engram/client.h"
 #include "engram/lookup_engine.h"
+#include "engram/version.h"
 
 #ifdef ENGRAM_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -220,7 +221,11 @@ int main(int argc, char** argv) {
                     {"--socket", "--checkpoint", "--tp-size", "--tp-rank", "--dp-size", "--dp-rank", "--local-dp-size",
                      "--dp-shared-memory", "--cpu-offload", "--batches", "--tokens", "--hold", "--shm-dir",
                      "--timeout-ms", "--verify", "--device"},
-                    {"--embedding-across-dp", "--elastic-ep", "--write-probe", "--no-descriptor"});
+                    {"--embedding-across-dp", "--elastic-ep", "--write-probe", "--no-descriptor", "--version"});
+  if (st.ok() && a.Has("--version")) {
+    std::cout << "engram-replica " << ENGRAM_VERSION_STRING << "\n";
+    return 0;
+  }
   if (!st.ok() || !a.Has("--checkpoint")) {
     std::cerr
         << "engram-replica: " << (st.ok() ? "--checkpoint DIR is required" : std::string(st.message())) << "\n"
@@ -228,7 +233,8 @@ int main(int argc, char** argv) {
            "       [--dp-shared-memory auto|true|false] [--cpu-offload true|false] [--embedding-across-dp]\n"
            "       [--elastic-ep] [--batches N] [--tokens N] [--hold SECONDS] [--write-probe]\n"
            "       [--no-descriptor] [--shm-dir DIR (path fallback: the daemon's shm dir as seen here)]\n"
-           "       [--device N (CUDA device, e.g. one per DP rank)]\n";
+           "       [--device N (CUDA device, e.g. one per DP rank)]\n"
+           "       engram-replica --version\n";
     return 2;
   }
   auto geti = [&](const char* n, int64_t d) { return a.GetInt(n, d).value_or(d); };

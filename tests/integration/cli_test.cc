@@ -1,8 +1,9 @@
 // engramctl and engram-mkckpt as real processes: the exact --json shapes, exit codes (0 / 1 failure / 2 usage),
-// and agreement with the goldens.
+// and agreement with the goldens; every installed binary's --version (engram/version.h) and its usage naming it.
 #include <set>
 #include <string>
 
+#include "engram/version.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/test_util.h"
@@ -135,6 +136,28 @@ TEST_F(CliTest, BadArgumentsExitTwoWithOneLine) {
   }
   EXPECT_EQ(RunCmd(BinPath("engram-mkckpt") + " --table-mib 1").exit_code, 2);
   EXPECT_EQ(RunCmd(BinPath("engram-mkckpt") + " --out /tmp/x --heads seven").exit_code, 2);
+}
+
+// Every binary `install(TARGETS` installs: `--version` prints "<name> <version>" alone on stdout and exits 0, and
+// its usage text lists the option.
+TEST(VersionTest, EveryInstalledBinaryPrintsTheBuildsVersion) {
+  struct Binary {
+    std::string name, path, usage;  // usage: the arguments that print the usage text (stdout or stderr)
+  };
+  for (const Binary& b :
+       {Binary{"engramd", BinPath("../daemon/engramd"), "--help"}, Binary{"engramctl", Ctl(), "--help"},
+        Binary{"engram-mkckpt", BinPath("engram-mkckpt"), "--help"},
+        Binary{"engram-replica", BinPath("engram-replica"), ""}}) {
+    auto r = RunCmd(b.path + " --version");
+    EXPECT_EQ(r.exit_code, 0) << b.name << ": " << r.err;
+    EXPECT_EQ(r.out, b.name + " " + ENGRAM_VERSION_STRING + "\n") << b.name;
+    EXPECT_TRUE(r.err.empty()) << b.name << ": " << r.err;
+    auto usage = RunCmd(b.path + " " + b.usage);
+    EXPECT_NE((usage.out + usage.err).find("--version"), std::string::npos) << b.name << ": " << usage.out << usage.err;
+  }
+  EXPECT_EQ(std::string(ENGRAM_VERSION_STRING), std::to_string(ENGRAM_VERSION_MAJOR) + "." +
+                                                    std::to_string(ENGRAM_VERSION_MINOR) + "." +
+                                                    std::to_string(ENGRAM_VERSION_PATCH));
 }
 
 TEST_F(CliTest, TokenMapJsonMatchesTheGoldenBytes) {
