@@ -5,7 +5,8 @@
 //
 // What status shows for a replica is what it reported last: the daemon's decision at attach, then the result of
 // its registration, then its Outcome (ClientMessage.outcome), which replaces mode, reasons and backend exactly as
-// the replica sent them, so status never lists a mode no process is in.
+// the replica sent them, so status never lists a mode no process is in. Its hello is kept whole for the session:
+// topology, pid and client_version (the replica's library version, checked by the service before it gets here).
 //
 // Ownership: the registry owns its replica records (including each session's notify callback); callers get copies
 // (ReplicaInfo). It knows segments only by key (checkpoint dir + "/" + segment name).
@@ -54,7 +55,7 @@ absl::Status ValidateOutcome(const engram::v1::Outcome& outcome, engram::v1::Out
 struct ReplicaInfo {
   std::string lease_id;
   PeerCred peer;
-  engram::v1::Hello hello;
+  engram::v1::Hello hello;  // as the replica sent it (its topology, pid and client_version), kept for the session
   engram::v1::Mode mode = engram::v1::MODE_UNSPECIFIED;
   // "unknown" until the replica reports one; status shows "registering" while it holds a ticket instead.
   std::string backend = "unknown";

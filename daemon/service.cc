@@ -24,6 +24,19 @@ grpc::Status Bounded(const char* field, const std::string& value, size_t max = k
                       absl::StrCat(field, " is ", value.size(), " bytes, at most ", max, " are accepted"));
 }
 
+// OK, or INVALID_ARGUMENT when the hello's client_version (shown as it is in status) is longer than
+// kMaxClientVersionBytes or holds a byte that is not printable ASCII.
+grpc::Status CheckClientVersion(const std::string& v) {
+  if (auto st = Bounded("hello.client_version", v, kMaxClientVersionBytes); !st.ok()) return st;
+  for (const unsigned char c : v) {
+    if (c < 0x20 || c > 0x7e) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrFormat("hello.client_version holds byte 0x%02x: printable ASCII only", c));
+    }
+  }
+  return grpc::Status::OK;
+}
+
 // What the group registry notifies this session through: writes to the session's stream until the session closes
 // it, then drops them. The registry sends updates outside its lock, possibly just after the session ended, so the
 // callback it holds must stay callable while the stream it wrote to is gone (daemon/group_registry.h).
@@ -111,7 +124,9 @@ grpc::Status EngramService::Session(
   if (first.msg_case() != engram::v1::ClientMessage::kHello) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the first message of a session must be a hello");
   }
-  if (auto st = Bounded("hello.checkpoint", first.hello().checkpoint()); !st.ok()) {
+  for (const grpc::Status& st :
+       {Bounded("hello.checkpoint", first.hello().checkpoint()), CheckClientVersion(first.hello().client_version())}) {
+    if (st.ok()) continue;
     spdlog::warn("event=refused pid={} uid={} reason=INVALID_ARGUMENT detail=\"{}\"", peer.pid, peer.uid,
                  st.error_message());
     return st;

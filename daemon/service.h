@@ -4,8 +4,9 @@
 // The stream is the lease: when it ends for any reason the replica is detached. Every
 // malformed or out-of-order message ends that one session with a precise status; nothing a client sends can take
 // the daemon down. Every string a client sends is bounded (kMaxClientStringBytes: hello.checkpoint, the checkpoint
-// of Load/Unload, a registration's error; a backend name kMaxBackendBytes): longer is INVALID_ARGUMENT, and what is
-// echoed back into hints and status is cut further (kMaxEchoBytes, daemon/fallback.h). Thread-safe (gRPC's sync
+// of Load/Unload, a registration's error; a backend name kMaxBackendBytes; hello.client_version kMaxClientVersionBytes
+// of printable ASCII): longer or otherwise is INVALID_ARGUMENT, and what is echoed back into hints and status is cut
+// further (kMaxEchoBytes, daemon/fallback.h). Thread-safe (gRPC's sync
 // server runs each call on its own thread).
 #pragma once
 
@@ -20,6 +21,7 @@ namespace engram::daemon {
 
 inline constexpr size_t kMaxClientStringBytes = 4096;
 inline constexpr size_t kMaxBackendBytes = 64;
+inline constexpr size_t kMaxClientVersionBytes = 64;
 
 class EngramService final : public engram::v1::Engram::Service {
  public:

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "engram/version.h"
 #include "shm/capacity.h"
 
 namespace engram::daemon {
@@ -64,6 +65,7 @@ engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const Repli
     rep->set_dp_size(r.hello.dp_size());
     rep->set_local_dp_size(r.hello.local_dp_size());
     rep->set_tp_size(r.hello.tp_size());
+    rep->set_client_version(r.hello.client_version());  // "" from a client that sends none
     const size_t slash = r.segment_key.rfind('/');
     rep->set_segment(slash == std::string::npos ? r.segment_key : r.segment_key.substr(slash + 1));
     listed_bytes += rep->ByteSizeLong();
@@ -77,6 +79,7 @@ engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const Repli
   }
   s.set_draining(draining);
   s.set_epoch(segments.epoch());
+  s.set_daemon_version(ENGRAM_VERSION_STRING);
   return s;
 }
 

@@ -5,6 +5,8 @@
 // modes as the replicas reported them; a replica holding a registration ticket shows backend "registering".
 // recent_fallbacks also carries the last failed loads/reloads (`load_failed dir=... detail=...`) and, when the
 // replica list was cut (kMaxStatusReplicas / kMaxStatusReplicaBytes), a `replicas_not_listed count=N` line.
+// daemon_version is this build's (engram/version.h); each replica's client_version is its hello's, "" when its
+// client sent none.
 // Pure functions over their arguments (BuildStatus also probes the shm directory); thread-safe.
 #pragma once
 

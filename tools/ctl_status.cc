@@ -143,11 +143,13 @@ int CmdStatus(int argc, char** argv) {
                              {"attach", r.attach()},
                              {"own_pid", r.own_pid()},
                              {"attached_seconds", r.attached_seconds()},
-                             {"register_seconds", r.register_seconds()}});
+                             {"register_seconds", r.register_seconds()},
+                             {"client_version", r.client_version()}});  // "": its client sent none
   }
   j["recent_fallbacks"] = s.recent_fallbacks();
   j["draining"] = s.draining();
   j["groups"] = GroupsJson(s);
+  j["daemon_version"] = s.daemon_version();  // "": an engramd that predates it
   j["descriptors"] = {
       {"socket", s.descriptors().socket()}, {"sent", s.descriptors().sent()}, {"refused", s.descriptors().refused()}};
   if (a.Has("--json")) {
@@ -156,6 +158,7 @@ int CmdStatus(int argc, char** argv) {
   }
   const auto& shm = s.shm();
   const uint64_t used = shm.total_bytes() - shm.free_bytes();
+  std::cout << absl::StrFormat("engramd %s on %s\n", s.daemon_version().empty() ? "-" : s.daemon_version(), socket);
   std::cout << absl::StrFormat("shm %s (huge pages: %s)\n  %s %s used of %s, engram %s, free %s\n\n", shm.path(),
                                shm.huge_pages(), Bar(used, shm.total_bytes()), GiB(used), GiB(shm.total_bytes()),
                                GiB(shm.engram_bytes()), GiB(shm.free_bytes()));
@@ -169,18 +172,19 @@ int CmdStatus(int argc, char** argv) {
                                  g.origin().empty() ? "-" : g.origin(), g.load_seconds(), g.checksum_state(),
                                  g.error().empty() ? "" : "  ! " + g.error());
   }
-  std::cout << absl::StrFormat("\n%-8s %-6s %-6s %-6s %-15s %-11s %-12s %-10s %s\n", "pid", "uid", "dp", "tp", "mode",
-                               "via", "attached", "register", "reasons");
+  std::cout << absl::StrFormat("\n%-8s %-6s %-6s %-6s %-15s %-11s %-12s %-10s %-10s %s\n", "pid", "uid", "dp", "tp",
+                               "mode", "via", "attached", "register", "client", "reasons");
   for (const auto& r : s.replicas()) {
     std::vector<std::string> reasons;
     for (const auto& x : r.reasons()) reasons.push_back(engram::v1::FallbackReason_Name(x.code()));
     // A replica in another PID namespace shows pid 0 to the daemon: its own pid, marked, is more use.
     const std::string pid = r.pid() != 0 ? std::to_string(r.pid()) : absl::StrCat("~", r.own_pid());
-    std::cout << absl::StrFormat("%-8s %-6d %-6s %-6s %-15s %-11s %-12s %-10s %s\n", pid, r.uid(),
+    std::cout << absl::StrFormat("%-8s %-6d %-6s %-6s %-15s %-11s %-12s %-10s %-10s %s\n", pid, r.uid(),
                                  absl::StrFormat("%d/%d", r.dp_rank(), r.dp_size()),
                                  absl::StrFormat("%d/%d", r.tp_rank(), r.tp_size()), r.mode(),
                                  r.attach().empty() ? "-" : r.attach(), absl::StrFormat("%.0fs", r.attached_seconds()),
                                  r.register_seconds() < 0 ? "-" : absl::StrFormat("%.2fs", r.register_seconds()),
+                                 r.client_version().empty() ? "-" : r.client_version(),  // "-": an older client
                                  reasons.empty() ? "-" : absl::StrJoin(reasons, ","));
     for (const auto& x : r.reasons())
       std::cout << "           " << engram::v1::FallbackReason_Name(x.code()) << ": " << x.hint() << "\n";

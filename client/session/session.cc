@@ -19,6 +19,7 @@
 #include "client/log.h"
 #include "client/session/descriptor_client.h"
 #include "engram/v1/engram.grpc.pb.h"
+#include "engram/version.h"
 #include "net/unix_socket.h"
 
 namespace engram::client {
@@ -72,6 +73,7 @@ v1::ClientMessage Hello(const Declaration& d) {
   h->mutable_config()->set_dp_shared_memory(WireChoice(d.dp_shared_memory));
   h->mutable_config()->set_embedding_across_dp(d.embedding_across_dp);
   h->set_pid(static_cast<int32_t>(::getpid()));
+  h->set_client_version(ENGRAM_VERSION_STRING);  // status shows it per replica
   return hello;
 }
 

@@ -26,7 +26,7 @@
 
 namespace engram::client {
 
-// What a replica declares in its hello.
+// What a replica declares in its hello (which also carries this library's version, engram/version.h).
 struct Declaration {
   uint64_t fingerprint = 0;
   std::string checkpoint;

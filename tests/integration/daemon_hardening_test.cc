@@ -1,7 +1,8 @@
 // engramd hardening, as real processes: forged files in the shm directory are never adopted nor written through,
 // aliases of a checkpoint path are one checkpoint, one engramd per shm directory (flock), SIGHUP is all or nothing
 // (a broken new configuration changes nothing; a TP change publishes and retires shards), running out of
-// descriptors does not spin the accept loop, long client strings cannot blow up status, --group members can map the
+// descriptors does not spin the accept loop, long client strings cannot blow up status, a hello's client version is
+// bounded printable text and status shows it per replica (with the daemon's own), --group members can map the
 // segments, failed loads are logged and shown, and refused uids get nothing from any service (health included).
 //
 // Every test has its own shm directory and socket under a temporary directory (never /dev/shm), so the tests run in
@@ -24,12 +25,15 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "engram/v1/engram.grpc.pb.h"
+#include "engram/version.h"
 #include "gtest/gtest.h"
 #include "model/checkpoint.h"
 #include "nlohmann/json.hpp"
@@ -521,6 +525,90 @@ TEST(DaemonHardeningTest, LongClientStringsCannotBreakStatus) {
   for (auto& c : ctx) c->TryCancel();
   for (auto& h : held) h->Finish();
   EXPECT_TRUE(d.proc().Running());
+}
+
+// --- versions: the daemon's own and each replica's, as its hello said it ------------------------------------------
+
+TEST(DaemonHardeningTest, ClientVersionsAreBoundedAndStatusShowsEachReplicas) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 2);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  EXPECT_NE(d.Log().find(std::string("event=listening version=") + ENGRAM_VERSION_STRING + " "), std::string::npos)
+      << d.Log();
+  auto stub =
+      engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+  auto hello_with = [&](const std::string* version) {
+    engram::v1::ClientMessage m = testing::SharingHello(ckpt, shm, 2);
+    if (version != nullptr) m.mutable_hello()->set_client_version(*version);
+    return m;
+  };
+  // Refused: longer than 64 bytes, or a byte that is not printable ASCII (status prints the version as it is).
+  for (const std::string bad :
+       {std::string(65, '1'), std::string("0.2.0\n"), std::string("0.2\x1b[2J"), std::string("0.2.0\xc3\xa9")}) {
+    grpc::ClientContext ctx;
+    auto s = stub->Session(&ctx);
+    s->Write(hello_with(&bad));
+    s->WritesDone();
+    engram::v1::ServerMessage m;
+    EXPECT_FALSE(s->Read(&m) && m.has_grant()) << "client_version of " << bad.size() << " bytes was accepted";
+    const grpc::Status st = s->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_NE(st.error_message().find("hello.client_version"), std::string::npos) << st.error_message();
+  }
+  // Held: a version of 64 bytes, none (a client that predates the field), and a real client (engramctl attach).
+  const std::string longest = "9.8.7-rc1+" + std::string(54, 'g');
+  std::vector<std::unique_ptr<grpc::ClientContext>> ctx;
+  std::vector<std::unique_ptr<grpc::ClientReaderWriter<engram::v1::ClientMessage, engram::v1::ServerMessage>>> held;
+  for (const std::string* v : {&longest, static_cast<const std::string*>(nullptr)}) {
+    ctx.push_back(std::make_unique<grpc::ClientContext>());
+    held.push_back(stub->Session(ctx.back().get()));
+    ASSERT_TRUE(held.back()->Write(hello_with(v)));
+    engram::v1::ServerMessage m;
+    ASSERT_TRUE(held.back()->Read(&m));
+    ASSERT_TRUE(m.has_grant());
+  }
+  Process holder({BinPath("engramctl"), "attach", "--socket", d.socket(), "--checkpoint", ckpt, "--shm-dir", shm,
+                  "--dp-size", "2", "--hold", "600"},
+                 dir / "holder.log");
+  ASSERT_TRUE(WaitFor([&] { return !testing::JsonLine(holder.Output(), false).is_null(); }, 30s)) << holder.Output();
+  const json s = d.Status();
+  ASSERT_FALSE(s.is_null());
+  EXPECT_EQ(s["daemon_version"], ENGRAM_VERSION_STRING);
+  std::multiset<std::string> versions;
+  for (const auto& r : s["replicas"]) {
+    versions.insert(r["client_version"].get<std::string>());
+    if (r["pid"] == holder.pid()) EXPECT_EQ(r["client_version"], ENGRAM_VERSION_STRING) << r.dump();
+  }
+  EXPECT_EQ(versions, (std::multiset<std::string>{longest, "", ENGRAM_VERSION_STRING})) << s.dump();
+  // The text view: the daemon's version in its first line, each replica's in its column ("-": none sent).
+  const auto text = RunCmd(BinPath("engramctl") + " status --socket " + d.socket());
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  std::istringstream lines(text.out);
+  std::string line;
+  std::getline(lines, line);
+  EXPECT_EQ(line, std::string("engramd ") + ENGRAM_VERSION_STRING + " on " + d.socket());
+  std::multiset<std::string> shown;
+  bool in_replicas = false;
+  while (std::getline(lines, line)) {
+    std::istringstream words(line);
+    std::vector<std::string> w{std::istream_iterator<std::string>(words), std::istream_iterator<std::string>()};
+    if (!w.empty() && w[0] == "pid") {
+      ASSERT_GE(w.size(), 9u);
+      EXPECT_EQ(w[8], "client") << line;
+      in_replicas = true;
+    } else if (in_replicas && (w.empty() || line[0] == ' ')) {
+      if (w.empty()) in_replicas = false;  // hint lines (indented) belong to the row above
+    } else if (in_replicas && w.size() >= 9) {
+      shown.insert(w[8]);
+    }
+  }
+  EXPECT_EQ(shown, (std::multiset<std::string>{longest, "-", ENGRAM_VERSION_STRING})) << text.out;
+  for (auto& c : ctx) c->TryCancel();
+  for (auto& h : held) h->Finish();
+  holder.Signal(SIGKILL);
+  holder.Wait();
 }
 
 // --- --group members can map the segments (through the descriptor the daemon passes) -----------------------------

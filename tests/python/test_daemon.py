@@ -36,6 +36,24 @@ def test_one_process_attaches_shared_and_is_listed(daemon, checkpoint):
         t.close()
 
 
+def test_status_carries_the_daemons_and_each_replicas_version(daemon, checkpoint):
+    # The build's version, as CMake generated it for the package (<build>/python/engram/_version.py).
+    from conftest import build_dir
+    generated = {}
+    with open(os.path.join(build_dir(), "python", "engram", "_version.py")) as f:
+        exec(f.read(), generated)
+    want = generated["__version__"]
+    assert engram._lib.lib.engram_version().decode() == want
+    t = engram.attach(checkpoint, dp_size=2, dp_rank=0, socket=daemon.socket, shm_dir=daemon.shm, backend="cpu")
+    try:
+        st = engram.status(daemon.socket)
+        assert st["daemon_version"] == want, st
+        mine = [r for r in st["replicas"] if r["pid"] == os.getpid()]
+        assert len(mine) == 1 and mine[0]["client_version"] == want, st
+    finally:
+        t.close()
+
+
 def test_a_fallback_names_its_reason_and_hint(daemon, checkpoint):
     # The daemon serves TP 1 only: a TP 2 rank gets a private table, and the daemon says why.
     t = engram.attach(checkpoint, tp_size=2, tp_rank=1, dp_size=2, socket=daemon.socket, shm_dir=daemon.shm,

@@ -1,6 +1,7 @@
 // ReplicaRegistry (daemon/replica_registry.h), in-process: leases, FIFO registration tickets (capacity 1 and 2),
 // tickets given back on detach, queued waiters removed on detach, capacity changes (also through Coordinator's
-// SIGHUP path), outcomes recorded and validated, recent fallbacks bounded. Threads wait on conditions, not sleeps.
+// SIGHUP path), outcomes recorded and validated, recent fallbacks bounded, the versions in status. Threads wait on
+// conditions, not sleeps.
 #include <atomic>
 #include <functional>
 #include <string>
@@ -12,6 +13,7 @@
 #include "daemon/options.h"
 #include "daemon/replica_registry.h"
 #include "daemon/status_report.h"
+#include "engram/version.h"
 #include "gtest/gtest.h"
 #include "tests/test_util.h"
 
@@ -282,6 +284,35 @@ TEST(ReplicaRegistryTest, StatusShowsRegisteringWhileATicketIsHeld) {
   EXPECT_EQ(s.replicas(0).mode(), "SHARED");
   EXPECT_EQ(s.replicas(0).pid(), 55);
   EXPECT_TRUE(s.draining());
+}
+
+// Status carries the daemon's version and, per replica, the client_version its hello said ("" when none), through
+// its registration and its outcome.
+TEST(ReplicaRegistryTest, StatusCarriesTheDaemonsAndEachReplicasVersion) {
+  testing::TempDir dir;
+  SegmentRegistry segments(dir.path(), 1, 7);
+  ReplicaRegistry reg(7, 1);
+  engram::v1::Hello with = MakeHello(0);
+  with.set_client_version("7.8.9-rc1");
+  const std::string a = reg.Attach(with, PeerCred{55, 0, 0}, Shared(), kSegment, nullptr);
+  const std::string b = reg.Attach(MakeHello(1), PeerCred{56, 0, 0}, Fallback(), "", nullptr);
+  engram::v1::RegisterResult ok;
+  ok.set_ok(true);
+  ok.set_backend("cpu");
+  ASSERT_TRUE(reg.AcquireTicket(a, [] { return false; }));
+  reg.ReportRegistration(a, ok);
+  engram::v1::Outcome shared;
+  shared.set_mode(engram::v1::SHARED);
+  shared.set_backend("cpu");
+  shared.set_attach(engram::v1::ATTACH_DESCRIPTOR);
+  ASSERT_TRUE(reg.RecordOutcome(a, shared).ok());
+  const auto s = BuildStatus(segments, reg, false);
+  EXPECT_EQ(s.daemon_version(), ENGRAM_VERSION_STRING);
+  ASSERT_EQ(s.replicas_size(), 2);
+  for (const auto& r : s.replicas()) EXPECT_EQ(r.client_version(), r.pid() == 55 ? "7.8.9-rc1" : "") << r.pid();
+  const auto all = reg.Replicas();
+  EXPECT_EQ(Find(all, a)->hello.client_version(), "7.8.9-rc1");
+  EXPECT_EQ(Find(all, b)->hello.client_version(), "");
 }
 
 engram::v1::Outcome MakeOutcome(engram::v1::Mode mode, const std::string& backend,
