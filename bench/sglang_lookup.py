@@ -3,8 +3,8 @@ same run, same int64 ids: per table size (V4.1's geometry: 2 layers, 24 hash col
 count, eagerly and in a CUDA graph; and the time to a ready table in a worker (SGLang's: create the memfd, load from
 the page cache, pin; the plugin's: attach and register).
 
-Needs the GPU machine's torch + triton and SGLang's own source files (ENGRAM_SGLANG_SRC, loaded against the
-stand-ins of tests/python/sglang_stubs.py). `ratio` is SGLang's time over ours (> 1: ours faster).
+Needs the GPU machine's torch + triton and SGLang's own source files (ENGRAM_SGLANG_SRC: one tree, or one per commit,
+the first commit the plugin serves is used; loaded against the stand-ins of tests/python/sglang_stubs.py). `ratio` is SGLang's time over ours (> 1: ours faster).
 
     python3 bench/sglang_lookup.py --table-mib 512,16384 [--tokens 1,4,64,1024,8192] [--iters 30]
 """
@@ -94,10 +94,18 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--build", default=os.environ.get("ENGRAM_BUILD_DIR", os.path.join(REPO, "build")))
     args = ap.parse_args()
-    src, why = sglang_stubs.src_dir_or_skip_reason()
-    if src is None:
+    why = sglang_stubs.skip_reason()
+    if why:
         sys.exit(why)
-    mod = sglang_stubs.load_engram_module(src)
+    mod = src = None
+    for commit, tree in sglang_stubs.sources():  # the first SGLang commit the plugin serves
+        m = sglang_stubs.load_engram_module(tree)
+        if not es.check_surface(m):
+            mod, src = m, tree
+            break
+    if mod is None:
+        sys.exit("ENGRAM_SGLANG_SRC holds no SGLang commit the plugin serves: " +
+                 ", ".join(c for c, _ in sglang_stubs.sources()))
     es.install(mod)
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} sglang-src {src}")
     for mib in [int(x) for x in args.table_mib.split(",")]:

@@ -1,12 +1,15 @@
-"""engram.sglang on the GPU against SGLang's own Engram module (ENGRAM_SGLANG_SRC, with stand-ins of the sglang.*
-modules it imports, sglang_stubs.py): SGLang's forward through the plugin equals, bit for bit, SGLang's own Triton
-gather on its own shared host table (memfd, pinned) filled by its own loader, for int64 ids including -1, ids past
-the table and batches larger than one engine call, eagerly and under torch.cuda.graph capture and replay; another
-checkpoint fails the load; engramd down keeps SGLang's own storage (or fails when required). Skipped, with the
-reason, without torch >= 2.4 and a GPU, triton, or ENGRAM_SGLANG_SRC."""
+"""engram.sglang on the GPU against SGLang's own Engram module at each SGLang commit ENGRAM_SGLANG_SRC holds (one tree,
+or one per commit; stand-ins of the sglang.* modules it imports, sglang_stubs.py): SGLang's forward through the
+plugin equals, bit for bit, SGLang's own Triton gather (its engram_gather.py, from the commit's tree or another of
+the directory) on its own shared host table (memfd, pinned) filled by its own loader, for int64 ids including -1,
+ids past the table and batches larger than one engine call, eagerly and under torch.cuda.graph capture and replay;
+another checkpoint fails the load; engramd down keeps SGLang's own storage (or fails when required). A commit the
+plugin refuses (test_sglang_plugin.py) skips here with the reason. Skipped, with the reason, without torch >= 2.4
+and a GPU, triton, SGLang's gather kernel, or ENGRAM_SGLANG_SRC."""
 import json
 import logging
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -22,9 +25,9 @@ try:
     import triton  # noqa: F401
 except ImportError:
     pytest.skip("SGLang's Engram gather needs triton", allow_module_level=True)
-SRC, WHY = sglang_stubs.src_dir_or_skip_reason()
-if SRC is None:
-    pytest.skip(WHY, allow_module_level=True)
+if sglang_stubs.skip_reason():
+    pytest.skip(sglang_stubs.skip_reason(), allow_module_level=True)
+COMMITS = sglang_stubs.sources()
 
 # SGLang's own host tables are registered with CUDA and never unregistered (its _HostTable keeps them for the
 # process's life): they are kept alive here, so that no later mapping of this test process reuses their addresses
@@ -55,13 +58,23 @@ def served(ckpt, tmp_path_factory):
         d.stop()
 
 
-@pytest.fixture(scope="module")
-def mod():
-    m = sglang_stubs.load_engram_module(SRC)
+@pytest.fixture(scope="module", params=[src for _, src in COMMITS], ids=[c for c, _ in COMMITS])
+def mod(request):
+    src = request.param
+    if sglang_stubs.kernel_file(src, "engram_gather") is None:
+        pytest.skip(f"ENGRAM_SGLANG_SRC has no {sglang_stubs.KERNELS}/engram_gather.py (SGLang's gather, the "
+                    f"oracle) for {sglang_stubs.commit_of(src)} or another commit")
+    m = sglang_stubs.load_engram_module(src)
+    problems = es.check_surface(m)
+    if problems:
+        pytest.skip(f"the plugin refuses SGLang {sglang_stubs.commit_of(src)} ({'; '.join(problems)}): nothing to "
+                    "serve on the GPU (test_sglang_plugin.py tests the refusal)")
     es.uninstall()
     es.install(m)
     yield m
     es.uninstall()
+    for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+        del sys.modules[name]
 
 
 def config(ckpt):
