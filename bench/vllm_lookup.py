@@ -1,4 +1,6 @@
-"""vLLM's own Engram lookup on its own pinned table against the engram.vllm plugin's, in the same run, same ids:
+"""vLLM's own Engram lookup on its own pinned table against the engram.vllm plugin's, in the same run, same ids, with
+the layer built by the model's own Engram class of one stored vLLM version (`--version`, a tag of
+tests/python/vllm_stubs.py VERSIONS; default the upstream NVIDIA layout):
 per table size (V4.1's geometry: 2 layers, 24 hash columns, head_dim 256), per token count, bf16 and packed output,
 eagerly and in a CUDA graph; and the time to a ready table in a worker (vLLM's pinned path: allocate and load from the
 page cache, vs the plugin: attach and register), for a first and a second engine while the segment stays READY.
@@ -6,15 +8,15 @@ page cache, vs the plugin: attach and register), for a first and a second engine
 Needs the GPU machine's torch + triton and vLLM's own source files (ENGRAM_VLLM_SRC, loaded against the stand-ins
 of tests/python/vllm_stubs.py). Prints one line per measurement; `ratio` is vLLM's time over ours (> 1: ours faster).
 
-    python3 bench/vllm_lookup.py --table-mib 512,16384 [--tokens 1,4,64,1024,8192] [--iters 50]
+    python3 bench/vllm_lookup.py --table-mib 512,16384 [--tokens 1,4,64,1024,8192] [--iters 50] [--version TAG]
 """
 import argparse
 import os
 import subprocess
 import sys
 import tempfile
+import inspect
 import time
-from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -53,21 +55,32 @@ def start_daemon(build, ckpt, shm, sock, log):
 tensors = embed_tensors
 
 
-def make(mod, ckpt, sock, li, own, max_tokens):
+def make(vm, ckpt, sock, li, own, max_tokens):
+    """The embedding of layer index li, in the layer the model's own Engram class builds (vLLM's own table when
+    `own`, else the plugin's)."""
     vllm_stubs.STATE.tp = (1, 0)
     extra = {} if own else {"engram": {"socket": sock, "require": True}}
-    vllm_stubs.STATE.config = vllm_stubs.make_vllm_config(ckpt, additional_config=extra, max_tokens=max_tokens)
-    layout = mod.EngramLayout.from_config(vllm_stubs.hf_config(ckpt))
+    vllm_stubs.STATE.config = vllm_stubs.make_vllm_config(ckpt, additional_config=extra, max_tokens=max_tokens,
+                                                          engram_fields=vm.engram_fields, dp_shared_memory=False)
     with torch.device("cuda"):
-        return mod.Engram._create_embedding(SimpleNamespace(), layout, li), layout
+        layer, layout = vm.build_layer(ckpt, li)
+    return layer.embed_tokens, layout
 
 
-def ready_table(mod, ckpt, sock, own, max_tokens):
+def packed_kw(vm, emb):
+    """How the version's lookup is asked for packed records: {"packed": True}, {} (it reads the out's dtype), or
+    None (it cannot write them)."""
+    if "packed" in inspect.signature(type(emb).lookup).parameters:
+        return {"packed": True}
+    return {} if vm.version.tag.startswith("merged") else None
+
+
+def ready_table(vm, ckpt, sock, own, max_tokens):
     """Seconds until both layers' embeddings exist and their weights are loaded (the worker's view)."""
     t0 = time.monotonic()
     embs = []
     for li in (0, 1):
-        emb, layout = make(mod, ckpt, sock, li, own, max_tokens)
+        emb, layout = make(vm, ckpt, sock, li, own, max_tokens)
         t = tensors(ckpt, layout.layer_ids[li])
         emb.weight.weight_loader(emb.weight, t["weight"])
         emb.weight_scale_inv.weight_loader(emb.weight_scale_inv, t["scale"])
@@ -90,7 +103,7 @@ def ids_for(layout, T, n, seed):
     return out
 
 
-def time_lookup(emb, ids_sets, out, graph, iters):
+def time_lookup(emb, ids_sets, out, graph, iters, kw):
     """Median microseconds of one lookup of layer 0's ids into out, a fresh id set each time."""
     times = []
     static = ids_sets[0].clone()
@@ -98,11 +111,11 @@ def time_lookup(emb, ids_sets, out, graph, iters):
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            emb.lookup(static[:, 0, :], out)
+            emb.lookup(static[:, 0, :], out, **kw)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            emb.lookup(static[:, 0, :], out)
+            emb.lookup(static[:, 0, :], out, **kw)
     for i in range(iters + 3):
         ids = ids_sets[i % len(ids_sets)]
         if graph:
@@ -112,7 +125,7 @@ def time_lookup(emb, ids_sets, out, graph, iters):
         if graph:
             g.replay()
         else:
-            emb.lookup(ids[:, 0, :], out)
+            emb.lookup(ids[:, 0, :], out, **kw)
         b.record()
         b.synchronize()
         if i >= 3:
@@ -136,15 +149,21 @@ def main():
     ap.add_argument("--tokens", default="1,4,64,1024,8192")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--build", default=os.environ.get("ENGRAM_BUILD_DIR", os.path.join(REPO, "build")))
+    ap.add_argument("--version", default=next(v.tag for v in vllm_stubs.VERSIONS if v.tag.startswith("nvidia")))
     args = ap.parse_args()
-    src, why = vllm_stubs.src_dir_or_skip_reason()
-    if src is None:
+    version = next((v for v in vllm_stubs.VERSIONS if v.tag == args.version), None)
+    if version is None:
+        sys.exit(f"--version: one of {', '.join(v.tag for v in vllm_stubs.VERSIONS)}")
+    why = vllm_stubs.missing_files(version)
+    if why:
         sys.exit(why)
     tokens = [int(x) for x in args.tokens.split(",")]
     max_tokens = max(tokens)
-    mod = vllm_stubs.load_engram_module(src)
-    ev.install(mod)
-    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} vllm-src {src}")
+    vm = vllm_stubs.load_version(version)
+    for s in ev.layouts.find(lambda name, e: sys.exit(f"{name}: {e}")):
+        ev.install(s)
+    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} vllm {version.tag} "
+          f"({vm.model_module.__name__}) engram {engram.__version__} from {engram._lib.path}")
     for mib in [int(x) for x in args.table_mib.split(",")]:
         work = tempfile.mkdtemp(prefix="engram-vb-")
         shm = tempfile.mkdtemp(prefix="engram-vb-", dir="/dev/shm")
@@ -156,10 +175,10 @@ def main():
         print(f"table {mib} MiB: engramd published in {publish:.2f} s")
         try:
             ev._state["attachments"].clear()
-            theirs, layout, t_own = ready_table(mod, ckpt, sock, True, max_tokens)
-            ours, _, t_plugin = ready_table(mod, ckpt, sock, False, max_tokens)
+            theirs, layout, t_own = ready_table(vm, ckpt, sock, True, max_tokens)
+            ours, _, t_plugin = ready_table(vm, ckpt, sock, False, max_tokens)
             mode2, reg2, t2 = attach_in_new_process(ckpt, sock, max_tokens)
-            att = next(a for a in ev._state["attachments"].values() if isinstance(a, ev.Attachment))
+            att = next(a for a in ev._state["attachments"].values() if isinstance(a, ev.embedding.Attachment))
             print(f"ready table {mib} MiB: vllm_pinned_load_s {t_own:.3f} plugin_attach_s {t_plugin:.3f} "
                   f"(register {att.table.register_seconds:.3f}) second_engine_s {t2:.3f} (mode {mode2}, register "
                   f"{reg2:.3f}) ratio {t_own / t_plugin:.2f}")
@@ -167,16 +186,18 @@ def main():
             RB = D + D // 32
             for T in tokens:
                 sets = ids_for(layout, T, 8, seed=T)
-                for packed in (False, True):
+                kw = packed_kw(vm, theirs[0])
+                for packed in (False, True) if kw is not None else (False,):
                     for graph in (False, True):
                         shape = (T, part, RB) if packed else (T, part, D)
                         dt = torch.uint8 if packed else torch.bfloat16
                         o1, o2 = torch.empty(shape, dtype=dt, device="cuda"), torch.empty(shape, dtype=dt,
                                                                                           device="cuda")
-                        tv = time_lookup(theirs[0], sets, o1, graph, args.iters)
-                        to = time_lookup(ours[0], sets, o2, graph, args.iters)
-                        theirs[0].lookup(sets[0][:, 0, :], o1)
-                        ours[0].lookup(sets[0][:, 0, :], o2)
+                        pk = kw if packed else {}
+                        tv = time_lookup(theirs[0], sets, o1, graph, args.iters, pk)
+                        to = time_lookup(ours[0], sets, o2, graph, args.iters, pk)
+                        theirs[0].lookup(sets[0][:, 0, :], o1, **pk)
+                        ours[0].lookup(sets[0][:, 0, :], o2, **pk)
                         torch.cuda.synchronize()
                         same = torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
                         print(f"lookup table_mib {mib} tokens {T} out {'packed' if packed else 'bf16'} "

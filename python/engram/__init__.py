@@ -95,6 +95,21 @@ def _socket_path(socket):
     return raw
 
 
+def _c_int(name, v):
+    """A value for a C `int`: a non-negative Python int that fits (ctypes would cut a larger one silently)."""
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 2**31 - 1:
+        raise ValueError(f"{name}: a non-negative int below 2**31, got {v!r}")
+    return v
+
+
+def _path_bytes(path, name):
+    """A path as bytes for the C ABI; a NUL inside it would silently cut it short."""
+    raw = os.fsencode(os.fspath(path))
+    if b"\0" in raw:
+        raise ValueError(f"{name}: the path contains a NUL byte")
+    return raw
+
+
 def attach(checkpoint, *, tp_size=1, tp_rank=0, dp_size=1, dp_rank=0, local_dp_size=None, cpu_offload=None,
            dp_shared_memory="auto", embedding_across_dp=False, elastic_ep=False, socket=DEFAULT_SOCKET,
            shm_dir=None, timeout_ms=10000, backend="auto", private_fallback=True):
@@ -107,20 +122,20 @@ def attach(checkpoint, *, tp_size=1, tp_rank=0, dp_size=1, dp_rank=0, local_dp_s
     names every reason instead (for an engine that keeps a table store of its own)."""
     if backend not in ("auto", "cpu"):
         raise ValueError(f"backend: 'auto' or 'cpu', got {backend!r}")
-    for n, v in (("tp_size", tp_size), ("tp_rank", tp_rank), ("dp_size", dp_size), ("dp_rank", dp_rank)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"{n}: a non-negative int, got {v!r}")
+    for n, v in (("tp_size", tp_size), ("tp_rank", tp_rank), ("dp_size", dp_size), ("dp_rank", dp_rank),
+                 ("local_dp_size", 0 if local_dp_size is None else local_dp_size), ("timeout_ms", timeout_ms)):
+        _c_int(n, v)
     if tp_size < 1 or dp_size < 1 or tp_rank >= tp_size or dp_rank >= dp_size:
         raise ValueError(f"rank outside its size: tp {tp_rank}/{tp_size}, dp {dp_rank}/{dp_size}")
     req = _lib.AttachRequest()
-    req.checkpoint = os.fsencode(os.fspath(checkpoint))
+    req.checkpoint = _path_bytes(checkpoint, "checkpoint")
     req.tp_size, req.tp_rank, req.dp_size, req.dp_rank = tp_size, tp_rank, dp_size, dp_rank
     req.local_dp_size = 0 if local_dp_size is None else int(local_dp_size)
     req.elastic_ep = int(bool(elastic_ep))
     req.cpu_offload = _choice(cpu_offload, "cpu_offload")
     req.dp_shared_memory = _choice(dp_shared_memory, "dp_shared_memory")
     req.embedding_across_dp = int(bool(embedding_across_dp))
-    req.shm_dir = os.fsencode(shm_dir) if shm_dir is not None else None
+    req.shm_dir = _path_bytes(shm_dir, "shm_dir") if shm_dir is not None else None
     req.use_gpu = 0 if backend == "cpu" else 1
     req.private_fallback = 1 if private_fallback else 0
     handle = ctypes.c_void_p()
@@ -136,7 +151,7 @@ def status(socket=DEFAULT_SOCKET, timeout_ms=5000):
     """engramd's status as a dict: shm, segments (state, tp, bytes, ...), replicas (pid, mode, backend, reasons with
     hints), recent_fallbacks, draining. EngramError (UNAVAILABLE, ...) when no daemon answers."""
     out = ctypes.c_void_p()
-    _lib.call(_lib.lib.engram_status_json, _socket_path(socket), int(timeout_ms), ctypes.byref(out))
+    _lib.call(_lib.lib.engram_status_json, _socket_path(socket), _c_int("timeout_ms", timeout_ms), ctypes.byref(out))
     try:
         return json.loads(ctypes.string_at(out.value).decode("utf-8"))
     finally:

@@ -227,3 +227,23 @@ def test_socket_paths_gRPC_would_rewrite_or_that_hold_a_nul_are_refused(tmp_path
     with pytest.raises(ValueError) as e:
         engram.status(socket="/tmp/" + "x" * 300, timeout_ms=500)
     assert "too long" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("kw", [{"dp_size": 2**32 + 4}, {"tp_size": 2**31}, {"dp_rank": -1},
+                                {"local_dp_size": 2**32 + 1}, {"timeout_ms": 2**32 + 300}, {"timeout_ms": -1},
+                                {"dp_size": 4.0}])
+def test_ints_a_c_int_cannot_hold_are_refused_not_cut(tmp_path, kw):
+    # ctypes keeps the low 32 bits of a larger int: DP 2**32 + 4 would attach as DP 4.
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        engram.attach(str(tmp_path), socket=str(tmp_path / "none.sock"), **kw)
+    if "timeout_ms" in kw:
+        with pytest.raises(ValueError, match="timeout_ms"):
+            engram.status(str(tmp_path / "none.sock"), timeout_ms=kw["timeout_ms"])
+
+
+@pytest.mark.parametrize("field", ["checkpoint", "shm_dir"])
+def test_a_nul_in_a_path_is_refused_not_cut(tmp_path, field):
+    paths = {"checkpoint": str(tmp_path), "shm_dir": None}
+    paths[field] = str(tmp_path) + "\0/elsewhere"
+    with pytest.raises(ValueError, match=f"{field}: the path contains a NUL byte"):
+        engram.attach(paths["checkpoint"], shm_dir=paths["shm_dir"], socket=str(tmp_path / "none.sock"))

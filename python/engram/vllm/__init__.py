@@ -155,8 +155,8 @@ def _guard_init(surface, cls):
         return
 
     def __init__(self, *args, **kwargs):
-        get_config = getattr(surface.module, "get_current_vllm_config", None)
-        vllm_config = get_config() if callable(get_config) else None
+        get_config = surface.fn("get_current_vllm_config")
+        vllm_config = get_config() if get_config is not None else None
         if plugin_config(getattr(vllm_config, "additional_config", None)) is not None:
             raise _surface_error(surface, "; ".join(surface.problems))
         return original(self, *args, **kwargs)
@@ -200,9 +200,8 @@ def _fallback(cfg, why, original, engram_layer, layout, layer_hash_index):
 
 
 def _provide(surface, original, engram_layer, layout, layer_hash_index):
-    mod = surface.module
-    get_config = getattr(mod, "get_current_vllm_config", None)
-    vllm_config = get_config() if callable(get_config) else None
+    get_config = surface.fn("get_current_vllm_config")
+    vllm_config = get_config() if get_config is not None else None
     cfg = plugin_config(getattr(vllm_config, "additional_config", None))
     if cfg is None:
         return original(engram_layer, layout, layer_hash_index)
@@ -227,7 +226,7 @@ def _provide(surface, original, engram_layer, layout, layer_hash_index):
         if thp:
             _once(logging.INFO, ("thp", thp_name), "engram.vllm: event=thp_ignored field=%s: vLLM's huge-page "
                   "packing is for a table of its own; engramd's segment has its mount's pages", thp_name)
-        group = int(surface.engram_dp_size_fn()())
+        group = int(surface.fn("get_engram_dp_size")())
         why = _unsupported(values, group)
         att = None
         if why is None:

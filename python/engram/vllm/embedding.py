@@ -68,9 +68,9 @@ def _model_dir(vllm_config, cfg):
 def attach(surface, vllm_config, cfg, max_tokens, attachments):
     """The process's Attachment (made once per checkpoint, rank and socket; kept in `attachments`)."""
     import engram
-    mod = surface.module
     pc = vllm_config.parallel_config
-    tp_size, tp_rank = int(mod.get_tensor_model_parallel_world_size()), int(mod.get_tensor_model_parallel_rank())
+    tp_size = int(surface.fn("get_tensor_model_parallel_world_size")())
+    tp_rank = int(surface.fn("get_tensor_model_parallel_rank")())
     dp_size = int(pc.data_parallel_size or 1)
     dp_rank = int(pc.data_parallel_rank or 0)
     local = pc.data_parallel_size_local

@@ -25,8 +25,9 @@ CANDIDATES = tuple(f"{pkg}.{part}.engram" for pkg in PACKAGES for part in ("nvid
 EMBEDDING_PARAMS = ("num_embeddings", "dim", "head_sizes", "block_size", "cpu_offload", "dp_shared_memory")
 BASE_EMBEDDING_PARAMS = ("num_embeddings", "dim", "head_sizes", "block_size")
 LOOKUP_FORMS = (["self", "indices", "out", "background"], ["self", "indices", "out", "background", "packed"])
-MODULE_FUNCTIONS = ("get_current_vllm_config", "get_tensor_model_parallel_rank",
-                    "get_tensor_model_parallel_world_size")
+# Functions the plugin calls, and the vLLM module each comes from when the Engram module does not import it itself.
+MODULE_FUNCTIONS = {"get_current_vllm_config": "vllm.config", "get_tensor_model_parallel_rank": "vllm.distributed",
+                    "get_tensor_model_parallel_world_size": "vllm.distributed", "get_engram_dp_size": "vllm.distributed"}
 
 
 def params(fn):
@@ -97,20 +98,19 @@ class Surface:
                 p.append(f"ParallelEngramEmbedding.{name} is not ({', '.join(forms[0][1:])})")
         if not hasattr(self.embedding, "_weight_loader"):
             p.append("ParallelEngramEmbedding has no _weight_loader")
-        for fn in MODULE_FUNCTIONS:
-            if not callable(getattr(self.module, fn, None)):
-                p.append(f"no function {fn}")
-        if self.engram_dp_size_fn() is None:
-            p.append("no function get_engram_dp_size (in the module or vllm.distributed)")
+        for name, home in MODULE_FUNCTIONS.items():
+            if self.fn(name) is None:
+                p.append(f"no function {name} (in the module or {home})")
         return p
 
-    def engram_dp_size_fn(self):
-        """vLLM's get_engram_dp_size: the module's own name for it, else vllm.distributed's."""
-        fn = getattr(self.module, "get_engram_dp_size", None)
+    def fn(self, name):
+        """vLLM's function `name` (one of MODULE_FUNCTIONS): the Engram module's own import of it, else the vLLM
+        module it comes from; None where neither has it."""
+        fn = getattr(self.module, name, None)
         if callable(fn):
             return fn
         try:
-            fn = getattr(importlib.import_module("vllm.distributed"), "get_engram_dp_size", None)
+            fn = getattr(importlib.import_module(MODULE_FUNCTIONS[name]), name, None)
         except ImportError:
             return None
         return fn if callable(fn) else None
