@@ -33,7 +33,9 @@ stage=$(mktemp -d "${TMPDIR:-/tmp}/engram-wheel.XXXXXX")
 trap 'rm -rf "$stage"' EXIT
 pkg=$stage/engram
 mkdir -p "$pkg/.libs"
-cp "$root"/python/engram/*.py "$pkg/"
+# The package's files as the source tree has them (subpackages included), no bytecode, no library of a build.
+(cd "$root/python/engram" && find . -name __pycache__ -prune -o -type f ! -name '*.pyc' ! -name '*.so*' -print0 |
+  xargs -0 cp --parents -t "$pkg")
 # The version is CMake's project(VERSION), its one source: the build's generated _version.py, or, from a build
 # configured before that file existed, the version its cache records.
 if [ -f "$build/python/engram/_version.py" ]; then
@@ -140,7 +142,7 @@ def add(z, arc, data, mode):
     zi = zipfile.ZipInfo(arc, date_time=(1980, 1, 1, 0, 0, 0))
     zi.external_attr = (0o100000 | mode) << 16
     zi.compress_type = zipfile.ZIP_DEFLATED
-    z.writestr(zi, data, compresslevel=9)
+    z.writestr(zi, data)
     digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
     record.append(f"{arc},sha256={digest},{len(data)}")
 

@@ -40,8 +40,9 @@ case "${1:-kernels}" in
                "$build/tests/gpu_client_test" "$build/tests/gpu_host_gather_test" "$build/tests/gpu_dp_test"
                "$build/daemon/engramd" "$build/tools/engramctl" "$build/tools/engram-replica" "$build/tools/engram-replica-faults"
                "$build/tools/engram-mkckpt" "$build/bench/bench_kernels" "$build/bench/bench_dp") ;;
-  # The Python package: libengram_c.so with engramd/engramctl/engram-mkckpt, the python/ tree, its tests and
-  # bench/decode_step.py, run with the GPU machine's own python3, torch, CuPy, NumPy (run.sh python).
+  # The Python package: its wheel, libengram_c.so with engramd/engramctl/engram-mkckpt, the python/ tree, its tests
+  # and bench/decode_step.py, run with the GPU machine's own python3, torch, CuPy, NumPy (run.sh python; the package
+  # installed from the wheel, or ENGRAM_PY_FROM=source: from its source tree with ENGRAM_LIB).
   python) bins=("$build/client/libengram_c.so" "$build/daemon/engramd" "$build/tools/engramctl"
                 "$build/tools/engram-mkckpt") ;;
   # DP_SHARDED on two GPUs: its GPU test (engramd + two replicas), bench_dp (run.sh dp).
@@ -66,10 +67,19 @@ for b in "${bins[@]}"; do
     while read -r lib; do cp -Lu "$lib" "$out/lib/"; done
 done
 if [ "${1:-}" = python ]; then
-  # The host's libstdc++/libgcc_s stay (torch needs the newer ones there); the package finds its library by ENGRAM_LIB.
+  # The host's libstdc++/libgcc_s stay (torch needs the newer ones there).
   rm -f "$out"/lib/libstdc++.so* "$out"/lib/libgcc_s.so*
   mkdir -p "$out/py/tests" "$out/py/bench"
+  # The package as its wheel (run.sh installs it and tests that); its source tree apart, in py/python-src, for
+  # ENGRAM_PY_FROM=source (the package from source, the library by ENGRAM_LIB). py/python keeps the rest of python/
+  # (examples/), where the tests and benchmarks look, without the package.
+  "$root/scripts/build-wheel.sh" --build "$build" --out "$out/py/dist" > /dev/null
   cp -r "$root/python" "$out/py/python"
+  mkdir -p "$out/py/python-src" && mv "$out/py/python/engram" "$out/py/python-src/engram"
+  # The build's generated version file, where the tests read it in the build directory run.sh makes (pybuild/).
+  if [ -f "$build/python/engram/_version.py" ]; then
+    mkdir -p "$out/pybuild/python/engram" && cp "$build/python/engram/_version.py" "$out/pybuild/python/engram/"
+  fi
   cp -r "$root/tests/python" "$out/py/tests/python"
   cp "$root/bench/decode_step.py" "$root/bench/vllm_lookup.py" "$root/bench/sglang_lookup.py" "$out/py/bench/"
   # vLLM's own source files for the plugin's tests and benchmark (git-ignored, never committed): ENGRAM_VLLM_SRC,
@@ -316,12 +326,28 @@ if [ "$what" = python ]; then
   # The engram package on this machine's python3/torch: pytest (every test, the torch ops, CUDA graphs, compile),
   # then the decode-step benchmark against an engramd serving a table of ENGRAM_PY_TABLE_GIB GiB in /dev/shm.
   export NCCL_NVLS_ENABLE=0
-  export ENGRAM_LIB=$here/bin/libengram_c.so PYTHONPATH=$here/py/python PYTHONDONTWRITEBYTECODE=1
+  export PYTHONDONTWRITEBYTECODE=1
   export ENGRAM_BUILD_DIR=$here/pybuild
   mkdir -p "$here/pybuild/tools" "$here/pybuild/daemon"
   ln -sf "$here/bin/engram-mkckpt" "$here/bin/engramctl" "$here/pybuild/tools/"
   ln -sf "$here/bin/engramd" "$here/pybuild/daemon/engramd"
   py=$(command -v python3)
+  if [ "${ENGRAM_PY_FROM:-wheel}" = source ]; then
+    export ENGRAM_LIB=$here/bin/libengram_c.so PYTHONPATH=$here/py/python-src
+  else
+    # The wheel, installed as an engine's environment gets it (pip --target, no dependencies, no index): the
+    # package and its library from there, no ENGRAM_LIB (its dependencies are the wheel's own, whatever
+    # LD_LIBRARY_PATH holds). Without pip, the wheel is unpacked (the same files; no RECORD needed here).
+    whl=$(ls "$here"/py/dist/engram-*.whl)
+    site=/tmp/engram-py-site-$(cksum < "$whl" | cut -d" " -f1)
+    if [ ! -d "$site/engram" ]; then
+      "$py" -m pip install -q --disable-pip-version-check --no-deps --no-index --target "$site" "$whl" ||
+        { rm -rf "$site"; "$py" -m zipfile -e "$whl" "$site"; }
+    fi
+    unset ENGRAM_LIB
+    export PYTHONPATH=$site
+  fi
+  "$py" -c 'import engram; print("engram", engram.__version__, engram.__file__, engram._lib.path)' | tee "$out/python-engram.txt"
   [ -d "$here/py/vllm-src" ] && export ENGRAM_VLLM_SRC=$here/py/vllm-src
   [ -d "$here/py/sglang-src" ] && export ENGRAM_SGLANG_SRC=$here/py/sglang-src
   "$py" -c 'import torch, numpy; print("python", __import__("sys").version.split()[0], "torch", torch.__version__, "numpy", numpy.__version__)' | tee "$out/python-env.txt"
