@@ -4,7 +4,8 @@ count, eagerly and in a CUDA graph; and the time to a ready table in a worker (S
 the page cache, pin; the plugin's: attach and register).
 
 Needs the GPU machine's torch + triton and SGLang's own source files (ENGRAM_SGLANG_SRC: one tree, or one per commit,
-the first commit the plugin serves is used; loaded against the stand-ins of tests/python/sglang_stubs.py). `ratio` is SGLang's time over ours (> 1: ours faster).
+of which the first the plugin serves is used; loaded against the stand-ins of tests/python/sglang_stubs.py). `ratio`
+is SGLang's time over ours (> 1: ours faster).
 
     python3 bench/sglang_lookup.py --table-mib 512,16384 [--tokens 1,4,64,1024,8192] [--iters 30]
 """

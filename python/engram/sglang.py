@@ -167,7 +167,7 @@ def _engramd_problem(cfg):
     return None
 
 
-# How long register()'s reachability check waits for engramd's answer at most (the attach waits ENGRAM_SGLANG_TIMEOUT_MS).
+# How long register()'s reachability check waits for engramd at most (the attach waits ENGRAM_SGLANG_TIMEOUT_MS).
 _REACH_MS = 2000
 
 
@@ -286,6 +286,10 @@ def _install(mod, problems, error=None):
     _state["via"] = "hook_registry"
     if not _in_sglang_loader():
         hr.HookRegistry.apply_hooks()  # called outside SGLang's loader: nothing else would apply it
+        if mod.EngramEmbedding is not new:  # the registry did not apply it (it logged why): the attribute, then
+            mod.EngramEmbedding = new
+            _state["via"] = "module_attribute"
+            return "module_attribute"
     return "hook_registry"
 
 

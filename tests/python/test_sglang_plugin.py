@@ -354,8 +354,26 @@ def test_engramd_down_keeps_sglangs_own_once_or_fails_when_required(src, sglang_
     with caplog.at_level(logging.INFO):
         plugins.load_plugins()
     assert "Executed general plugin: engram" in caplog.text, caplog.text
+    assert "via=hook_registry" in caplog.text and sys.modules[sglang_stubs.MODEL_MODULE].EngramEmbedding is \
+        mod.EngramEmbedding, caplog.text  # the failing class reached the model module's copy too
     with pytest.raises(RuntimeError, match=f"ENGRAM_SGLANG_REQUIRE is set: engramd does not answer on {sock}"):
         build_engram(mod, engram_config(checkpoint))
+
+
+@pytest.mark.parametrize("src", _commits("served"))
+def test_register_outside_sglangs_loader_applies_its_hook_itself(src, sglang_tree, tmp_path, monkeypatch, caplog):
+    mod, plugins = load_sglang(src, tmp_path, monkeypatch)
+    own = mod.EngramEmbedding
+    configure(monkeypatch, str(tmp_path / "none.sock"), require=True)
+    with caplog.at_level(logging.INFO):
+        es.register()  # not from SGLang's load_plugins: no one else would call apply_hooks
+    assert mod.EngramEmbedding is not own and sys.modules[sglang_stubs.MODEL_MODULE].EngramEmbedding is \
+        mod.EngramEmbedding
+    assert "Applied 1 hook(s) to sglang.srt.layers.engram.EngramEmbedding" in caplog.text, caplog.text
+    with pytest.raises(RuntimeError, match="ENGRAM_SGLANG_REQUIRE is set"):
+        build_engram(mod, engram_config())
+    es.uninstall()
+    assert mod.EngramEmbedding is own and sys.modules[sglang_stubs.MODEL_MODULE].EngramEmbedding is own
 
 
 # Run in a process whose ENGRAM_LIB names a file that is not a library: SGLang's loader, then a layer.
