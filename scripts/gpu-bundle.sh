@@ -70,9 +70,8 @@ if [ "${1:-}" = python ]; then
   # The host's libstdc++/libgcc_s stay (torch needs the newer ones there).
   rm -f "$out"/lib/libstdc++.so* "$out"/lib/libgcc_s.so*
   mkdir -p "$out/py/tests" "$out/py/bench"
-  # The package as its wheel (run.sh installs it and tests that); its source tree apart, in py/python-src, for
-  # ENGRAM_PY_FROM=source (the package from source, the library by ENGRAM_LIB). py/python keeps the rest of python/
-  # (examples/), where the tests and benchmarks look, without the package.
+  # The package as its wheel (py/dist; run.sh installs it into py/python, where the tests and benchmarks look) and
+  # its source tree apart (py/python-src), for ENGRAM_PY_FROM=source.
   "$root/scripts/build-wheel.sh" --build "$build" --out "$out/py/dist" > /dev/null
   cp -r "$root/python" "$out/py/python"
   mkdir -p "$out/py/python-src" && mv "$out/py/python/engram" "$out/py/python-src/engram"
@@ -332,21 +331,21 @@ if [ "$what" = python ]; then
   ln -sf "$here/bin/engram-mkckpt" "$here/bin/engramctl" "$here/pybuild/tools/"
   ln -sf "$here/bin/engramd" "$here/pybuild/daemon/engramd"
   py=$(command -v python3)
+  # The package goes into py/python, where the tests, their subprocesses and the benchmarks import it from:
+  # installed from the wheel as an engine's environment gets it (pip --target, no dependencies, no index; the
+  # library and its dependencies the wheel's own, no ENGRAM_LIB), or with ENGRAM_PY_FROM=source its source tree with
+  # the bundled library by ENGRAM_LIB. Without pip the wheel is unpacked (the same files).
+  rm -rf "$here"/py/python/engram "$here"/py/python/engram-*.dist-info
   if [ "${ENGRAM_PY_FROM:-wheel}" = source ]; then
-    export ENGRAM_LIB=$here/bin/libengram_c.so PYTHONPATH=$here/py/python-src
+    cp -r "$here/py/python-src/engram" "$here/py/python/"
+    export ENGRAM_LIB=$here/bin/libengram_c.so
   else
-    # The wheel, installed as an engine's environment gets it (pip --target, no dependencies, no index): the
-    # package and its library from there, no ENGRAM_LIB (its dependencies are the wheel's own, whatever
-    # LD_LIBRARY_PATH holds). Without pip, the wheel is unpacked (the same files; no RECORD needed here).
     whl=$(ls "$here"/py/dist/engram-*.whl)
-    site=/tmp/engram-py-site-$(cksum < "$whl" | cut -d" " -f1)
-    if [ ! -d "$site/engram" ]; then
-      "$py" -m pip install -q --disable-pip-version-check --no-deps --no-index --target "$site" "$whl" ||
-        { rm -rf "$site"; "$py" -m zipfile -e "$whl" "$site"; }
-    fi
+    "$py" -m pip install -q --disable-pip-version-check --no-deps --no-index --target "$here/py/python" "$whl" ||
+      "$py" -m zipfile -e "$whl" "$here/py/python"
     unset ENGRAM_LIB
-    export PYTHONPATH=$site
   fi
+  export PYTHONPATH=$here/py/python
   "$py" -c 'import engram; print("engram", engram.__version__, engram.__file__, engram._lib.path)' | tee "$out/python-engram.txt"
   [ -d "$here/py/vllm-src" ] && export ENGRAM_VLLM_SRC=$here/py/vllm-src
   [ -d "$here/py/sglang-src" ] && export ENGRAM_SGLANG_SRC=$here/py/sglang-src
