@@ -6,6 +6,7 @@
 // matched (and, with --write-probe, a write into the table faulted in a child process).
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -57,12 +58,19 @@ struct PatternRow {
   bool in_region = false;
 };
 std::vector<PatternRow> PatternRows(const std::string& checkpoint, const engram::client::Table& t, std::string* error) {
-  std::ifstream in(checkpoint + "/engram-pattern.json");
-  if (!in) return {};
   auto bad = [&](const std::string& why) {
     *error = "engram-pattern.json: " + why;
     return std::vector<PatternRow>();
   };
+  // Only a regular file of a sane size is read: a FIFO or a device there would block the read or never end.
+  constexpr off_t kMaxPatternBytes = 64 << 20;
+  const std::string path = checkpoint + "/engram-pattern.json";
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return {};
+  if (!S_ISREG(st.st_mode)) return bad("not a regular file");
+  if (st.st_size > kMaxPatternBytes) return bad("larger than 64 MiB");
+  std::ifstream in(path);
+  if (!in) return bad("cannot be read");
   const json p = json::parse(in, nullptr, false);
   if (p.is_discarded() || !p.is_object() || !p.contains("layers") || !p["layers"].is_array()) {
     return bad("not a pattern file");

@@ -151,7 +151,7 @@ def _reset_for_tests():
     with _lock:
         cdll = _loaded["lib"]
         if cdll is not None:
-            cdll.engram_set_log_callback(None, None)
+            cdll.engram_set_log_callback(_LOG_FN(), None)
         _loaded.update(lib=None, path=None, error=None, version=None)
 
 
@@ -208,7 +208,7 @@ def _route_log_lines(cdll):
     cdll.engram_set_log_level(_c_level(_log["logger"]))
     cdll.engram_set_log_callback(fn, None)
     # The interpreter's end: the library's threads must not call into a finalising runtime.
-    atexit.register(cdll.engram_set_log_callback, None, None)
+    atexit.register(cdll.engram_set_log_callback, _LOG_FN(), None)  # _LOG_FN(): a NULL callback
 
 
 _c = ctypes

@@ -509,6 +509,13 @@ TEST(SparseCheckpointTest, ReplicaChecksEveryRegionAndCatchesALieAndAChangedRow)
     EXPECT_EQ(code, 1) << hostile << ": " << j.dump();
     EXPECT_GE(j.value("pattern_mismatches", 0), 1) << hostile << ": " << j.dump();
   }
+  // A FIFO where the pattern file goes: refused as not a regular file, never opened (an open would block forever).
+  ASSERT_EQ(::unlink(pattern_path.c_str()), 0);
+  ASSERT_EQ(::mkfifo(pattern_path.c_str(), 0600), 0);
+  json fifo = replica("fifo", &code);
+  EXPECT_EQ(code, 1) << fifo.dump();
+  EXPECT_GE(fifo.value("pattern_mismatches", 0), 1) << fifo.dump();
+  ASSERT_EQ(::unlink(pattern_path.c_str()), 0);
   testing::WriteFile(pattern_path, honest);
 
   // One byte of row 0 of layer 1 changed in the checkpoint after the publish, its modification time put back (the
