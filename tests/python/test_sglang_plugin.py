@@ -209,14 +209,13 @@ def load_sglang(src, tmp_path, monkeypatch, loader=True):
 
 
 def engram_config(ckpt=None):
-    """(config, layout) of SGLang's Engram for the checkpoint's config.json (a small default without one)."""
+    """The config SGLang's Engram reads, from the checkpoint's config.json (a small default without one)."""
     c = {"engram_layer_ids": [1, 3], "engram_num_embeddings": [100, 100], "engram_head_dim": 256,
-         "engram_max_ngram_size": 3, "engram_n_heads": 4, "hidden_size": 256, "hc_mult": 4}
+         "engram_max_ngram_size": 3, "engram_n_heads": 4, "hidden_size": 256, "hc_mult": 4, "rms_norm_eps": 1e-6}
     if ckpt:
         with open(os.path.join(ckpt, "config.json")) as f:
             c.update(json.load(f))
-    cfg = SimpleNamespace(rms_norm_eps=1e-6, **c)
-    return cfg
+    return SimpleNamespace(**c)
 
 
 def build_engram(mod, cfg, li=0):
