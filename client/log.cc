@@ -22,8 +22,9 @@ LogLevel FromSpdlog(spdlog::level::level_enum l) {
   }
 }
 
-// Formats each line and hands it to the host's callback, or writes it to stderr. The callback runs with no lock
-// of ours held (it may set another callback or the level); a line it logs itself is dropped, not recursed into.
+// Hands each line's record to the host's callback, or writes it, stamped with time and level, to stderr. The callback
+// runs with no lock of ours held (it may set another callback or the level); a line it logs itself is dropped, not
+// recursed into.
 class RoutingSink final : public spdlog::sinks::sink {
  public:
   void Set(LogCallback cb) {
@@ -39,10 +40,15 @@ class RoutingSink final : public spdlog::sinks::sink {
     std::shared_ptr<const LogCallback> cb;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      spdlog::memory_buf_t buf;
-      formatter_->format(msg, buf);
-      line.assign(buf.data(), buf.size());
       cb = callback_;
+      if (cb == nullptr) {
+        spdlog::memory_buf_t buf;
+        formatter_->format(msg, buf);
+        line.assign(buf.data(), buf.size());
+      } else {
+        // The host's logger stamps its own time and level: a callback gets the record alone.
+        line.assign(msg.payload.data(), msg.payload.size());
+      }
     }
     if (cb == nullptr) {
       std::fwrite(line.data(), 1, line.size(), stderr);

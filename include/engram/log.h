@@ -1,7 +1,8 @@
 // The client library's log. libengram_client (and so libengram_c.so and the Python package) logs through a logger
 // of its own, never through the host process's default logger: lines go to stderr unless the host (an engine)
 // hands the library a callback, which then receives every line at or above the level set. Lines are single
-// `key=value` records ("engram: event=attached mode=SHARED ..."). Both calls are thread-safe; the callback may be
+// `key=value` records ("engram: event=attached mode=SHARED ..."): on stderr after the time and level, to a callback
+// bare (the host's logger adds its own). Both calls are thread-safe; the callback may be
 // called from any thread of the library (attach, the lease watcher, DP group threads), with no lock of the
 // library held: it may set another callback or the level; a line logged from inside it is dropped, and an
 // exception it throws is swallowed. A host whose runtime shuts down (an interpreter at exit) removes its callback

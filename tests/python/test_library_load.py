@@ -131,7 +131,7 @@ def test_the_librarys_lines_go_to_pythons_logging_or_stderr_when_asked(daemon, c
     r = run(code)
     assert r.returncode == 0, r.stderr
     attached = [ln for ln in r.stdout.splitlines() if "event=attached" in ln]
-    assert attached and attached[0].startswith("PY engram INFO engram: event=attached"), r.stdout
+    assert attached and attached[0].startswith("PY engram INFO engram: event=attached mode="), r.stdout
     assert "event=attached" not in r.stderr, r.stderr
     r = run(code, {"ENGRAM_LOG_STDERR": "1"})
     assert r.returncode == 0, r.stderr

@@ -54,7 +54,9 @@ def test_additional_config_and_environment():
     ({"engram": {"sockett": "/s"}}, "unknown key"),
     ({"engram": {"require": "yes"}}, "require'\\] must be bool"),
     ({"engram": {"timeout_ms": True}}, "must be int"),
-    ({"engram": {"timeout_ms": 0}}, ">= 1"),
+    ({"engram": {"timeout_ms": 0}}, r"in \[1, 2147483647\]"),
+    ({"engram": {"timeout_ms": 2**32}}, r"in \[1, 2147483647\]"),
+    ({"engram": {"socket": "/s\0x"}}, "socket contains a NUL byte"),
     ({"engram": "on"}, "must be an object"),
 ])
 def test_bad_configuration_is_a_clear_error(bad, match):
