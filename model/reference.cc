@@ -43,6 +43,11 @@ absl::Status HashIdsCpu(const Layout& layout, const TokenMap& token_map, const H
   if (!b.lookback.empty() && static_cast<int64_t>(b.lookback.size()) != R * (N - 1)) {
     return Invalid(absl::StrCat("lookback has ", b.lookback.size(), " entries, expected ", R, " x ", N - 1));
   }
+  if (!b.lookback_dead.empty() && b.lookback.empty()) return Invalid("lookback dead mask given without lookback ids");
+  if (!b.lookback_dead.empty() && static_cast<int64_t>(b.lookback_dead.size()) != R * (N - 1)) {
+    return Invalid(
+        absl::StrCat("lookback dead mask has ", b.lookback_dead.size(), " entries, expected ", R, " x ", N - 1));
+  }
   if (!b.dead.empty() && static_cast<int64_t>(b.dead.size()) != T) {
     return Invalid(absl::StrCat("dead mask has ", b.dead.size(), " entries for ", T, " tokens"));
   }
@@ -93,12 +98,15 @@ absl::Status HashIdsCpu(const Layout& layout, const TokenMap& token_map, const H
           }
         } else if (!b.lookback.empty()) {
           const int64_t k = lb - start_pos + (N - 1);  // index into this request's lookback, oldest first
-          const int32_t id = b.lookback[static_cast<size_t>(r * (N - 1) + k)];
+          const auto kk = static_cast<size_t>(r * (N - 1) + k);
+          const int32_t id = b.lookback[kk];
           if (id == -1) {
-            c = static_cast<int32_t>(pad_c);  // unknown: hashes as the pad token and does not block older ids
+            // unknown: hashes as the pad token and does not block older ids, whatever its dead flag says
+            c = static_cast<int32_t>(pad_c);
           } else {
             auto st = compress(id, &c);
             if (!st.ok()) return Invalid(absl::StrCat("lookback of request ", r, ": ", st.message()));
+            if (!b.lookback_dead.empty() && b.lookback_dead[kk] != 0) c = kDead;  // blocks as a dead token does
           }
         } else {
           c = static_cast<int32_t>(pad_c);  // no lookback given: every lookback id is unknown

@@ -23,6 +23,9 @@ struct HashBatch {
   // [R, N-1] raw ids of the N-1 tokens before each chunk (oldest first), -1 where unknown; empty = all unknown.
   std::span<const int32_t> lookback;
   std::span<const uint8_t> dead;  // [T] nonzero = token takes no part in n-grams; empty = none dead
+  // [R, N-1] nonzero = that lookback id is DEAD (the columns of `lookback`); read only where the id is known (not -1):
+  // an unknown id hashes as pad whatever its flag. Empty = no lookback id is dead; needs `lookback` when given.
+  std::span<const uint8_t> lookback_dead = {};
 };
 
 // out: [T, n_layers, n_cols] int32 global row ids of each layer's table.

@@ -216,7 +216,7 @@ class Spec:
         self.tensors = Tensors(ckpt)
 
     # docs/math.md section 5
-    def hash(self, tokens, positions, qsl, lookback, dead):
+    def hash(self, tokens, positions, qsl, lookback, dead, lookback_dead=None):
         T = len(tokens)
         DEAD = None
         out = np.zeros((T, len(self.layer_ids), self.C), dtype=np.int64)
@@ -238,8 +238,13 @@ class Spec:
                     else:
                         k = (self.N - 1) - (start - lb)      # lookback is oldest first
                         rid = -1 if lookback is None else int(lookback[r][k])
-                        # an unknown lookback id counts as the pad token and blocks nothing
-                        src.append(self.pad_c if rid == -1 else int(self.tmap[rid]))
+                        if rid == -1:
+                            # an unknown lookback id counts as the pad token and blocks nothing, whatever its flag
+                            src.append(self.pad_c)
+                        elif lookback_dead is not None and lookback_dead[r][k]:
+                            src.append(DEAD)  # a known lookback id flagged dead blocks as a dead token does
+                        else:
+                            src.append(int(self.tmap[rid]))
                 for li in range(len(self.layer_ids)):
                     rolling, blocked = 0, False
                     for s in range(self.N):

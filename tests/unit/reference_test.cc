@@ -40,6 +40,7 @@ TEST(HashReferenceTest, MatchesTheIndependentGolden) {
   TokenMap map = GoldenMap();
   json gold = json::parse(testing::ReadFile(testing::DataPath("goldens/hash-bytelevel.json")));
   ASSERT_GE(gold["cases"].size(), 5u);
+  int dead_lookback_cases = 0;
   for (const auto& c : gold["cases"]) {
     SCOPED_TRACE(c["name"].get<std::string>());
     auto tokens = c["tokens"].get<std::vector<int32_t>>();
@@ -47,9 +48,11 @@ TEST(HashReferenceTest, MatchesTheIndependentGolden) {
     auto qsl = c["query_start_loc"].get<std::vector<int32_t>>();
     auto lookback = c["lookback"].get<std::vector<int32_t>>();
     auto dead = c["dead"].get<std::vector<uint8_t>>();
+    auto lookback_dead = c["lookback_dead"].get<std::vector<uint8_t>>();
+    dead_lookback_cases += std::any_of(lookback_dead.begin(), lookback_dead.end(), [](uint8_t f) { return f != 0; });
     const size_t per_token = static_cast<size_t>(layout->n_layers() * layout->n_cols());
     std::vector<int32_t> out(tokens.size() * per_token, -7);
-    ASSERT_TRUE(HashIdsCpu(*layout, map, {tokens, positions, qsl, lookback, dead}, out).ok());
+    ASSERT_TRUE(HashIdsCpu(*layout, map, {tokens, positions, qsl, lookback, dead, lookback_dead}, out).ok());
     for (size_t t = 0; t < tokens.size(); ++t) {
       for (size_t l = 0; l < 2; ++l) {
         auto want = c["ids"][t][l].get<std::vector<int32_t>>();
@@ -59,6 +62,7 @@ TEST(HashReferenceTest, MatchesTheIndependentGolden) {
       }
     }
   }
+  EXPECT_GE(dead_lookback_cases, 3);  // the golden's cases with DEAD lookback ids
 }
 
 TEST(HashReferenceTest, IdsStayInsideTheirColumnBuckets) {
@@ -90,6 +94,51 @@ TEST(HashReferenceTest, IdsStayInsideTheirColumnBuckets) {
   }
 }
 
+// A chunk whose lookback holds the N-1 tokens before it, with the dead flags the whole request gives them, hashes as
+// the same positions of the whole request hashed in one piece (fresh random requests, dead spans and chunk starts).
+TEST(HashReferenceTest, AChunkWithDeadLookbackIdsHashesAsTheWholeRequest) {
+  auto cfg = LoadEngramConfig(testing::DataPath("configs/bytelevel-hash.json"));
+  auto layout = Layout::Build(*cfg);
+  ASSERT_TRUE(layout.ok());
+  TokenMap map = GoldenMap();
+  const int64_t N = layout->max_ngram(), per = layout->n_layers() * layout->n_cols();
+  std::mt19937_64 rng(FreshSeed());
+  int differs_without_mask = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const int T = 2 + static_cast<int>(rng() % 30);
+    const int P = 1 + static_cast<int>(rng() % static_cast<uint64_t>(T - 1));  // the chunk is [P, T)
+    std::vector<int32_t> tokens(T);
+    std::vector<int64_t> pos(T);
+    std::vector<uint8_t> dead(T);
+    for (int i = 0; i < T; ++i) {
+      tokens[i] = static_cast<int32_t>(rng() % static_cast<uint64_t>(map.raw_size()));
+      pos[i] = i;
+      dead[i] = rng() % 3 == 0;
+    }
+    std::vector<int32_t> qsl = {0, T}, chunk_qsl = {0, T - P};
+    std::vector<int32_t> whole(static_cast<size_t>(T * per), -7);
+    ASSERT_TRUE(HashIdsCpu(*layout, map, {tokens, pos, qsl, {}, dead}, whole).ok());
+    std::vector<int32_t> lookback(static_cast<size_t>(N - 1));
+    std::vector<uint8_t> lookback_dead(static_cast<size_t>(N - 1));
+    for (int64_t k = 0; k < N - 1; ++k) {  // oldest first: positions P - (N - 1) .. P - 1
+      const int64_t p = P - (N - 1) + k;
+      lookback[static_cast<size_t>(k)] = p >= 0 ? tokens[static_cast<size_t>(p)] : -1;
+      // A flag before position 0 is on an unknown id: not read.
+      lookback_dead[static_cast<size_t>(k)] = p >= 0 ? dead[static_cast<size_t>(p)] : static_cast<uint8_t>(rng() % 2);
+    }
+    std::span<const int32_t> ct(tokens.data() + P, static_cast<size_t>(T - P));
+    std::span<const int64_t> cp(pos.data() + P, static_cast<size_t>(T - P));
+    std::span<const uint8_t> cd(dead.data() + P, static_cast<size_t>(T - P));
+    std::vector<int32_t> chunk(static_cast<size_t>((T - P) * per), -7), plain(chunk.size(), -7);
+    ASSERT_TRUE(HashIdsCpu(*layout, map, {ct, cp, chunk_qsl, lookback, cd, lookback_dead}, chunk).ok());
+    ASSERT_TRUE(std::equal(chunk.begin(), chunk.end(), whole.begin() + static_cast<long>(P * per)))
+        << "T " << T << " chunk from " << P;
+    ASSERT_TRUE(HashIdsCpu(*layout, map, {ct, cp, chunk_qsl, lookback, cd}, plain).ok());
+    differs_without_mask += plain != chunk;
+  }
+  EXPECT_GT(differs_without_mask, 0);  // the mask changed some chunk's ids
+}
+
 TEST(HashReferenceTest, MalformedBatchesAreErrors) {
   auto cfg = LoadEngramConfig(testing::DataPath("configs/bytelevel-hash.json"));
   auto layout = Layout::Build(*cfg);
@@ -108,7 +157,9 @@ TEST(HashReferenceTest, MalformedBatchesAreErrors) {
   std::vector<int64_t> gap = {0, 1, 3}, neg = {-1, 0, 1}, short_pos = {0, 1};
   std::vector<int32_t> bad_qsl = {0, 2}, dec_qsl = {0, 2, 1, 3}, one = {0}, past_qsl = {0, 9, 3};
   std::vector<int32_t> big = {1, 999999, 3}, lb_short = {1};
-  std::vector<uint8_t> dead_short = {0};
+  std::vector<uint8_t> dead_short = {0}, lb_dead_short = {0, 1};
+  std::vector<int32_t> lb_ok = {1, 2, 3};
+  std::vector<uint8_t> lb_dead_ok = {0, 0, 1};
   Case cases[] = {
       {"positions count", {tokens, short_pos, qsl, {}, {}}, out.size(), "positions has 2"},
       {"gap in positions", {tokens, gap, qsl, {}, {}}, out.size(), "not contiguous"},
@@ -122,6 +173,8 @@ TEST(HashReferenceTest, MalformedBatchesAreErrors) {
       {"token out of range", {big, pos, qsl, {}, {}}, out.size(), "token id 999999"},
       {"lookback size", {tokens, pos, qsl, lb_short, {}}, out.size(), "lookback has 1"},
       {"dead size", {tokens, pos, qsl, {}, dead_short}, out.size(), "dead mask has 1"},
+      {"lookback dead size", {tokens, pos, qsl, lb_ok, {}, lb_dead_short}, out.size(), "lookback dead mask has 2"},
+      {"lookback dead without lookback", {tokens, pos, qsl, {}, {}, lb_dead_ok}, out.size(), "without lookback ids"},
       {"output size", {tokens, pos, qsl, {}, {}}, out.size() - 1, "output has"},
   };
   for (auto& c : cases) {
