@@ -83,13 +83,14 @@ if [ "${1:-}" = python ]; then
   cp "$root/bench/decode_step.py" "$root/bench/vllm_lookup.py" "$root/bench/sglang_lookup.py" "$out/py/bench/"
   # vLLM's own source files for the plugin's tests and benchmark (git-ignored, never committed): ENGRAM_VLLM_SRC,
   # else .cache/vllm-src of this checkout, when present.
+  # Each is a tree of the engine's files, or a directory of such trees, one per commit (tests/python/*_stubs.py).
   vsrc=${ENGRAM_VLLM_SRC:-$root/.cache/vllm-src}
-  if [ -f "$vsrc/vllm/models/deepseek_v41/common/engram.py" ]; then
-    mkdir -p "$out/py/vllm-src" && cp -r "$vsrc/vllm" "$out/py/vllm-src/"
+  if [ -d "$vsrc" ] && find "$vsrc" -path '*/vllm/*' -name '*.py' -print -quit | grep -q .; then
+    mkdir -p "$out/py/vllm-src" && cp -r "$vsrc/." "$out/py/vllm-src/"
   fi
   ssrc=${ENGRAM_SGLANG_SRC:-$root/.cache/sglang-src}  # SGLang's, the same way
-  if [ -f "$ssrc/python/sglang/srt/layers/engram.py" ]; then
-    mkdir -p "$out/py/sglang-src" && cp -r "$ssrc/python" "$out/py/sglang-src/"
+  if [ -d "$ssrc" ] && find "$ssrc" -path '*/python/sglang/*' -name '*.py' -print -quit | grep -q .; then
+    mkdir -p "$out/py/sglang-src" && cp -r "$ssrc/." "$out/py/sglang-src/"
   fi
   find "$out/py" -name __pycache__ -prune -exec rm -rf {} +
   # pytest for a machine without it: Debian's (pure Python), used only when `import pytest` fails there.
