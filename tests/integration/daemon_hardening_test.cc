@@ -545,7 +545,7 @@ TEST(DaemonHardeningTest, ClientVersionsAreBoundedAndStatusShowsEachReplicas) {
     return m;
   };
   // Refused: longer than 64 bytes, or a byte that is not printable ASCII (status prints the version as it is).
-  for (const std::string bad :
+  for (const std::string& bad :
        {std::string(65, '1'), std::string("0.2.0\n"), std::string("0.2\x1b[2J"), std::string("0.2.0\xc3\xa9")}) {
     grpc::ClientContext ctx;
     auto s = stub->Session(&ctx);
@@ -579,7 +579,9 @@ TEST(DaemonHardeningTest, ClientVersionsAreBoundedAndStatusShowsEachReplicas) {
   std::multiset<std::string> versions;
   for (const auto& r : s["replicas"]) {
     versions.insert(r["client_version"].get<std::string>());
-    if (r["pid"] == holder.pid()) EXPECT_EQ(r["client_version"], ENGRAM_VERSION_STRING) << r.dump();
+    if (r["pid"] == holder.pid()) {
+      EXPECT_EQ(r["client_version"], ENGRAM_VERSION_STRING) << r.dump();
+    }
   }
   EXPECT_EQ(versions, (std::multiset<std::string>{longest, "", ENGRAM_VERSION_STRING})) << s.dump();
   // The text view: the daemon's version in its first line, each replica's in its column ("-": none sent).
