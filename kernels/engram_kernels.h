@@ -43,6 +43,9 @@ struct HashArgs {
   // Raised (set to 1) when a raw id lies outside the token map or positions are not contiguous; such a token is
   // hashed as DEAD. May be null.
   int32_t* error_flag = nullptr;
+  // [R, N-1] nonzero = that lookback id is DEAD (the columns of `lookback`; read only where the id is not -1); may be
+  // null (none dead). Needs `lookback`.
+  const uint8_t* lookback_dead = nullptr;
 };
 
 cudaError_t LaunchHash(const LayoutView& layout, const HashArgs& args, cudaStream_t stream);

@@ -70,10 +70,15 @@ __global__ void HashKernel(LayoutView L, HashArgs a) {
         if (a.dead == nullptr || a.dead[tt] == 0) src = CompressOrDead(a.tokens[tt], L, a.error_flag);
       } else {
         // An unknown lookback id (-1, or no lookback given) hashes as the pad token and does not block: older
-        // known ids still count.
-        const int32_t raw =
-            a.lookback == nullptr ? -1 : a.lookback[static_cast<int64_t>(r) * (N - 1) + (lb - start_pos + (N - 1))];
-        src = raw == -1 ? static_cast<int32_t>(L.pad_compressed) : CompressOrDead(raw, L, a.error_flag);
+        // known ids still count. Its dead flag is not read; a known id flagged dead blocks as a dead token does.
+        const int64_t k = static_cast<int64_t>(r) * (N - 1) + (lb - start_pos + (N - 1));
+        const int32_t raw = a.lookback == nullptr ? -1 : a.lookback[k];
+        if (raw == -1) {
+          src = static_cast<int32_t>(L.pad_compressed);
+        } else {
+          src = CompressOrDead(raw, L, a.error_flag);
+          if (a.lookback_dead != nullptr && a.lookback_dead[k] != 0) src = -1;
+        }
       }
     }
     blocked = blocked || src < 0;
@@ -96,6 +101,7 @@ cudaError_t LaunchHash(const LayoutView& layout, const HashArgs& a, cudaStream_t
       layout.magics == nullptr || layout.token_map == nullptr || a.query_start_loc == nullptr) {
     return cudaErrorInvalidValue;
   }
+  if (a.lookback_dead != nullptr && a.lookback == nullptr) return cudaErrorInvalidValue;
   if (a.num_tokens == 0) return cudaSuccess;
   if (a.tokens == nullptr || a.positions == nullptr || a.out == nullptr) return cudaErrorInvalidValue;
   const int64_t threads = static_cast<int64_t>(a.num_tokens) * layout.n_layers * layout.n_heads;

@@ -63,9 +63,10 @@ void engram_engine_free(engram_engine* e) {
 const char* engram_engine_backend(const engram_engine* e) { return e ? e->backend.c_str() : ""; }
 int32_t engram_engine_max_tokens(const engram_engine* e) { return e ? e->max_tokens : 0; }
 
-int engram_engine_hash(engram_engine* e, const int32_t* tokens, const int64_t* positions, const int32_t* qsl,
-                       const int32_t* lookback, const uint8_t* dead, int32_t num_tokens, int32_t num_requests,
-                       int32_t* out, uintptr_t stream, char* err, size_t err_len) {
+int engram_engine_hash_v2(engram_engine* e, const int32_t* tokens, const int64_t* positions, const int32_t* qsl,
+                          const int32_t* lookback, const uint8_t* lookback_dead, const uint8_t* dead,
+                          int32_t num_tokens, int32_t num_requests, int32_t* out, uintptr_t stream, char* err,
+                          size_t err_len) {
   try {
     if (e == nullptr) return Fail(absl::InvalidArgumentError("hash: null engine"), err, err_len);
     if (auto st = Owned(e->owner, "engine"); !st.ok()) return Fail(st, err, err_len);
@@ -74,12 +75,24 @@ int engram_engine_hash(engram_engine* e, const int32_t* tokens, const int64_t* p
                     (num_tokens > 0 && (tokens == nullptr || positions == nullptr || out == nullptr)))) {
       st = absl::InvalidArgumentError("hash: null input or no request");
     }
+    if (st.ok() && lookback_dead != nullptr && lookback == nullptr) {
+      st = absl::InvalidArgumentError("hash: lookback_dead given without lookback ids");
+    }
     if (st.ok()) st = e->engine->SetStream(AsStream(stream));
-    if (st.ok()) st = e->engine->Hash(tokens, positions, qsl, lookback, dead, num_tokens, num_requests, out);
+    if (st.ok()) {
+      st = e->engine->Hash(tokens, positions, qsl, lookback, lookback_dead, dead, num_tokens, num_requests, out);
+    }
     return Done(st, err, err_len);
   } catch (...) {
     return CaughtException(err, err_len);
   }
+}
+
+int engram_engine_hash(engram_engine* e, const int32_t* tokens, const int64_t* positions, const int32_t* qsl,
+                       const int32_t* lookback, const uint8_t* dead, int32_t num_tokens, int32_t num_requests,
+                       int32_t* out, uintptr_t stream, char* err, size_t err_len) {
+  return engram_engine_hash_v2(e, tokens, positions, qsl, lookback, nullptr, dead, num_tokens, num_requests, out,
+                               stream, err, err_len);
 }
 
 int engram_engine_lookup(engram_engine* e, int layer, const int32_t* ids, int32_t num_tokens, int64_t ids_stride,

@@ -67,9 +67,10 @@ class DpHostEngine final : public LookupEngine {
 
   Backend backend() const override { return Backend::kCpu; }
 
+  using LookupEngine::Hash;
   absl::Status Hash(const int32_t* tokens, const int64_t* positions, const int32_t* qsl, const int32_t* lookback,
-                    const uint8_t* dead, int32_t T, int32_t R, int32_t* out) override {
-    return host_->Hash(tokens, positions, qsl, lookback, dead, T, R, out);
+                    const uint8_t* lookback_dead, const uint8_t* dead, int32_t T, int32_t R, int32_t* out) override {
+    return host_->Hash(tokens, positions, qsl, lookback, lookback_dead, dead, T, R, out);
   }
   absl::Status Gate(const GateInputs& g) override { return host_->Gate(g); }
   const Table* table_for_checks() const override { return &t_; }

@@ -257,12 +257,15 @@ DeviceEngine::~DeviceEngine() {
 }
 
 absl::Status DeviceEngine::Hash(const int32_t* tokens, const int64_t* positions, const int32_t* qsl,
-                                const int32_t* lookback, const uint8_t* dead, int32_t num_tokens, int32_t num_requests,
-                                int32_t* out) {
+                                const int32_t* lookback, const uint8_t* lookback_dead, const uint8_t* dead,
+                                int32_t num_tokens, int32_t num_requests, int32_t* out) {
   if (num_tokens < 0 || num_tokens > max_tokens_) {
     return absl::InvalidArgumentError(absl::StrCat(num_tokens, " tokens; the engine was sized for ", max_tokens_));
   }
-  kernels::HashArgs a{tokens, positions, qsl, lookback, dead, num_tokens, num_requests, out, nullptr};
+  if (lookback_dead != nullptr && lookback == nullptr) {
+    return absl::InvalidArgumentError("hash: lookback dead mask given without lookback ids");
+  }
+  kernels::HashArgs a{tokens, positions, qsl, lookback, dead, num_tokens, num_requests, out, nullptr, lookback_dead};
   return kernels::CudaStatus(kernels::LaunchHash(layout_->view(), a, stream_), "hash kernel");
 }
 

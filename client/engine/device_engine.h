@@ -37,9 +37,10 @@ class DeviceEngine final : public LookupEngine {
   Backend backend() const override { return Backend::kCuda; }
 
   // Hash ids of a flattened batch: out [T, n_layers, n_cols] (device). See kernels::HashArgs for the inputs.
+  using LookupEngine::Hash;
   absl::Status Hash(const int32_t* tokens, const int64_t* positions, const int32_t* query_start_loc,
-                    const int32_t* lookback, const uint8_t* dead, int32_t num_tokens, int32_t num_requests,
-                    int32_t* out) override;
+                    const int32_t* lookback, const uint8_t* lookback_dead, const uint8_t* dead, int32_t num_tokens,
+                    int32_t num_requests, int32_t* out) override;
   // Rows of layer `l` for ids[t * ids_stride + c]: bf16 [T, n_cols, head_dim] or packed [T, n_cols, record_bytes].
   absl::Status Lookup(int l, const int32_t* ids, int32_t num_tokens, int64_t ids_stride, void* out,
                       bool packed) override;

@@ -21,8 +21,9 @@ class CpuEngine final : public LookupEngine {
   CpuEngine(const Table& t, int32_t max_tokens) : t_(t), max_tokens_(max_tokens) {}
   Backend backend() const override { return Backend::kCpu; }
 
+  using LookupEngine::Hash;
   absl::Status Hash(const int32_t* tokens, const int64_t* positions, const int32_t* qsl, const int32_t* lookback,
-                    const uint8_t* dead, int32_t T, int32_t R, int32_t* out) override {
+                    const uint8_t* lookback_dead, const uint8_t* dead, int32_t T, int32_t R, int32_t* out) override {
     RETURN_IF_ERROR(CheckTokens(T));
     if (R < 1 || qsl == nullptr || (T > 0 && (tokens == nullptr || positions == nullptr || out == nullptr))) {
       return absl::InvalidArgumentError("hash: null input or no request");
@@ -32,7 +33,9 @@ class CpuEngine final : public LookupEngine {
                 {positions, static_cast<size_t>(T)},
                 {qsl, static_cast<size_t>(R) + 1},
                 lookback ? std::span<const int32_t>(lookback, static_cast<size_t>(R) * nl) : std::span<const int32_t>(),
-                dead ? std::span<const uint8_t>(dead, static_cast<size_t>(T)) : std::span<const uint8_t>()};
+                dead ? std::span<const uint8_t>(dead, static_cast<size_t>(T)) : std::span<const uint8_t>(),
+                lookback_dead ? std::span<const uint8_t>(lookback_dead, static_cast<size_t>(R) * nl)
+                              : std::span<const uint8_t>()};
     return HashIdsCpu(t_.layout(), t_.token_map(), b,
                       {out, static_cast<size_t>(T) * t_.layers().size() * static_cast<size_t>(t_.n_cols())});
   }

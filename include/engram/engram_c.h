@@ -149,6 +149,14 @@ int32_t engram_engine_max_tokens(const engram_engine* e);
 int engram_engine_hash(engram_engine* e, const int32_t* tokens, const int64_t* positions,
                        const int32_t* query_start_loc, const int32_t* lookback, const uint8_t* dead, int32_t num_tokens,
                        int32_t num_requests, int32_t* out, uintptr_t stream, char* err, size_t err_len);
+/* engram_engine_hash with a lookback dead mask: lookback_dead [R, max_ngram-1] uint8, in the columns of `lookback`,
+ * nonzero = that lookback id is DEAD (it blocks every n-gram that reaches it, as a dead token does); read only where
+ * the lookback id is known (not -1): an unknown id hashes as pad whatever its flag. NULL: no lookback id is dead
+ * (the same as engram_engine_hash). A mask without lookback ids is INVALID_ARGUMENT. */
+int engram_engine_hash_v2(engram_engine* e, const int32_t* tokens, const int64_t* positions,
+                          const int32_t* query_start_loc, const int32_t* lookback, const uint8_t* lookback_dead,
+                          const uint8_t* dead, int32_t num_tokens, int32_t num_requests, int32_t* out, uintptr_t stream,
+                          char* err, size_t err_len);
 /* Rows of layer `layer` for ids[t * ids_stride + c] (c < num_cols): bf16 bits [T, num_cols, head_dim], or with
  * `packed` the raw records [T, num_cols, record_bytes]. Ids outside this shard give zero rows. */
 int engram_engine_lookup(engram_engine* e, int layer, const int32_t* ids, int32_t num_tokens, int64_t ids_stride,

@@ -71,10 +71,19 @@ class LookupEngine {
   virtual ~LookupEngine() = default;
   virtual Backend backend() const = 0;
 
-  // Flattened batch of `num_requests` requests: out [T, n_layers, n_cols] int32 row ids.
+  // Flattened batch of `num_requests` requests (docs/math.md section 5): out [T, n_layers, n_cols] int32 row ids.
+  // lookback [R, N-1] raw ids oldest first, -1 unknown (null: all unknown); lookback_dead [R, N-1] nonzero = that
+  // lookback id is DEAD, in the columns of `lookback` and read only where the id is known (null: none; needs
+  // lookback); dead [T] nonzero = DEAD (null: none).
   virtual absl::Status Hash(const int32_t* tokens, const int64_t* positions, const int32_t* query_start_loc,
-                            const int32_t* lookback, const uint8_t* dead, int32_t num_tokens, int32_t num_requests,
-                            int32_t* out) = 0;
+                            const int32_t* lookback, const uint8_t* lookback_dead, const uint8_t* dead,
+                            int32_t num_tokens, int32_t num_requests, int32_t* out) = 0;
+  // The same with no lookback id dead.
+  absl::Status Hash(const int32_t* tokens, const int64_t* positions, const int32_t* query_start_loc,
+                    const int32_t* lookback, const uint8_t* dead, int32_t num_tokens, int32_t num_requests,
+                    int32_t* out) {
+    return Hash(tokens, positions, query_start_loc, lookback, nullptr, dead, num_tokens, num_requests, out);
+  }
   // Rows of layer `l` for ids[t * ids_stride + c]: bf16 [T, n_cols, head_dim] or packed [T, n_cols, record_bytes].
   virtual absl::Status Lookup(int l, const int32_t* ids, int32_t num_tokens, int64_t ids_stride, void* out,
                               bool packed) = 0;

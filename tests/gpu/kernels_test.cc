@@ -111,6 +111,52 @@ TEST(GpuHashTest, EqualsTheCpuReference) {
   }
 }
 
+// A lookback dead mask (random flags, on known and unknown ids alike): the kernel equals the CPU reference, and the
+// mask changes some ids (it is read).
+TEST(GpuHashTest, DeadLookbackIdsEqualTheCpuReference) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(Seed());
+  for (const char* name : {"v41-flash", "bytelevel-hash", "three-layers-tiny-vocab"}) {
+    auto cfg = LoadEngramConfig(testing::DataPath(std::string("configs/") + name + ".json"));
+    ASSERT_TRUE(cfg.ok()) << cfg.status();
+    auto layout = Layout::Build(*cfg);
+    ASSERT_TRUE(layout.ok());
+    const int64_t cv = cfg->compressed_vocab_size;
+    TokenMap map = RandomMap(rng, cv + cv / 3 + 3, cv);
+    auto dl = DeviceLayout::Upload(*layout, map);
+    ASSERT_TRUE(dl.ok()) << dl.status();
+    for (int T : Sizes()) {
+      SCOPED_TRACE(std::string(name) + " T=" + std::to_string(T));
+      Batch b = RandomBatch(rng, T, map.raw_size(), layout->max_ngram());
+      std::vector<uint8_t> lookback_dead(b.lookback.size());
+      for (auto& f : lookback_dead) f = rng() % 3 == 0;
+      const size_t n_out = static_cast<size_t>(T * layout->n_layers() * layout->n_cols());
+      std::vector<int32_t> want(n_out, -5), plain(n_out, -5);
+      ASSERT_TRUE(
+          HashIdsCpu(*layout, map, {b.tokens, b.positions, b.qsl, b.lookback, b.dead, lookback_dead}, want).ok());
+      ASSERT_TRUE(HashIdsCpu(*layout, map, {b.tokens, b.positions, b.qsl, b.lookback, b.dead}, plain).ok());
+      DeviceBuffer<int32_t> tokens(b.tokens), qsl(b.qsl), lookback(b.lookback), out(n_out), err(1);
+      DeviceBuffer<int64_t> pos(b.positions);
+      DeviceBuffer<uint8_t> dead(b.dead), lb_dead(lookback_dead);
+      out.Fill(0xA5);
+      err.Fill(0);
+      kernels::HashArgs a{
+          tokens.get(), pos.get(), qsl.get(), lookback.get(), dead.get(), T, static_cast<int32_t>(b.qsl.size() - 1),
+          out.get(),    err.get()};
+      a.lookback_dead = lb_dead.get();
+      CUDA_OK(kernels::LaunchHash((*dl)->view(), a, nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      ASSERT_EQ(out.Download(), want);
+      ASSERT_EQ(err.Download()[0], 0);
+      if (T >= 127) EXPECT_NE(want, plain) << "the mask changed no id";
+      // A mask without lookback ids is misuse.
+      kernels::HashArgs bad = a;
+      bad.lookback = nullptr;
+      EXPECT_EQ(kernels::LaunchHash((*dl)->view(), bad, nullptr), cudaErrorInvalidValue);
+    }
+  }
+}
+
 TEST(GpuHashTest, RaisesTheErrorFlagForIdsOutsideTheMap) {
   REQUIRE_GPU();
   auto cfg = LoadEngramConfig(testing::DataPath("configs/bytelevel-hash.json"));

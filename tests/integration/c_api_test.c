@@ -1,6 +1,7 @@
 /* The C API from C: attach with no daemon (a private table from the checkpoint), read mode and reasons, hash one
  * request and compare every id with an independent recomputation of docs/math.md section 5, look layer 0's rows up and
- * compare each with the independent row oracle (c_api_oracle.h), and hit every refusal; first, the versions against
+ * compare each with the independent row oracle (c_api_oracle.h), hash a chunk whose lookback holds dead ids as the
+ * whole request hashed in one piece (engram_engine_hash_v2), and hit every refusal; first, the versions against
  * engram/version.h. Prints "N passed, N failed".
  * Usage: c_api_test CHECKPOINT_DIR PLAN_JSON TOKENMAP_BIN (from `engramctl plan --json` and `engramctl tokenmap`) */
 #include <stdio.h>
@@ -152,6 +153,92 @@ int main(int argc, char** argv) {
     CHECK(engram_table_records(t, L, &records) != 0 && engram_table_records(t, 0, NULL) != 0);
     free(packed);
     free(want_rec);
+    engram_engine_free(e);
+  }
+  /* The lookback dead mask (engram_engine_hash_v2): a chunk whose lookback holds the last N-1 tokens before it,
+   * flagged as the whole request's dead mask flags them, hashes as the same positions of the whole request hashed in
+   * one piece. Two requests of one batch, each with its own dead lookback position (the newest, the oldest). A flag on
+   * an unknown (-1) lookback id is not read. A mask without lookback ids is refused, writing nothing. */
+  {
+    engram_engine* e = NULL;
+    enum { FT = 16, P = 12, CT = FT - P };
+    CHECK(engram_engine_create(t, 2 * FT, 0, &e, err, sizeof err) == 0 && e != NULL);
+    const int N = engram_table_max_ngram(t), NL = N - 1;
+    if (e != NULL && strcmp(engram_engine_backend(e), "cpu") == 0 && N >= 2 && NL <= P) {
+      int32_t full_tok[FT], chunk_tok[2 * CT], qsl_full[2] = {0, FT}, qsl_chunk[3] = {0, CT, 2 * CT};
+      int64_t full_pos[FT], chunk_pos[2 * CT];
+      uint8_t full_dead[2][FT], chunk_dead[2 * CT];
+      int32_t* lb = malloc(sizeof(int32_t) * (size_t)(2 * NL));
+      int32_t* unknown = malloc(sizeof(int32_t) * (size_t)(2 * NL));
+      uint8_t* lb_dead = malloc((size_t)(2 * NL));
+      uint8_t* all_dead = malloc((size_t)(2 * NL));
+      const size_t per = (size_t)(L * C);
+      int32_t* full_ids = malloc(sizeof(int32_t) * FT * per * 2);
+      int32_t* got = malloc(sizeof(int32_t) * 2 * CT * per);
+      int32_t* plain = malloc(sizeof(int32_t) * 2 * CT * per);
+      for (int i = 0; i < FT; ++i) {
+        full_tok[i] = 3 + (i * 37) % 200;
+        full_pos[i] = i;
+        full_dead[0][i] = full_dead[1][i] = 0;
+      }
+      full_dead[0][P - 1] = 1;  /* request 0: the newest lookback position is dead */
+      full_dead[1][P - NL] = 1; /* request 1: the oldest */
+      for (int r = 0; r < 2; ++r) {
+        for (int i = 0; i < CT; ++i) {
+          chunk_tok[r * CT + i] = full_tok[P + i];
+          chunk_pos[r * CT + i] = P + i;
+          chunk_dead[r * CT + i] = 0;
+        }
+        for (int k = 0; k < NL; ++k) { /* oldest first: positions P - NL .. P - 1 */
+          lb[r * NL + k] = full_tok[P - NL + k];
+          lb_dead[r * NL + k] = full_dead[r][P - NL + k];
+          unknown[r * NL + k] = -1;
+          all_dead[r * NL + k] = 1;
+        }
+        CHECK(engram_engine_hash(e, full_tok, full_pos, qsl_full, NULL, full_dead[r], FT, 1,
+                                 full_ids + (size_t)r * FT * per, 0, err, sizeof err) == 0);
+      }
+      for (size_t i = 0; i < 2 * CT * per; ++i) got[i] = -7;
+      CHECK(engram_engine_hash_v2(e, chunk_tok, chunk_pos, qsl_chunk, lb, lb_dead, chunk_dead, 2 * CT, 2, got, 0, err,
+                                  sizeof err) == 0);
+      int chunk_mismatches = 0;
+      for (int r = 0; r < 2; ++r) {
+        chunk_mismatches +=
+            memcmp(got + (size_t)r * CT * per, full_ids + ((size_t)r * FT + P) * per, sizeof(int32_t) * CT * per) != 0;
+      }
+      CHECK(chunk_mismatches == 0);
+      /* The same chunk without the mask differs (the dead lookback id takes part again). */
+      CHECK(engram_engine_hash_v2(e, chunk_tok, chunk_pos, qsl_chunk, lb, NULL, chunk_dead, 2 * CT, 2, plain, 0, err,
+                                  sizeof err) == 0);
+      CHECK(memcmp(plain, got, sizeof(int32_t) * 2 * CT * per) != 0);
+      /* Flags on unknown ids: unknown ids hash as pad and block nothing, as without the mask. */
+      CHECK(engram_engine_hash_v2(e, chunk_tok, chunk_pos, qsl_chunk, unknown, all_dead, chunk_dead, 2 * CT, 2, got, 0,
+                                  err, sizeof err) == 0);
+      CHECK(engram_engine_hash(e, chunk_tok, chunk_pos, qsl_chunk, unknown, chunk_dead, 2 * CT, 2, plain, 0, err,
+                               sizeof err) == 0);
+      CHECK(memcmp(plain, got, sizeof(int32_t) * 2 * CT * per) == 0);
+      /* Refusals: a mask without lookback ids, a null engine; nothing written. */
+      for (size_t i = 0; i < 2 * CT * per; ++i) got[i] = -7;
+      CHECK(engram_engine_hash_v2(e, chunk_tok, chunk_pos, qsl_chunk, NULL, lb_dead, chunk_dead, 2 * CT, 2, got, 0, err,
+                                  sizeof err) == 3 &&
+            strstr(err, "lookback_dead") != NULL);
+      CHECK(engram_engine_hash_v2(NULL, chunk_tok, chunk_pos, qsl_chunk, lb, lb_dead, chunk_dead, 2 * CT, 2, got, 0,
+                                  err, sizeof err) == 3);
+      CHECK(engram_engine_hash_v2(e, chunk_tok, NULL, qsl_chunk, lb, lb_dead, chunk_dead, 2 * CT, 2, got, 0, err,
+                                  sizeof err) == 3);
+      CHECK(engram_engine_hash_v2(e, chunk_tok, chunk_pos, qsl_chunk, lb, lb_dead, chunk_dead, 2 * FT + 1, 2, got, 0,
+                                  err, sizeof err) != 0);
+      int written = 0;
+      for (size_t i = 0; i < 2 * CT * per; ++i) written += got[i] != -7;
+      CHECK(written == 0);
+      free(lb);
+      free(unknown);
+      free(lb_dead);
+      free(all_dead);
+      free(full_ids);
+      free(got);
+      free(plain);
+    }
     engram_engine_free(e);
   }
   engram_table* t2 = NULL;
