@@ -238,6 +238,8 @@ int main(int argc, char** argv) {
     std::cerr
         << "engram-replica: " << (st.ok() ? "--checkpoint DIR is required" : std::string(st.message())) << "\n"
         << "usage: engram-replica --socket PATH --checkpoint DIR --tp-size N --tp-rank R --dp-size N --dp-rank R\n"
+           "       [--local-dp-size N (DP ranks on this node; 0: all)] [--timeout-ms MS]\n"
+           "       [--verify ROWS (rows per batch and layer checked against the checkpoint)]\n"
            "       [--dp-shared-memory auto|true|false] [--cpu-offload true|false] [--embedding-across-dp]\n"
            "       [--elastic-ep] [--batches N] [--tokens N] [--hold SECONDS] [--write-probe]\n"
            "       [--no-descriptor] [--shm-dir DIR (path fallback: the daemon's shm dir as seen here)]\n"

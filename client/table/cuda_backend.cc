@@ -2,6 +2,7 @@
 
 #include <cuda.h>
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <atomic>
@@ -57,11 +58,24 @@ std::string DriverError(CUresult r) {
 
 }  // namespace
 
+// Why a machine has no usable GPU, in the operator's words: the runtime says "driver version is insufficient" both
+// for a machine with no driver at all (no GPU) and for one whose driver is too old.
+std::string NoGpuReason(cudaError_t e) {
+  if (e == cudaSuccess || e == cudaErrorNoDevice) return "no CUDA device on this machine";
+  if (e == cudaErrorInsufficientDriver) {
+    void* driver = ::dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+    if (driver == nullptr) return "no GPU driver on this machine (libcuda.so.1 is not installed): no CUDA device";
+    ::dlclose(driver);
+    return "the GPU driver is older than the CUDA runtime this library was built with: update the driver";
+  }
+  return absl::StrCat("CUDA is unusable here (", cudaGetErrorName(e), ": ", cudaGetErrorString(e), ")");
+}
+
 CudaState ProbeCuda(std::string* why_not) {
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n == 0) {
-    if (why_not) *why_not = e == cudaSuccess ? "no CUDA device" : cudaGetErrorString(e);
+    if (why_not) *why_not = NoGpuReason(e);
     cudaGetLastError();  // not sticky, but leave nothing behind
     return CudaState::kNoDevice;
   }
