@@ -208,9 +208,9 @@ def _provide(surface, original, engram_layer, layout, layer_hash_index):
     if surface.problems:
         raise _surface_error(surface, "; ".join(surface.problems))
     if not surface.served:
-        return _fallback(cfg, f"this vLLM's {surface.name} (layout {surface.kind}) keeps its Engram table in GPU "
-                              "memory (its ParallelEngramEmbedding has no cpu_offload); engramd serves host tables",
-                         original, engram_layer, layout, layer_hash_index)
+        return _fallback(cfg, f"vLLM {vllm_version()}'s {surface.name} (layout {surface.kind}) keeps its Engram table "
+                              "in GPU memory (its ParallelEngramEmbedding has no cpu_offload); engramd serves host "
+                              "tables", original, engram_layer, layout, layer_hash_index)
     ecfg = getattr(vllm_config, "engram_config", None)
     values, missing = engram_config_values(ecfg)
     if ecfg is None or missing:

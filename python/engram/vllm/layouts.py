@@ -24,7 +24,8 @@ CANDIDATES = tuple(f"{pkg}.{part}.engram" for pkg in PACKAGES for part in ("nvid
 
 EMBEDDING_PARAMS = ("num_embeddings", "dim", "head_sizes", "block_size", "cpu_offload", "dp_shared_memory")
 BASE_EMBEDDING_PARAMS = ("num_embeddings", "dim", "head_sizes", "block_size")
-LOOKUP_FORMS = (["self", "indices", "out", "background"], ["self", "indices", "out", "background", "packed"])
+LOOKUP_FORMS = (["self", "indices", "out", "background"],
+                ["self", "indices", "out", "background", "packed"])
 # Functions the plugin calls, and the vLLM module each comes from when the Engram module does not import it itself.
 MODULE_FUNCTIONS = {"get_current_vllm_config": "vllm.config", "get_tensor_model_parallel_rank": "vllm.distributed",
                     "get_tensor_model_parallel_world_size": "vllm.distributed", "get_engram_dp_size": "vllm.distributed"}
