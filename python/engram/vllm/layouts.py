@@ -28,7 +28,8 @@ LOOKUP_FORMS = (["self", "indices", "out", "background"],
                 ["self", "indices", "out", "background", "packed"])
 # Functions the plugin calls, and the vLLM module each comes from when the Engram module does not import it itself.
 MODULE_FUNCTIONS = {"get_current_vllm_config": "vllm.config", "get_tensor_model_parallel_rank": "vllm.distributed",
-                    "get_tensor_model_parallel_world_size": "vllm.distributed", "get_engram_dp_size": "vllm.distributed"}
+                    "get_tensor_model_parallel_world_size": "vllm.distributed",
+                    "get_engram_dp_size": "vllm.distributed"}
 
 
 def params(fn):
