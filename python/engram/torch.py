@@ -5,6 +5,7 @@ and every op on torch's current stream, so CUDA graphs capture and replay them.
     import engram, engram.torch as et
     eid = et.register(engine)                       # ops name engines by an int (a torch op takes no Python object)
     ids = torch.ops.engram.hash(eid, tokens, positions, qsl, lookback, dead)        # int32 [T, L, C]
+    ids = torch.ops.engram.hash(eid, ..., dead, lookback_dead)   # with the lookback's DEAD ids
     ticket = torch.ops.engram.prefetch(eid, ids)    # side-stream lookups of every layer; the ticket orders the waits
     rows = torch.ops.engram.wait_rows(eid, layer, ids, ticket)                      # bf16 [T, C, head_dim]
     out = torch.ops.engram.gate(eid, hidden, kv, q_weight, k_weight, dead, eps)
@@ -53,24 +54,24 @@ def _dims(eid):
 
 @torch.library.custom_op("engram::hash", mutates_args=())
 def hash(engine: int, tokens: Tensor, positions: Tensor, query_start_loc: Tensor, lookback: Optional[Tensor],
-         dead: Optional[Tensor]) -> Tensor:
-    return _e(engine).hash(tokens, positions, query_start_loc, lookback, dead)
+         dead: Optional[Tensor], lookback_dead: Optional[Tensor] = None) -> Tensor:
+    return _e(engine).hash(tokens, positions, query_start_loc, lookback, dead, lookback_dead=lookback_dead)
 
 
 @hash.register_fake
-def _(engine, tokens, positions, query_start_loc, lookback, dead):
+def _(engine, tokens, positions, query_start_loc, lookback, dead, lookback_dead=None):
     L, C, _, _ = _dims(engine)
     return tokens.new_empty((tokens.shape[0], L, C), dtype=torch.int32)
 
 
 @torch.library.custom_op("engram::hash_out", mutates_args=("out",))
 def hash_out(engine: int, tokens: Tensor, positions: Tensor, query_start_loc: Tensor, lookback: Optional[Tensor],
-             dead: Optional[Tensor], out: Tensor) -> None:
-    _e(engine).hash(tokens, positions, query_start_loc, lookback, dead, out=out)
+             dead: Optional[Tensor], out: Tensor, lookback_dead: Optional[Tensor] = None) -> None:
+    _e(engine).hash(tokens, positions, query_start_loc, lookback, dead, lookback_dead=lookback_dead, out=out)
 
 
 @hash_out.register_fake
-def _(engine, tokens, positions, query_start_loc, lookback, dead, out):
+def _(engine, tokens, positions, query_start_loc, lookback, dead, out, lookback_dead=None):
     return None
 
 

@@ -40,6 +40,13 @@ def test_ops_equal_the_engine_calls(table):
     out = torch.empty_like(ids)
     torch.ops.engram.hash_out(eid, tok, pos, qsl, lb, dead, out)
     assert torch.equal(out, want)
+    # The lookback's DEAD ids: the ops pass the mask through as the engine's call takes it.
+    lbd = torch.from_numpy(np.random.default_rng(2).random(tuple(lb.shape)) < 0.5).cuda()
+    with_dead = eng.hash(tok, pos, qsl, lookback=lb, dead=dead, lookback_dead=lbd)
+    assert torch.equal(torch.ops.engram.hash(eid, tok, pos, qsl, lb, dead, lbd), with_dead)
+    out.fill_(-7)
+    torch.ops.engram.hash_out(eid, tok, pos, qsl, lb, dead, out, lbd)
+    assert torch.equal(out, with_dead)
     ticket = torch.ops.engram.prefetch(eid, ids)
     for l in range(len(table.layout.layers)):
         rows = torch.ops.engram.wait_rows(eid, l, ids, ticket)
