@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import engram  # noqa: E402
 import engram.vllm as ev  # noqa: E402
 import vllm_stubs  # noqa: E402
+from vllm_stubs import no_dp_shm  # noqa: E402
 from ckpt_tensors import embed_tensors  # noqa: E402
 
 
@@ -61,7 +62,7 @@ def make(vm, ckpt, sock, li, own, max_tokens):
     vllm_stubs.STATE.tp = (1, 0)
     extra = {} if own else {"engram": {"socket": sock, "require": True}}
     vllm_stubs.STATE.config = vllm_stubs.make_vllm_config(ckpt, additional_config=extra, max_tokens=max_tokens,
-                                                          engram_fields=vm.engram_fields, dp_shared_memory=False)
+                                                          engram_fields=vm.engram_fields, **no_dp_shm(vm))
     with torch.device("cuda"):
         layer, layout = vm.build_layer(ckpt, li)
     return layer.embed_tokens, layout

@@ -20,6 +20,7 @@ import pytest
 import engram
 import engram.vllm as ev
 import vllm_stubs
+from vllm_stubs import no_dp_shm
 from conftest import v41_like_checkpoint, Daemon, binary, embed_tensors, torch_cuda
 
 torch = torch_cuda()
@@ -93,7 +94,7 @@ def make(vm, ckpt, socket, tp, li, *, require=False, own=False):
     vllm_stubs.STATE.tp = tp
     extra = {} if own else {"engram": {"socket": socket, "require": require, "timeout_ms": 3000}}
     vllm_stubs.STATE.config = vllm_stubs.make_vllm_config(ckpt, additional_config=extra, max_tokens=MAX_TOKENS,
-                                                          engram_fields=vm.engram_fields, dp_shared_memory=False)
+                                                          engram_fields=vm.engram_fields, **no_dp_shm(vm))
     with torch.device("cuda"):
         layer, layout = vm.build_layer(ckpt, li)
     return layer.embed_tokens, layout, layer

@@ -16,6 +16,7 @@ import pytest
 import engram._lib as _lib
 import engram.vllm as ev
 import vllm_stubs
+from vllm_stubs import no_dp_shm
 
 VERSIONS = vllm_stubs.available_versions()
 SERVED = [v for v, _ in VERSIONS if v.served]
@@ -69,7 +70,7 @@ def _load_plugins():
 def _configure(vm, checkpoint, **keys):
     vllm_stubs.STATE.config = vllm_stubs.make_vllm_config(
         checkpoint, additional_config={"engram": keys},
-        engram_fields=vm.engram_fields, dp_shared_memory=False)
+        engram_fields=vm.engram_fields, **no_dp_shm(vm))
 
 
 def _from_vllm(exc, vm):
@@ -136,8 +137,7 @@ def test_configured_without_require_keeps_vllms_own_table_with_one_warning(vm, c
 def test_unconfigured_the_model_builds_vllms_own_layer_untouched(vm, checkpoint, caplog):
     torch = _torch_or_skip()
     _load_plugins()
-    vllm_stubs.STATE.config = vllm_stubs.make_vllm_config(checkpoint, engram_fields=vm.engram_fields,
-                                                          dp_shared_memory=False)
+    vllm_stubs.STATE.config = vllm_stubs.make_vllm_config(checkpoint, engram_fields=vm.engram_fields, **no_dp_shm(vm))
     with caplog.at_level(logging.WARNING, logger="vllm.engram"):
         try:
             layer, _ = vm.build_layer(checkpoint, 0)

@@ -428,6 +428,11 @@ def make_vllm_config(model, *, additional_config=None, engram_fields=None, dp_si
         model_config=SimpleNamespace(model=model, revision=None))
 
 
+def no_dp_shm(vm):
+    """The keyword that turns vLLM's dp_shared_memory off, for a version whose EngramConfig has it."""
+    return {"dp_shared_memory": False} if "dp_shared_memory" in vm.engram_fields else {}
+
+
 def hf_config(checkpoint):
     """The checkpoint's config.json as the attribute object vLLM's EngramLayout reads."""
     import json
