@@ -26,7 +26,7 @@ int main(int argc, char** argv) {
            "                     [--seed N] [--shards N] [--model-prefix] [--threads N]\n"
            "       engram-mkckpt --out DIR --like deepseek-v4.1-flash [--layers 1] [--seed N] [--shards N]\n"
            "  --sparse: full tensor shapes, pattern rows in a few regions (engram-pattern.json), holes elsewhere\n"
-           "       engram-mkckpt --version\n"
+           "       engram-mkckpt --version | --help\n"
            "  --like MODEL: that model's real geometry, sparse (--layers picks some of its layer ids)\n";
     return a.Has("--help") && st.ok() ? 0 : 2;
   }

@@ -127,6 +127,8 @@ def stand_in(drop=None):
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)  # another test's stand-ins of vLLM's modules
     v = types.ModuleType("vllm")
     v.__version__ = STAND_IN_VERSION
     monkeypatch.setitem(sys.modules, "vllm", v)
