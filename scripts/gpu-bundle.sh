@@ -99,8 +99,8 @@ if [ "${1:-}" = python ]; then
     [ -e "/usr/lib/python3/dist-packages/$m" ] && cp -r "/usr/lib/python3/dist-packages/$m" "$out/py/pytest-fallback/"
   done
 fi
-# gpu_client_test starts engramd as $ENGRAM_BIN_DIR/../daemon/engramd.
-if [ -x "$out/bin/engramd" ]; then mkdir -p "$out/daemon" && cp "$out/bin/engramd" "$out/daemon/engramd"; fi
+# The wheel carries libengram_c.so (and run.sh takes it from there in either mode): the bundle keeps one copy.
+if [ -d "$out/py/dist" ]; then rm -f "$out/bin/libengram_c.so"; fi
 mkdir -p "$out/data"
 cp -r "$root/tests/data/configs" "$root/tests/data/goldens" "$root/tests/data/tokenizers" "$out/data/"
 strip --strip-debug "$out"/lib/*.so* "$out"/bin/* "$out"/daemon/* 2>/dev/null || true
@@ -118,6 +118,10 @@ export LD_LIBRARY_PATH=$libs/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export ENGRAM_TEST_DATA_DIR=$here/data ENGRAM_BIN_DIR=$here/bin
 out=${OUT:-/tmp/engram-gpu-out}
 mkdir -p "$out"
+# gpu_client_test starts engramd as $ENGRAM_BIN_DIR/../daemon/engramd (made here: the bundle carries one copy).
+if [ -x "$here/bin/engramd" ] && [ ! -x "$here/daemon/engramd" ]; then
+  mkdir -p "$here/daemon" && cp "$here/bin/engramd" "$here/daemon/engramd"
+fi
 what=${1:-all}
 rc=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
@@ -337,11 +341,13 @@ if [ "$what" = python ]; then
   # library and its dependencies the wheel's own, no ENGRAM_LIB), or with ENGRAM_PY_FROM=source its source tree with
   # the bundled library by ENGRAM_LIB. Without pip the wheel is unpacked (the same files).
   rm -rf "$here"/py/python/engram "$here"/py/python/engram-*.dist-info
+  whl=$(ls "$here"/py/dist/engram-*.whl)
   if [ "${ENGRAM_PY_FROM:-wheel}" = source ]; then
     cp -r "$here/py/python-src/engram" "$here/py/python/"
-    export ENGRAM_LIB=$here/bin/libengram_c.so
+    # The library (and its own libraries beside it) as the wheel carries it, named by ENGRAM_LIB.
+    rm -rf "$here/py/wheel-files" && "$py" -m zipfile -e "$whl" "$here/py/wheel-files"
+    export ENGRAM_LIB=$here/py/wheel-files/engram/libengram_c.so
   else
-    whl=$(ls "$here"/py/dist/engram-*.whl)
     "$py" -m pip install -q --disable-pip-version-check --no-deps --no-index --target "$here/py/python" "$whl" ||
       "$py" -m zipfile -e "$whl" "$here/py/python"
     unset ENGRAM_LIB
