@@ -97,8 +97,8 @@ def test_a_library_without_a_version_is_an_older_build(tmp_path):
 
 
 def test_an_installed_package_refuses_a_library_of_another_version(tmp_path):
-    from conftest import build_dir
-    real = os.path.join(build_dir(), "client", "libengram_c.so")
+    import engram._lib
+    real = engram._lib.path  # the library this test process uses (a build's, or the installed wheel's)
     pkg = tmp_path / "site"
     shutil.copytree(os.path.join(PKG, "engram"), pkg / "engram")
     (pkg / "engram" / "_version.py").write_text('__version__ = "0.0.1"\n')

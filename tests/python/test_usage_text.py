@@ -26,6 +26,8 @@ def parsed_flags(files):
 
 @pytest.mark.parametrize("tool", sorted(TOOLS))
 def test_the_usage_text_lists_every_flag(tool):
+    if not os.path.isfile(os.path.join(REPO, TOOLS[tool][0])):
+        pytest.skip(f"no {TOOLS[tool][0]} here (these tests run outside a source tree)")
     flags = parsed_flags(TOOLS[tool])
     assert flags, f"no Parse call found in {TOOLS[tool]}"
     r = subprocess.run([binary(f"tools/{tool}"), "--no-such-flag"], capture_output=True, text=True, timeout=30)

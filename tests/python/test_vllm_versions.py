@@ -193,7 +193,10 @@ def test_an_unloadable_library_does_not_stop_vllms_plugin_loading(vm, checkpoint
 
 def test_the_tested_versions_table_in_the_docs_lists_every_version():
     here = os.path.dirname(os.path.abspath(__file__))
-    doc = open(os.path.join(here, "..", "..", "docs", "api.md"), encoding="utf-8").read()
+    path = os.path.join(here, "..", "..", "docs", "api.md")
+    if not os.path.isfile(path):
+        pytest.skip("no docs/api.md beside these tests (they run outside a source tree)")
+    doc = open(path, encoding="utf-8").read()
     for v, _ in VERSIONS:
         for commit in v.files.values():
             short = commit.split("-")[-1][:8]  # a commit, or the search id of a file stored without one

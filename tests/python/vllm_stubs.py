@@ -33,8 +33,11 @@ class Version:
     """One vLLM layout to test: the stored files (repository path -> commit) it is made of, and what the plugin is
     expected to do with it."""
 
-    def __init__(self, tag, files, served, refusal=None):
+    def __init__(self, tag, files, served, refusal=None, config_extra=None):
         self.tag, self.files, self.served, self.refusal = tag, files, served, refusal
+        # EngramConfig fields the version's engram file reads that its stored config file lacks (the files come
+        # from different commits): their off values.
+        self.config_extra = config_extra or {}
 
     def __repr__(self):
         return self.tag
@@ -59,7 +62,8 @@ VERSIONS = (
     Version("v4_1-common-053c340a", {"vllm/models/deepseek_v4_1/common/engram.py":
                                      "053c340ae7cd52c4cc8d683dc8c7cb907a5f1b84",
                                      _CONFIG: "280f7520edbc300238089e87677ef0c4313bc005"}, False,
-            "Engram defines no _create_embedding of its own"),
+            "Engram defines no _create_embedding of its own",
+            config_extra={"lookup_overlap": False, "lookup_overlap_max_seq_len": 0}),
 )
 PLUGINS_FILE = ("vllm/plugins/__init__.py", "01425553bdbed63400efa72ff14a8f4ffe20bada")
 
@@ -336,23 +340,29 @@ class LoadedVersion:
         self.nvidia = importlib.import_module(nv) if os.path.isfile(
             os.path.join(root, *nv.split(".")) + ".py") else None
         self.model_module = self.nvidia or self.common
-        self.engram_fields = engram_config_fields(os.path.join(root, "vllm", "config", "engram.py"))
+        self.engram_fields = dict(engram_config_fields(os.path.join(root, "vllm", "config", "engram.py")),
+                                  **version.config_extra)
 
     def layout(self, checkpoint):
         return self.common.EngramLayout.from_config(hf_config(checkpoint))
 
     def build_layer(self, checkpoint, layer_index, prefix="model.layers.0.engram"):
         """The Engram layer as vLLM's DeepSeek-V4.1 model builds it: the model module's `Engram(config,
-        quant_config, layout, layer_hash_index, use_sequence_parallel, prefix)`, under the caller's device."""
+        quant_config, layout, layer_hash_index, use_sequence_parallel, prefix)`, under the CUDA device where
+        there is one (vLLM builds its model under the device's context)."""
+        import contextlib
+        import torch
         layout = self.layout(checkpoint)
-        return self.model_module.Engram(hf_config(checkpoint), None, layout, layer_index, False, prefix), layout
+        where = torch.device("cuda") if torch.cuda.is_available() else contextlib.nullcontext()
+        with where:
+            return self.model_module.Engram(hf_config(checkpoint), None, layout, layer_index, False, prefix), layout
 
 
 def engram_config_fields(path):
     """{field: default} of the EngramConfig class in a stored vllm/config/engram.py (read with ast: the file needs
     pydantic), or the fields every version has when the version has no stored config file."""
-    if not os.path.isfile(path):
-        return {"cpu_offload": True, "dp_shared_memory": None, "embedding_across_dp": False}
+    if not os.path.isfile(path):  # the merged layout's vLLM (its file reads use_thp)
+        return {"cpu_offload": True, "dp_shared_memory": None, "embedding_across_dp": False, "use_thp": False}
     tree = ast.parse(open(path, encoding="utf-8").read())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngramConfig")
     fields = {}
@@ -423,9 +433,10 @@ def make_vllm_config(model, *, additional_config=None, engram_fields=None, dp_si
         parallel_config=SimpleNamespace(data_parallel_size=dp_size, data_parallel_rank=dp_rank,
                                         data_parallel_size_local=dp_local if dp_local is not None else dp_size,
                                         enable_elastic_ep=elastic_ep, tensor_parallel_size=STATE.tp[0],
-                                        enable_dbo=False),
+                                        enable_dbo=False, use_ubatching=False, num_ubatches=1),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=max_tokens),
-        model_config=SimpleNamespace(model=model, revision=None))
+        model_config=SimpleNamespace(model=model, revision=None, enforce_eager=False),
+        use_v2_model_runner=True)
 
 
 def no_dp_shm(vm):
