@@ -9,6 +9,7 @@
 #include "base/status_macros.h"
 #include "client/dp/plan.h"
 #include "client/environment.h"
+#include "client/fault_points.h"
 #include "client/log.h"
 #include "client/session/session.h"
 #include "client/table/tables.h"
@@ -21,6 +22,10 @@
 
 namespace engram::client {
 namespace {
+
+// What a private table needs beyond its rows before it is built: the process's own working memory (token map,
+// reader buffers, the engine), so that a table that just fits does not push the process into an OOM kill.
+constexpr uint64_t kPrivateTableHeadroomBytes = 256ull << 20;
 
 std::string ReasonList(const std::vector<Reason>& reasons) {
   std::vector<std::string> parts;
@@ -128,7 +133,7 @@ std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& o
   times->populate = (*table)->times_.populate;  // timed where the mapping is made
   times->map = SecondsSince(t0) - times->populate;
   const auto ticket0 = Clock::now();
-  if (auto st = session.AcquireTicket(); !st.ok()) {
+  if (auto st = session.AcquireTicket(options.timeout); !st.ok()) {
     reasons->push_back({ReasonCode::kDaemonUnavailable, absl::StrCat("no registration ticket: ", st.message())});
     return nullptr;
   }
@@ -232,6 +237,27 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
                            absl::StrCat("embedding_across_dp cannot split this table over the node-local DP group (",
                                         plan.status().message(), "): this replica holds its own table")});
       }
+    }
+    // The private copy takes its whole size in host memory (a DEVICE table is staged there too): refused with the
+    // numbers when the node, or this process's cgroup, has not that much to give, instead of an OOM kill midway.
+    uint64_t need = kPrivateTableHeadroomBytes;
+    for (int64_t l = 0; l < layout.n_layers(); ++l) {
+      need += static_cast<uint64_t>(own.row_end[l] - own.row_begin[l]) * layout.record_bytes();
+    }
+    uint64_t available = env->AvailableMemoryBytes();
+    if (Fault(FaultPoint::kPrivateTableMemory, static_cast<int64_t>(need))) available = need / 2;
+    if (need > available) {
+      const std::string why = absl::StrCat(
+          "a private table of this shard needs ", need, " bytes (", need - kPrivateTableHeadroomBytes, " of rows + ",
+          kPrivateTableHeadroomBytes, " headroom) but ", available,
+          " are available (MemAvailable, or the cgroup's memory.max less memory.current): no private table built; "
+          "share the daemon's segment or give this replica more memory");
+      Log().error("engram: event=private_table_refused need_bytes={} available_bytes={} reasons={}", need, available,
+                  ReasonCodes(reasons));
+      if (session != nullptr) {
+        (void)session->ReportOutcome(mode, reasons, cuda ? Backend::kCuda : Backend::kCpu, AttachMethod::kNone);
+      }
+      return absl::ResourceExhaustedError(absl::StrCat(why, "; not shared because: ", ReasonList(reasons)));
     }
     const auto build0 = Clock::now();
     ASSIGN_OR_RETURN(table, BuildPrivateTable(*ckpt, layout, own, dp_sharded ? cpu_offload : mode != Mode::kDevice,

@@ -27,6 +27,7 @@ std::string_view FaultPointName(FaultPoint p) {
     case FaultPoint::kDpRank0DiesAfterRegion: return "dp_rank0_dies_after_region";
     case FaultPoint::kDpGiveUpBeforeMapping: return "dp_give_up_before_mapping";
     case FaultPoint::kDpPeerOpen: return "dp_peer_open";
+    case FaultPoint::kPrivateTableMemory: return "private_table_memory";
   }
   return "unknown";
 }

@@ -6,6 +6,8 @@
 //   kDpRank0DiesAfterRegion        the host DP transport's rank 0 SIGKILLs itself right after naming its region
 //   kDpGiveUpBeforeMapping         a host DP member other than rank 0 gives up before opening the region
 //   kDpPeerOpen                    a GPU DP member cannot map the other members' memory (peer path refused)
+//   kPrivateTableMemory            the memory free for a private table (`arg`: the bytes it needs) reads as half
+//                                  of what it needs (as in a small cgroup)
 //
 // With no hook installed every query is false and costs one relaxed atomic load. SetFaultHook is meant for the
 // start of a process or test, before the library runs; Fault() is thread-safe.
@@ -17,9 +19,16 @@
 
 namespace engram::client {
 
-enum class FaultPoint { kRegisterChunk, kDpRank0DiesAfterRegion, kDpGiveUpBeforeMapping, kDpPeerOpen };
+enum class FaultPoint {
+  kRegisterChunk,
+  kDpRank0DiesAfterRegion,
+  kDpGiveUpBeforeMapping,
+  kDpPeerOpen,
+  kPrivateTableMemory
+};
 
-// "register_chunk", "dp_rank0_dies_after_region", "dp_give_up_before_mapping", "dp_peer_open".
+// "register_chunk", "dp_rank0_dies_after_region", "dp_give_up_before_mapping", "dp_peer_open",
+// "private_table_memory".
 std::string_view FaultPointName(FaultPoint p);
 
 using FaultHook = std::function<bool(FaultPoint point, int64_t arg)>;

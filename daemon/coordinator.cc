@@ -29,7 +29,9 @@ Coordinator::Coordinator(Options opts)
     : opts_(std::move(opts)),
       instance_id_(NewInstanceId()),
       segments_(opts_.shm_dir, WorkerThreads(opts_.threads), instance_id_, Env::Default(), opts_.publish_tuning),
-      replicas_(instance_id_, opts_.tickets) {}
+      replicas_(instance_id_, opts_.tickets) {
+  replicas_.SetTicketHoldLimit(std::chrono::milliseconds(opts_.ticket_hold_ms));
+}
 
 Coordinator::~Coordinator() = default;
 
@@ -102,6 +104,11 @@ bool Coordinator::AcquireTicket(const std::string& lease_id, std::function<bool(
 }
 
 void Coordinator::ReportRegistration(const std::string& lease_id, const engram::v1::RegisterResult& result) {
+TicketWait Coordinator::AwaitTicket(const std::string& lease_id, std::function<bool()> cancelled,
+                                    std::chrono::steady_clock::time_point deadline) {
+  return replicas_.AwaitTicket(lease_id, cancelled, deadline);
+}
+
   replicas_.ReportRegistration(lease_id, result);
 }
 
@@ -184,8 +191,10 @@ absl::Status Coordinator::Reload(const Options& opts) {
     opts_.tp_sizes = opts.tp_sizes;
     opts_.tickets = opts.tickets;
   }
+    opts_.ticket_hold_ms = opts.ticket_hold_ms;
   replicas_.SetTicketCapacity(opts.tickets);
   segments_.BumpEpoch();
+  replicas_.SetTicketHoldLimit(std::chrono::milliseconds(opts.ticket_hold_ms));
   for (const char* key : {"shm_dir", "socket", "group", "threads"}) {
     const bool changed = std::string(key) == "shm_dir"  ? before.shm_dir != opts.shm_dir
                          : std::string(key) == "socket" ? before.socket != opts.socket

@@ -60,6 +60,9 @@ class Coordinator {
                                                    std::string* lease_id);
   // Blocks until a registration ticket is free (or cancelled); false when cancelled.
   bool AcquireTicket(const std::string& lease_id, std::function<bool()> cancelled);
+  // The same, waiting at most until `deadline` (ReplicaRegistry::AwaitTicket).
+  TicketWait AwaitTicket(const std::string& lease_id, std::function<bool()> cancelled,
+                         std::chrono::steady_clock::time_point deadline);
   void ReportRegistration(const std::string& lease_id, const engram::v1::RegisterResult& result);
   // The replica's settled outcome (ReplicaRegistry::RecordOutcome): InvalidArgument when malformed,
   // FailedPrecondition when sent twice.

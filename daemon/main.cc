@@ -20,12 +20,16 @@
 #include <cstdio>
 #include <thread>
 
+#include "base/utf8.h"
 #include "daemon/coordinator.h"
 #include "daemon/descriptor_server.h"
 #include "daemon/listener.h"
+#include "daemon/log_sink.h"
+#include "daemon/metrics_file.h"
 #include "daemon/options.h"
 #include "daemon/refuser.h"
 #include "daemon/service.h"
+#include "daemon/stream_bound.h"
 #include "engram/version.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -38,7 +42,7 @@ int main(int argc, char** argv) {
           "usage: engramd --checkpoint DIR [--checkpoint DIR ...] [--tp 1,2] [--shm-dir DIR] [--socket PATH]\n"
           "               [--group NAME] [--admin-group NAME] [--tickets N] [--max-sessions N] [--max-sessions-per-uid "
           "N] [--threads N] [--log-level LEVEL]\n"
-          "               [--metrics-file PATH] [--config FILE]\n"
+          "               [--max-streams-per-uid N] [--reflection on|off] [--metrics-file PATH] [--config FILE]\n"
           "       engramd --version\n");
       return 0;
     }
@@ -53,7 +57,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   opts->publish_tuning = engram::daemon::PublishTuning::FromEnvironment();  // the environment, read once
-  auto logger = spdlog::stderr_color_mt("engramd");
+  // One event per line, whatever text a checkpoint or client brought (daemon/log_sink.h).
+  auto logger = std::make_shared<spdlog::logger>(
+      "engramd", std::make_shared<PrintableSink>(std::make_shared<spdlog::sinks::stderr_color_sink_mt>()));
   spdlog::set_default_logger(logger);
   spdlog::set_level(spdlog::level::from_str(opts->log_level));
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
@@ -89,6 +95,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   grpc::EnableDefaultHealthCheckService(true);
+  // Reflection only when asked for (--reflection on), and then to operators only: StreamBound refuses its calls
+  // otherwise (daemon/stream_bound.h).
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   EngramService service(&state, &listener, opts->max_sessions, opts->max_sessions_per_uid);
   grpc::ServerBuilder builder;
@@ -97,6 +105,13 @@ int main(int argc, char** argv) {
   grpc::ResourceQuota quota("engramd");
   quota.SetMaxThreads(opts->max_sessions + 64);
   builder.SetResourceQuota(quota);
+  // Every stream but Session (bounded by the service) is bounded per uid, within the 64 threads above the sessions'.
+  StreamCounts stream_counts(&listener, opts->max_streams_per_uid, opts->reflection);
+  {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+    interceptors.push_back(std::make_unique<StreamBoundFactory>(&stream_counts));
+    builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  }
   builder.SetMaxReceiveMessageSize(1 << 20);  // requests are small; anything larger is refused
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 5000);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
@@ -145,14 +160,15 @@ int main(int argc, char** argv) {
   std::thread metrics;
   if (!opts->metrics_file.empty()) {
     metrics = std::thread([&] {
+      std::string last_error;  // logged when it changes, not every 2 s
       while (!done) {
-        const std::string tmp = opts->metrics_file + ".tmp";
-        if (FILE* f = std::fopen(tmp.c_str(), "w")) {
-          const std::string text = state.MetricsText();
-          std::fwrite(text.data(), 1, text.size(), f);
-          std::fclose(f);
-          std::rename(tmp.c_str(), opts->metrics_file.c_str());
+        const absl::Status st = WriteMetricsFile(opts->metrics_file, state.MetricsText());
+        const std::string error = st.ok() ? "" : std::string(st.message());
+        if (error != last_error && !st.ok()) {
+          spdlog::error("event=metrics_write_failed path={} detail=\"{}\"", engram::Printable(opts->metrics_file),
+                        engram::Printable(error));
         }
+        last_error = error;
         for (int i = 0; i < 20 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
     });

@@ -56,10 +56,22 @@ absl::Status Set(const std::string& origin, const std::string& key, const std::s
     o->admin_group = value;
   } else if (key == "tickets") {
     return int_value(&o->tickets, 1);
+  } else if (key == "ticket_hold_ms") {
+    return int_value(&o->ticket_hold_ms, 1);
   } else if (key == "max_sessions") {
     return int_value(&o->max_sessions, 1);
   } else if (key == "max_sessions_per_uid") {
     return int_value(&o->max_sessions_per_uid, 1);
+  } else if (key == "max_streams_per_uid") {
+    return int_value(&o->max_streams_per_uid, 1);
+  } else if (key == "reflection") {
+    if (value == "on" || value == "true" || value == "1") {
+      o->reflection = true;
+    } else if (value == "off" || value == "false" || value == "0") {
+      o->reflection = false;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(origin, ": reflection wants on or off, got '", value, "'"));
+    }
   } else if (key == "threads") {
     return int_value(&o->threads, 0);
   } else if (key == "log_level") {

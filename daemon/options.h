@@ -1,7 +1,8 @@
 // engramd's configuration: command-line flags over an optional config file (/etc/engramd/engramd.conf).
 //
 // Config file: one `key = value` per line, `#` comments. Keys: checkpoint (repeatable), tp (comma list), shm_dir,
-// socket, group, admin_group, tickets, max_sessions, max_sessions_per_uid, threads, log_level, metrics_file. Flags:
+// socket, group, admin_group, tickets, ticket_hold_ms, max_sessions, max_sessions_per_uid, max_streams_per_uid,
+// reflection (on|off), threads, log_level, metrics_file. Flags:
 // --checkpoint DIR (repeatable), --tp 1,2,
 // --shm-dir DIR, --socket PATH, --group NAME, --admin-group NAME, --tickets N, --threads N, --log-level LEVEL,
 // --metrics-file PATH, --config FILE. A flag given on the command line replaces the file's value for that key
@@ -29,10 +30,17 @@ struct Options {
   // (the --group) attach and read status only: one engine cannot take sharing away from the others.
   std::string admin_group;
   int tickets = 1;  // replicas registering at once
+  // How long a replica may hold a registration ticket before the daemon reclaims it (event=ticket_expired): well
+  // above a whole shard's cuMemHostRegister (a 94 GiB shard registers in tens of seconds).
+  int ticket_hold_ms = 120000;
   // Sessions open at once, in all and per uid: each holds a server thread, so that no peer can exhaust them (status
   // and the other engines' replicas keep working); one more is refused with RESOURCE_EXHAUSTED.
   int max_sessions = 2048;
   int max_sessions_per_uid = 512;
+  // Other streams open at once per uid (health Watch, reflection): daemon/stream_bound.h.
+  int max_streams_per_uid = 16;
+  // gRPC reflection (ServerReflectionInfo), off by default; when on, operators only (daemon/stream_bound.h).
+  bool reflection = false;
   int threads = 0;  // publish/verify workers; 0 = hardware concurrency (at most 32)
   std::string log_level = "info";
   std::string metrics_file;  // Prometheus text format, rewritten every 2 s (node_exporter textfile collector)

@@ -112,28 +112,61 @@ std::string ReplicaRegistry::Attach(const engram::v1::Hello& h, const PeerCred& 
 }
 
 bool ReplicaRegistry::AcquireTicket(const std::string& lease_id, const std::function<bool()>& cancelled) {
+  return AwaitTicket(lease_id, cancelled, std::chrono::steady_clock::time_point::max()) == TicketWait::kGranted;
+}
+
+TicketWait ReplicaRegistry::AwaitTicket(const std::string& lease_id, const std::function<bool()>& cancelled,
+                                        std::chrono::steady_clock::time_point deadline) {
   std::unique_lock<std::mutex> lock(mu_);
   auto it = replicas_.find(lease_id);
-  if (it == replicas_.end() || it->second.ticket != TicketState::kNone) return false;
+  if (it == replicas_.end() || it->second.ticket != TicketState::kNone) return TicketWait::kCancelled;
   it->second.ticket = TicketState::kQueued;
   ticket_queue_.push_back(lease_id);
   while (true) {
     it = replicas_.find(lease_id);  // Detach may have removed it while we waited
-    if (it == replicas_.end() || cancelled() || stopping_) {
+    ExpireTicketsLocked();
+    const bool timed_out = std::chrono::steady_clock::now() >= deadline;
+    const bool granted = it != replicas_.end() && tickets_held_ < ticket_capacity_ && !ticket_queue_.empty() &&
+                         ticket_queue_.front() == lease_id;
+    if (!granted && (it == replicas_.end() || cancelled() || stopping_ || timed_out)) {
       ticket_queue_.erase(std::remove(ticket_queue_.begin(), ticket_queue_.end(), lease_id), ticket_queue_.end());
       if (it != replicas_.end()) it->second.ticket = TicketState::kNone;
       cv_.notify_all();
-      return false;
+      return timed_out && it != replicas_.end() && !stopping_ ? TicketWait::kTimedOut : TicketWait::kCancelled;
     }
-    if (tickets_held_ < ticket_capacity_ && !ticket_queue_.empty() && ticket_queue_.front() == lease_id) {
+    if (granted) {
       ticket_queue_.pop_front();
       ++tickets_held_;
       it->second.ticket = TicketState::kHeld;
+      it->second.ticket_since = std::chrono::steady_clock::now();
       cv_.notify_all();
-      return true;
+      return TicketWait::kGranted;
     }
-    cv_.wait_for(lock, std::chrono::milliseconds(50));  // also polls `cancelled`
+    // Also polls `cancelled` and the holders' limit.
+    const auto next = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
+    cv_.wait_until(lock, std::min(next, deadline));
   }
+}
+
+void ReplicaRegistry::ExpireTicketsLocked() {
+  const auto now = std::chrono::steady_clock::now();
+  for (auto& [id, r] : replicas_) {
+    if (r.ticket != TicketState::kHeld || now - r.ticket_since < ticket_hold_limit_) continue;
+    const double held = std::chrono::duration<double>(now - r.ticket_since).count();
+    spdlog::warn("event=ticket_expired pid={} uid={} lease={} held_seconds={:.1f} limit_ms={}", r.peer.pid, r.peer.uid,
+                 id, held, ticket_hold_limit_.count());
+    AddRecentFallbackLocked(
+        absl::StrFormat("ticket_expired pid %d uid %d: held its registration ticket %.1f s "
+                        "without reporting (limit %d ms)",
+                        r.peer.pid, r.peer.uid, held, ticket_hold_limit_.count()));
+    ReleaseTicketLocked(r);
+  }
+}
+
+void ReplicaRegistry::SetTicketHoldLimit(std::chrono::milliseconds limit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ticket_hold_limit_ = std::max(limit, std::chrono::milliseconds(1));
+  cv_.notify_all();
 }
 
 void ReplicaRegistry::ReleaseTicketLocked(Replica& r) {

@@ -12,9 +12,13 @@
 // (ReplicaInfo). It knows segments only by key (checkpoint dir + "/" + segment name).
 //
 // Thread-safety: every public method may be called from any thread. One internal mutex guards all state.
-// AcquireTicket blocks (polling `cancelled`); nothing else blocks. The notify callbacks run under the mutex (they
-// only queue a write on their session's stream) and must not call back into the registry. The registry never
-// calls SegmentRegistry, so the two locks are never held together.
+// AcquireTicket blocks (polling `cancelled`, up to the waiter's deadline); nothing else blocks.
+//
+// A ticket is held at most the hold limit (SetTicketHoldLimit, --ticket-hold-ms): a replica that takes one and never
+// reports its registration loses it; the registry reclaims it (`event=ticket_expired` naming the holder's pid, uid
+// and lease, and a line in the recent fallbacks) while others wait, and the next in the queue gets it. The notify
+// callbacks run under the mutex (they only queue a write on their session's stream) and must not call back into the
+// registry. The registry never calls SegmentRegistry, so the two locks are never held together.
 #pragma once
 
 #include <chrono>
@@ -37,6 +41,8 @@ namespace engram::daemon {
 
 // Where a replica stands with the registration tickets.
 enum class TicketState { kNone, kQueued, kHeld };
+// How a wait for a ticket ended.
+enum class TicketWait { kGranted, kCancelled, kTimedOut };
 std::string_view Name(TicketState s);  // "none", "queued", "held"
 // "descriptor", "path", "" (ATTACH_NONE), as status shows it.
 std::string_view AttachName(engram::v1::AttachMethod m);
@@ -89,6 +95,11 @@ class ReplicaRegistry {
   // Queues the replica for a ticket and blocks until it is at the head of the queue and a ticket is free (true),
   // or `cancelled()` turns true, the replica is detached or the registry shuts down (false; it leaves the queue).
   bool AcquireTicket(const std::string& lease_id, const std::function<bool()>& cancelled);
+  // The same, waiting at most until `deadline` (kTimedOut: it leaves the queue).
+  TicketWait AwaitTicket(const std::string& lease_id, const std::function<bool()>& cancelled,
+                         std::chrono::steady_clock::time_point deadline);
+  // How long a ticket may be held before it is reclaimed (at least 1 ms).
+  void SetTicketHoldLimit(std::chrono::milliseconds limit);
   // Registration result: frees the replica's ticket; on failure the replica falls back (REGISTER_FAILED), its
   // lease is released and the fallback recorded.
   void ReportRegistration(const std::string& lease_id, const engram::v1::RegisterResult& result);
@@ -127,6 +138,7 @@ class ReplicaRegistry {
     engram::v1::AttachMethod attach = engram::v1::ATTACH_NONE;
     std::vector<engram::v1::Reason> reasons;
     TicketState ticket = TicketState::kNone;
+    std::chrono::steady_clock::time_point ticket_since;  // when it took its ticket (kHeld)
     bool outcome_reported = false;
     std::chrono::steady_clock::time_point attached;
     double register_seconds = -1;
@@ -135,6 +147,7 @@ class ReplicaRegistry {
   };
   void AddRecentFallbackLocked(std::string line);
   void ReleaseTicketLocked(Replica& r);
+  void ExpireTicketsLocked();  // reclaims tickets held past the hold limit
 
   const uint64_t instance_id_;
   mutable std::mutex mu_;
@@ -144,6 +157,7 @@ class ReplicaRegistry {
   ReplicaCounters counters_;
   int ticket_capacity_ = 1;
   int tickets_held_ = 0;
+  std::chrono::milliseconds ticket_hold_limit_{120000};
   std::deque<std::string> ticket_queue_;
   bool stopping_ = false;
   uint64_t next_lease_ = 1;

@@ -37,6 +37,18 @@ absl::StatusOr<bool> OursOrClear(const std::string& path, Env* env) {
       st.st_uid, path, st.st_mode & 07777, std::strerror(err), ::geteuid()));
 }
 
+std::string SizeProblem(const std::string& path, uint64_t bytes, Env* env) {
+  struct stat st {};
+  if (env->Lstat(path.c_str(), &st) != 0)
+    return absl::StrCat("the segment file ", path, " is gone: ", std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) return absl::StrCat("the segment file ", path, " is no longer a regular file");
+  if (static_cast<uint64_t>(st.st_size) != bytes) {
+    return absl::StrFormat("the segment file %s is %d bytes, %d expected: truncated or replaced", path, st.st_size,
+                           bytes);
+  }
+  return "";
+}
+
 std::string Bounded(const std::string& s, size_t max) { return s.size() <= max ? s : Utf8Prefix(s, max) + "..."; }
 
 std::shared_ptr<const engram::v1::SegmentDescriptor> ReadDescriptor(const std::string& path, Env* env) {

@@ -22,6 +22,10 @@ bool Unsettled(ServingState s);
 // anyone plant a file under our name before we start).
 absl::StatusOr<bool> OursOrClear(const std::string& path, Env* env);
 
+// Empty when the file at `path` is a regular file of exactly `bytes` bytes; otherwise why it is not (its size, or
+// that it is gone or not a regular file): a READY segment whose file was truncated or replaced is not served.
+std::string SizeProblem(const std::string& path, uint64_t bytes, Env* env);
+
 // `s` cut to at most `max` bytes on a UTF-8 boundary, with "..." when cut.
 std::string Bounded(const std::string& s, size_t max);
 

@@ -178,6 +178,12 @@ absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
                      : absl::StatusOr<SegmentHeader>(absl::NotFoundError("no segment"));
       if (h.ok() && h->state == static_cast<uint32_t>(SegmentState::kReady) && h->fingerprint == c->fingerprint &&
           h->total_bytes == e.bytes) {
+        if (const std::string why = SizeProblem(e.path, e.bytes, env_); !why.empty()) {
+          spdlog::warn("event=segment_debris path={} detail=\"{}\": removed, republishing", e.path, why);
+          env_->Unlink(e.path.c_str());
+          publish_queue_.push_back({dir, key});
+          continue;
+        }
         if (auto desc = ReadDescriptor(e.path, env_)) {
           e.descriptor = std::move(desc);
           e.state = ServingState::kReady;
@@ -242,7 +248,9 @@ absl::StatusOr<ShardOffer> SegmentRegistry::Offer(const engram::v1::Hello& h, co
     for (const auto& [k, e] : c->segments) {
       if (k.first == h.tp_size()) node.tables_bytes += e.bytes;
     }
-    if (seg.state == ServingState::kReady && seg.descriptor) {
+    const std::string size_problem =
+        seg.state == ServingState::kReady && seg.descriptor ? SizeProblem(seg.path, seg.bytes, env_) : "";
+    if (seg.state == ServingState::kReady && seg.descriptor && size_problem.empty()) {
       offer.ready = true;
       offer.segment_name = seg.name;
       offer.segment_path = seg.path;
@@ -251,7 +259,7 @@ absl::StatusOr<ShardOffer> SegmentRegistry::Offer(const engram::v1::Hello& h, co
     } else {
       node.shm_too_small = seg.too_small;
       node.segment_failed = true;
-      node.segment_error = seg.error;
+      node.segment_error = size_problem.empty() ? seg.error : size_problem;
     }
     return offer;
   }
@@ -435,3 +443,10 @@ std::vector<SegmentInfo> SegmentRegistry::Segments() const {
 }
 
 }  // namespace engram::daemon
+      if (e.state == ServingState::kReady) {
+        // What is served is the file as it is now: one truncated or replaced under the daemon is not READY.
+        if (std::string why = SizeProblem(e.path, e.bytes, env_); !why.empty()) {
+          i.state = ServingState::kFailed;
+          i.error = std::move(why);
+        }
+      }

@@ -1,18 +1,21 @@
 #include "daemon/service.h"
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/utf8.h"
+#include "proto/printable.h"
 #include "spdlog/spdlog.h"
 
 namespace engram::daemon {
 
 grpc::Status ToGrpc(const absl::Status& st) {
-  // absl and gRPC share the canonical code numbers.
-  return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
+  // absl and gRPC share the canonical code numbers. Messages quote paths and checkpoint text: printable only.
+  return grpc::Status(static_cast<grpc::StatusCode>(st.code()), Printable(std::string(st.message())));
 }
 
 namespace {
@@ -162,7 +165,20 @@ grpc::Status EngramService::Session(
           result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "ticket requested twice");
           break;
         }
-        if (!state_->AcquireTicket(lease, [ctx] { return ctx->IsCancelled(); })) break;
+        const uint32_t wait_ms = msg.ticket_request().wait_ms();
+        const auto deadline = wait_ms == 0 ? std::chrono::steady_clock::time_point::max()
+                                           : std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
+        const TicketWait got = state_->AwaitTicket(
+            lease, [ctx] { return ctx->IsCancelled(); }, deadline);
+        if (got == TicketWait::kTimedOut) {
+          spdlog::warn("event=ticket_timeout pid={} uid={} lease={} wait_ms={}", peer.pid, peer.uid, lease, wait_ms);
+          engram::v1::ServerMessage refused;
+          refused.mutable_ticket_refused()->set_detail(
+              absl::StrCat("no registration ticket was free within the replica's ", wait_ms, " ms"));
+          write(refused);
+          continue;
+        }
+        if (got != TicketWait::kGranted) break;
         ticket_held = true;
         engram::v1::ServerMessage t;
         t.mutable_ticket();
@@ -279,6 +295,7 @@ grpc::Status EngramService::Status(grpc::ServerContext* ctx, const engram::v1::S
 grpc::Status EngramService::Load(grpc::ServerContext* ctx, const engram::v1::LoadRequest* req, engram::v1::LoadReply*) {
   PeerCred peer;
   if (auto st = AuthorizeOperator(ctx, "load", &peer); !st.ok()) return st;
+  MakePrintable(reply);  // paths, errors and hints quote checkpoint files and clients
   if (auto st = Bounded("checkpoint", req->checkpoint()); !st.ok()) return st;
   if (req->tp_sizes_size() > 64) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "at most 64 TP sizes are accepted");

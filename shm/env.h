@@ -56,6 +56,10 @@ class Env {
   // The system's base page (sysconf(_SC_PAGESIZE): 4 KiB, or 16/64 KiB on some aarch64 kernels): madvise ranges
   // start on one, and a tmpfs reports it as its block size.
   virtual size_t PageBytes() = 0;
+  // The memory this process may still take: the lesser of /proc/meminfo's MemAvailable and, under a cgroup v2
+  // memory.max, that limit less memory.current (a side that cannot be read does not count; neither: UINT64_MAX).
+  // The client checks it before it builds a private table.
+  virtual uint64_t AvailableMemoryBytes() = 0;
 };
 
 // The system calls themselves. Derive from it to override one call in a test.
@@ -84,6 +88,7 @@ class PosixEnv : public Env {
   int Mlock(const void* addr, size_t len) override;
   int Munlock(const void* addr, size_t len) override;
   size_t PageBytes() override;
+  uint64_t AvailableMemoryBytes() override;
 };
 
 // Repeats `call` while it fails with EINTR (for calls whose result is -1 + errno).

@@ -22,6 +22,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/utf8.h"
 #include "client/session/session.h"
 #include "engram/v1/engram.grpc.pb.h"
 #include "model/checkpoint.h"
@@ -33,7 +34,7 @@
 namespace engram::tools::ctl {
 
 int Usage(const std::string& msg) {
-  std::cerr << "engramctl: " << msg << "\n";
+  std::cerr << "engramctl: " << Printable(msg) << "\n";
   return 2;
 }
 
@@ -74,14 +75,14 @@ int RpcFailure(const grpc::Status& st, const std::string& socket) {
       return 3;
     }
     // Something listens and answered with an error of its own (e.g. draining): say what it said.
-    std::cerr << "engramctl: engramd on " << socket << ": " << st.error_message() << "\n";
+    std::cerr << "engramctl: engramd on " << socket << ": " << Printable(st.error_message()) << "\n";
     return 1;
   }
   if (st.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
-    std::cerr << "engramctl: " << st.error_message() << "\n";
+    std::cerr << "engramctl: " << Printable(st.error_message()) << "\n";
     return 4;
   }
-  std::cerr << "engramctl: " << st.error_message() << "\n";
+  std::cerr << "engramctl: " << Printable(st.error_message()) << "\n";
   return 1;
 }
 

@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/utf8.h"
 #include "client/session/session.h"
 #include "engram/v1/engram.grpc.pb.h"
 #include "model/checkpoint.h"
@@ -61,7 +62,7 @@ int CmdLoad(int argc, char** argv) {
   engram::v1::LoadReply reply;
   grpc::Status st = Connect(socket)->Load(&ctx, req, &reply);
   if (!st.ok()) return RpcFailure(st, socket);
-  std::cout << "loading " << req.checkpoint() << " (engramctl status shows progress)\n";
+  std::cout << "loading " << Printable(req.checkpoint()) << " (engramctl status shows progress)\n";
   return 0;
 }
 

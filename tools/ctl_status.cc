@@ -31,6 +31,7 @@
 #include "tools/args.h"
 #include "tools/row_oracle.h"
 
+#include "proto/printable.h"
 #include "tools/ctl_common.h"
 
 namespace engram::tools {
@@ -105,6 +106,7 @@ int CmdStatus(int argc, char** argv) {
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   engram::v1::StatusReply s;
   grpc::Status st = stub->Status(&ctx, engram::v1::StatusRequest(), &s);
+  if (st.ok()) MakePrintable(&s);  // every string it shows came from a file or a client
   if (!st.ok()) return RpcFailure(st, socket);
   json j;
   j["shm"] = {{"path", s.shm().path()},
@@ -227,6 +229,7 @@ int CmdWatch(int argc, char** argv) {
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     engram::v1::StatusReply s;
     grpc::Status st = stub->Status(&ctx, engram::v1::StatusRequest(), &s);
+    if (st.ok()) MakePrintable(&s);  // every string it shows came from a file or a client
     if (!st.ok()) return RpcFailure(st, socket);
     const auto now = std::chrono::steady_clock::now();
     bool busy = false;
@@ -268,6 +271,7 @@ int CmdReady(int argc, char** argv) {
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   engram::v1::StatusReply s;
   grpc::Status st = Connect(socket)->Status(&ctx, engram::v1::StatusRequest(), &s);
+  if (st.ok()) MakePrintable(&s);  // every string it shows came from a file or a client
   if (!st.ok()) return RpcFailure(st, socket);
   std::vector<std::string> waiting;
   for (const auto& g : s.segments()) {

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -351,15 +352,43 @@ absl::StatusOr<int> Session::FetchSegmentDescriptor(std::chrono::milliseconds ti
   }
 }
 
-absl::Status Session::AcquireTicket() {
+absl::Status Session::AcquireTicket(std::chrono::milliseconds wait) {
   v1::ClientMessage req;
-  req.mutable_ticket_request();
+  const auto wait_ms = std::clamp<int64_t>(wait.count(), 0, UINT32_MAX);
+  req.mutable_ticket_request()->set_wait_ms(static_cast<uint32_t>(wait_ms));
   if (auto st = impl_->Write(req); !st.ok()) return impl_->Ended("ticket request");
+  // The daemon answers by the deadline; one that does not is cut off a second after it.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::thread watchdog;
+  if (wait_ms > 0) {
+    watchdog = std::thread([&, deadline = std::chrono::steady_clock::now() + wait + std::chrono::seconds(1)] {
+      std::unique_lock<std::mutex> lock(mu);
+      if (!cv.wait_until(lock, deadline, [&] { return done; })) impl_->conn->ctx.TryCancel();
+    });
+  }
+  auto finish = [&] {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      done = true;
+    }
+    cv.notify_all();
+    if (watchdog.joinable()) watchdog.join();
+  };
   v1::ServerMessage reply;
   while (impl_->conn->stream->Read(&reply)) {
-    if (reply.has_ticket()) return absl::OkStatus();
+    if (reply.has_ticket()) {
+      finish();
+      return absl::OkStatus();
+    }
+    if (reply.has_ticket_refused()) {
+      finish();
+      return absl::DeadlineExceededError(Printable(reply.ticket_refused().detail()));
+    }
     // Events may arrive while the ticket queue moves; they need no answer.
   }
+  finish();
   return impl_->Ended("waiting for the registration ticket");
 }
 

@@ -109,8 +109,10 @@ class Session {
   // The identity (st_dev, st_ino) of the file this replica mapped: after a daemon restart, the session compares the
   // new grant's file with it to know whether the replica still shares (Keep).
   void NoteMappedFile(uint64_t dev, uint64_t ino);
-  // Blocks until the node's registration ticket is this replica's (one registration at a time per node).
-  absl::Status AcquireTicket();
+  // Blocks until the node's registration ticket is this replica's (one registration at a time per node), at most
+  // `wait`: DeadlineExceeded when the daemon answers that none was free by then (the session goes on). Against a
+  // daemon that does not answer at its deadline the call is cancelled a second after it (the session ends).
+  absl::Status AcquireTicket(std::chrono::milliseconds wait = std::chrono::milliseconds(0));
   absl::Status ReportRegistration(const RegistrationReport& report);
   absl::Status ReportOutcome(Mode mode, const std::vector<Reason>& reasons, Backend backend,
                              AttachMethod attach = AttachMethod::kNone);

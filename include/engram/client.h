@@ -48,7 +48,8 @@ namespace engram::client {
 
 struct ClientOptions {
   std::string socket = "/run/engramd/engramd.sock";
-  std::chrono::milliseconds timeout{10000};        // connect + answer (the daemon may still be loading)
+  std::chrono::milliseconds timeout{10000};        // connect + answer (the daemon may still be loading); also the
+                                                   // most the wait for the registration ticket takes
   size_t register_chunk_bytes = size_t{16} << 30;  // cudaHostRegister chunk (never >= 512 GiB)
   bool use_gpu = true;                             // false: CPU backend even where a GPU is present
   Env* env = nullptr;  // OS seam for mapping, pinning and building tables (shm/env.h); null = the real one
@@ -72,6 +73,8 @@ struct AttachRequest {
   int threads = 0;  // for building a private table; 0 = hardware concurrency
   // false: a table that cannot be shared is not built here; Attach returns FailedPrecondition naming every reason
   // (an engine with a table store of its own, such as vLLM's, keeps that instead of a second private copy).
+  // true: the private table is built only when the memory free to this process (MemAvailable, or its cgroup v2
+  // room) holds it plus 256 MiB; otherwise Attach returns ResourceExhausted naming the bytes needed and available.
   bool private_fallback = true;
 };
 

@@ -11,7 +11,10 @@
 // loop almost none). Root-only cases skip with the reason.
 //
 // The binary has its own main(): `daemon_hardening_test --health-probe SOCKET` prints the health status code (or
-// the gRPC error code) and exits, so a test can run the probe as another uid through setpriv.
+// the gRPC error code) and exits, so a test can run the probe as another uid through setpriv;
+// `daemon_hardening_test --idle-streams SOCKET METHOD N` opens N bidirectional streams of METHOD, sends one request
+// on each (a reflection list_services), prints {"answered": A, "failed": F} once each stream was answered or ended,
+// and holds the answered ones open, idle, until killed.
 #include <fcntl.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
@@ -20,6 +23,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -57,7 +61,60 @@ using testing::TempDir;
 using testing::WaitFor;
 using namespace std::chrono_literals;
 
-std::string g_self;  // this binary, for the --health-probe mode
+std::string g_self;  // this binary, for the --health-probe and --idle-streams modes
+
+// --idle-streams: see the file comment. Ten channels, each its own connection, share the streams.
+int IdleStreams(const std::string& socket, const std::string& method, int n) {
+  constexpr int kChannels = 10;
+  std::vector<std::unique_ptr<grpc::GenericStub>> stubs;
+  for (int c = 0; c < kChannels; ++c) {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    args.SetInt("engram.test.channel", c);  // distinct arguments: a connection of its own
+    stubs.push_back(std::make_unique<grpc::GenericStub>(
+        grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), args)));
+  }
+  grpc::CompletionQueue cq;
+  const char req_bytes[] = {0x3a, 0x00};  // ServerReflectionRequest{list_services: ""}
+  struct Stream {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call;
+    grpc::ByteBuffer request, response;
+    int step = 0;
+  };
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int i = 0; i < n; ++i) {
+    auto s = std::make_unique<Stream>();
+    grpc::Slice slice(req_bytes, sizeof(req_bytes));
+    s->request = grpc::ByteBuffer(&slice, 1);
+    s->call = stubs[static_cast<size_t>(i % kChannels)]->PrepareCall(&s->ctx, method, &cq);
+    s->call->StartCall(s.get());
+    streams.push_back(std::move(s));
+  }
+  int answered = 0, failed = 0;
+  const auto end = std::chrono::system_clock::now() + 60s;
+  while (answered + failed < n) {
+    void* tag = nullptr;
+    bool ok = false;
+    if (cq.AsyncNext(&tag, &ok, end) != grpc::CompletionQueue::GOT_EVENT) break;
+    auto* s = static_cast<Stream*>(tag);
+    if (!ok) {
+      ++failed;
+      continue;
+    }
+    if (s->step == 0) {
+      s->step = 1;
+      s->call->Write(s->request, s);
+    } else if (s->step == 1) {
+      s->step = 2;
+      s->call->Read(&s->response, s);
+    } else {
+      ++answered;
+    }
+  }
+  std::cout << "{\"answered\": " << answered << ", \"failed\": " << failed << "}" << std::endl;
+  while (true) std::this_thread::sleep_for(1h);
+}
 
 // `engramctl attach` once: its first JSON line (decision, verified rows, mismatches).
 json AttachOnce(const Daemon& d, const std::string& ckpt, const std::string& shm, const std::string& extra = "",
@@ -689,6 +746,294 @@ TEST(DaemonHardeningTest, RefusedUidsGetNothingFromAnyService) {
   EXPECT_FALSE(d.Status().is_null());
 }
 
+// --- streams other than sessions are bounded ----------------------------------------------------------------------
+
+// Idle reflection streams (each would hold one of the server's threads) cannot starve status or another uid's
+// attach: reflection is off unless asked for; with --reflection on an engine's streams are refused (operators only)
+// and an operator's are bounded per uid (max_streams_per_uid).
+TEST(DaemonHardeningTest, IdleReflectionStreamsDoNotStarveTheDaemon) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the streams and the attach come from other uids";
+  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  if (RunCmd("getent group nogroup").exit_code != 0) GTEST_SKIP() << "no group 'nogroup' (gid 65534)";
+  TempDir dir;
+  ::chmod(dir.path().c_str(), 0755);
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 2);
+  const std::string kMethod = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo";
+  const std::string engine = "setpriv --reuid=65533 --regid=65533 --groups=65534 ";
+  // --max-sessions 8: the server has 72 threads; 200 idle streams would take them all.
+  for (const std::string reflection : {"off", "on"}) {
+    SCOPED_TRACE("reflection " + reflection);
+    Daemon d(dir,
+             {"--checkpoint", ckpt, "--shm-dir", shm, "--group", "nogroup", "--max-sessions", "8", "--reflection",
+              reflection},
+             "refl-" + reflection);
+    ASSERT_TRUE(d.WaitReady()) << d.Log();
+    ::chmod(d.socket().c_str(), 0666);
+    std::vector<std::unique_ptr<Process>> holders;
+    for (const std::string& who : {std::string("engine"), std::string("root")}) {
+      const std::vector<std::string> prefix =
+          who == "root"
+              ? std::vector<std::string>{}
+              : std::vector<std::string>{"/usr/bin/setpriv", "--reuid=65533", "--regid=65533", "--groups=65534"};
+      std::vector<std::string> argv = prefix;
+      for (const std::string& a : {g_self, std::string("--idle-streams"), d.socket(), kMethod, std::string("200")}) {
+        argv.push_back(a);
+      }
+      holders.push_back(std::make_unique<Process>(argv, dir / ("streams-" + reflection + "-" + who + ".log")));
+      Process& h = *holders.back();
+      ASSERT_TRUE(WaitFor([&] { return !testing::JsonLine(h.Output(), false).is_null(); }, 90s)) << h.Output();
+      const json got = testing::JsonLine(h.Output(), false);
+      EXPECT_EQ(got["answered"].get<int>() + got["failed"].get<int>(), 200) << got.dump();
+      const int expected = reflection == "on" && who == "root" ? 16 : 0;
+      EXPECT_EQ(got["answered"], expected) << who << ": " << got.dump();
+    }
+    EXPECT_FALSE(d.Status().is_null()) << "status fails while the streams are held";
+    const auto text = RunCmd(BinPath("engramctl") + " status --socket " + d.socket());
+    EXPECT_EQ(text.exit_code, 0) << text.out << text.err;
+    const json a = AttachOnce(d, ckpt, shm, "", engine);
+    EXPECT_EQ(a["decision"], "shared") << a.dump();
+    if (reflection == "on") {
+      EXPECT_NE(d.Log().find("call=reflection reason=NOT_OPERATOR"), std::string::npos) << d.Log();
+      EXPECT_NE(d.Log().find("reason=TOO_MANY_STREAMS"), std::string::npos) << d.Log();
+    }
+    for (auto& h : holders) h->Signal(SIGKILL);
+    EXPECT_TRUE(d.proc().Running());
+  }
+}
+
+// --- registration tickets: a hold limit, and each waiter's own deadline -------------------------------------------
+
+// A replica that takes the node's only ticket and never reports cannot keep another uid's replica waiting past that
+// replica's --timeout-ms (it gets its answer, a fallback naming the ticket, by its deadline), and the daemon takes
+// the ticket back after --ticket-hold-ms (event=ticket_expired names the holder), so the next replica shares.
+TEST(DaemonHardeningTest, AHeldTicketExpiresAndWaitersKeepTheirDeadlines) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the waiting replica runs as another uid than the holder";
+  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  if (RunCmd("getent group nogroup").exit_code != 0) GTEST_SKIP() << "no group 'nogroup' (gid 65534)";
+  TempDir dir;
+  ::chmod(dir.path().c_str(), 0755);
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 2);
+  const std::string helper = BinPath("../tests/session_helper");
+  auto replica = [&](const Daemon& d, const std::string& timeout_ms, const std::string& name) {
+    return std::make_unique<Process>(
+        std::vector<std::string>{"/usr/bin/setpriv", "--reuid=65533", "--regid=65533", "--groups=65534",
+                                 BinPath("engram-replica"), "--socket", d.socket(), "--checkpoint", ckpt, "--dp-size",
+                                 "2", "--batches", "1", "--timeout-ms", timeout_ms},
+        dir / name);
+  };
+  for (const std::string hold_ms : {"600000", "1500"}) {
+    SCOPED_TRACE("ticket_hold_ms " + hold_ms);
+    Daemon d(
+        dir,
+        {"--checkpoint", ckpt, "--shm-dir", shm, "--group", "nogroup", "--tickets", "1", "--ticket-hold-ms", hold_ms},
+        "tickets-" + hold_ms);
+    ASSERT_TRUE(d.WaitReady()) << d.Log();
+    ::chmod(d.socket().c_str(), 0666);
+    Process holder({helper, d.socket(), ckpt, shm, "ticket"}, dir / ("holder-" + hold_ms + ".log"));
+    ASSERT_TRUE(WaitFor([&] { return holder.Output().find("\"ticket\": true") != std::string::npos; }, 30s))
+        << holder.Output();
+    if (hold_ms == "600000") {
+      // The holder keeps the ticket for the whole test: the waiter's 2 s deadline alone ends its wait.
+      auto waiter = replica(d, "2000", "waiter.log");
+      const int rc = waiter->Wait(30s);
+      ASSERT_NE(rc, -1) << "the replica waited past its own deadline for the held ticket: " << d.Status().dump();
+      const json out = testing::JsonLine(waiter->Output(), false);
+      EXPECT_NE(out["mode"], "SHARED") << waiter->Output();
+      EXPECT_NE(waiter->Output().find("no registration ticket"), std::string::npos) << waiter->Output();
+      EXPECT_NE(d.Log().find("event=ticket_timeout"), std::string::npos) << d.Log();
+      EXPECT_TRUE(holder.Running());
+    } else {
+      // The holder never reports: its ticket is reclaimed and the waiter (with time to spare) shares.
+      auto waiter = replica(d, "60000", "next.log");
+      EXPECT_EQ(waiter->Wait(90s), 0) << waiter->Output() << d.Log();
+      const json out = testing::JsonLine(waiter->Output(), false);
+      EXPECT_EQ(out["mode"], "SHARED") << waiter->Output();
+      EXPECT_NE(d.Log().find("event=ticket_expired pid=" + std::to_string(holder.pid()) + " uid=0 "), std::string::npos)
+          << d.Log();
+    }
+    holder.Signal(SIGKILL);
+    holder.Wait();
+    EXPECT_TRUE(d.proc().Running());
+  }
+}
+
+// --- the metrics file, and segments whose file changed size ------------------------------------------------------
+
+// A symlink planted at the metrics file's old temporary name (`<file>.tmp`) pointing at a live segment: the segment
+// is never opened through it (size, header and rows unchanged), and the metrics file is still written, as a regular
+// file.
+TEST(DaemonHardeningTest, APlantedLinkBesideTheMetricsFileIsNotWrittenThrough) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 2);
+  const std::string metrics = dir / "metrics.prom";
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--metrics-file", metrics});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  const std::string seg = shm + "/" + d.Status()["segments"][0]["name"].get<std::string>();
+  const std::string before = testing::ReadFile(seg);
+  ASSERT_FALSE(before.empty());
+  ASSERT_TRUE(WaitFor([&] { return std::filesystem::exists(metrics); }, 30s)) << d.Log();
+  ASSERT_EQ(::symlink(seg.c_str(), (metrics + ".tmp").c_str()), 0);
+  ASSERT_EQ(::unlink(metrics.c_str()), 0);
+  // The next write (every 2 s) brings the metrics file back.
+  ASSERT_TRUE(WaitFor([&] { return std::filesystem::exists(std::filesystem::symlink_status(metrics)); }, 30s))
+      << d.Log();
+  struct stat st {};
+  ASSERT_EQ(::lstat(metrics.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode)) << "the metrics file is the planted link";
+  EXPECT_NE(testing::ReadFile(metrics).find("engram"), std::string::npos) << testing::ReadFile(metrics);
+  EXPECT_TRUE(testing::ReadFile(seg) == before) << "the segment was written through the planted link";
+  const json s = d.Status();
+  EXPECT_EQ(s["segments"][0]["state"], "READY") << s.dump();
+  EXPECT_EQ(AttachOnce(d, ckpt, shm)["decision"], "shared");
+}
+
+// A READY segment whose file is truncated under the daemon is no longer READY in status (nor granted), and a
+// restarted daemon does not adopt it (its header still claims the full size): it publishes a new one.
+TEST(DaemonHardeningTest, ATruncatedSegmentIsNeverReady) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 2);
+  std::string seg;
+  {
+    Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm}, "first");
+    ASSERT_TRUE(d.WaitReady()) << d.Log();
+    ASSERT_TRUE(WaitFor([&] { return d.Status()["segments"][0]["checksum_state"] == "ok"; }, 30s)) << d.Log();
+    seg = shm + "/" + d.Status()["segments"][0]["name"].get<std::string>();
+    ASSERT_EQ(::truncate(seg.c_str(), static_cast<off_t>(std::filesystem::file_size(seg) / 2)), 0);
+    const json s = d.Status();
+    EXPECT_NE(s["segments"][0]["state"], "READY") << s.dump();
+    EXPECT_NE(s["segments"][0].value("error", "").find("truncated"), std::string::npos) << s.dump();
+    const json a = AttachOnce(d, ckpt, shm);
+    EXPECT_EQ(a["decision"], "fallback") << a.dump();
+    d.proc().Signal(SIGTERM);
+    ASSERT_EQ(d.proc().Wait(), 0);
+  }
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm}, "second");
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  const json s = d.Status();
+  EXPECT_EQ(s["segments"][0]["state"], "READY") << s.dump();
+  EXPECT_EQ(s["segments"][0]["origin"], "published") << "the truncated file was adopted: " << s.dump();
+  EXPECT_EQ(AttachOnce(d, ckpt, shm)["mismatches"], 0);
+  EXPECT_TRUE(d.proc().Running());
+}
+
+// --- text from checkpoints and clients is printable wherever it is shown -----------------------------------------
+
+// Control bytes of `text` other than its line ends.
+int ControlBytes(const std::string& text) {
+  int n = 0;
+  for (const unsigned char c : text) n += (c < 0x20 && c != '\n') || c == 0x7f ? 1 : 0;
+  return n;
+}
+
+// Checkpoint directories whose names hold an escape sequence and a newline followed by a forged log line: loading,
+// unloading and failing to load them is logged one line per event, and neither the daemon's log, engramctl's error
+// nor its status (text or JSON) carries a control byte.
+TEST(DaemonHardeningTest, HostileCheckpointTextIsPrintableEverywhere) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string a = MakeCheckpoint(dir, 2, "a", 1);
+  const std::string forged = "2026-01-01T00:00:00.000 info event=unload dir=forged";  // no '/': one name
+  const std::string good = dir / ("good\x1b[31m\n" + forged);
+  std::filesystem::rename(MakeCheckpoint(dir, 2, "b", 2), good);
+  const std::string bad = dir / ("bad\x1b[2J\n" + forged);
+  std::filesystem::rename(MakeCheckpoint(dir, 2, "c", 3), bad);
+  ASSERT_EQ(::truncate((bad + "/model-00002-of-00002.safetensors").c_str(),
+                       static_cast<off_t>(std::filesystem::file_size(bad + "/model-00002-of-00002.safetensors") / 2)),
+            0);
+  // A config.json value with an escape and a newline too.
+  {
+    json cfg = json::parse(testing::ReadFile(bad + "/config.json"));
+    cfg["architectures"] = json::array({"Evil\x1b[2J\n" + forged});
+    testing::WriteFile(bad + "/config.json", cfg.dump());
+  }
+  Daemon d(dir, {"--checkpoint", a, "--shm-dir", shm});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  auto ctl = [&](const std::vector<std::string>& args, const std::string& name) {
+    std::vector<std::string> argv = {BinPath("engramctl")};
+    argv.insert(argv.end(), args.begin(), args.end());
+    argv.push_back("--socket");
+    argv.push_back(d.socket());
+    Process p(argv, dir / name);
+    const int rc = p.Wait(60s);
+    return std::make_pair(rc, p.Output());
+  };
+  const auto loaded = ctl({"load", "--checkpoint", good}, "load-good.log");
+  EXPECT_EQ(loaded.first, 0) << loaded.second;
+  EXPECT_EQ(ControlBytes(loaded.second), 0) << loaded.second;
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  const auto failed = ctl({"load", "--checkpoint", bad}, "load-bad.log");
+  EXPECT_NE(failed.first, 0) << failed.second;
+  EXPECT_EQ(ControlBytes(failed.second), 0) << failed.second;
+  EXPECT_EQ(std::count(failed.second.begin(), failed.second.end(), '\n'), 1) << "one line of error: " << failed.second;
+  const auto text = ctl({"status"}, "status.log");
+  EXPECT_EQ(text.first, 0) << text.second;
+  EXPECT_EQ(ControlBytes(text.second), 0) << text.second;
+  EXPECT_EQ(text.second.find("\n" + forged), std::string::npos) << text.second;
+  const auto j = ctl({"status", "--json"}, "status-json.log");
+  EXPECT_EQ(j.first, 0) << j.second;
+  const json s = testing::JsonLine(j.second, false);
+  ASSERT_FALSE(s.is_null()) << j.second;
+  EXPECT_EQ(s.dump().find("\\u001b"), std::string::npos) << s.dump();
+  EXPECT_EQ(s.dump().find("\\n"), std::string::npos) << s.dump();
+  const auto unloaded = ctl({"unload", "--checkpoint", good}, "unload.log");
+  EXPECT_EQ(unloaded.first, 0) << unloaded.second;
+  ASSERT_TRUE(d.WaitLog("event=unload dir=")) << d.Log();
+  ASSERT_TRUE(d.WaitLog("event=load_failed dir=")) << d.Log();
+  const std::string log = d.Log();
+  EXPECT_EQ(ControlBytes(log), 0) << log;
+  std::istringstream lines(log);
+  std::string line;
+  int loads = 0, unloads = 0;
+  while (std::getline(lines, line)) {
+    EXPECT_NE(line.rfind(forged, 0), 0u) << "a forged line: " << line;
+    const size_t at = line.find("event=");  // the line's own event (a quoted name may hold more text)
+    const std::string event = at == std::string::npos ? "" : line.substr(at, line.find(' ', at) - at);
+    loads += event == "event=load" ? 1 : 0;
+    unloads += event == "event=unload" ? 1 : 0;
+  }
+  EXPECT_EQ(loads, 1) << log;
+  EXPECT_EQ(unloads, 1) << log;
+  EXPECT_TRUE(d.proc().Running());
+}
+
+// --- a private fallback checks the memory first ------------------------------------------------------------------
+
+// A replica that cannot share (its checkpoint is not served) would build a private table: where the memory free to
+// it (MemAvailable, or its cgroup's room) is short of the table's size it refuses, with the bytes needed and
+// available and why it did not share, instead of being OOM-killed midway. The shortage comes from the test's fault
+// hook (engram-replica-faults, ENGRAM_TEST_FAULT=private_table_memory); without it the same replica builds its table.
+TEST(DaemonHardeningTest, APrivateFallbackChecksTheMemoryFirst) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string served = MakeCheckpoint(dir, 2, "served", 1);
+  const std::string other = MakeCheckpoint(dir, 2, "other", 2);
+  Daemon d(dir, {"--checkpoint", served, "--shm-dir", shm});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  auto run = [&](const std::string& fault, const std::string& name) {
+    if (!fault.empty()) ::setenv("ENGRAM_TEST_FAULT", fault.c_str(), 1);
+    Process p({BinPath("engram-replica-faults"), "--socket", d.socket(), "--checkpoint", other, "--dp-size", "2",
+               "--batches", "1"},
+              dir / name);
+    ::unsetenv("ENGRAM_TEST_FAULT");
+    const int rc = p.Wait(60s);
+    return std::make_pair(rc, testing::JsonLine(p.Output(), false));
+  };
+  const auto refused = run("private_table_memory", "short.log");
+  EXPECT_EQ(refused.first, 1) << refused.second.dump();
+  const std::string error = refused.second.value("error", "");
+  EXPECT_NE(error.find("a private table of this shard needs "), std::string::npos) << error;
+  EXPECT_NE(error.find(" are available"), std::string::npos) << error;
+  EXPECT_NE(error.find("FINGERPRINT_MISMATCH"), std::string::npos) << "why it did not share: " << error;
+  const auto built = run("", "enough.log");
+  EXPECT_EQ(built.first, 0) << built.second.dump();
+  EXPECT_EQ(built.second["mode"], "PRIVATE_PINNED") << built.second.dump();
+  EXPECT_TRUE(d.proc().Running());
+}
+
 // Another uid can plant a directory (or a socket) at the lock file's path in a world-writable shm directory: that
 // must not stop engramd from starting (it runs unlocked and says so), and a regular file at the socket's path is
 // not deleted to make room for the listener.
@@ -724,6 +1069,8 @@ TEST(DaemonHardeningTest, ARegularFileAtTheSocketPathIsLeftAndRefused) {
 int main(int argc, char** argv) {
   engram::g_self = std::filesystem::canonical("/proc/self/exe").string();
   if (argc == 3 && std::string(argv[1]) == "--health-probe") return engram::testing::HealthCheck(argv[2]);
+  if (argc == 5 && std::string(argv[1]) == "--idle-streams")
+    return engram::IdleStreams(argv[2], argv[3], std::atoi(argv[4]));
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }

@@ -1,0 +1,19 @@
+// WriteMetricsFile: engramd's --metrics-file (Prometheus text for node_exporter's textfile collector), replaced
+// atomically. The text goes to a fresh file of a name of its own beside the target (`<file>.tmp.<pid>.<n>`, opened
+// with O_CREAT|O_EXCL|O_NOFOLLOW, so nothing planted there, a symlink least of all, is ever opened or written through),
+// then renamed over the target (a link planted at the target is replaced, its target untouched). The directory is
+// checked first as the shm directory's files are: it must be root's or the daemon's, and one that others may write
+// must be sticky; otherwise the write is refused (FailedPrecondition naming the directory, owner and mode).
+// Errors: FailedPrecondition for such a directory, Internal naming the call and errno otherwise. Stateless;
+// thread-safe.
+#pragma once
+
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace engram::daemon {
+
+absl::Status WriteMetricsFile(const std::string& path, const std::string& text);
+
+}  // namespace engram::daemon
