@@ -103,12 +103,12 @@ bool Coordinator::AcquireTicket(const std::string& lease_id, std::function<bool(
   return replicas_.AcquireTicket(lease_id, cancelled);
 }
 
-void Coordinator::ReportRegistration(const std::string& lease_id, const engram::v1::RegisterResult& result) {
 TicketWait Coordinator::AwaitTicket(const std::string& lease_id, std::function<bool()> cancelled,
                                     std::chrono::steady_clock::time_point deadline) {
   return replicas_.AwaitTicket(lease_id, cancelled, deadline);
 }
 
+void Coordinator::ReportRegistration(const std::string& lease_id, const engram::v1::RegisterResult& result) {
   replicas_.ReportRegistration(lease_id, result);
 }
 
@@ -190,11 +190,11 @@ absl::Status Coordinator::Reload(const Options& opts) {
     opts_.checkpoints = segments_.CheckpointDirs();
     opts_.tp_sizes = opts.tp_sizes;
     opts_.tickets = opts.tickets;
-  }
     opts_.ticket_hold_ms = opts.ticket_hold_ms;
+  }
   replicas_.SetTicketCapacity(opts.tickets);
-  segments_.BumpEpoch();
   replicas_.SetTicketHoldLimit(std::chrono::milliseconds(opts.ticket_hold_ms));
+  segments_.BumpEpoch();
   for (const char* key : {"shm_dir", "socket", "group", "threads"}) {
     const bool changed = std::string(key) == "shm_dir"  ? before.shm_dir != opts.shm_dir
                          : std::string(key) == "socket" ? before.socket != opts.socket

@@ -436,13 +436,6 @@ std::vector<SegmentInfo> SegmentRegistry::Segments() const {
       i.rows_done = e.rows_done->load();
       i.rows_total = e.rows_total;
       i.error = e.error;
-      out.push_back(std::move(i));
-    }
-  }
-  return out;
-}
-
-}  // namespace engram::daemon
       if (e.state == ServingState::kReady) {
         // What is served is the file as it is now: one truncated or replaced under the daemon is not READY.
         if (std::string why = SizeProblem(e.path, e.bytes, env_); !why.empty()) {
@@ -450,3 +443,10 @@ std::vector<SegmentInfo> SegmentRegistry::Segments() const {
           i.error = std::move(why);
         }
       }
+      out.push_back(std::move(i));
+    }
+  }
+  return out;
+}
+
+}  // namespace engram::daemon
