@@ -289,13 +289,13 @@ grpc::Status EngramService::Status(grpc::ServerContext* ctx, const engram::v1::S
         "sessions_refused count=%d: sessions over max_sessions (%d) or max_sessions_per_uid (%d); %d open now",
         sessions_refused_, max_sessions_, max_sessions_per_uid_, sessions_));
   }
+  MakePrintable(reply);  // paths, errors and hints quote checkpoint files and clients
   return grpc::Status::OK;
 }
 
 grpc::Status EngramService::Load(grpc::ServerContext* ctx, const engram::v1::LoadRequest* req, engram::v1::LoadReply*) {
   PeerCred peer;
   if (auto st = AuthorizeOperator(ctx, "load", &peer); !st.ok()) return st;
-  MakePrintable(reply);  // paths, errors and hints quote checkpoint files and clients
   if (auto st = Bounded("checkpoint", req->checkpoint()); !st.ok()) return st;
   if (req->tp_sizes_size() > 64) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "at most 64 TP sizes are accepted");
