@@ -13,6 +13,7 @@
 #include "base/status_macros.h"
 #include "daemon/fallback.h"
 #include "daemon/publisher.h"
+#include "daemon/segment_files.h"
 #include "daemon/status_report.h"
 #include "spdlog/spdlog.h"
 
@@ -195,16 +196,43 @@ absl::Status Coordinator::Reload(const Options& opts) {
   replicas_.SetTicketCapacity(opts.tickets);
   replicas_.SetTicketHoldLimit(std::chrono::milliseconds(opts.ticket_hold_ms));
   segments_.BumpEpoch();
-  for (const char* key : {"shm_dir", "socket", "group", "threads"}) {
-    const bool changed = std::string(key) == "shm_dir"  ? before.shm_dir != opts.shm_dir
-                         : std::string(key) == "socket" ? before.socket != opts.socket
-                         : std::string(key) == "group"  ? before.group != opts.group
-                                                        : before.threads != opts.threads;
-    if (changed) spdlog::warn("event=reload_ignored key={}: takes effect at the next start", key);
+  // One line per changed key: applied here (checkpoint, tp, tickets), applied by main() on the socket side right
+  // after this returns (group, admin_group, the session bounds, log_level), or refused until the next start.
+  auto line = [](const char* key, bool changed, const std::string& value, const char* refused) {
+    if (!changed) return;
+    if (refused == nullptr) {
+      spdlog::info("event=reload key={} applied value=\"{}\"", key, Bounded(value, 256));
+    } else {
+      spdlog::warn("event=reload key={} refused reason=\"{}\" value=\"{}\"", key, refused, Bounded(value, 256));
+    }
+  };
+  constexpr const char* kRestart = "takes effect at the next start of engramd";
+  line("checkpoint", !r->added.empty() || !r->removed.empty() || !r->revised.empty(),
+       absl::StrJoin(opts.checkpoints, ","), nullptr);
+  line("tp", before.tp_sizes != opts.tp_sizes, absl::StrJoin(opts.tp_sizes, ","), nullptr);
+  line("tickets", before.tickets != opts.tickets, std::to_string(opts.tickets), nullptr);
+  line("group", before.group != opts.group, opts.group, nullptr);
+  line("admin_group", before.admin_group != opts.admin_group, opts.admin_group, nullptr);
+  line("max_sessions", before.max_sessions != opts.max_sessions, std::to_string(opts.max_sessions), nullptr);
+  line("max_sessions_per_uid", before.max_sessions_per_uid != opts.max_sessions_per_uid,
+       std::to_string(opts.max_sessions_per_uid), nullptr);
+  line("log_level", before.log_level != opts.log_level, opts.log_level, nullptr);
+  line("shm_dir", before.shm_dir != opts.shm_dir, opts.shm_dir, kRestart);
+  line("socket", before.socket != opts.socket, opts.socket, kRestart);
+  line("threads", before.threads != opts.threads, std::to_string(opts.threads), kRestart);
+  line("metrics_file", before.metrics_file != opts.metrics_file, opts.metrics_file, kRestart);
+  {
+    std::lock_guard<std::mutex> lock(opts_mu_);
+    opts_.group = opts.group;
+    opts_.admin_group = opts.admin_group;
+    opts_.max_sessions = opts.max_sessions;
+    opts_.max_sessions_per_uid = opts.max_sessions_per_uid;
+    opts_.log_level = opts.log_level;
   }
-  spdlog::info("event=reload added={} removed={} tp={} tp_changed={} retired={} tickets={}",
+  spdlog::info("event=reload added={} removed={} tp={} tp_changed={} revised={} retired={} tickets={}",
                absl::StrJoin(r->added, ","), absl::StrJoin(r->removed, ","), absl::StrJoin(opts.tp_sizes, ","),
-               absl::StrJoin(r->tp_changed, ","), r->retired_segment_keys.size(), opts.tickets);
+               absl::StrJoin(r->tp_changed, ","), absl::StrJoin(r->revised, ","), r->retired_segment_keys.size(),
+               opts.tickets);
   return absl::OkStatus();
 }
 

@@ -20,19 +20,44 @@
 
 namespace engram::daemon {
 
+namespace {
+
+// The gid of `name` (-1 for an empty name), or InvalidArgument naming the option.
+absl::StatusOr<int> ResolveGroup(const std::string& name, const char* what) {
+  if (name.empty()) return -1;
+  struct group* g = ::getgrnam(name.c_str());
+  if (g == nullptr) return absl::InvalidArgumentError(absl::StrCat(what, " '", name, "' does not exist"));
+  return static_cast<int>(g->gr_gid);
+}
+
+}  // namespace
+
+absl::Status UdsListener::CheckGroups(const std::string& group, const std::string& admin_group) {
+  RETURN_IF_ERROR(ResolveGroup(group, "group").status());
+  return ResolveGroup(admin_group, "admin group").status();
+}
+
+absl::Status UdsListener::SetGroups(const std::string& group, const std::string& admin_group) {
+  ASSIGN_OR_RETURN(const int gid, ResolveGroup(group, "group"));
+  ASSIGN_OR_RETURN(const int admin_gid, ResolveGroup(admin_group, "admin group"));
+  admin_gid_ = admin_gid;
+  if (gid != group_gid_.exchange(gid)) {
+    // Root or the daemon's gid without a --group: the files keep the daemon's own group.
+    const gid_t file_gid = gid >= 0 ? static_cast<gid_t>(gid) : ::getegid();
+    for (const std::string& p : {path_, path_ + ".fds"}) {
+      if (::chown(p.c_str(), static_cast<uid_t>(-1), file_gid) != 0) {
+        spdlog::warn("event=chown_failed path={} errno={}", p, errno);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status UdsListener::Bind(const std::string& path, const std::string& group, const std::string& admin_group) {
   path_ = path;
-  if (!admin_group.empty()) {
-    struct group* g = ::getgrnam(admin_group.c_str());
-    if (g == nullptr) return absl::InvalidArgumentError(absl::StrCat("admin group '", admin_group, "' does not exist"));
-    admin_gid_ = static_cast<int>(g->gr_gid);
-  }
+  ASSIGN_OR_RETURN(admin_gid_, ResolveGroup(admin_group, "admin group"));
   RETURN_IF_ERROR(net::CheckSocketPath(path));
-  if (!group.empty()) {
-    struct group* g = ::getgrnam(group.c_str());
-    if (g == nullptr) return absl::InvalidArgumentError(absl::StrCat("group '", group, "' does not exist"));
-    group_gid_ = static_cast<int>(g->gr_gid);
-  }
+  ASSIGN_OR_RETURN(group_gid_, ResolveGroup(group, "group"));
   const std::string dir = path.substr(0, path.rfind('/'));
   if (!dir.empty() && ::mkdir(dir.c_str(), 0750) == 0 && group_gid_ >= 0) {
     if (::chown(dir.c_str(), static_cast<uid_t>(-1), static_cast<gid_t>(group_gid_)) != 0) {
@@ -136,12 +161,7 @@ bool UdsListener::Operator(const PeerCred& p) const {
 bool UdsListener::Allowed(const PeerCred& p) const {
   if (p.uid == 0 || p.uid == ::geteuid()) return true;
   if (InGroup(p, admin_gid_)) return true;
-  if (group_gid_ < 0) return false;
-  if (p.gid == static_cast<uint32_t>(group_gid_)) return true;
-  for (uint32_t g : p.groups) {
-    if (g == static_cast<uint32_t>(group_gid_)) return true;
-  }
-  return false;
+  return InGroup(p, group_gid_);
 }
 
 }  // namespace engram::daemon

@@ -10,7 +10,10 @@
 // Running out of descriptors (EMFILE/ENFILE) or kernel memory (ENOBUFS/ENOMEM) in accept does not spin: the loop
 // backs off (50 ms doubling to 400 ms), logs `event=accept_backoff` once per episode and `event=accept_resumed` when
 // accept works again; established connections keep being served meanwhile.
-// Thread-safe: the accept loop runs on its own thread; PeerOf may be called from any thread.
+// Groups change at run time (SetGroups, on SIGHUP): the next connection and the next call are checked against the
+// new ones, and the socket files change group with them.
+// Thread-safe: the accept loop runs on its own thread; PeerOf, Allowed, Operator and SetGroups may be called from any
+// thread.
 #pragma once
 
 #include <atomic>
@@ -40,12 +43,17 @@ class UdsListener {
   // Whether a peer may run the operator calls: root, the daemon's own uid, or a member of the admin group (an
   // allowed peer that is not one attaches and reads status only).
   bool Operator(const PeerCred& p) const;
+  // Serve with these groups from now on (a reload): InvalidArgument naming the group when one does not exist, and
+  // then nothing changes. The sockets (this one and `<path>.fds`) are given the new --group.
+  absl::Status SetGroups(const std::string& group, const std::string& admin_group);
+  // Whether SetGroups would succeed: InvalidArgument naming a group that does not exist.
+  static absl::Status CheckGroups(const std::string& group, const std::string& admin_group);
 
  private:
   std::string path_;
   int fd_ = -1;
-  int group_gid_ = -1;
-  int admin_gid_ = -1;
+  std::atomic<int> group_gid_{-1};
+  std::atomic<int> admin_gid_{-1};
   std::atomic<bool> stop_{false};
   std::thread thread_;
   std::mutex mu_;

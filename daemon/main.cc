@@ -185,8 +185,22 @@ int main(int argc, char** argv) {
         continue;
       }
       sd_notify(0, "RELOADING=1");
-      if (auto st = state.Reload(*fresh); !st.ok()) {
+      // The socket side first checks its groups (a missing group refuses the whole reload), then applies them once
+      // the segments' part succeeded: all or nothing.
+      absl::Status st = UdsListener::CheckGroups(fresh->group, fresh->admin_group);
+      if (st.ok() && spdlog::level::from_str(fresh->log_level) == spdlog::level::off && fresh->log_level != "off") {
+        st = absl::InvalidArgumentError("log_level '" + fresh->log_level + "' is not a level");
+      }
+      if (!st.ok()) {
+        spdlog::error("event=reload_failed detail=\"{}: nothing changed\"", std::string(st.message()));
+        state.NoteReloadFailure(opts->config_file, std::string(st.message()));
+      } else if (st = state.Reload(*fresh); !st.ok()) {
         spdlog::error("event=reload_failed detail=\"{}\"", std::string(st.message()));
+      } else {
+        (void)listener.SetGroups(fresh->group, fresh->admin_group);  // validated above
+        service.SetSessionBounds(fresh->max_sessions, fresh->max_sessions_per_uid);
+        quota.SetMaxThreads(fresh->max_sessions + 64);
+        spdlog::set_level(spdlog::level::from_str(fresh->log_level));
       }
       // The reload is decided (refused, or applied in full); new shards publish in the background and status shows
       // their progress, so the service is ready again at once.

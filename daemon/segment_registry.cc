@@ -328,6 +328,14 @@ absl::StatusOr<ReconfigureResult> SegmentRegistry::Reconfigure(const std::vector
   for (const auto& d : wanted) {
     auto it = served.find(d);
     if (it != served.end()) {
+      // A new revision written into a served directory: its fingerprint changed, so it is served as new (the old
+      // revision's segments are retired below; replicas that map them keep their mappings).
+      ASSIGN_OR_RETURN(auto now, Checkpoint::Open(d));
+      if (now->Fingerprint() != it->second.second) {
+        ASSIGN_OR_RETURN(auto c, OpenCheckpoint(d, tps));
+        fresh.push_back(std::move(c));
+        continue;
+      }
       if (it->second.first) {
         for (int64_t tp : tps) {
           if (auto s = it->second.first->Shard(tp, 0); !s.ok()) {
@@ -385,11 +393,25 @@ absl::StatusOr<ReconfigureResult> SegmentRegistry::Reconfigure(const std::vector
       result.tp_changed.push_back(dir);
     }
     for (auto& c : fresh) {
-      if (checkpoints_.count(c->dir)) continue;  // loaded meanwhile
+      auto old = checkpoints_.find(c->dir);
+      if (old != checkpoints_.end()) {
+        if (old->second->fingerprint == c->fingerprint) continue;  // loaded meanwhile
+        // The directory's new revision replaces the served one.
+        DropQueuedLocked(c->dir);
+        for (auto& [k, e] : old->second->segments) {
+          RetireFileLocked(e.path);
+          result.retired_segment_keys.push_back(c->dir + "/" + e.name);
+        }
+        spdlog::info("event=checkpoint_revised dir={} fingerprint={:016x} was={:016x}: publishing the new revision",
+                     c->dir, c->fingerprint, old->second->fingerprint);
+        checkpoints_.erase(old);
+        result.revised.push_back(c->dir);
+      } else {
+        result.added.push_back(c->dir);
+      }
       PlanSegmentsLocked(*c);
       c->serial = next_serial_++;
       for (auto& [key, e] : c->segments) publish_queue_.push_back({c->dir, key});
-      result.added.push_back(c->dir);
       const std::string dir = c->dir;
       checkpoints_[dir] = std::move(c);
     }

@@ -19,7 +19,9 @@
 //
 // Reconfigure (SIGHUP) is all-or-nothing: every new checkpoint is opened and every TP size checked before anything
 // changes; then checkpoints are added and removed and kept ones re-planned for the new TP sizes (new shards queued,
-// dropped shards retired) in one step under the lock.
+// dropped shards retired) in one step under the lock. A kept directory is fingerprinted again (headers only): when
+// a new revision was written into it, the new revision is published and the old one's segments are retired
+// (unlinked: replicas that map them keep their mappings).
 //
 // Thread-safety: every public method may be called from any thread. One internal mutex guards all state; it is
 // never held while a segment is published or verified, and never while calling out of the registry (no callback
@@ -97,6 +99,7 @@ struct ShardOffer {
 // What a Reconfigure changed (canonical directories; segment keys as ShardOffer::segment_key()).
 struct ReconfigureResult {
   std::vector<std::string> added, removed, tp_changed;
+  std::vector<std::string> revised;               // kept directories whose files now have another fingerprint
   std::vector<std::string> retired_segment_keys;  // shards dropped from kept checkpoints
 };
 

@@ -105,6 +105,12 @@ grpc::Status EngramService::AdmitSession(const PeerCred& peer) {
   return grpc::Status::OK;
 }
 
+void EngramService::SetSessionBounds(int max_sessions, int max_sessions_per_uid) {
+  std::lock_guard<std::mutex> lock(sessions_mu_);
+  max_sessions_ = max_sessions;
+  max_sessions_per_uid_ = max_sessions_per_uid;
+}
+
 void EngramService::EndSession(uint32_t uid) {
   std::lock_guard<std::mutex> lock(sessions_mu_);
   auto it = sessions_by_uid_.find(uid);

@@ -38,6 +38,8 @@ class EngramService final : public engram::v1::Engram::Service {
                       engram::v1::UnloadReply* reply) override;
   grpc::Status Drain(grpc::ServerContext* ctx, const engram::v1::DrainRequest* req,
                      engram::v1::DrainReply* reply) override;
+  // New session bounds (a reload): the next session is admitted against them; open sessions are never cut.
+  void SetSessionBounds(int max_sessions, int max_sessions_per_uid);
 
  private:
   // Authorize, and the peer is an operator (UdsListener::Operator); `call` names the refused call.
@@ -49,8 +51,8 @@ class EngramService final : public engram::v1::Engram::Service {
   void EndSession(uint32_t uid);
   Coordinator* state_;
   UdsListener* listener_;
-  const int max_sessions_, max_sessions_per_uid_;
-  std::mutex sessions_mu_;  // guards the three below
+  std::mutex sessions_mu_;  // guards the five below
+  int max_sessions_, max_sessions_per_uid_;
   std::map<uint32_t, int> sessions_by_uid_;
   int sessions_ = 0;
   uint64_t sessions_refused_ = 0;
