@@ -98,8 +98,8 @@ TEST(DaemonRolesTest, ReloadAppliesSessionBoundsAndRefusesRestartKeysByName) {
   EXPECT_NE(log.find("event=reload key=max_sessions_per_uid applied value=\"1\""), std::string::npos) << log;
   EXPECT_NE(log.find("event=reload key=threads refused reason="), std::string::npos) << log;
   // The holder keeps its session; one more of the same uid is over the new bound.
-  auto r = RunCmd(BinPath("engramctl") + " attach --socket " + d.socket() + " --checkpoint " + a + " --shm-dir " +
-                  shm + " --dp-size 2");
+  auto r = RunCmd(BinPath("engramctl") + " attach --socket " + d.socket() + " --checkpoint " + a + " --shm-dir " + shm +
+                  " --dp-size 2");
   EXPECT_NE(r.exit_code, 0) << r.out;
   EXPECT_NE((r.out + r.err).find("max_sessions_per_uid"), std::string::npos) << r.out << r.err;
   EXPECT_TRUE(d.WaitLog("reason=TOO_MANY_SESSIONS")) << d.Log();
