@@ -130,6 +130,10 @@ def attach(checkpoint, *, tp_size=1, tp_rank=0, dp_size=1, dp_rank=0, local_dp_s
     req = _lib.AttachRequest()
     req.checkpoint = _path_bytes(checkpoint, "checkpoint")
     req.tp_size, req.tp_rank, req.dp_size, req.dp_rank = tp_size, tp_rank, dp_size, dp_rank
+    for n, v in (("elastic_ep", elastic_ep), ("embedding_across_dp", embedding_across_dp),
+                 ("private_fallback", private_fallback)):
+        if not isinstance(v, bool):  # "false" is truthy: a string here would mean the opposite of what it says
+            raise TypeError(f"{n}: True or False, got {v!r}")
     req.local_dp_size = 0 if local_dp_size is None else int(local_dp_size)
     req.elastic_ep = int(bool(elastic_ep))
     req.cpu_offload = _choice(cpu_offload, "cpu_offload")
@@ -287,12 +291,18 @@ def _check_rc(rc, what):
 def _stream_handle(s):
     if s is None:
         return None
-    if isinstance(s, int):
-        return s
-    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
-        if hasattr(s, attr):
-            return int(getattr(s, attr))
-    raise TypeError(f"stream: a torch.cuda.Stream, a CuPy stream or an int, got {type(s).__name__}")
+    if isinstance(s, int) and not isinstance(s, bool):
+        h = s
+    else:
+        for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+            if hasattr(s, attr):
+                h = int(getattr(s, attr))
+                break
+        else:
+            raise TypeError(f"stream: a torch.cuda.Stream, a CuPy stream or an int, got {type(s).__name__}")
+    if not 0 <= h < 2**64:  # a cudaStream_t: ctypes would wrap anything else silently
+        raise ValueError(f"stream: a handle in [0, 2**64), got {h}")
+    return h
 
 
 class Engine:
@@ -302,8 +312,9 @@ class Engine:
     replay them). One thread drives an Engine."""
 
     def __init__(self, table, max_tokens, stream=None, staging=True):
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ValueError(f"max_tokens: a positive int, got {max_tokens!r}")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 2**31 - 1:
+            # An int32 in the C ABI: ctypes would keep the low 32 bits (and the staging views would lie).
+            raise ValueError(f"max_tokens: a positive int below 2**31, got {max_tokens!r}")
         if table._h is None or table._closed:
             raise ValueError("the table is closed")
         self.table = table

@@ -80,6 +80,7 @@ def _open():
     for cand in _candidates():
         tried.append(cand)
         if os.path.isfile(cand):
+            cand = os.path.abspath(cand)  # a bare name would make dlopen search the library path instead
             try:
                 return ctypes.CDLL(cand), cand
             except OSError as e:

@@ -247,3 +247,22 @@ def test_a_nul_in_a_path_is_refused_not_cut(tmp_path, field):
     paths[field] = str(tmp_path) + "\0/elsewhere"
     with pytest.raises(ValueError, match=f"{field}: the path contains a NUL byte"):
         engram.attach(paths["checkpoint"], shm_dir=paths["shm_dir"], socket=str(tmp_path / "none.sock"))
+
+
+@pytest.mark.parametrize("max_tokens", [2**32 + 1, 2**31, 2**63, 0, -1])
+def test_an_engine_size_an_int32_cannot_hold_is_refused(table, max_tokens):
+    # ctypes would pass the low 32 bits (2**32 + 1 as 1) while staging() sized its views by the Python value.
+    with pytest.raises(ValueError, match="max_tokens"):
+        table.engine(max_tokens)
+
+
+@pytest.mark.parametrize("stream", [2**64, -1, 2**70])
+def test_a_stream_handle_outside_64_bits_is_refused(table, stream):
+    with pytest.raises(ValueError, match="stream"):
+        table.engine(4, stream=stream)
+
+
+@pytest.mark.parametrize("option", ["elastic_ep", "embedding_across_dp", "private_fallback"])
+def test_boolean_options_take_booleans_only(tmp_path, option):
+    with pytest.raises(TypeError, match=option):
+        engram.attach(str(tmp_path), socket=str(tmp_path / "none.sock"), **{option: "false"})

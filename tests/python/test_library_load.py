@@ -148,3 +148,17 @@ def test_a_plugin_routes_the_librarys_lines_into_its_engines_logger(daemon, chec
     """)
     assert r.returncode == 0, r.stderr
     assert any(ln.startswith("PY vllm.engram engram: event=attached") for ln in r.stdout.splitlines()), r.stdout
+
+
+def test_a_relative_engram_lib_is_the_file_it_names(tmp_path):
+    import engram._lib
+    real = engram._lib.path
+    d = tmp_path / "here"
+    d.mkdir()
+    shutil.copy(real, d / "libengram_c.so")
+    r = subprocess.run([sys.executable, "-c", "import engram, engram._lib as L; L.load(); print(L.loaded_path())"],
+                       env={**{k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_LOG")},
+                            "PYTHONPATH": PKG, "ENGRAM_LIB": "libengram_c.so", "LD_LIBRARY_PATH": ""},
+                       cwd=str(d), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(d / "libengram_c.so"), r.stdout

@@ -78,8 +78,23 @@ def test_register_without_vllm_is_idle_and_idempotent(caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="vllm.engram"):
         ev.register()
         ev.register()
-    idle = [r for r in caplog.records if "event=idle" in r.getMessage()]
-    assert len(idle) == 1, caplog.text
+    assert caplog.records == [], caplog.text  # unconfigured: nothing to say, nothing imported
+    hooks = [f for f in sys.meta_path if type(f).__name__ == "_Watch"]
+    assert len(hooks) == 1, sys.meta_path
+    ev.uninstall()
+    assert not [f for f in sys.meta_path if type(f).__name__ == "_Watch"]
+
+
+def test_the_environment_alone_configures_the_plugin_and_bad_values_are_errors():
+    assert ev.plugin_config(None, {"ENGRAM_VLLM_REQUIRE": "1"}).require is True
+    assert ev.plugin_config(None, {"ENGRAM_VLLM_CHECKPOINT": "/m"}).checkpoint == "/m"
+    with pytest.raises(ValueError, match="true or false"):
+        ev.plugin_config(None, {"ENGRAM_VLLM_REQUIRE": "maybe"})
+    with pytest.raises(ValueError, match="integer"):
+        ev.plugin_config(None, {"ENGRAM_VLLM_TIMEOUT_MS": "ten"})
+    # ENGRAM_VLLM=0 turns the environment's settings off; additional_config still configures the plugin.
+    assert ev.plugin_config(None, {"ENGRAM_VLLM": "0", "ENGRAM_VLLM_SOCKET": "/s"}) is None
+    assert ev.plugin_config({"engram": {}}, {"ENGRAM_VLLM": "0"}).socket == ev.DEFAULT_SOCKET
 
 
 # -- a stand-in of the surface ---------------------------------------------------------------------------------
@@ -216,7 +231,7 @@ def test_a_different_surface_fails_closed_naming_the_version_and_the_difference(
     m = stand_in(drop)
     problems = ev.check_surface(m)
     assert any(named in p for p in problems), problems
-    with caplog.at_level(logging.WARNING, logger="vllm.engram"):
+    with caplog.at_level(logging.INFO, logger="vllm.engram"):  # WARNING only where the environment configures it
         ev.install(m)
     assert "event=incompatible" in caplog.text and STAND_IN_VERSION in caplog.text
     m.config = vllm_stubs.make_vllm_config(checkpoint)

@@ -96,6 +96,35 @@ def test_vllms_loader_registers_the_plugin_and_the_class_the_model_builds_is_pat
         assert not surface.served or surface.problems
 
 
+@pytest.mark.parametrize("version", [v for v, _ in VERSIONS], ids=lambda v: v.tag)
+def test_a_module_imported_after_the_plugin_loaded_is_patched_then(version, tmp_path, monkeypatch, caplog):
+    # vLLM loads plugins before it imports the model: an unconfigured process imports no Engram module because of
+    # the plugin, and the module is patched when vLLM imports it.
+    why = vllm_stubs.missing_files(version)
+    if why:
+        pytest.skip(why)
+    _torch_or_skip()
+    for k in [k for k in os.environ if k.startswith("ENGRAM_VLLM") and k not in ("ENGRAM_VLLM_SRC",
+                                                                                  "ENGRAM_VLLM_VERSION")]:
+        monkeypatch.delenv(k)
+    ev.uninstall()
+    try:
+        root, pkg = vllm_stubs.prepare_version(version, str(tmp_path))
+        monkeypatch.syspath_prepend(str(_dist_info(tmp_path)))
+        with caplog.at_level(logging.INFO, logger="vllm.engram"):
+            _load_plugins()
+            assert not [n for n in sys.modules if n.endswith(".engram") and n.startswith("vllm.models.")], \
+                "loading the plugin imported an Engram module"
+            assert caplog.records == [], caplog.text  # unconfigured, before any model: nothing to say
+            vm = vllm_stubs.LoadedVersion(version, root, pkg)
+        own = vm.model_module.Engram.__dict__
+        assert getattr(own.get("_create_embedding") or own.get("__init__"), "_engram_plugin", False)
+        assert vm.model_module.__name__ in caplog.text
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    finally:
+        ev.uninstall()
+
+
 def test_configured_with_require_fails_the_model_build_naming_the_reason(vm, checkpoint, tmp_path):
     _load_plugins()
     _configure(vm, checkpoint, socket=str(tmp_path / "none.sock"), require=True, timeout_ms=300)

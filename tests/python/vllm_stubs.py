@@ -380,6 +380,12 @@ def engram_config_fields(path):
 def load_version(version, tmp_root=None):
     """A LoadedVersion of `version`: its stored files copied into one tree (under tmp_root, or a new temporary
     directory), the stand-ins installed over it, the modules imported."""
+    root, pkg = prepare_version(version, tmp_root)
+    return LoadedVersion(version, root, pkg)
+
+
+def prepare_version(version, tmp_root=None):
+    """(root, package name): `version`'s tree with the stand-ins installed over it, nothing of it imported yet."""
     root = tempfile.mkdtemp(prefix=f"vllm-{version.tag[:40]}-", dir=tmp_root)
     pkgs = set()
     for rel, commit in list(version.files.items()) + [PLUGINS_FILE]:
@@ -393,7 +399,7 @@ def load_version(version, tmp_root=None):
             pkgs.add(rel.split("/")[2])
     (pkg,) = pkgs
     install_stubs(root, (pkg,))
-    return LoadedVersion(version, root, pkg)
+    return root, pkg
 
 
 def available_versions():

@@ -31,6 +31,7 @@ differ the plugin fails closed with a message that names the vLLM version, the m
 Thread-safety: vLLM builds a model in one thread; the per-process state is guarded by a lock anyway.
 """
 import logging
+import sys
 import threading
 
 from .. import _lib
@@ -66,28 +67,44 @@ def _once(level, key, msg, *args):
 
 
 def register():
-    """vLLM's entry point: patches every Engram module of the running vLLM, once per process. Touches no CUDA.
-    With require set in the environment, raises (a startup error) when the library, a served vLLM surface or
-    engramd is missing."""
+    """vLLM's entry point, once per process; touches no CUDA. Patches each Engram module of the running vLLM when it
+    is imported (an import hook: a process that never builds DeepSeek-V4.1 imports nothing more, and a module that
+    fails to import at first is patched when it does import), or at once when it already is. Configured by the
+    environment, it imports them now; with require, raises (a startup error) when the library, a served vLLM
+    surface or engramd is missing."""
     with _lock:
         if _state["registered"]:
             return
         _state["registered"] = True
         _lib.route_log("vllm.engram")  # the library's own lines into vLLM's log, in its format
         cfg = environment_config()
+        _state["env_configured"] = cfg is not None
+        layouts.watch_imports(_on_import)
+        for name in layouts.CANDIDATES:
+            if name in sys.modules:
+                install(sys.modules[name])
+        if cfg is None:
+            return
         surfaces = layouts.find(lambda name, e: logger.warning(
-            "engram.vllm: event=module_unusable module=%s vllm=%s detail=\"%s: %s\"", name, vllm_version(),
-            type(e).__name__, e))
+            "engram.vllm: event=module_unusable module=%s vllm=%s detail=\"%s: %s\" (patched if it imports later)",
+            name, vllm_version(), type(e).__name__, e))
         for s in surfaces:
             install(s)
-        if not surfaces:
-            logger.info("engram.vllm: event=idle vllm=%s reason=\"this vLLM has no DeepSeek-V4.1 Engram module (%s)\"",
-                        vllm_version(), ", ".join(layouts.CANDIDATES))
-        if cfg is not None and cfg.require:
+        if not surfaces and not cfg.require:
+            logger.warning("engram.vllm: event=idle vllm=%s reason=\"configured, but this vLLM has none of the Engram "
+                           "modules the plugin knows (%s): vLLM keeps its own Engram tables\"", vllm_version(),
+                           ", ".join(layouts.CANDIDATES))
+        if cfg.require:
             missing = preflight(cfg, surfaces)
             if missing:
                 raise RuntimeError(f"engram.vllm: require is true ({cfg.source}) and the Engram table cannot come "
                                    f"from engramd ({cfg.socket}): {'; '.join(missing)}")
+
+
+def _on_import(module):
+    with _lock:
+        if _state["registered"]:
+            install(module)
 
 
 def preflight(cfg, surfaces):
@@ -140,9 +157,12 @@ def install(module):
         cls._create_embedding = _create_embedding
         _state["patched"][(cls, "_create_embedding")] = original
         if surface.problems:
-            logger.warning("engram.vllm: event=incompatible module=%s layout=%s vllm=%s detail=\"%s\" (a configured "
-                           "engine will refuse to start)", surface.name, surface.kind, vllm_version(),
-                           "; ".join(surface.problems))
+            # WARNING where the environment configures the plugin; otherwise a configured engine is refused (with
+            # this detail) when it builds the layer, and an unconfigured one is not concerned.
+            logger.log(logging.WARNING if _state.get("env_configured") else logging.INFO,
+                       "engram.vllm: event=incompatible module=%s layout=%s vllm=%s detail=\"%s\" (a configured "
+                       "engine will refuse to start)", surface.name, surface.kind, vllm_version(),
+                       "; ".join(surface.problems))
         else:
             logger.info("engram.vllm: event=installed module=%s layout=%s vllm=%s served=%s", surface.name,
                         surface.kind, vllm_version(), "yes" if surface.served else
@@ -165,8 +185,9 @@ def _guard_init(surface, cls):
     __init__.__wrapped__ = original
     cls.__init__ = __init__
     _state["patched"][(cls, "__init__")] = original
-    logger.warning("engram.vllm: event=incompatible module=%s layout=%s vllm=%s detail=\"%s\" (a configured engine "
-                   "will refuse to start)", surface.name, surface.kind, vllm_version(), "; ".join(surface.problems))
+    logger.log(logging.WARNING if _state.get("env_configured") else logging.INFO,
+               "engram.vllm: event=incompatible module=%s layout=%s vllm=%s detail=\"%s\" (a configured engine will "
+               "refuse to start)", surface.name, surface.kind, vllm_version(), "; ".join(surface.problems))
 
 
 def uninstall():
@@ -174,7 +195,8 @@ def uninstall():
     with _lock:
         for (cls, attr), original in _state["patched"].items():
             setattr(cls, attr, original)
-        _state.update(registered=False, patched={}, attachments={}, said=set())
+        _state.update(registered=False, patched={}, attachments={}, said=set(), env_configured=False)
+        layouts.watch_imports(None)
         _lib.route_log("engram")
 
 

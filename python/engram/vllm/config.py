@@ -48,7 +48,12 @@ def plugin_config(additional_config, environ=None):
     section = extra.get("engram") if isinstance(extra, dict) else None
     if section is not None and not isinstance(section, dict):
         raise ValueError(f"engram.vllm: additional_config['engram'] must be an object, got {type(section).__name__}")
-    env_on = bool(environ.get("ENGRAM_VLLM_SOCKET")) or _env_bool("ENGRAM_VLLM", environ.get("ENGRAM_VLLM", ""))
+    # The environment turns the plugin on with ENGRAM_VLLM=1 or any of its keys' variables (a REQUIRE alone must not
+    # be ignored); ENGRAM_VLLM=0 turns that off (additional_config["engram"] still configures it).
+    switch = environ.get("ENGRAM_VLLM", "")
+    env_on = _env_bool("ENGRAM_VLLM", switch) or any(environ.get(v) for v in ENV.values())
+    if switch.strip() and not _env_bool("ENGRAM_VLLM", switch):
+        env_on = False
     if section is None and not env_on:
         return None
     section = dict(section or {})

@@ -16,7 +16,11 @@ sentences, what differs from what the plugin relies on (empty: the plugin can pa
 (reads only).
 """
 import importlib
+import importlib.abc
+import importlib.util
 import inspect
+import sys
+import threading
 
 PACKAGES = ("vllm.models.deepseek_v41", "vllm.models.deepseek_v4_1")
 # The modules looked for, the NVIDIA one first: it is the class the model builds where it exists.
@@ -143,3 +147,50 @@ def find(log):
             continue
         found.append(Surface(module))
     return found
+
+
+class _Watch(importlib.abc.MetaPathFinder):
+    """An import hook: after a CANDIDATES module executes, `callback(module)` runs (the plugin patches it)."""
+
+    def __init__(self, callback):
+        self.callback = callback
+        self._local = threading.local()
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in CANDIDATES or getattr(self._local, "busy", False):
+            return None
+        self._local.busy = True
+        try:
+            spec = importlib.util.find_spec(name)  # how the import would go without this hook
+        finally:
+            self._local.busy = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _Then(spec.loader, self.callback)
+        return spec
+
+
+class _Then(importlib.abc.Loader):
+    def __init__(self, loader, callback):
+        self.loader, self.callback = loader, callback
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        self.callback(module)
+
+
+_watch = {"hook": None}
+
+
+def watch_imports(callback):
+    """Runs `callback(module)` whenever a CANDIDATES module is imported from now on (None: stops)."""
+    old = _watch["hook"]
+    if old is not None and old in sys.meta_path:
+        sys.meta_path.remove(old)
+    _watch["hook"] = None
+    if callback is not None:
+        _watch["hook"] = _Watch(callback)
+        sys.meta_path.insert(0, _watch["hook"])
