@@ -156,6 +156,9 @@ def test_a_relative_engram_lib_is_the_file_it_names(tmp_path):
     d = tmp_path / "here"
     d.mkdir()
     shutil.copy(real, d / "libengram_c.so")
+    libs = os.path.join(os.path.dirname(real), ".libs")  # the wheel's: the libraries it loads, beside it
+    if os.path.isdir(libs):
+        shutil.copytree(libs, d / ".libs")
     r = subprocess.run([sys.executable, "-c", "import engram, engram._lib as L; L.load(); print(L.loaded_path())"],
                        env={**{k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_LOG")},
                             "PYTHONPATH": PKG, "ENGRAM_LIB": "libengram_c.so", "LD_LIBRARY_PATH": ""},
