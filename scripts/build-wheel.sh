@@ -34,7 +34,8 @@ trap 'rm -rf "$stage"' EXIT
 pkg=$stage/engram
 mkdir -p "$pkg/.libs"
 # The package's files as the source tree has them (subpackages included), no bytecode, no library of a build.
-(cd "$root/python/engram" && find . -name __pycache__ -prune -o -type f ! -name '*.pyc' ! -name '*.so*' -print0 |
+# The package's Python sources only (an editor's or a build's leftovers in the tree stay out).
+(cd "$root/python/engram" && find . -name __pycache__ -prune -o -type f -name '*.py' ! -name '_version.py' -print0 |
   xargs -0 cp --parents -t "$pkg")
 # The version is CMake's project(VERSION), its one source: the build's generated _version.py, or, from a build
 # configured before that file existed, the version its cache records.
@@ -114,6 +115,7 @@ if "license" in project:
     meta.append(f"License: {project['license']['text']}")
 if "requires-python" in project:
     meta.append(f"Requires-Python: {project['requires-python']}")
+meta += [f"Requires-Dist: {d}" for d in project.get("dependencies", [])]
 eps = []
 for group, entries in project.get("entry-points", {}).items():
     eps.append(f"[{group}]")

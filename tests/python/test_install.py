@@ -117,10 +117,13 @@ def test_wheel_is_tagged_for_the_platform_and_its_record_is_true(wheel):
             assert int(size) == len(data), path
         wheel_meta = z.read(f"{info}/WHEEL").decode()
         assert "Tag: py3-none-linux_x86_64" in wheel_meta and "Root-Is-Purelib: false" in wheel_meta
-        assert f"Version: {cmake_version()}\n" in z.read(f"{info}/METADATA").decode()
+        meta = z.read(f"{info}/METADATA").decode()
+        assert f"Version: {cmake_version()}\n" in meta and "Requires-Dist: numpy\n" in meta, meta
         src = os.path.join(REPO, "python", "engram")
         sources = {"engram/" + os.path.relpath(os.path.join(d, n), src) for d, dirs, files in os.walk(src)
-                   for n in files if "__pycache__" not in d and not n.endswith(".pyc")}
+                   for n in files if "__pycache__" not in d and n.endswith(".py")}
+        assert not [n for n in names if n.startswith("engram/") and not n.endswith((".py", ".so")) and
+                    ".so." not in n], "only the package's Python sources and its libraries are packaged"
         assert sources | {"engram/libengram_c.so", "engram/_version.py"} <= names, sources - names
         bundled = [os.path.basename(n) for n in names if n.startswith("engram/.libs/")]
         assert bundled, "no library bundled"
