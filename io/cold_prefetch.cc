@@ -2,9 +2,9 @@
 
 #include <algorithm>
 #include <exception>
-#include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "model/file_util.h"
 
 namespace engram {
 
@@ -41,42 +41,7 @@ bool ColdPrefetch::WorthStarting(const std::vector<std::vector<PrefetchRange>>& 
   return cold >= std::min(2, samples);
 }
 
-namespace {
-
-// The first number in `path`, if it has one ("max" and unreadable files do not).
-std::optional<uint64_t> ReadNumber(const std::string& path) {
-  std::ifstream in(path);
-  uint64_t v = 0;
-  if (in >> v) return v;
-  return std::nullopt;
-}
-
-}  // namespace
-
-uint64_t ColdPrefetch::FreeMemoryBytes() {
-  uint64_t free_bytes = ~uint64_t{0};
-  {
-    std::ifstream in("/proc/meminfo");
-    std::string key;
-    uint64_t kb = 0;
-    while (in >> key >> kb) {
-      if (key == "MemAvailable:") {
-        free_bytes = kb * 1024;
-        break;
-      }
-      in.ignore(256, '\n');
-    }
-  }
-  // cgroup v2: the line "0::/path" of /proc/self/cgroup names this process's group under /sys/fs/cgroup.
-  std::ifstream cg("/proc/self/cgroup");
-  for (std::string line; std::getline(cg, line);) {
-    if (line.rfind("0::", 0) != 0) continue;
-    const std::string dir = "/sys/fs/cgroup" + line.substr(3);
-    const auto max = ReadNumber(dir + "/memory.max"), current = ReadNumber(dir + "/memory.current");
-    if (max && current) free_bytes = std::min(free_bytes, *max > *current ? *max - *current : 0);
-  }
-  return free_bytes;
-}
+uint64_t ColdPrefetch::FreeMemoryBytes() { return AvailableMemoryBytes(); }
 
 int64_t ColdPrefetch::WindowJobsFor(uint64_t job_bytes, int workers, uint64_t free_bytes) {
   const uint64_t cap = std::min(kWindowBytes, free_bytes / 4);

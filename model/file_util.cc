@@ -4,8 +4,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 
@@ -95,6 +98,43 @@ absl::Status WriteFileAtomic(const std::string& path, const std::string& data) {
     return absl::InternalError(absl::StrCat(path, ": cannot finish write: ", std::strerror(errno)));
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+// The first number in `path`, if it has one ("max" and unreadable files do not).
+std::optional<uint64_t> ReadNumber(const std::string& path) {
+  std::ifstream in(path);
+  uint64_t v = 0;
+  if (in >> v) return v;
+  return std::nullopt;
+}
+
+}  // namespace
+
+uint64_t AvailableMemoryBytes() {
+  uint64_t free_bytes = ~uint64_t{0};
+  {
+    std::ifstream in("/proc/meminfo");
+    std::string key;
+    uint64_t kb = 0;
+    while (in >> key >> kb) {
+      if (key == "MemAvailable:") {
+        free_bytes = kb * 1024;
+        break;
+      }
+      in.ignore(256, '\n');
+    }
+  }
+  // cgroup v2: the line "0::/path" of /proc/self/cgroup names this process's group under /sys/fs/cgroup.
+  std::ifstream cg("/proc/self/cgroup");
+  for (std::string line; std::getline(cg, line);) {
+    if (line.rfind("0::", 0) != 0) continue;
+    const std::string dir = "/sys/fs/cgroup" + line.substr(3);
+    const auto max = ReadNumber(dir + "/memory.max"), current = ReadNumber(dir + "/memory.current");
+    if (max && current) free_bytes = std::min(free_bytes, *max > *current ? *max - *current : 0);
+  }
+  return free_bytes;
 }
 
 }  // namespace engram

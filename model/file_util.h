@@ -5,10 +5,12 @@
 // Every checkpoint file is opened through OpenRegularFile: O_NONBLOCK so that a FIFO (or a device) put where a file
 // should be cannot block the open, then fstat on the descriptor, refusing anything but a regular file, then
 // O_NONBLOCK cleared. Symlinks are followed (Hugging Face caches link every file into a blob store); it is the
-// target that must be regular. Pure functions; thread-safe.
+// target that must be regular. AvailableMemoryBytes is the one reader of the memory a process may still take.
+// Pure functions; thread-safe.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -25,5 +27,9 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path, size_t max_by
 
 // Writes `data` to `path` atomically (temporary file in the same directory, then rename).
 absl::Status WriteFileAtomic(const std::string& path, const std::string& data);
+
+// The memory this process may still take: /proc/meminfo's MemAvailable, or less where the process's cgroup v2
+// group (memory.max - memory.current) leaves less. ~0 when neither can be read.
+uint64_t AvailableMemoryBytes();
 
 }  // namespace engram

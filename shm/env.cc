@@ -9,12 +9,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <fstream>
-#include <optional>
 #include <string>
 #include <string_view>
 
 #include "base/worker_threads.h"
+#include "model/file_util.h"
 
 namespace engram {
 
@@ -62,41 +61,7 @@ size_t PosixEnv::PageBytes() {
 }
 int PosixEnv::Mprotect(void* addr, size_t len, int prot) { return ::mprotect(addr, len, prot); }
 
-namespace {
-
-std::optional<uint64_t> ReadNumber(const std::string& path) {
-  std::ifstream in(path);
-  uint64_t v = 0;
-  if (in >> v) return v;
-  return std::nullopt;  // unreadable, or "max" (no limit)
-}
-
-}  // namespace
-
-uint64_t PosixEnv::AvailableMemoryBytes() {
-  uint64_t free_bytes = ~uint64_t{0};
-  {
-    std::ifstream in("/proc/meminfo");
-    std::string key;
-    uint64_t kb = 0;
-    while (in >> key >> kb) {
-      if (key == "MemAvailable:") {
-        free_bytes = kb * 1024;
-        break;
-      }
-      in.ignore(256, '\n');
-    }
-  }
-  // cgroup v2: the line "0::/path" of /proc/self/cgroup names this process's group under /sys/fs/cgroup.
-  std::ifstream cg("/proc/self/cgroup");
-  for (std::string line; std::getline(cg, line);) {
-    if (line.rfind("0::", 0) != 0) continue;
-    const std::string dir = "/sys/fs/cgroup" + line.substr(3);
-    const auto max = ReadNumber(dir + "/memory.max"), current = ReadNumber(dir + "/memory.current");
-    if (max && current) free_bytes = std::min(free_bytes, *max > *current ? *max - *current : 0);
-  }
-  return free_bytes;
-}
+uint64_t PosixEnv::AvailableMemoryBytes() { return engram::AvailableMemoryBytes(); }
 int PosixEnv::Mlock(const void* addr, size_t len) { return ::mlock(addr, len); }
 int PosixEnv::Munlock(const void* addr, size_t len) { return ::munlock(addr, len); }
 
