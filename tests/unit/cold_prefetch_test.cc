@@ -272,7 +272,9 @@ TEST(ColdPrefetch, AColdFillStreamsThroughTheReadersAndGivesTheSameRecords) {
 
   SKIP_UNLESS_DROPPED(f->tmp.path(), ckpt);
   for (int readers : {1, 3}) {
-    ASSERT_EQ(DropCheckpointCache(f->tmp.path(), ckpt), "");
+    // A cold start for each reader count; a kernel that keeps the pages this time (seen under a loaded machine's
+    // I/O) leaves nothing to measure: skipped, as the first drop's guard does, rather than failed.
+    SKIP_UNLESS_DROPPED(f->tmp.path(), ckpt);
     ShardFillOptions cold;
     cold.cold_readers = readers;
     cold.drop_cache = false;
