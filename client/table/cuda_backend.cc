@@ -64,7 +64,7 @@ std::string NoGpuReason(cudaError_t e) {
   if (e == cudaSuccess || e == cudaErrorNoDevice) return "no CUDA device on this machine";
   if (e == cudaErrorInsufficientDriver) {
     void* driver = ::dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
-    if (driver == nullptr) return "no GPU driver on this machine (libcuda.so.1 is not installed): no CUDA device";
+    if (driver == nullptr) return "no GPU driver on this machine (libcuda.so.1 is not installed)";
     ::dlclose(driver);
     return "the GPU driver is older than the CUDA runtime this library was built with: update the driver";
   }
