@@ -30,6 +30,14 @@ def _torch_or_skip():
         pytest.skip("vLLM's Engram modules import torch, which is not installed here")
 
 
+def _clean_plugin(monkeypatch):
+    """No plugin setting from this process's environment (the test sets its own) and no earlier patch."""
+    for k in [k for k in os.environ if k.startswith("ENGRAM_VLLM") and k not in ("ENGRAM_VLLM_SRC",
+                                                                                  "ENGRAM_VLLM_VERSION")]:
+        monkeypatch.delenv(k)
+    ev.uninstall()
+
+
 @pytest.fixture(params=[v for v, _ in VERSIONS], ids=lambda v: v.tag)
 def vm(request, tmp_path, monkeypatch):
     """The version's real modules, loaded against the stand-ins, with the plugin's state clean around the test."""
@@ -37,10 +45,7 @@ def vm(request, tmp_path, monkeypatch):
     if why:
         pytest.skip(why)
     _torch_or_skip()
-    for k in [k for k in os.environ if k.startswith("ENGRAM_VLLM") and k not in ("ENGRAM_VLLM_SRC",
-                                                                                  "ENGRAM_VLLM_VERSION")]:
-        monkeypatch.delenv(k)
-    ev.uninstall()
+    _clean_plugin(monkeypatch)
     loaded = vllm_stubs.load_version(request.param, str(tmp_path))
     vllm_stubs.STATE.tp, vllm_stubs.STATE.engram_dp_size, vllm_stubs.STATE.plugins = (1, 0), 1, None
     monkeypatch.syspath_prepend(str(_dist_info(tmp_path)))
@@ -104,10 +109,7 @@ def test_a_module_imported_after_the_plugin_loaded_is_patched_then(version, tmp_
     if why:
         pytest.skip(why)
     _torch_or_skip()
-    for k in [k for k in os.environ if k.startswith("ENGRAM_VLLM") and k not in ("ENGRAM_VLLM_SRC",
-                                                                                  "ENGRAM_VLLM_VERSION")]:
-        monkeypatch.delenv(k)
-    ev.uninstall()
+    _clean_plugin(monkeypatch)
     try:
         root, pkg = vllm_stubs.prepare_version(version, str(tmp_path))
         monkeypatch.syspath_prepend(str(_dist_info(tmp_path)))
