@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "bench/cuda_check.h"
+#include "bench/gpu_timing.h"
 #include "client/engine/host_gather.h"
 #include "client/engine/prefetch.h"
 #include "kernels/device_layout.h"
@@ -36,50 +37,8 @@
 #include "model/layout.h"
 #include "model/token_map.h"
 
-namespace {
-
-// Median milliseconds of `reps` timed calls of f on `stream` (after `warm` untimed ones).
-double MedianMs(const std::function<void()>& f, cudaStream_t stream, int reps = 20, int warm = 3) {
-  cudaEvent_t a, b;
-  CUDA_CHECK(cudaEventCreate(&a));
-  CUDA_CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < warm; ++i) f();
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<float> ms;
-  for (int i = 0; i < reps; ++i) {
-    CUDA_CHECK(cudaEventRecord(a, stream));
-    f();
-    CUDA_CHECK(cudaEventRecord(b, stream));
-    CUDA_CHECK(cudaEventSynchronize(b));
-    float m = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&m, a, b));
-    ms.push_back(m);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
-void FillRandom(uint8_t* p, size_t n, int threads) {
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([=] {
-      const size_t begin = n / threads * t, end = t == threads - 1 ? n : n / threads * (t + 1);
-      uint64_t x = 0x9E3779B97F4A7C15ull * (t + 1);
-      for (size_t i = begin; i + 8 <= end; i += 8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        uint64_t v = x & 0x7E7E7E7E7E7E7E7Eull;  // no NaN bytes, moderate scales
-        std::memcpy(p + i, &v, 8);
-      }
-    });
-  }
-  for (auto& th : pool) th.join();
-}
-
-}  // namespace
+using engram::bench::FillRandom;
+using engram::bench::MedianMs;
 
 int main(int argc, char** argv) {
   if (argc < 2) {

@@ -9,6 +9,7 @@ Needs the GPU machine's torch + triton and vLLM's own source files (ENGRAM_VLLM_
 of tests/python/vllm_stubs.py). Prints one line per measurement; `ratio` is vLLM's time over ours (> 1: ours faster).
 
     python3 bench/vllm_lookup.py --table-mib 512,16384 [--tokens 1,4,64,1024,8192] [--iters 50] [--version TAG]
+                                 [--per-graph 20] [--background] [--no-ready]
 """
 import argparse
 import os
@@ -104,23 +105,28 @@ def ids_for(layout, T, n, seed):
     return out
 
 
-def time_lookup(emb, ids_sets, out, graph, iters, kw):
-    """Median microseconds of one lookup of layer 0's ids into out, a fresh id set each time."""
+def time_lookup(emb, ids_sets, out, graph, iters, kw, per_graph=1):
+    """Median microseconds of one lookup of layer 0's ids into out, a fresh id set each time. In a graph:
+    `per_graph` lookups per replay (each its own fresh ids, copied in before the replay, outside the timed span),
+    time per lookup."""
     times = []
-    static = ids_sets[0].clone()
+    n = per_graph if graph else 1
+    pool = [torch.stack([ids_sets[(i * n + k) % len(ids_sets)] for k in range(n)]) for i in range(len(ids_sets))]
+    static = pool[0].clone()
     if graph:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            emb.lookup(static[:, 0, :], out, **kw)
+            emb.lookup(static[0][:, 0, :], out, **kw)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            emb.lookup(static[:, 0, :], out, **kw)
+            for k in range(n):
+                emb.lookup(static[k][:, 0, :], out, **kw)
     for i in range(iters + 3):
         ids = ids_sets[i % len(ids_sets)]
         if graph:
-            static.copy_(ids)
+            static.copy_(pool[i % len(pool)])
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         if graph:
@@ -130,7 +136,7 @@ def time_lookup(emb, ids_sets, out, graph, iters, kw):
         b.record()
         b.synchronize()
         if i >= 3:
-            times.append(a.elapsed_time(b) * 1000)
+            times.append(a.elapsed_time(b) * 1000 / n)
     return float(np.median(times))
 
 
@@ -150,6 +156,11 @@ def main():
     ap.add_argument("--tokens", default="1,4,64,1024,8192")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--build", default=os.environ.get("ENGRAM_BUILD_DIR", os.path.join(REPO, "build")))
+    ap.add_argument("--per-graph", type=int, default=1,
+                    help="lookups per graph replay (each with fresh ids); the time is per lookup")
+    ap.add_argument("--background", action="store_true",
+                    help="both lookups as a prefetch stream runs them (lookup(..., background=True))")
+    ap.add_argument("--no-ready", action="store_true", help="skip the second engine's attach in a new process")
     ap.add_argument("--version", default=next(v.tag for v in vllm_stubs.VERSIONS if v.tag.startswith("nvidia")))
     args = ap.parse_args()
     version = next((v for v in vllm_stubs.VERSIONS if v.tag == args.version), None)
@@ -178,7 +189,7 @@ def main():
             ev._state["attachments"].clear()
             theirs, layout, t_own = ready_table(vm, ckpt, sock, True, max_tokens)
             ours, _, t_plugin = ready_table(vm, ckpt, sock, False, max_tokens)
-            mode2, reg2, t2 = attach_in_new_process(ckpt, sock, max_tokens)
+            mode2, reg2, t2 = ("-", 0.0, 0.0) if args.no_ready else attach_in_new_process(ckpt, sock, max_tokens)
             att = next(a for a in ev._state["attachments"].values() if isinstance(a, ev.embedding.Attachment))
             print(f"ready table {mib} MiB: vllm_pinned_load_s {t_own:.3f} plugin_attach_s {t_plugin:.3f} "
                   f"(register {att.table.register_seconds:.3f}) second_engine_s {t2:.3f} (mode {mode2}, register "
@@ -186,7 +197,7 @@ def main():
             part, D = theirs[0].part_n_hash_cols, theirs[0].dim
             RB = D + D // 32
             for T in tokens:
-                sets = ids_for(layout, T, 8, seed=T)
+                sets = ids_for(layout, T, max(8, 4 * args.per_graph) if T <= 64 else 8, seed=T)
                 kw = packed_kw(vm, theirs[0])
                 for packed in (False, True) if kw is not None else (False,):
                     for graph in (False, True):
@@ -194,15 +205,18 @@ def main():
                         dt = torch.uint8 if packed else torch.bfloat16
                         o1, o2 = torch.empty(shape, dtype=dt, device="cuda"), torch.empty(shape, dtype=dt,
                                                                                           device="cuda")
-                        pk = kw if packed else {}
-                        tv = time_lookup(theirs[0], sets, o1, graph, args.iters, pk)
-                        to = time_lookup(ours[0], sets, o2, graph, args.iters, pk)
+                        pk = dict(kw if packed else {})
+                        if args.background:
+                            pk["background"] = True
+                        tv = time_lookup(theirs[0], sets, o1, graph, args.iters, pk, args.per_graph)
+                        to = time_lookup(ours[0], sets, o2, graph, args.iters, pk, args.per_graph)
                         theirs[0].lookup(sets[0][:, 0, :], o1, **pk)
                         ours[0].lookup(sets[0][:, 0, :], o2, **pk)
                         torch.cuda.synchronize()
                         same = torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
                         print(f"lookup table_mib {mib} tokens {T} out {'packed' if packed else 'bf16'} "
-                              f"{'graph' if graph else 'eager'}: vllm_us {tv:.1f} ours_us {to:.1f} "
+                              f"{'background ' if args.background else ''}"
+                              f"{f'graph x{args.per_graph}' if graph else 'eager'}: vllm_us {tv:.1f} ours_us {to:.1f} "
                               f"ratio {tv / to:.2f} equal {same}")
             del theirs, ours
             ev._state["attachments"].clear()

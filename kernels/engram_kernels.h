@@ -79,7 +79,16 @@ struct LookupArgs {
   // The row-order threshold for this launch (items); -1: the process-wide LookupTuning::sort_min_items. An engine
   // passes the threshold it calibrated on its own table (client/engine/device_engine.h).
   int64_t sort_min_items = -1;
+  // The plain (item-order) gather's shape: rows in flight per warp (1, 2, 4 or 8; 0 = LookupTuning::plain_rows)
+  // and warps per block (1, 2, 4 or 8; 0 = LookupTuning::plain_block_warps). At decode sizes (a few dozen rows) the
+  // launch is one host read's latency, and how the rows spread over warps and SMs is what an engine calibrates
+  // (client/engine/device_engine.h); larger batches keep the defaults.
+  int32_t plain_rows = 0;
+  int32_t plain_block_warps = 0;
 };
+
+// A shape of the plain gather is valid when both fields are 0 (the defaults) or one of 1, 2, 4, 8.
+bool ValidPlainShape(int32_t rows, int32_t block_warps);
 
 size_t LookupSortScratchBytes(int64_t max_items);
 
@@ -97,6 +106,9 @@ struct LookupTuning {
   // better than the whole GPU's worth of rows spread over the table (bench/RESULTS.md).
   int32_t sort_blocks = 16;
   bool sort_only = false;  // profiling: sort, then skip the gather (the output is left unwritten)
+  // The plain gather's default shape (LookupArgs::plain_rows / plain_block_warps): 4 rows per warp, 8 warps.
+  int32_t plain_rows = 4;
+  int32_t plain_block_warps = 8;
 };
 LookupTuning GetLookupTuning();
 void SetLookupTuning(const LookupTuning& tuning);

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cub/device/device_radix_sort.cuh>
+#include <mutex>
+#include <vector>
 
 #include "kernels/alignment.h"
 #include "kernels/engram_kernels.h"
@@ -266,31 +268,42 @@ struct TuningState {
   std::atomic<int32_t> sort_variant{kDefaultSortVariant};
   std::atomic<int32_t> sort_blocks{kDefaultSortBlocks};
   std::atomic<bool> sort_only{false};
+  std::atomic<int32_t> plain_rows{kRows};
+  std::atomic<int32_t> plain_block_warps{kWarpsPerBlock};
 };
+
+bool Pow2UpTo8(int32_t v) { return v == 1 || v == 2 || v == 4 || v == 8; }
 
 TuningState& Tuning() {
   static TuningState state;
   return state;
 }
 
+// The kernel of a launch: the row-order variants (1-3) as LookupTuning::sort_variant names them; variant 0, the
+// plain gather, with `rows` in flight per warp (1, 2, 4, 8).
 template <int kW>
-const void* WordsKernelFor(int variant) {
+const void* WordsKernelFor(int variant, int rows) {
   switch (variant) {
     case 1: return reinterpret_cast<const void*>(LookupWordsKernel<kW, 8, false>);
     case 2: return reinterpret_cast<const void*>(LookupWordsKernel<kW, kRows, true>);
     case 3: return reinterpret_cast<const void*>(LookupWordsKernel<kW, 8, true>);
+    default: break;
+  }
+  switch (rows) {
+    case 1: return reinterpret_cast<const void*>(LookupWordsKernel<kW, 1, false>);
+    case 2: return reinterpret_cast<const void*>(LookupWordsKernel<kW, 2, false>);
+    case 8: return reinterpret_cast<const void*>(LookupWordsKernel<kW, 8, false>);
     default: return reinterpret_cast<const void*>(LookupWordsKernel<kW, kRows, false>);
   }
 }
 
-template <int kW>
-void LaunchWords(int variant, dim3 grid, dim3 block, cudaStream_t stream, const LookupArgs& a,
-                 const LookupGeometry& g) {
-  switch (variant) {
-    case 1: LookupWordsKernel<kW, 8, false><<<grid, block, 0, stream>>>(a, g); break;
-    case 2: LookupWordsKernel<kW, kRows, true><<<grid, block, 0, stream>>>(a, g); break;
-    case 3: LookupWordsKernel<kW, 8, true><<<grid, block, 0, stream>>>(a, g); break;
-    default: LookupWordsKernel<kW, kRows, false><<<grid, block, 0, stream>>>(a, g); break;
+template <int kWpl>
+const void* PackedWordsKernelFor(int rows) {
+  switch (rows) {
+    case 1: return reinterpret_cast<const void*>(LookupPackedWordsKernel<kWpl, 1>);
+    case 2: return reinterpret_cast<const void*>(LookupPackedWordsKernel<kWpl, 2>);
+    case 8: return reinterpret_cast<const void*>(LookupPackedWordsKernel<kWpl, 8>);
+    default: return reinterpret_cast<const void*>(LookupPackedWordsKernel<kWpl, kRows>);
   }
 }
 
@@ -302,6 +315,8 @@ LookupTuning GetLookupTuning() {
   t.sort_variant = Tuning().sort_variant.load();
   t.sort_blocks = Tuning().sort_blocks.load();
   t.sort_only = Tuning().sort_only.load();
+  t.plain_rows = Tuning().plain_rows.load();
+  t.plain_block_warps = Tuning().plain_block_warps.load();
   return t;
 }
 
@@ -310,6 +325,12 @@ void SetLookupTuning(const LookupTuning& t) {
   Tuning().sort_variant.store(std::clamp(t.sort_variant, 0, 3));
   Tuning().sort_blocks.store(std::max(t.sort_blocks, 0));
   Tuning().sort_only.store(t.sort_only);
+  if (Pow2UpTo8(t.plain_rows)) Tuning().plain_rows.store(t.plain_rows);
+  if (Pow2UpTo8(t.plain_block_warps)) Tuning().plain_block_warps.store(t.plain_block_warps);
+}
+
+bool ValidPlainShape(int32_t rows, int32_t block_warps) {
+  return (rows == 0 || Pow2UpTo8(rows)) && (block_warps == 0 || Pow2UpTo8(block_warps));
 }
 
 size_t LookupSortScratchBytes(int64_t max_items) {
@@ -322,16 +343,50 @@ size_t LookupSortScratchBytes(int64_t max_items) {
   return 4 * arr + temp;
 }
 
-int DeviceSmCount() {
-  int dev = 0, sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 1;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 1;
-  return sms > 0 ? sms : 1;
+namespace {
+
+// Per launch, the SM count and a kernel's resident blocks per SM are looked up once per (device, kernel, block)
+// and kept: the queries cost the host microseconds, which an eager decode-size launch would otherwise wait for.
+struct LaunchFacts {
+  int device;
+  const void* fn;
+  int threads;
+  int value;  // SMs (fn == nullptr) or resident blocks per SM
+};
+std::mutex facts_mu;
+std::vector<LaunchFacts>& Facts() {
+  static std::vector<LaunchFacts> facts;
+  return facts;
 }
+
+int Fact(const void* fn, int threads) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 1;
+  {
+    std::lock_guard<std::mutex> lock(facts_mu);
+    for (const LaunchFacts& f : Facts()) {
+      if (f.device == dev && f.fn == fn && f.threads == threads) return f.value;
+    }
+  }
+  int v = 0;
+  const cudaError_t e = fn == nullptr ? cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev)
+                                      : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, fn, threads, 0);
+  if (e != cudaSuccess || v < 1) {
+    (void)cudaGetLastError();  // a failed query is not a launch's error
+    return 1;
+  }
+  std::lock_guard<std::mutex> lock(facts_mu);
+  if (Facts().size() < 4096) Facts().push_back({dev, fn, threads, v});
+  return v;
+}
+
+}  // namespace
+
+int DeviceSmCount() { return Fact(nullptr, 0); }
 
 cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
   if (a.head_dim < 32 || a.head_dim % 32 != 0 || a.num_tokens < 0 || a.num_cols < 1 || a.row_end < a.row_begin ||
-      a.ids_stride < a.num_cols) {
+      a.ids_stride < a.num_cols || !ValidPlainShape(a.plain_rows, a.plain_block_warps)) {
     return cudaErrorInvalidValue;
   }
   const int64_t items = static_cast<int64_t>(a.num_tokens) * a.num_cols;
@@ -396,60 +451,41 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   g.packed_words = g.rec_bytes % 8 == 0 && Aligned(a.records, 8) && Aligned(a.out, 8) && a.out_token_stride % 8 == 0;
-  const int64_t warps_needed = a.packed || g.rec_bytes % 8 != 0 ? items : (items + kRows - 1) / kRows;
-  int64_t blocks = (warps_needed + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  // Persistent grid: exactly the blocks that fit at once (more would run as a second, partial wave).
-  int per_sm = 1;
-  // Packed rows of head_dim 256 or 512 in words, 8 rows in flight per warp on the row-order gather's wide variants.
+  // Rows in flight per warp and warps per block: the row-order variants fix their own (8 warps; 4 or 8 rows); the
+  // plain gather takes the launch's shape, else the tuning's.
+  const bool wide = variant == 1 || variant == 3;
+  int rows_per_warp = variant != 0 ? (wide ? 8 : kRows) : a.plain_rows > 0 ? a.plain_rows : tuning.plain_rows;
+  const int block_warps = variant != 0              ? kWarpsPerBlock
+                          : a.plain_block_warps > 0 ? a.plain_block_warps
+                                                    : tuning.plain_block_warps;
+  // Packed rows of head_dim 256 or 512 in words (several rows in flight per warp); other packed records one row
+  // at a time per warp (kRows per grid-stride step).
   const int packed_wpl = !g.packed_words         ? 0
                          : g.rec_bytes / 8 <= 32 ? 1
                          : g.rec_bytes / 8 <= 64 ? 2
                          : g.rec_bytes / 8 <= 96 ? 3
                                                  : 0;
-  const bool packed_wide = variant == 1 || variant == 3;
-  const void* packed_fn =
-      packed_wpl == 1   ? (packed_wide ? reinterpret_cast<const void*>(LookupPackedWordsKernel<1, 8>)
-                                       : reinterpret_cast<const void*>(LookupPackedWordsKernel<1, kRows>))
-      : packed_wpl == 2 ? (packed_wide ? reinterpret_cast<const void*>(LookupPackedWordsKernel<2, 8>)
-                                       : reinterpret_cast<const void*>(LookupPackedWordsKernel<2, kRows>))
-      : packed_wpl == 3 ? (packed_wide ? reinterpret_cast<const void*>(LookupPackedWordsKernel<3, 8>)
-                                       : reinterpret_cast<const void*>(LookupPackedWordsKernel<3, kRows>))
-                        : reinterpret_cast<const void*>(LookupPackedKernel);
-  const void* fn = a.packed                                      ? packed_fn
-                   : (g.rec_bytes % 8 == 0 && a.head_dim == 256) ? WordsKernelFor<1>(variant)
-                   : (g.rec_bytes % 8 == 0 && a.head_dim == 512) ? WordsKernelFor<2>(variant)
-                                                                 : reinterpret_cast<const void*>(LookupBytesKernel);
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kWarpsPerBlock * 32, 0) != cudaSuccess) per_sm = 1;
+  const bool words = g.rec_bytes % 8 == 0 && Aligned(a.records, 8);
+  const void* fn = a.packed                       ? (packed_wpl == 1   ? PackedWordsKernelFor<1>(rows_per_warp)
+                                                     : packed_wpl == 2 ? PackedWordsKernelFor<2>(rows_per_warp)
+                                                     : packed_wpl == 3 ? PackedWordsKernelFor<3>(rows_per_warp)
+                                                                       : reinterpret_cast<const void*>(LookupPackedKernel))
+                   : (words && a.head_dim == 256) ? WordsKernelFor<1>(variant, rows_per_warp)
+                   : (words && a.head_dim == 512) ? WordsKernelFor<2>(variant, rows_per_warp)
+                                                  : reinterpret_cast<const void*>(LookupBytesKernel);
+  const bool one_row_kernels =
+      (a.packed && packed_wpl == 0) || (!a.packed && !(words && (a.head_dim == 256 || a.head_dim == 512)));
+  if (one_row_kernels) rows_per_warp = 1;  // (LookupPackedKernel steps kRows items per warp, one at a time)
+  const int64_t per_warp = a.packed && packed_wpl == 0 ? kRows : rows_per_warp;
+  const int64_t warps_needed = (items + per_warp - 1) / per_warp;
+  int64_t blocks = (warps_needed + block_warps - 1) / block_warps;
+  // Persistent grid: exactly the blocks that fit at once (more would run as a second, partial wave).
+  const int per_sm = Fact(fn, block_warps * 32);
   const int64_t persistent = static_cast<int64_t>(DeviceSmCount()) * std::max(per_sm, 1);
   blocks = std::min(blocks, a.max_blocks > 0 ? grid_cap : grid_cap > 0 ? std::min(grid_cap, persistent) : persistent);
-  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(blocks, 1))), block(kWarpsPerBlock * 32);
-  const bool words = g.rec_bytes % 8 == 0 && Aligned(a.records, 8);
-  if (a.packed) {
-    if (packed_wpl == 1) {
-      if (packed_wide)
-        LookupPackedWordsKernel<1, 8><<<grid, block, 0, stream>>>(a, g);
-      else
-        LookupPackedWordsKernel<1, kRows><<<grid, block, 0, stream>>>(a, g);
-    } else if (packed_wpl == 2) {
-      if (packed_wide)
-        LookupPackedWordsKernel<2, 8><<<grid, block, 0, stream>>>(a, g);
-      else
-        LookupPackedWordsKernel<2, kRows><<<grid, block, 0, stream>>>(a, g);
-    } else if (packed_wpl == 3) {
-      if (packed_wide)
-        LookupPackedWordsKernel<3, 8><<<grid, block, 0, stream>>>(a, g);
-      else
-        LookupPackedWordsKernel<3, kRows><<<grid, block, 0, stream>>>(a, g);
-    } else {
-      LookupPackedKernel<<<grid, block, 0, stream>>>(a, g);
-    }
-  } else if (words && a.head_dim == 256) {
-    LaunchWords<1>(variant, grid, block, stream, a, g);
-  } else if (words && a.head_dim == 512) {
-    LaunchWords<2>(variant, grid, block, stream, a, g);
-  } else {
-    LookupBytesKernel<<<grid, block, 0, stream>>>(a, g);
-  }
+  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(blocks, 1))), block(block_warps * 32);
+  void* params[] = {const_cast<LookupArgs*>(&a), &g};
+  if (cudaError_t e = cudaLaunchKernel(fn, grid, block, params, 0, stream); e != cudaSuccess) return e;
   return cudaGetLastError();
 }
 

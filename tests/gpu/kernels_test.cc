@@ -388,6 +388,75 @@ TEST(GpuLookupTest, EveryRowOrderVariantEqualsTheCpuReference) {
   }
 }
 
+// Every shape of the plain gather (1, 2, 4, 8 rows in flight per warp x 1, 2, 4, 8 warps per block), bf16 and
+// packed, head_dim 256 and 512 (and 64: the byte kernels, which take any shape), at decode sizes and past one
+// persistent grid: the reference's bits, nothing written outside the output.
+TEST(GpuLookupTest, EveryPlainShapeEqualsTheCpuReference) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(Seed());
+  for (int64_t D : {256, 512, 64}) {
+    const int64_t rb = D + D / 32, begin = 300, rows = 20000, end = begin + rows;
+    std::vector<uint8_t> records = RandomRecords(rng, rows, D);
+    std::vector<uint8_t> host_copy = records;
+    CUDA_OK(cudaHostRegister(host_copy.data(), host_copy.size(), cudaHostRegisterMapped | cudaHostRegisterReadOnly));
+    void* dptr = nullptr;
+    CUDA_OK(cudaHostGetDevicePointer(&dptr, host_copy.data(), 0));
+    const RecordTable cpu{records.data(), begin, end, D};
+    const std::vector<int64_t> edges = {begin, end - 1};
+    for (int T : {1, 3, 64, 700}) {
+      const int C = 24;
+      const int64_t stride = 48;
+      std::vector<int32_t> ids = LookupIds(rng, T, C, stride, begin, end, edges);
+      std::vector<int32_t> flat;
+      for (int t = 0; t < T; ++t) {
+        for (int c = 0; c < C; ++c) flat.push_back(ids[static_cast<size_t>(t * stride + c)]);
+      }
+      std::vector<uint16_t> want(flat.size() * static_cast<size_t>(D));
+      ASSERT_TRUE(LookupBf16Cpu(cpu, flat, want).ok());
+      std::vector<uint8_t> want_packed(flat.size() * static_cast<size_t>(rb));
+      ASSERT_TRUE(LookupPackedCpu(cpu, flat, want_packed).ok());
+      DeviceBuffer<int32_t> d_ids(ids);
+      // One guard row after each output: a shape that writes past its items shows there.
+      DeviceBuffer<uint16_t> out(want.size() + static_cast<size_t>(D));
+      DeviceBuffer<uint8_t> out_packed(want_packed.size() + static_cast<size_t>(rb));
+      for (int r : {1, 2, 4, 8}) {
+        for (int w : {1, 2, 4, 8}) {
+          SCOPED_TRACE("D=" + std::to_string(D) + " T=" + std::to_string(T) + " rows=" + std::to_string(r) +
+                       " warps=" + std::to_string(w));
+          out.Fill(0xFF);
+          out_packed.Fill(0xCD);
+          kernels::LookupArgs a;
+          a.records = static_cast<const uint8_t*>(dptr);
+          a.row_begin = begin;
+          a.row_end = end;
+          a.head_dim = static_cast<int32_t>(D);
+          a.ids = d_ids.get();
+          a.num_tokens = T;
+          a.num_cols = C;
+          a.ids_stride = stride;
+          a.out = out.get();
+          a.plain_rows = r;
+          a.plain_block_warps = w;
+          CUDA_OK(kernels::LaunchLookup(a, nullptr));
+          a.out = out_packed.get();
+          a.packed = true;
+          CUDA_OK(kernels::LaunchLookup(a, nullptr));
+          CUDA_OK(cudaDeviceSynchronize());
+          std::vector<uint16_t> got = out.Download();
+          std::vector<uint8_t> got_packed = out_packed.Download();
+          ASSERT_EQ(std::vector<uint16_t>(got.begin(), got.begin() + static_cast<int64_t>(want.size())), want);
+          ASSERT_EQ(
+              std::vector<uint8_t>(got_packed.begin(), got_packed.begin() + static_cast<int64_t>(want_packed.size())),
+              want_packed);
+          for (size_t i = want.size(); i < got.size(); ++i) ASSERT_EQ(got[i], 0xFFFF) << "bf16 guard " << i;
+          for (size_t i = want_packed.size(); i < got_packed.size(); ++i) ASSERT_EQ(got_packed[i], 0xCD) << i;
+        }
+      }
+    }
+    CUDA_OK(cudaHostUnregister(host_copy.data()));
+  }
+}
+
 TEST(GpuLookupTest, MisuseIsInvalidValue) {
   REQUIRE_GPU();
   kernels::LookupArgs a;
@@ -400,6 +469,21 @@ TEST(GpuLookupTest, MisuseIsInvalidValue) {
   EXPECT_EQ(kernels::LaunchLookup(a, nullptr), cudaErrorInvalidValue);
   a.ids_stride = 2;
   EXPECT_EQ(kernels::LaunchLookup(a, nullptr), cudaErrorInvalidValue);  // null ids/out
+  // A plain-gather shape other than 1, 2, 4, 8 (or 0, the default) is refused before anything runs.
+  DeviceBuffer<int32_t> ids(std::vector<int32_t>(8, 0));
+  DeviceBuffer<uint16_t> out(8 * 256);
+  a.ids = ids.get();
+  a.out = out.get();
+  for (int32_t bad : {3, 16, -1}) {
+    a.plain_rows = bad;
+    EXPECT_EQ(kernels::LaunchLookup(a, nullptr), cudaErrorInvalidValue) << bad;
+    a.plain_rows = 0;
+    a.plain_block_warps = bad;
+    EXPECT_EQ(kernels::LaunchLookup(a, nullptr), cudaErrorInvalidValue) << bad;
+    a.plain_block_warps = 0;
+  }
+  EXPECT_FALSE(kernels::ValidPlainShape(3, 0));
+  EXPECT_TRUE(kernels::ValidPlainShape(8, 1));
 }
 
 using testing::RandomBf16;
