@@ -130,7 +130,7 @@ int main(int argc, char** argv) {
         a.plain_block_warps = w;
         return a;
       };
-      double best = 1e30, best_eager = 1e30, dflt = 0, dflt_eager = 0;
+      double best = 1e30, best_eager = 1e30, dflt = 0, dflt_eager = 0, dec = 0, dec_eager = 0;
       int best_r = 0, best_w = 0;
       std::string line;
       for (int r : shapes) {
@@ -149,14 +149,15 @@ int main(int argc, char** argv) {
           if (g < best) best = g, best_r = r, best_w = w;
           best_eager = std::min(best_eager, e);
           if (r == 4 && w == 8) dflt = g, dflt_eager = e;
+          if (r == 1 && w == 4) dec = g, dec_eager = e;
         }
       }
       std::printf("%2d tokens:%s\n", tokens, line.c_str());
       std::printf(
-          "%2d tokens %s: best in a graph %dx%d %.2f us (%.2f of the read floor), default 4x8 %.2f us (%.2f of the "
-          "best); eager best %.2f us, default %.2f us\n",
-          tokens, packed ? "packed" : "bf16", best_r, best_w, best, best / read_floor, dflt, dflt / best, best_eager,
-          dflt_eager);
+          "%2d tokens %s: best in a graph %dx%d %.2f us (%.2f of the read floor); the decode default 1x4 %.2f us "
+          "(%.2f of the best), the large-batch default 4x8 %.2f us (%.2f); eager best %.2f us, 1x4 %.2f, 4x8 %.2f\n",
+          tokens, packed ? "packed" : "bf16", best_r, best_w, best, best / read_floor, dec, dec / best, dflt,
+          dflt / best, best_eager, dec_eager, dflt_eager);
     }
   }
   CUDA_CHECK(cudaHostUnregister(seg));

@@ -60,6 +60,7 @@ ClientEnvironment ParseClientEnvironment(const std::function<const char*(const c
   e.lookup_sort_min_items = r.Int("ENGRAM_LOOKUP_SORT_MIN_ITEMS");
   e.lookup_sort_variant = r.Int("ENGRAM_LOOKUP_SORT_VARIANT");
   e.lookup_sort_blocks = r.Int("ENGRAM_LOOKUP_SORT_BLOCKS");
+  e.engine_calibrate = r.Flag("ENGRAM_ENGINE_CALIBRATE");
   e.host_gather_threads = r.Int("ENGRAM_HOST_GATHER_THREADS");
   e.host_gather_cpus = r.Text("ENGRAM_HOST_GATHER_CPUS");
   e.host_gather_dedup = r.Flag("ENGRAM_HOST_GATHER_DEDUP");

@@ -23,6 +23,9 @@ struct ClientEnvironment {
   std::optional<int64_t> lookup_sort_min_items;  // ENGRAM_LOOKUP_SORT_MIN_ITEMS
   std::optional<int64_t> lookup_sort_variant;    // ENGRAM_LOOKUP_SORT_VARIANT (0..3)
   std::optional<int64_t> lookup_sort_blocks;     // ENGRAM_LOOKUP_SORT_BLOCKS
+  // ENGRAM_ENGINE_CALIBRATE=0: an engine keeps the built-in decode shape and host-gather plan instead of timing
+  // them on its table at creation (client/engine/calibration.h).
+  std::optional<bool> engine_calibrate;
   // The host-gather engine.
   std::optional<int64_t> host_gather_threads;           // ENGRAM_HOST_GATHER_THREADS
   std::string host_gather_cpus;                         // ENGRAM_HOST_GATHER_CPUS: a CPU list ("8-15,24")

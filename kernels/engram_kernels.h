@@ -106,9 +106,15 @@ struct LookupTuning {
   // better than the whole GPU's worth of rows spread over the table (bench/RESULTS.md).
   int32_t sort_blocks = 16;
   bool sort_only = false;  // profiling: sort, then skip the gather (the output is left unwritten)
-  // The plain gather's default shape (LookupArgs::plain_rows / plain_block_warps): 4 rows per warp, 8 warps.
+  // The plain gather's default shape (LookupArgs::plain_rows / plain_block_warps): 4 rows per warp, 8 warps; up to
+  // decode_items items, 1 row per warp and 4 warps per block (at 1-64 tokens x 24 columns of a 16 GiB host table
+  // on the H200, within 2% of the best of the 16 shapes at every size, and 1.6x faster than 4 x 8 at one token:
+  // bench/RESULTS.md). An engine times the shapes on its own table (client/engine/calibration.h).
   int32_t plain_rows = 4;
   int32_t plain_block_warps = 8;
+  int64_t decode_items = 1536;
+  int32_t decode_rows = 1;
+  int32_t decode_block_warps = 4;
 };
 LookupTuning GetLookupTuning();
 void SetLookupTuning(const LookupTuning& tuning);

@@ -1,6 +1,9 @@
 #include "client/engine/device_engine.h"
 
+#include <sched.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -44,6 +47,14 @@ std::vector<PathPoint> PathTable(const ClientEnvironment& env) {
     if (!table.empty()) return table;
   }
   return std::vector<PathPoint>(std::begin(kDefaultPathTable), std::end(kDefaultPathTable));
+}
+
+// The CPUs this process may run on (its affinity: a container's cpuset), at least 1.
+int AllowedCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
 LookupPath PathFromEnv(const ClientEnvironment& env) {
@@ -96,8 +107,7 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
   ApplyLookupTuningFromEnvironment(env);
   e->path_ = PathFromEnv(env);
   e->path_table_ = PathTable(env);
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  e->host_options_.threads = DefaultGatherThreads(cores);
+  e->host_options_.threads = DefaultGatherThreads(AllowedCpus());
   // The gather threads and their CPUs: ENGRAM_HOST_GATHER_THREADS=N, ENGRAM_HOST_GATHER_CPUS=LIST (e.g. "8-15").
   if (env.host_gather_threads.value_or(0) > 0) {
     e->host_options_.threads = static_cast<int>(std::min<int64_t>(*env.host_gather_threads, 1024));
@@ -109,7 +119,7 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
   // ENGRAM_HOST_GATHER_DEDUP=0|1 and ENGRAM_HOST_GATHER_UVA_SHARE=0..1 override them.
   e->host_options_.dedup = env.host_gather_dedup.value_or(kEngineHostGatherDedup);
   e->host_options_.uva_share = std::clamp(env.host_gather_uva_share.value_or(kEngineHostGatherUvaShare), 0.0, 1.0);
-  if (!env.lookup_sort_min_items) RETURN_IF_ERROR(e->Calibrate());
+  RETURN_IF_ERROR(e->Calibrate(env));
   const bool host_records = table.layers().empty() || table.records(0) != nullptr;
   std::string table_text;
   for (const auto& p : e->path_table_)
@@ -126,96 +136,73 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
   return e;
 }
 
-// Whether the row-order gather pays depends on the table in hand: on a large host table address translation
-// bounds a random gather and walking it in row order wins from some batch size on; on a small one (or in HBM) the
-// sort is pure cost (a 512 MiB table: 0.35-0.8 of vLLM's plain Triton kernel at 1024 tokens with the sort, measured
-// on an H200). So each engine times both on its own table, for each output format and grid, at a few batch sizes
-// (fresh random rows each time), and sorts from the smallest size from which the row order won at every larger
-// measured size. A few milliseconds at creation; ENGRAM_LOOKUP_SORT_MIN_ITEMS fixes the threshold instead.
-absl::Status DeviceEngine::Calibrate() {
+absl::StatusOr<std::unique_ptr<HostGather>> DeviceEngine::MakeHostGather(int threads) const {
+  std::vector<HostLayer> layers;
+  std::vector<uint16_t*> out;
+  for (size_t l = 0; l < table_->layers().size(); ++l) {
+    const auto& li = table_->layers()[l];
+    const int li32 = static_cast<int>(l);
+    layers.push_back({table_->records(li32), li.row_begin, li.row_end, table_->device_records(li32)});
+    out.push_back(prefetcher_.staging(li32));
+  }
+  HostGatherOptions o = host_options_;
+  if (threads > 0) o.threads = threads;
+  return HostGather::Create(std::move(layers), std::move(out), max_tokens_, static_cast<int32_t>(table_->n_cols()),
+                            static_cast<int32_t>(table_->head_dim()), o);
+}
+
+absl::Status DeviceEngine::Calibrate(const ClientEnvironment& env) {
   if (table_->layers().empty()) return absl::OkStatus();
-  const auto& li = table_->layers()[0];
-  const int64_t rows = li.row_end - li.row_begin, C = table_->n_cols();
-  const int64_t cap = static_cast<int64_t>(max_tokens_) * C;
-  std::vector<int64_t> sizes;
-  for (int64_t n : {int64_t{6144}, int64_t{24576}, int64_t{98304}, int64_t{196608}}) {
-    if (n <= cap) sizes.push_back(n);
+  const auto t0 = std::chrono::steady_clock::now();
+  CalibrationTarget t;
+  for (size_t l = 0; l < table_->layers().size(); ++l) {
+    const int li = static_cast<int>(l);
+    t.layers.push_back({table_->device_records(li), table_->layers()[l].row_begin, table_->layers()[l].row_end,
+                        has_staging_ ? prefetcher_.staging(li) : nullptr});
   }
-  if (rows <= 0 || sizes.empty()) return absl::OkStatus();
-  constexpr int kReps = 3;                // timed rounds after one warm-up round
-  constexpr int kSets = 2 * (kReps + 1);  // a fresh id set for every launch: no row is in a cache from before
-  const int64_t most = sizes.back();
-  void* d_out = nullptr;  // room for the largest batch in either format, freed after
-  RETURN_IF_ERROR(kernels::CudaStatus(cudaMalloc(&d_out, static_cast<size_t>(most) * table_->head_dim() * 2),
-                                      "calibration output"));
-  int32_t* d_ids = nullptr;
-  RETURN_IF_ERROR(kernels::CudaStatus(
-      cudaMalloc(reinterpret_cast<void**>(&d_ids), static_cast<size_t>(most) * kSets * 4), "calibration ids"));
-  cudaEvent_t ev[2] = {nullptr, nullptr};
-  absl::Status st = kernels::CudaStatus(cudaEventCreate(&ev[0]), "calibration event");
-  if (st.ok()) st = kernels::CudaStatus(cudaEventCreate(&ev[1]), "calibration event");
-  if (st.ok()) {
-    std::vector<int32_t> ids(static_cast<size_t>(most) * kSets);
-    uint64_t x = 0x9E3779B97F4A7C15ull;
-    for (auto& id : ids) {
-      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-      id = static_cast<int32_t>(li.row_begin + static_cast<int64_t>(x % static_cast<uint64_t>(rows)));
+  t.head_dim = static_cast<int32_t>(table_->head_dim());
+  t.n_cols = static_cast<int32_t>(table_->n_cols());
+  t.max_tokens = max_tokens_;
+  t.sort_scratch = sort_scratch_;
+  t.sort_bytes = sort_bytes_;
+  std::string row_order = "fixed", decode = "default", host = "built-in";
+  if (!env.lookup_sort_min_items) {
+    ASSIGN_OR_RETURN(const RowOrderChoice ro, CalibrateRowOrder(t, stream_));
+    for (int p = 0; p < 2; ++p) {
+      for (int b = 0; b < 2; ++b) sort_min_items_[p][b] = ro.from_items[p][b];
     }
-    st = kernels::CudaStatus(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), "calibration ids");
+    row_order = ro.text;
   }
-  // One timed launch (ms): `items` ids of set `set` as items / C tokens, into staging(0) (room for any format).
-  auto time_one = [&](int64_t items, int set, bool packed, bool background, bool sorted, float* ms) -> absl::Status {
-    kernels::LookupArgs a;
-    a.records = table_->device_records(0);
-    a.row_begin = li.row_begin;
-    a.row_end = li.row_end;
-    a.head_dim = static_cast<int32_t>(table_->head_dim());
-    a.ids = d_ids + static_cast<int64_t>(set) * most;
-    a.num_tokens = static_cast<int32_t>(items / C);
-    a.num_cols = static_cast<int32_t>(C);
-    a.ids_stride = C;
-    a.out = d_out;
-    a.packed = packed;
-    if (background) a.max_blocks = std::max(1, kernels::DeviceSmCount() / 2);
-    a.sort_scratch = sort_scratch_;
-    a.sort_scratch_bytes = sort_bytes_;
-    a.sort_min_items = sorted ? 0 : std::numeric_limits<int64_t>::max();
-    RETURN_IF_ERROR(kernels::CudaStatus(cudaEventRecord(ev[0], stream_), "calibration event"));
-    RETURN_IF_ERROR(kernels::CudaStatus(kernels::LaunchLookup(a, stream_), "calibration lookup"));
-    RETURN_IF_ERROR(kernels::CudaStatus(cudaEventRecord(ev[1], stream_), "calibration event"));
-    RETURN_IF_ERROR(kernels::CudaStatus(cudaEventSynchronize(ev[1]), "calibration lookup"));
-    return kernels::CudaStatus(cudaEventElapsedTime(ms, ev[0], ev[1]), "calibration timing");
-  };
-  std::string text;
-  for (int packed = 0; packed < 2 && st.ok(); ++packed) {
-    for (int background = 0; background < 2 && st.ok(); ++background) {
-      int64_t threshold = std::numeric_limits<int64_t>::max();
-      for (auto it = sizes.rbegin(); it != sizes.rend() && st.ok(); ++it) {
-        float best[2] = {1e30f, 1e30f};  // [sorted]: the best of kSets fresh batches
-        for (int rep = 0; rep < kReps + 1 && st.ok(); ++rep) {
-          for (int k = 0; k < 2 && st.ok(); ++k) {
-            const int sorted = (rep + k) % 2;  // alternate which goes first
-            float ms = 0;
-            st = time_one(*it, 2 * rep + k, packed != 0, background != 0, sorted != 0, &ms);
-            if (rep > 0) best[sorted] = std::min(best[sorted], ms);  // the first round warms up
-          }
-        }
-        if (!st.ok() || best[1] >= best[0]) break;  // the row order lost here: not from any smaller size either
-        threshold = *it;
-      }
-      sort_min_items_[packed][background] = threshold;
-      absl::StrAppend(
-          &text, text.empty() ? "" : ",", packed ? "packed" : "bf16", background ? "_bg" : "", ":",
-          threshold == std::numeric_limits<int64_t>::max() ? std::string("never") : absl::StrCat(threshold));
+  const bool calibrate = env.engine_calibrate.value_or(true);
+  if (calibrate) {
+    ASSIGN_OR_RETURN(decode_, CalibrateDecode(t));
+    decode = decode_.text.empty() ? "default" : decode_.text;
+  }
+  // The host-gather plan: only where the automatic choice could take that path, with nothing fixed by hand.
+  const bool host_records = table_->records(0) != nullptr && table_->device_records(0) != nullptr;
+  if (calibrate && has_staging_ && host_records && path_ == LookupPath::kAuto && env.lookup_path_table.empty() &&
+      !env.host_gather_min_items && !env.host_gather_uva_share) {
+    std::vector<int> threads = {host_options_.threads};
+    const int cpus = AllowedCpus();
+    const int more = std::min(cpus * 3 / 4, 24);
+    if (!env.host_gather_threads && more > host_options_.threads) threads.push_back(more);
+    ASSIGN_OR_RETURN(const HostPlan plan,
+                     CalibrateHostGather(
+                         t, threads, {0.15, 0.25, 0.35}, [this](int th) { return MakeHostGather(th); }, stream_,
+                         &host_));
+    if (!plan.points.empty()) {
+      host_options_.threads = plan.threads;
+      path_table_.clear();
+      path_table_.push_back({1536, false});  // decode sizes stay on the UVA kernels (graphs capture them)
+      for (const HostPoint& p : plan.points) path_table_.push_back({p.items, p.host, false, p.share});
+      host = plan.text;
     }
   }
-  for (cudaEvent_t e : ev) {
-    if (e != nullptr) cudaEventDestroy(e);
-  }
-  cudaFree(d_ids);
-  cudaFree(d_out);
-  if (!st.ok()) return st;
-  Log().info("engram: event=lookup_calibrated row_order_from_items={} table_rows={}", text, rows);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  Log().info(
+      "engram: event=lookup_calibrated row_order_from_items={} decode_shape={} host_gather={} table_rows={} "
+      "seconds={:.3f}",
+      row_order, decode, host, table_->layers()[0].row_end - table_->layers()[0].row_begin, seconds);
   return absl::OkStatus();
 }
 
@@ -227,8 +214,7 @@ void DeviceEngine::NotePath(LookupPath path, int64_t items) {
   Log().info("engram: event=lookup_path_used lookup_path={} items_per_layer={}", LookupPathName(path), items);
 }
 
-bool DeviceEngine::HostWins(int64_t items) const {
-  if (path_table_.size() == 1 && path_table_[0].threshold) return items >= path_table_[0].items;
+const PathPoint* DeviceEngine::NearestPoint(int64_t items) const {
   const PathPoint* best = nullptr;
   double best_d = 0;
   for (const auto& p : path_table_) {
@@ -238,7 +224,18 @@ bool DeviceEngine::HostWins(int64_t items) const {
       best_d = d;
     }
   }
-  return best != nullptr && best->host;
+  return best;
+}
+
+bool DeviceEngine::HostWins(int64_t items) const {
+  if (path_table_.size() == 1 && path_table_[0].threshold) return items >= path_table_[0].items;
+  const PathPoint* p = NearestPoint(items);
+  return p != nullptr && p->host;
+}
+
+double DeviceEngine::ShareAt(int64_t items) const {
+  const PathPoint* p = NearestPoint(items);
+  return p != nullptr ? p->share : -1;
 }
 
 absl::Status DeviceEngine::SetLookupPath(LookupPath path) {
@@ -299,6 +296,7 @@ absl::Status DeviceEngine::LookupInto(int l, const int32_t* ids, int32_t num_tok
   a.sort_scratch = sort_scratch_;
   a.sort_scratch_bytes = sort_bytes_;
   a.sort_min_items = sort_min_items_[packed][w.background];
+  if (!w.background) decode_.For(packed, num_tokens, &a.plain_rows, &a.plain_block_warps);
   return kernels::CudaStatus(kernels::LaunchLookup(a, stream_), "lookup kernel");
 }
 
@@ -349,17 +347,10 @@ absl::Status DeviceEngine::Prefetch(const int32_t* hash_ids, int32_t num_tokens)
   if (path == LookupPath::kHostGather) {
     if (!host_records) return absl::FailedPreconditionError("the host-gather path needs host records");
     if (host_ == nullptr) {
-      std::vector<HostLayer> layers;
-      std::vector<uint16_t*> out;
-      for (int32_t l = 0; l < L; ++l) {
-        const auto& li = table_->layers()[static_cast<size_t>(l)];
-        layers.push_back({table_->records(l), li.row_begin, li.row_end, table_->device_records(l)});
-        out.push_back(prefetcher_.staging(l));
-      }
-      ASSIGN_OR_RETURN(host_,
-                       HostGather::Create(std::move(layers), std::move(out), max_tokens_, static_cast<int32_t>(C),
-                                          static_cast<int32_t>(table_->head_dim()), host_options_));
+      ASSIGN_OR_RETURN(host_, MakeHostGather(0));
     }
+    const double share = ShareAt(num_tokens * C);
+    host_->set_uva_share(share >= 0 ? share : host_options_.uva_share);
     const int32_t* ids = hash_ids;
     if (ids_on_device && n_ids > 0) {  // forced host path with device ids: bring them over (synchronises)
       h_ids_.resize(static_cast<size_t>(n_ids));

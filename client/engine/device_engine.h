@@ -13,8 +13,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "client/engine/calibration.h"
 #include "client/engine/host_gather.h"
 #include "client/engine/prefetch.h"
+#include "client/environment.h"
 #include "engram/client.h"
 #include "engram/lookup_engine.h"
 #include "kernels/device_layout.h"
@@ -27,6 +29,7 @@ struct PathPoint {
   int64_t items = 0;
   bool host = false;
   bool threshold = false;  // the only point: host gather from `items` on
+  double share = -1;       // the host path's UVA share at this size (timed at creation); -1: the engine's option
 };
 
 class DeviceEngine final : public LookupEngine {
@@ -57,6 +60,8 @@ class DeviceEngine final : public LookupEngine {
   cudaStream_t stream() const { return stream_; }
   // kAuto's choice for a batch of `items` (tokens x columns) per layer: the nearest measured size's winner.
   bool HostWins(int64_t items) const;
+  // The host path's UVA share for a batch of `items` per layer (timed at creation); -1: the engine's option.
+  double ShareAt(int64_t items) const;
   // The row-order threshold (items per launch) this engine's direct lookups use, chosen at creation by timing the
   // plain and the row-order gather on this table (its size and pages decide which wins): [packed][background].
   // INT64_MAX: never sorted.
@@ -64,7 +69,8 @@ class DeviceEngine final : public LookupEngine {
 
  private:
   DeviceEngine() = default;
-  void NotePath(LookupPath path, int64_t items);  // last_path_, and a log line the first time a path is taken
+  void NotePath(LookupPath path, int64_t items);
+  const PathPoint* NearestPoint(int64_t items) const;  // last_path_, and a log line the first time a path is taken
   const Table* table_ = nullptr;
   cudaStream_t stream_ = nullptr;
   int32_t max_tokens_ = 0;
@@ -79,8 +85,12 @@ class DeviceEngine final : public LookupEngine {
   unsigned paths_logged_ = 0;
   HostGatherOptions host_options_;
   int64_t sort_min_items_[2][2] = {{-1, -1}, {-1, -1}};  // [packed][background]; -1: the process-wide tuning
-  absl::Status Calibrate();
-  std::unique_ptr<HostGather> host_;  // created on the first host-gather Prefetch
+  DecodeShapes decode_;                                   // the plain gather's shape at decode sizes
+  // Times the row-order threshold, the decode shapes and the host-gather plan on this table (calibration.h), as
+  // the environment allows, and logs what was chosen and why.
+  absl::Status Calibrate(const ClientEnvironment& env);
+  absl::StatusOr<std::unique_ptr<HostGather>> MakeHostGather(int threads) const;
+  std::unique_ptr<HostGather> host_;  // created by the calibration, else on the first host-gather Prefetch
   int32_t* d_ids_ = nullptr;          // host ids copied for the UVA path
   std::vector<int32_t> h_ids_;        // device ids copied for the host path
 };

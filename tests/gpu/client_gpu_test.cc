@@ -299,6 +299,40 @@ TEST(GpuClientTest, SharedSegmentRegisteredReadOnlyServesTheOraclesRows) {
           << "bf16 row " << ids[static_cast<size_t>(i)] << " of layer " << li.layer_id;
     }
   }
+  // An engine sized for prefill batches times the host-gather path against the UVA gather at creation (its plan:
+  // the share and threads per batch size) and serves the oracle's rows by whichever path it chose, from host ids.
+  {
+    const int TP = 512;
+    auto big = client::LookupEngine::Create(t, TP, nullptr);
+    ASSERT_TRUE(big.ok()) << big.status();
+    std::vector<int32_t> hids(static_cast<size_t>(TP) * L * C);  // [T, L, C]
+    for (int tok = 0; tok < TP; ++tok) {
+      for (int l = 0; l < L; ++l) {
+        const auto& li = t.layers()[static_cast<size_t>(l)];
+        for (int c = 0; c < C; ++c) {
+          hids[(static_cast<size_t>(tok) * L + l) * C + c] = static_cast<int32_t>(
+              li.row_begin + static_cast<int64_t>(rng() % static_cast<uint64_t>(li.row_end - li.row_begin)));
+        }
+      }
+    }
+    ASSERT_TRUE((*big)->Prefetch(hids.data(), TP).ok());
+    for (int l = 0; l < L; ++l) ASSERT_TRUE((*big)->Wait(l).ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint16_t> got(static_cast<size_t>(TP) * C * D);
+    for (int l = 0; l < L; ++l) {
+      const auto& li = t.layers()[static_cast<size_t>(l)];
+      CUDA_OK(cudaMemcpy(got.data(), (*big)->staging(l), got.size() * 2, cudaMemcpyDeviceToHost));
+      for (int i = 0; i < TP * C; ++i) {
+        const int32_t id = hids[(static_cast<size_t>(i / C) * L + l) * C + i % C];
+        auto rec = oracle->Record(li.layer_id, id, &error);
+        ASSERT_TRUE(rec.has_value()) << error;
+        const auto want = oracle::DequantBf16Row(*rec, D);
+        ASSERT_TRUE(std::equal(want.begin(), want.end(), got.begin() + static_cast<long>(i * D)))
+            << "prefetched row " << id << " of layer " << li.layer_id << " ("
+            << client::LookupPathName((*big)->last_lookup_path()) << " path)";
+      }
+    }
+  }
   table->reset();
   EXPECT_TRUE(daemon.Running()) << daemon.Output();
 }
