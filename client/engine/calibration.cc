@@ -230,6 +230,8 @@ absl::StatusOr<DecodeShapes> CalibrateDecode(const CalibrationTarget& t) {
     for (int i = 0; i < DecodeShapes::kSizes; ++i) {
       const int32_t tokens = DecodeShapes::kTokens[i];
       if (tokens > t.max_tokens) continue;
+      // A first graph of each size warms what the first launches pay (instantiation, caches); untimed.
+      RETURN_IF_ERROR(time_shape(tokens, packed != 0, 0, 0).status());
       ASSIGN_OR_RETURN(const double dflt, time_shape(tokens, packed != 0, 0, 0));
       double best = dflt;
       int32_t br = 0, bw = 0;
