@@ -270,6 +270,9 @@ struct TuningState {
   std::atomic<bool> sort_only{false};
   std::atomic<int32_t> plain_rows{kRows};
   std::atomic<int32_t> plain_block_warps{kWarpsPerBlock};
+  std::atomic<int64_t> decode_items{1536};
+  std::atomic<int32_t> decode_rows{1};
+  std::atomic<int32_t> decode_block_warps{4};
 };
 
 bool Pow2UpTo8(int32_t v) { return v == 1 || v == 2 || v == 4 || v == 8; }
@@ -317,6 +320,9 @@ LookupTuning GetLookupTuning() {
   t.sort_only = Tuning().sort_only.load();
   t.plain_rows = Tuning().plain_rows.load();
   t.plain_block_warps = Tuning().plain_block_warps.load();
+  t.decode_items = Tuning().decode_items.load();
+  t.decode_rows = Tuning().decode_rows.load();
+  t.decode_block_warps = Tuning().decode_block_warps.load();
   return t;
 }
 
@@ -327,6 +333,9 @@ void SetLookupTuning(const LookupTuning& t) {
   Tuning().sort_only.store(t.sort_only);
   if (Pow2UpTo8(t.plain_rows)) Tuning().plain_rows.store(t.plain_rows);
   if (Pow2UpTo8(t.plain_block_warps)) Tuning().plain_block_warps.store(t.plain_block_warps);
+  Tuning().decode_items.store(std::max<int64_t>(t.decode_items, 0));
+  if (Pow2UpTo8(t.decode_rows)) Tuning().decode_rows.store(t.decode_rows);
+  if (Pow2UpTo8(t.decode_block_warps)) Tuning().decode_block_warps.store(t.decode_block_warps);
 }
 
 bool ValidPlainShape(int32_t rows, int32_t block_warps) {
@@ -454,9 +463,14 @@ cudaError_t LaunchLookup(const LookupArgs& a, cudaStream_t stream) {
   // Rows in flight per warp and warps per block: the row-order variants fix their own (8 warps; 4 or 8 rows); the
   // plain gather takes the launch's shape, else the tuning's.
   const bool wide = variant == 1 || variant == 3;
-  int rows_per_warp = variant != 0 ? (wide ? 8 : kRows) : a.plain_rows > 0 ? a.plain_rows : tuning.plain_rows;
+  const bool decode = items <= tuning.decode_items;
+  int rows_per_warp = variant != 0       ? (wide ? 8 : kRows)
+                      : a.plain_rows > 0 ? a.plain_rows
+                      : decode           ? tuning.decode_rows
+                                         : tuning.plain_rows;
   const int block_warps = variant != 0              ? kWarpsPerBlock
                           : a.plain_block_warps > 0 ? a.plain_block_warps
+                          : decode                  ? tuning.decode_block_warps
                                                     : tuning.plain_block_warps;
   // Packed rows of head_dim 256 or 512 in words (several rows in flight per warp); other packed records one row
   // at a time per warp (kRows per grid-stride step).

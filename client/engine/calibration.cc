@@ -101,8 +101,8 @@ absl::StatusOr<RowOrderChoice> CalibrateRowOrder(const CalibrationTarget& t, cud
   std::vector<int32_t> ids(static_cast<size_t>(most) * kSets);
   uint64_t x = 0x9E3779B97F4A7C15ull;
   FillRows(ids, 0, ids.size(), li.row_begin, li.row_end, x);
-  RETURN_IF_ERROR(kernels::CudaStatus(cudaMemcpy(d_ids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice),
-                                      "calibration ids"));
+  RETURN_IF_ERROR(
+      kernels::CudaStatus(cudaMemcpy(d_ids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), "calibration ids"));
   auto time_one = [&](int64_t items, int set, bool packed, bool background, bool sorted) -> absl::StatusOr<float> {
     kernels::LookupArgs a = LayerArgs(t, 0, static_cast<const int32_t*>(d_ids.p) + set * most, items, out.p);
     a.packed = packed;
@@ -129,8 +129,8 @@ absl::StatusOr<RowOrderChoice> CalibrateRowOrder(const CalibrationTarget& t, cud
         threshold = *it;
       }
       choice.from_items[packed][background] = threshold;
-      absl::StrAppend(&choice.text, choice.text.empty() ? "" : ",", packed ? "packed" : "bf16",
-                      background ? "_bg" : "", ":", Threshold(threshold));
+      absl::StrAppend(&choice.text, choice.text.empty() ? "" : ",", packed ? "packed" : "bf16", background ? "_bg" : "",
+                      ":", Threshold(threshold));
     }
   }
   return choice;
@@ -159,7 +159,8 @@ absl::StatusOr<DecodeShapes> CalibrateDecode(const CalibrationTarget& t) {
   if (t.layers.empty() || t.layers[0].row_end <= t.layers[0].row_begin) return shapes;
   constexpr int kPerGraph = 20, kReplays = 3, kPool = 2 * (kReplays + 1);
   const int64_t C = t.n_cols, rb = t.head_dim + t.head_dim / 32;
-  const int64_t most = static_cast<int64_t>(std::min(t.max_tokens, DecodeShapes::kTokens[DecodeShapes::kSizes - 1])) * C;
+  const int64_t most =
+      static_cast<int64_t>(std::min(t.max_tokens, DecodeShapes::kTokens[DecodeShapes::kSizes - 1])) * C;
   const size_t row_out = static_cast<size_t>(std::max<int64_t>(rb, 2 * t.head_dim));
   DeviceAlloc out, live, pool;
   RETURN_IF_ERROR(out.Make(static_cast<size_t>(most) * kPerGraph * row_out, "calibration output"));
@@ -169,8 +170,8 @@ absl::StatusOr<DecodeShapes> CalibrateDecode(const CalibrationTarget& t) {
     std::vector<int32_t> ids(static_cast<size_t>(most) * kPerGraph * kPool);
     uint64_t x = 0xD1B54A32D192ED03ull;
     FillRows(ids, 0, ids.size(), t.layers[0].row_begin, t.layers[0].row_end, x);
-    RETURN_IF_ERROR(kernels::CudaStatus(cudaMemcpy(pool.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice),
-                                        "calibration ids"));
+    RETURN_IF_ERROR(
+        kernels::CudaStatus(cudaMemcpy(pool.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), "calibration ids"));
   }
   cudaStream_t s = nullptr;
   RETURN_IF_ERROR(kernels::CudaStatus(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "calibration stream"));
@@ -189,9 +190,8 @@ absl::StatusOr<DecodeShapes> CalibrateDecode(const CalibrationTarget& t) {
     RETURN_IF_ERROR(kernels::CudaStatus(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "capture"));
     cudaError_t launch = cudaSuccess;
     for (int i = 0; i < kPerGraph && launch == cudaSuccess; ++i) {
-      kernels::LookupArgs a =
-          LayerArgs(t, 0, static_cast<const int32_t*>(live.p) + i * items, items,
-                    static_cast<uint8_t*>(out.p) + static_cast<size_t>(i * items) * row_out);
+      kernels::LookupArgs a = LayerArgs(t, 0, static_cast<const int32_t*>(live.p) + i * items, items,
+                                        static_cast<uint8_t*>(out.p) + static_cast<size_t>(i * items) * row_out);
       a.sort_scratch = nullptr;  // decode sizes take the plain gather
       a.packed = packed;
       a.plain_rows = r;

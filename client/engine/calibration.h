@@ -15,8 +15,8 @@
 
 #include <cstdint>
 #include <functional>
-#include <memory>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 

@@ -186,10 +186,9 @@ absl::Status DeviceEngine::Calibrate(const ClientEnvironment& env) {
     const int cpus = AllowedCpus();
     const int more = std::min(cpus * 3 / 4, 24);
     if (!env.host_gather_threads && more > host_options_.threads) threads.push_back(more);
-    ASSIGN_OR_RETURN(const HostPlan plan,
-                     CalibrateHostGather(
-                         t, threads, {0.15, 0.25, 0.35}, [this](int th) { return MakeHostGather(th); }, stream_,
-                         &host_));
+    ASSIGN_OR_RETURN(const HostPlan plan, CalibrateHostGather(
+                                              t, threads, {0.15, 0.25, 0.35},
+                                              [this](int th) { return MakeHostGather(th); }, stream_, &host_));
     if (!plan.points.empty()) {
       host_options_.threads = plan.threads;
       path_table_.clear();
