@@ -43,7 +43,7 @@ def write_snippets(dest):
             code = [x for x in body.splitlines() if not x.startswith("#include")]
             where = f"{doc.relative_to(REPO)}:{line}"
             src = [f"// {where}"] + includes + ['#include "snippet_prelude.h"', f"void Snippet{i}() {{",
-                                                 "  using namespace snippet_names;", f'#line {line} "{where}"'] + code
+                                                 "  using namespace snippet_names;", f'#line {line} "{doc.relative_to(REPO)}"'] + code
             (dest / f"snippet{i}.cc").write_text("\n".join(src + ["}", ""]))
             names.append(f"Snippet{i}")
     header = ["#pragma once"] + [f"void {n}();" for n in names]

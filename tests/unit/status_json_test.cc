@@ -176,8 +176,8 @@ TEST(StatusJsonTest, CountersAreNumbersAndTheSchemaVersionIsTheDocumentedOne) {
 
 TEST(StatusJsonTest, AnEmptyReplyHasEveryTopLevelField) {
   const json j = json::parse(StatusJson(engram::v1::StatusReply()));
-  for (const char* k : {"schema_version", "daemon_version", "epoch", "draining", "shm", "segments", "replicas", "groups",
-                        "recent_fallbacks", "descriptors"}) {
+  for (const char* k : {"schema_version", "daemon_version", "epoch", "draining", "shm", "segments", "replicas",
+                        "groups", "recent_fallbacks", "descriptors"}) {
     EXPECT_TRUE(j.contains(k)) << k << " missing: " << j.dump();
   }
   EXPECT_TRUE(j["segments"].is_array() && j["groups"].is_array() && j["recent_fallbacks"].is_array()) << j.dump();
