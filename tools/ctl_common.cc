@@ -103,16 +103,4 @@ std::string Bar(uint64_t used, uint64_t total, int width) {
 
 std::string GiB(uint64_t b) { return absl::StrFormat("%.2f GiB", static_cast<double>(b) / (1ull << 30)); }
 
-json ReasonsJson(const google::protobuf::RepeatedPtrField<engram::v1::Reason>& reasons, bool with_hints) {
-  json out = json::array();
-  for (const auto& r : reasons) {
-    if (with_hints) {
-      out.push_back({{"code", engram::v1::FallbackReason_Name(r.code())}, {"hint", r.hint()}});
-    } else {
-      out.push_back(engram::v1::FallbackReason_Name(r.code()));
-    }
-  }
-  return out;
-}
-
 }  // namespace engram::tools::ctl

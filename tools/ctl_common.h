@@ -30,6 +30,5 @@ int RpcFailure(const grpc::Status& st, const std::string& socket);
 int StatusFailure(const absl::Status& st, const std::string& socket);
 std::string Bar(uint64_t used, uint64_t total, int width = 30);
 std::string GiB(uint64_t b);
-json ReasonsJson(const google::protobuf::RepeatedPtrField<engram::v1::Reason>& reasons, bool with_hints);
 
 }  // namespace engram::tools::ctl

@@ -24,9 +24,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/session/session.h"
+#include "client/session/status_json.h"
 #include "engram/v1/engram.grpc.pb.h"
 #include "model/checkpoint.h"
-#include "nlohmann/json.hpp"
 #include "shm/segment.h"
 #include "tools/args.h"
 #include "tools/row_oracle.h"
@@ -39,41 +39,6 @@ namespace engram::tools {
 using namespace ctl;  // NOLINT: the subcommands' shared helpers
 
 namespace {
-
-// DP-sharded groups (embedding_across_dp): members with their dp ranks, slot, bytes per step, broken + who left.
-json GroupsJson(const engram::v1::StatusReply& s) {
-  json groups = json::array();
-  for (const auto& g : s.groups()) {
-    json members = json::array();
-    for (const auto& m : g.members()) {
-      json member = {{"pid", m.pid()},
-                     {"dp_rank", m.dp_rank()},
-                     {"edp_rank", m.edp_rank()},
-                     {"max_tokens", m.max_tokens()},
-                     {"bytes_per_step", m.bytes_per_step()}};
-      if (m.left()) member["left"] = m.left_reason();  // it left (GroupLeave) or its session ended: why
-      if (m.stalled()) member["stalled"] = true;       // a member that left named it stalled
-      members.push_back(member);
-    }
-    json one = {{"group", g.group()},
-                {"checkpoint", g.checkpoint()},
-                {"tp_rank", g.tp_rank()},
-                {"tp_size", g.tp_size()},
-                {"size", g.size()},
-                {"state", g.state()},
-                {"transport", g.transport()},
-                {"slot", g.slot()},
-                {"bytes_per_step", g.bytes_per_step()},
-                {"members", members},
-                {"generation", g.generation()}};
-    if (g.state() == "BROKEN") {
-      one["detail"] = g.detail();
-      one["left"] = {{"pid", g.left_pid()}, {"dp_rank", g.left_dp_rank()}};
-    }
-    groups.push_back(one);
-  }
-  return groups;
-}
 
 void PrintGroups(const engram::v1::StatusReply& s) {
   if (s.groups_size() == 0) return;
@@ -108,54 +73,8 @@ int CmdStatus(int argc, char** argv) {
   grpc::Status st = stub->Status(&ctx, engram::v1::StatusRequest(), &s);
   if (st.ok()) MakePrintable(&s);  // every string it shows came from a file or a client
   if (!st.ok()) return RpcFailure(st, socket);
-  json j;
-  j["shm"] = {{"path", s.shm().path()},
-              {"total_bytes", s.shm().total_bytes()},
-              {"free_bytes", s.shm().free_bytes()},
-              {"engram_bytes", s.shm().engram_bytes()},
-              {"huge_pages", s.shm().huge_pages()}};
-  j["segments"] = json::array();
-  for (const auto& g : s.segments()) {
-    j["segments"].push_back({{"name", g.name()},
-                             {"checkpoint", g.checkpoint()},
-                             {"tp_rank", g.tp_rank()},
-                             {"tp_size", g.tp_size()},
-                             {"bytes", g.bytes()},
-                             {"state", g.state()},
-                             {"origin", g.origin()},
-                             {"load_seconds", g.load_seconds()},
-                             {"checksum_state", g.checksum_state()},
-                             {"progress", g.progress()},
-                             {"error", g.error()}});
-  }
-  j["replicas"] = json::array();
-  for (const auto& r : s.replicas()) {
-    j["replicas"].push_back({{"pid", r.pid()},
-                             {"uid", r.uid()},
-                             {"dp_rank", r.dp_rank()},
-                             {"dp_size", r.dp_size()},
-                             {"local_dp_size", r.local_dp_size()},
-                             {"tp_rank", r.tp_rank()},
-                             {"tp_size", r.tp_size()},
-                             {"segment", r.segment()},
-                             {"mode", r.mode()},
-                             {"backend", r.backend()},
-                             {"reasons", ReasonsJson(r.reasons(), false)},
-                             {"hints", ReasonsJson(r.reasons(), true)},
-                             {"attach", r.attach()},
-                             {"own_pid", r.own_pid()},
-                             {"attached_seconds", r.attached_seconds()},
-                             {"register_seconds", r.register_seconds()},
-                             {"client_version", r.client_version()}});  // "": its client sent none
-  }
-  j["recent_fallbacks"] = s.recent_fallbacks();
-  j["draining"] = s.draining();
-  j["groups"] = GroupsJson(s);
-  j["daemon_version"] = s.daemon_version();  // "": an engramd that predates it
-  j["descriptors"] = {
-      {"socket", s.descriptors().socket()}, {"sent", s.descriptors().sent()}, {"refused", s.descriptors().refused()}};
   if (a.Has("--json")) {
-    std::cout << j.dump() << "\n";
+    std::cout << client::StatusJson(s) << "\n";  // the one status document (docs/status.md), as engram.status()
     return 0;
   }
   const auto& shm = s.shm();

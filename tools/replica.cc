@@ -22,6 +22,7 @@
 #include "engram/client.h"
 #include "engram/lookup_engine.h"
 #include "engram/version.h"
+#include "model/token_map.h"
 
 #ifdef ENGRAM_HAVE_CUDA
 #include <cuda_runtime_api.h>

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "model/layout.h"
+#include "model/token_map.h"
 
 using namespace engram::capi;  // NOLINT: the entry points' shared helpers
 

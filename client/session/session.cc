@@ -2,7 +2,6 @@
 // re-establishment are one conversation with engramd over one stream.
 #include "client/session/session.h"
 
-#include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -19,6 +18,7 @@
 #include "base/utf8.h"
 #include "client/log.h"
 #include "client/session/descriptor_client.h"
+#include "client/session/status_json.h"
 #include "engram/v1/engram.grpc.pb.h"
 #include "engram/version.h"
 #include "net/unix_socket.h"
@@ -485,14 +485,7 @@ absl::StatusOr<std::string> FetchStatusJson(const std::string& socket, std::chro
     return absl::Status(static_cast<absl::StatusCode>(rpc.error_code()),
                         absl::StrCat("engramd at ", socket, ": ", rpc.error_message()));
   }
-  google::protobuf::util::JsonPrintOptions o;
-  o.preserve_proto_field_names = true;
-  o.always_print_primitive_fields = true;
-  std::string text;
-  if (!google::protobuf::util::MessageToJsonString(reply, &text, o).ok()) {
-    return absl::InternalError("status: cannot print the reply as JSON");
-  }
-  return text;
+  return StatusJson(reply);
 }
 
 }  // namespace engram::client

@@ -145,8 +145,9 @@ class Session {
   Answer answer_;
 };
 
-// The daemon's status (what `engramctl status --json` prints) as JSON, from a Status call on `socket` within
-// `timeout`. The gRPC error's code with "engramd at SOCKET: ..." when no daemon answers or it refuses.
+// The daemon's status document (client/session/status_json.h, docs/status.md: what `engramctl status --json` prints),
+// from a Status call on `socket` within `timeout`. The gRPC error's code with "engramd at SOCKET: ..." when no daemon
+// answers or it refuses.
 absl::StatusOr<std::string> FetchStatusJson(const std::string& socket, std::chrono::milliseconds timeout);
 
 }  // namespace engram::client

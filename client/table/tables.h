@@ -20,6 +20,7 @@
 #include "engram/client.h"
 #include "model/checkpoint.h"
 #include "model/layout.h"
+#include "model/token_map.h"
 #include "shm/env.h"
 #include "shm/segment.h"
 

@@ -37,12 +37,15 @@
 
 #include "absl/status/statusor.h"
 #include "engram/types.h"
-#include "model/layout.h"
-#include "model/token_map.h"
 
+// The library's own types, declared only: the public headers are self-contained (include/engram and abseil). Code
+// outside the library reads a table through LayerInfo and the accessors below; layout() and token_map() serve the
+// library's own layers (model/layout.h, model/token_map.h), and ClientOptions::env is the tests' OS seam (shm/env.h).
 namespace engram {
-class Env;  // shm/env.h
-}
+class Env;
+class Layout;
+class TokenMap;
+}  // namespace engram
 
 namespace engram::client {
 

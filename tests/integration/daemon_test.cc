@@ -916,7 +916,7 @@ TEST(DaemonTest, AdoptedSegmentWithBadChecksumIsRepublished) {
   EXPECT_EQ(FirstJson(r.Output())["mismatches"], 0) << r.Output();
 }
 
-// `engramctl status --json` has every field README's engramctl section documents, with its type.
+// `engramctl status --json` of a real daemon has the fields docs/status.md lists, with their types.
 TEST(DaemonTest, StatusJsonHasTheDocumentedShape) {
   SKIP_UNLESS_CAN_PIN(uint64_t{64} << 20);
   TempDir dir;

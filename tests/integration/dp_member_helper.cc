@@ -25,6 +25,7 @@
 #include "client/dp/plan.h"
 #include "engram/client.h"
 #include "engram/lookup_engine.h"
+#include "model/token_map.h"
 #include "nlohmann/json.hpp"
 #include "tools/row_oracle.h"
 

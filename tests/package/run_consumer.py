@@ -1,0 +1,92 @@
+"""The installed package, from outside: `cmake --install` of the build's engram_dev component into a fresh prefix,
+then an external project (tests/package/consumer) configured with find_package(engram) against that prefix alone and
+built: every installed header compiled on its own, a C++ and a C program run, and the ```cpp snippets of README.md
+and docs/*.md compiled and linked (a stale call or a header outside include/engram fails here).
+
+    python3 tests/package/run_consumer.py --build BUILD_DIR --work SCRATCH_DIR
+"""
+import argparse
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+DOCS = [REPO / "README.md"] + sorted((REPO / "docs").glob("*.md"))
+
+
+def fenced(path, lang):
+    """The bodies of the ```<lang> blocks of a Markdown file, with their first line numbers."""
+    out, body, start = [], None, 0
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if body is None and re.match(r"^```" + lang + r"\s*$", line):
+            body, start = [], n + 1
+        elif body is not None and line.startswith("```"):
+            out.append((start, "\n".join(body)))
+            body = None
+        elif body is not None:
+            body.append(line)
+    return out
+
+
+def write_snippets(dest):
+    """Each ```cpp block as a function Snippet<i>() (its #includes hoisted), and snippets.h naming them."""
+    dest.mkdir(parents=True)
+    names = []
+    for doc in DOCS:
+        for line, body in fenced(doc, "cpp"):
+            i = len(names)
+            includes = [x for x in body.splitlines() if x.startswith("#include")]
+            code = [x for x in body.splitlines() if not x.startswith("#include")]
+            where = f"{doc.relative_to(REPO)}:{line}"
+            src = [f"// {where}"] + includes + ['#include "snippet_prelude.h"', f"void Snippet{i}() {{",
+                                                 "  using namespace snippet_names;", f'#line {line} "{doc.relative_to(REPO)}"'] + code
+            (dest / f"snippet{i}.cc").write_text("\n".join(src + ["}", ""]))
+            names.append(f"Snippet{i}")
+    header = ["#pragma once"] + [f"void {n}();" for n in names]
+    header.append("inline void RunSnippets() {" + "".join(f" {n}();" for n in names) + " }")
+    (dest / "snippets.h").write_text("\n".join(header) + "\n")
+    return names
+
+
+def run(cmd, **kw):
+    r = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if r.returncode != 0:
+        sys.exit(f"FAILED: {' '.join(map(str, cmd))}\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}")
+    return r.stdout
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--cmake", default="cmake")
+    a = ap.parse_args()
+    work = pathlib.Path(a.work)
+    shutil.rmtree(work, ignore_errors=True)
+    prefix = work / "prefix"
+    run([a.cmake, "--install", a.build, "--prefix", prefix, "--component", "engram_dev"])
+    # The public headers include only each other, the standard library and abseil.
+    headers = sorted((prefix / "include" / "engram").glob("*.h"))
+    assert headers, f"no headers under {prefix}/include/engram"
+    for h in headers:
+        for inc in re.findall(r'^#include "([^"]+)"', h.read_text(), re.M):
+            if not (inc.startswith("engram/") or inc.startswith("absl/")):
+                sys.exit(f"{h.name} includes {inc}, which is not installed")
+    names = write_snippets(work / "snippets")
+    assert names, "no ```cpp snippets found in README.md or docs/"
+    build = work / "build"
+    env = dict(os.environ)
+    run([a.cmake, "-S", HERE / "consumer", "-B", build, "-G", "Ninja", f"-DCMAKE_PREFIX_PATH={prefix}",
+         f"-DENGRAM_SNIPPETS_DIR={work / 'snippets'}", "-DCMAKE_BUILD_TYPE=Debug"], env=env)
+    run([a.cmake, "--build", build], env=env)
+    print(run([build / "consumer"]).strip())
+    print(run([build / "consumer_c"]).strip())
+    print(f"{len(headers)} headers compiled alone, {len(names)} C++ snippets compiled and linked")
+
+
+if __name__ == "__main__":
+    main()
