@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "daemon/fallback.h"
+#include "daemon/metrics_text.h"
 #include "daemon/publisher.h"
 #include "daemon/segment_files.h"
 #include "daemon/status_report.h"
@@ -221,6 +222,7 @@ absl::Status Coordinator::Reload(const Options& opts) {
   line("socket", before.socket != opts.socket, opts.socket, kRestart);
   line("threads", before.threads != opts.threads, std::to_string(opts.threads), kRestart);
   line("metrics_file", before.metrics_file != opts.metrics_file, opts.metrics_file, kRestart);
+  line("metrics_address", before.metrics_address != opts.metrics_address, opts.metrics_address, kRestart);
   {
     std::lock_guard<std::mutex> lock(opts_mu_);
     opts_.group = opts.group;

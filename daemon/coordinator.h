@@ -9,7 +9,7 @@
 // Segment files are 0600, the daemon's own: a replica gets a segment as a read-only descriptor passed over the
 // socket (daemon/descriptor_server.h; a grant carries the one-time token), or, where its uid may open the file,
 // by the grant's path.
-// Status and metrics are built by daemon/status_report.h.
+// Status is built by daemon/status_report.h, its Prometheus rendering by daemon/metrics_text.h.
 //
 // Lifecycle: Start() probes the shm directory, opens every configured checkpoint (a checkpoint that cannot be
 // opened or whose token map disagrees with its config is a startup error), takes the shm directory's one-daemon

@@ -1,7 +1,8 @@
 // engramd: the per-node Engram table daemon. See README.md ("Running the daemon") and daemon/coordinator.h.
 //
 //   engramd --checkpoint DIR [--checkpoint DIR ...] --tp 1[,2,...] [--shm-dir DIR] [--socket PATH] [--group NAME]
-//           [--tickets N] [--threads N] [--log-level LEVEL] [--metrics-file PATH] [--config FILE]
+//           [--tickets N] [--threads N] [--log-level LEVEL] [--metrics-file PATH] [--metrics-address HOST:PORT]
+//           [--config FILE]
 //   engramd --version     prints "engramd <version>" (engram/version.h) and exits 0
 //
 // Runs in the foreground, logs to stderr, readiness through sd_notify (READY=1 once the requested segments are
@@ -26,6 +27,7 @@
 #include "daemon/listener.h"
 #include "daemon/log_sink.h"
 #include "daemon/metrics_file.h"
+#include "daemon/metrics_http.h"
 #include "daemon/options.h"
 #include "daemon/refuser.h"
 #include "daemon/service.h"
@@ -42,7 +44,8 @@ int main(int argc, char** argv) {
           "usage: engramd --checkpoint DIR [--checkpoint DIR ...] [--tp 1,2] [--shm-dir DIR] [--socket PATH]\n"
           "               [--group NAME] [--admin-group NAME] [--tickets N] [--max-sessions N] [--max-sessions-per-uid "
           "N] [--threads N] [--log-level LEVEL]\n"
-          "               [--max-streams-per-uid N] [--reflection on|off] [--metrics-file PATH] [--config FILE]\n"
+          "               [--max-streams-per-uid N] [--reflection on|off] [--metrics-file PATH]\n"
+          "               [--metrics-address HOST:PORT] [--config FILE]\n"
           "       engramd --version\n");
       return 0;
     }
@@ -137,6 +140,18 @@ int main(int argc, char** argv) {
     state.SetDescriptorChannel(&descriptors);
     descriptors.Start();
   }
+  // Prometheus over HTTP, on a thread of its own (daemon/metrics_http.h); an address that cannot be bound is a
+  // startup error, not a silent lack of metrics.
+  std::unique_ptr<MetricsHttpServer> metrics_http;
+  if (!opts->metrics_address.empty()) {
+    auto started = MetricsHttpServer::Start(opts->metrics_address, [&state] { return state.MetricsText(); });
+    if (!started.ok()) {
+      std::fprintf(stderr, "engramd: %s\n", std::string(started.status().message()).c_str());
+      return 1;
+    }
+    metrics_http = *std::move(started);
+    spdlog::info("event=metrics_listening address={}", metrics_http->address());
+  }
   listener.Start(
       [&](int fd, bool allowed) { grpc::AddInsecureChannelFromFd(allowed ? server.get() : refuser.get(), fd); });
   spdlog::info("event=listening version={} socket={} shm_dir={} checkpoints={} tickets={}", ENGRAM_VERSION_STRING,
@@ -217,6 +232,7 @@ int main(int argc, char** argv) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   refuser->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   descriptors.Stop();
+  if (metrics_http) metrics_http->Stop();
   readiness.join();
   if (metrics.joinable()) metrics.join();
   spdlog::info("event=stopped: READY segments stay in place for the next start");

@@ -11,6 +11,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "base/status_macros.h"
+#include "daemon/metrics_http.h"
 #include "model/file_util.h"
 
 namespace engram::daemon {
@@ -78,6 +79,11 @@ absl::Status Set(const std::string& origin, const std::string& key, const std::s
     o->log_level = value;
   } else if (key == "metrics_file") {
     o->metrics_file = value;
+  } else if (key == "metrics_address") {
+    if (auto st = ParseMetricsAddress(value).status(); !value.empty() && !st.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(origin, ": ", st.message()));
+    }
+    o->metrics_address = value;
   } else {
     return absl::InvalidArgumentError(absl::StrCat(origin, ": unknown key '", key, "'"));
   }

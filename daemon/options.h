@@ -2,11 +2,11 @@
 //
 // Config file: one `key = value` per line, `#` comments. Keys: checkpoint (repeatable), tp (comma list), shm_dir,
 // socket, group, admin_group, tickets, ticket_hold_ms, max_sessions, max_sessions_per_uid, max_streams_per_uid,
-// reflection (on|off), threads, log_level, metrics_file. Flags:
+// reflection (on|off), threads, log_level, metrics_file, metrics_address. Flags:
 // --checkpoint DIR (repeatable), --tp 1,2,
 // --shm-dir DIR, --socket PATH, --group NAME, --admin-group NAME, --tickets N, --threads N, --log-level LEVEL,
-// --metrics-file PATH, --config FILE. A flag given on the command line replaces the file's value for that key
-// (checkpoints too: flags replace the file's list). Plain value type.
+// --metrics-file PATH, --metrics-address HOST:PORT, --config FILE. A flag given on the command line replaces the
+// file's value for that key (checkpoints too: flags replace the file's list). Plain value type.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +44,8 @@ struct Options {
   int threads = 0;  // publish/verify workers; 0 = hardware concurrency (at most 32)
   std::string log_level = "info";
   std::string metrics_file;  // Prometheus text format, rewritten every 2 s (node_exporter textfile collector)
+  // HTTP /metrics for Prometheus (daemon/metrics_http.h), "" = off; validated by ParseMetricsAddress.
+  std::string metrics_address;
   std::string config_file;   // where the file values came from ("" when none)
 };
 

@@ -186,8 +186,8 @@ void ReplicaRegistry::ReportRegistration(const std::string& lease_id, const engr
   if (r.ticket == TicketState::kHeld) ReleaseTicketLocked(r);
   r.backend = res.backend().empty() ? (res.ok() ? "cuda" : "cpu") : EchoOf(res.backend(), 16);
   r.register_seconds = res.seconds();
-  counters_.register_seconds_sum += res.seconds();
-  ++counters_.register_count;
+  counters_.register_seconds.Observe(res.seconds());
+  counters_.attach_seconds.Observe(SecondsSince(r.attached));
   if (!res.ok()) {
     ++counters_.fallbacks_by_reason["REGISTER_FAILED"];
     r.reasons.push_back(MakeReason(engram::v1::REGISTER_FAILED,

@@ -34,6 +34,7 @@
 
 #include "absl/status/status.h"
 #include "daemon/fallback.h"
+#include "daemon/histogram.h"
 #include "engram/v1/engram.pb.h"
 #include "net/peer_cred.h"
 
@@ -77,8 +78,11 @@ struct ReplicaInfo {
 struct ReplicaCounters {
   std::map<std::string, uint64_t> fallbacks_by_reason;  // since start
   uint64_t sessions_total = 0;
-  double register_seconds_sum = 0;
-  uint64_t register_count = 0;
+  // The seconds each replica reported for its registration (RegisterResult.seconds, failed ones too).
+  Histogram register_seconds;
+  // From a replica's grant to its registration report, as the daemon saw them: mapping the segment, waiting for a
+  // ticket and registering it (one observation per registration report).
+  Histogram attach_seconds;
 };
 
 class ReplicaRegistry {

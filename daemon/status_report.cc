@@ -1,6 +1,5 @@
 #include "daemon/status_report.h"
 
-#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -81,59 +80,6 @@ engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const Repli
   s.set_epoch(segments.epoch());
   s.set_daemon_version(ENGRAM_VERSION_STRING);
   return s;
-}
-
-std::string MetricsText(const engram::v1::StatusReply& s, const ReplicaCounters& counters) {
-  std::string out;
-  auto line = [&](const std::string& name, const std::string& labels, double v) {
-    absl::StrAppend(&out, name, labels.empty() ? "" : "{" + labels + "}", " ", absl::StrFormat("%.6g", v), "\n");
-  };
-  absl::StrAppend(&out, "# HELP engram_shm_bytes shm directory capacity.\n# TYPE engram_shm_bytes gauge\n");
-  line("engram_shm_bytes", "kind=\"total\"", static_cast<double>(s.shm().total_bytes()));
-  line("engram_shm_bytes", "kind=\"free\"", static_cast<double>(s.shm().free_bytes()));
-  line("engram_shm_bytes", "kind=\"engram\"", static_cast<double>(s.shm().engram_bytes()));
-  absl::StrAppend(&out,
-                  "# HELP engram_segment_bytes Size of each segment, by state.\n"
-                  "# TYPE engram_segment_bytes gauge\n");
-  std::map<std::string, int> by_state;
-  for (const auto& g : s.segments()) {
-    line("engram_segment_bytes",
-         absl::StrFormat("segment=\"%s\",state=\"%s\",origin=\"%s\"", g.name(), g.state(), g.origin()),
-         static_cast<double>(g.bytes()));
-    ++by_state[g.state()];
-  }
-  absl::StrAppend(&out, "# TYPE engram_segments gauge\n");
-  for (const auto& [st, n] : by_state) line("engram_segments", "state=\"" + st + "\"", n);
-  absl::StrAppend(&out,
-                  "# HELP engram_publish_gib_per_second Publish rate of each published segment.\n"
-                  "# TYPE engram_publish_gib_per_second gauge\n");
-  for (const auto& g : s.segments()) {
-    if (g.origin() == Name(SegmentOrigin::kPublished) && g.state() == Name(ServingState::kReady) &&
-        g.load_seconds() > 0) {
-      line("engram_publish_gib_per_second", "segment=\"" + g.name() + "\"",
-           g.bytes() / 1073741824.0 / g.load_seconds());
-    }
-  }
-  std::map<std::string, int> by_mode;
-  for (const auto& r : s.replicas()) ++by_mode[r.mode()];
-  absl::StrAppend(&out, "# HELP engram_replicas Attached replicas by mode.\n# TYPE engram_replicas gauge\n");
-  for (const char* m : {"SHARED", "PRIVATE_PINNED", "DEVICE", "DP_SHARDED"}) {
-    line("engram_replicas", absl::StrCat("mode=\"", m, "\""), by_mode[m]);
-  }
-  absl::StrAppend(&out,
-                  "# HELP engram_fallbacks_total Fallback decisions since start, by reason.\n"
-                  "# TYPE engram_fallbacks_total counter\n");
-  for (const auto& [reason, n] : counters.fallbacks_by_reason) {
-    line("engram_fallbacks_total", "reason=\"" + reason + "\"", static_cast<double>(n));
-  }
-  absl::StrAppend(&out, "# TYPE engram_sessions_total counter\n");
-  line("engram_sessions_total", "", static_cast<double>(counters.sessions_total));
-  absl::StrAppend(&out,
-                  "# HELP engram_register_seconds Registration time reported by replicas.\n"
-                  "# TYPE engram_register_seconds summary\n");
-  line("engram_register_seconds_sum", "", counters.register_seconds_sum);
-  line("engram_register_seconds_count", "", static_cast<double>(counters.register_count));
-  return out;
 }
 
 }  // namespace engram::daemon

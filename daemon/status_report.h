@@ -1,5 +1,5 @@
-// Status and metrics: the StatusReply engramctl shows (Status RPC) and the Prometheus text exposition written to
-// --metrics-file, both built from copies taken from the SegmentRegistry and the ReplicaRegistry (one registry
+// Status: the StatusReply engramctl shows (Status RPC; its Prometheus rendering is daemon/metrics_text.h), built from
+// copies taken from the SegmentRegistry and the ReplicaRegistry (one registry
 // lock at a time; the report itself holds none). The strings shown are the registries' Name()s: segment states
 // PENDING/LOADING/READY/FAILED/RETIRED, checksum states pending/verifying/ok/mismatch, origins published/adopted,
 // modes as the replicas reported them; a replica holding a registration ticket shows backend "registering".
@@ -25,8 +25,5 @@ inline constexpr size_t kMaxStatusReplicas = 1024;
 inline constexpr size_t kMaxStatusReplicaBytes = size_t{1} << 20;
 
 engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const ReplicaRegistry& replicas, bool draining);
-
-// Prometheus text of `status` plus the counters since start.
-std::string MetricsText(const engram::v1::StatusReply& status, const ReplicaCounters& counters);
 
 }  // namespace engram::daemon

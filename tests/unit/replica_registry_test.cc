@@ -150,7 +150,8 @@ TEST(ReplicaRegistryTest, OneTicketIsHandedOutFirstInFirstOut) {
   EXPECT_TRUE(wc.got());
   reg.ReportRegistration(c, ok);
   EXPECT_EQ(reg.tickets_free(), 1);
-  EXPECT_EQ(reg.Counters().register_count, 3u);
+  EXPECT_EQ(reg.Counters().register_seconds.count, 3u);
+  EXPECT_EQ(reg.Counters().attach_seconds.count, 3u) << "each report observes the grant-to-report time too";
 }
 
 TEST(ReplicaRegistryTest, TwoTicketsGoToTwoReplicasAtOnce) {
