@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <list>
@@ -74,6 +75,7 @@ struct MetricsHttpServer::Impl {
   MetricsHttpLimits limits;
   net::io_context io{1};
   tcp::acceptor acceptor{io};
+  net::steady_timer retry{io};
   tcp::endpoint bound;
   std::thread thread;
 
@@ -159,8 +161,16 @@ class MetricsHttpServer::Impl::Session : public std::enable_shared_from_this<Ses
 void MetricsHttpServer::Impl::Accept() {
   acceptor.async_accept([this](beast::error_code ec, tcp::socket socket) {
     if (ec == net::error::operation_aborted) return;  // stopping
-    if (!ec) Admit(std::move(socket));
-    Accept();  // an accept error (EMFILE, a connection reset) costs that one connection only
+    if (!ec) {
+      Admit(std::move(socket));
+      return Accept();
+    }
+    // An accept error (EMFILE, a reset connection) costs that connection only; pause a little so that one that
+    // persists does not spin the thread.
+    retry.expires_after(std::chrono::milliseconds(100));
+    retry.async_wait([this](beast::error_code wait_ec) {
+      if (!wait_ec) Accept();
+    });
   });
 }
 
@@ -212,11 +222,16 @@ MetricsHttpServer::~MetricsHttpServer() { Stop(); }
 
 void MetricsHttpServer::Stop() {
   if (!impl_->thread.joinable()) return;
-  // Pending handlers (and the sessions they own) are destroyed with the io_context, never run again.
-  impl_->io.stop();
+  // On the server's thread: stop accepting and close every connection; their handlers run once more (aborted), the
+  // sessions go, and run() returns for lack of work.
+  Impl* impl = impl_.get();
+  net::post(impl->io, [impl] {
+    beast::error_code ignored;
+    impl->acceptor.close(ignored);
+    impl->retry.cancel();
+    for (Impl::Session* s : impl->sessions) s->Close();
+  });
   impl_->thread.join();
-  beast::error_code ignored;
-  impl_->acceptor.close(ignored);
 }
 
 int MetricsHttpServer::port() const { return impl_->bound.port(); }
