@@ -155,5 +155,23 @@ TEST(OptionsTest, BadConfigFileLinesNameFileAndLine) {
   EXPECT_NE(ErrorOf(o).find(conf + ":3: tickets wants an integer >= 1, got '-2'"), std::string::npos) << ErrorOf(o);
 }
 
+TEST(OptionsTest, MetricsAddressFromFlagOrFileCheckedAtParse) {
+  auto off = Parse({"--checkpoint", "/ck"});
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_EQ(off->metrics_address, "") << "off unless asked for";
+  auto flag = Parse({"--checkpoint", "/ck", "--metrics-address", "127.0.0.1:9464"});
+  ASSERT_TRUE(flag.ok()) << flag.status();
+  EXPECT_EQ(flag->metrics_address, "127.0.0.1:9464");
+  Options o;
+  ASSERT_TRUE(ApplyConfigText("metrics_address = :9464\n", "f.conf", &o).ok());
+  EXPECT_EQ(o.metrics_address, ":9464");
+  ASSERT_TRUE(ApplyConfigText("metrics_address =\n", "f.conf", &o).ok()) << "empty turns it off";
+  EXPECT_EQ(o.metrics_address, "");
+  auto bad = ApplyConfigText("metrics_address = example.com:9464\n", "f.conf", &o);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("f.conf:1"), std::string::npos) << bad;
+  EXPECT_NE(ErrorOf(Parse({"--checkpoint", "/ck", "--metrics-address", "9464"})).find("no port"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace engram::daemon
