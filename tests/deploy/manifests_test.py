@@ -95,6 +95,18 @@ check({m["name"]: m for m in nc.get("volumeMounts", [])}.get("shm", {}).get("mou
       "node-shm: Bidirectional propagation (the mount reaches the host)")
 check(nshm["spec"]["template"]["spec"].get("nodeSelector") == pod.get("nodeSelector"),
       "node-shm runs on the nodes engramd runs on")
+# Prometheus metrics on by default: --metrics-address on all of the pod's interfaces at the port the container names
+# `metrics`, which the scrape annotations name too (docs/operations.md "Metrics").
+check("--metrics-address" in args, "engramd: --metrics-address given (metrics on by default)")
+if "--metrics-address" in args:
+    metrics_port = int(args[args.index("--metrics-address") + 1].rsplit(":", 1)[1])
+    ports = {p.get("name"): p for p in c.get("ports", [])}
+    check(ports.get("metrics", {}).get("containerPort") == metrics_port,
+          f"engramd: a container port named metrics at {metrics_port} ({c.get('ports')})")
+    notes = ds["spec"]["template"]["metadata"].get("annotations", {})
+    check(notes.get("prometheus.io/scrape") == "true" and notes.get("prometheus.io/port") == str(metrics_port),
+          f"engramd: scrape annotations name port {metrics_port} ({notes})")
+    check(metrics_port not in (9100, 9400), "engramd: the metrics port is not node_exporter's or DCGM exporter's")
 probe = c.get("readinessProbe", {}).get("exec", {}).get("command", [])
 check(len(probe) >= 2 and probe[0].endswith("engramctl") and probe[1] == "ready"
       and "/run/engramd/engramd.sock" in probe, f"engramd: readinessProbe runs `engramctl ready` ({probe})")

@@ -72,6 +72,11 @@ TEST(SystemdTest, UnitKeepsSharedMemoryShared) {
             std::string::npos);
   // The tmpfs comes up root's; engramd (User=engram) gets its root before every start, whatever ran before.
   EXPECT_EQ(one("ExecStartPre"), "+/usr/bin/install -d -o engram -g engram -m 0750 /var/lib/engram/shm");
+  // Prometheus metrics on by default (docs/operations.md "Metrics"): the shipped config serves them on 9464 and the
+  // unit lets the daemon open a TCP socket.
+  EXPECT_NE(testing::ReadFile(SourcePath("etc/engramd.conf")).find("\nmetrics_address = 0.0.0.0:9464\n"),
+            std::string::npos);
+  EXPECT_NE(one("RestrictAddressFamilies").find("AF_INET"), std::string::npos);
 }
 
 TEST(SystemdTest, SystemdAnalyzeVerifiesTheUnits) {
@@ -101,6 +106,8 @@ TEST(SystemdTest, ExecStartReachesReadyThroughNotifySocketAndReloads) {
   conf = Replace(conf, "shm_dir = /var/lib/engram/shm", "shm_dir = " + (dir / "shm"));
   conf = Replace(conf, "socket = /run/engramd/engramd.sock", "socket = " + (dir / "run/engramd.sock"));
   conf = Replace(conf, "group = engram", "group = root");
+  // The shipped config serves metrics on 9464; the test's daemon on a port the kernel picks.
+  conf = Replace(conf, "\nmetrics_address = 0.0.0.0:9464\n", "\nmetrics_address = 127.0.0.1:0\n");
   testing::WriteFile(dir / "engramd.conf", conf);
   auto keys = UnitKeys(testing::ReadFile(SourcePath("systemd/engramd.service")));
   std::string exec = keys.find("ExecStart")->second;
@@ -122,6 +129,7 @@ TEST(SystemdTest, ExecStartReachesReadyThroughNotifySocketAndReloads) {
   EXPECT_EQ(st.st_mode & 0777, 0660u);
   ASSERT_EQ(::stat((dir / "run").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0750u);
+  EXPECT_NE(p.Output().find("event=metrics_listening address=127.0.0.1:"), std::string::npos) << p.Output();
   // ExecReload: SIGHUP re-reads the config.
   notify.Clear();
   p.Signal(SIGHUP);
