@@ -12,7 +12,7 @@
 
 namespace engram::daemon {
 
-inline constexpr std::array<double, 14> kSecondsBounds = {0.01, 0.05, 0.1, 0.25, 0.5, 1,  2.5,
+inline constexpr std::array<double, 14> kSecondsBounds = {0.01, 0.05, 0.1, 0.25, 0.5, 1,   2.5,
                                                           5,    10,   20,  40,   80,  160, 320};
 
 struct Histogram {

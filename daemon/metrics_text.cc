@@ -130,10 +130,10 @@ std::string MetricsText(const engram::v1::StatusReply& s, const ReplicaCounters&
   w.Int("engram_sessions_total", "", counters.sessions_total);
 
   w.Seconds("engram_register_seconds", "Registration time reported by replicas (failed registrations too).",
-              counters.register_seconds);
+            counters.register_seconds);
   w.Seconds("engram_attach_seconds",
-              "Seconds from a replica's grant to its registration report (mapping, ticket wait, registration).",
-              counters.attach_seconds);
+            "Seconds from a replica's grant to its registration report (mapping, ticket wait, registration).",
+            counters.attach_seconds);
   return w.Take();
 }
 

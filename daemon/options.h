@@ -46,7 +46,7 @@ struct Options {
   std::string metrics_file;  // Prometheus text format, rewritten every 2 s (node_exporter textfile collector)
   // HTTP /metrics for Prometheus (daemon/metrics_http.h), "" = off; validated by ParseMetricsAddress.
   std::string metrics_address;
-  std::string config_file;   // where the file values came from ("" when none)
+  std::string config_file;  // where the file values came from ("" when none)
 };
 
 absl::StatusOr<Options> ParseOptions(int argc, char** argv);

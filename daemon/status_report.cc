@@ -1,6 +1,5 @@
 #include "daemon/status_report.h"
 
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "engram/version.h"

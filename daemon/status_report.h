@@ -1,6 +1,6 @@
-// Status: the StatusReply engramctl shows (Status RPC; its Prometheus rendering is daemon/metrics_text.h), built from
-// copies taken from the SegmentRegistry and the ReplicaRegistry (one registry
-// lock at a time; the report itself holds none). The strings shown are the registries' Name()s: segment states
+// Status: the StatusReply engramctl shows (Status RPC; its Prometheus rendering is daemon/metrics_text.h), built
+// from copies taken from the SegmentRegistry and the ReplicaRegistry (one registry lock at a time; the report itself
+// holds none). The strings shown are the registries' Name()s: segment states
 // PENDING/LOADING/READY/FAILED/RETIRED, checksum states pending/verifying/ok/mismatch, origins published/adopted,
 // modes as the replicas reported them; a replica holding a registration ticket shows backend "registering".
 // recent_fallbacks also carries the last failed loads/reloads (`load_failed dir=... detail=...`) and, when the

@@ -104,8 +104,8 @@ class TcpConnection {
 inline HttpResponse HttpRequest(int port, const std::string& method, const std::string& path,
                                 const std::string& extra_headers = "") {
   TcpConnection c(port);
-  if (!c.ok() || !c.Send(method + " " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" +
-                         extra_headers + "\r\n")) {
+  if (!c.ok() ||
+      !c.Send(method + " " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" + extra_headers + "\r\n")) {
     return {};
   }
   return c.Read(method == "HEAD");

@@ -57,8 +57,8 @@ std::string Value(int port, const std::string& sample) {
 
 int RunAttach(const TempDir& dir, const Daemon& d, const std::string& ckpt, const std::string& shm,
               const std::vector<std::string>& extra, const std::string& log) {
-  std::vector<std::string> argv = {testing::BinPath("engramctl"), "attach", "--socket",  d.socket(),
-                                   "--checkpoint",                ckpt,     "--shm-dir", shm};
+  std::vector<std::string> argv = {
+      testing::BinPath("engramctl"), "attach", "--socket", d.socket(), "--checkpoint", ckpt, "--shm-dir", shm};
   argv.insert(argv.end(), extra.begin(), extra.end());
   Process p(argv, dir / log);
   return p.Wait(std::chrono::milliseconds(60000));
@@ -95,12 +95,13 @@ TEST(MetricsEndpointTest, ScrapesTheFamiliesAndTheyMove) {
         return !fk.empty() && fk == hk;
       },
       std::chrono::seconds(20)))
-      << testing::ReadFile(file) << "\n---\n" << Scrape(port);
+      << testing::ReadFile(file) << "\n---\n"
+      << Scrape(port);
 
   // A replica that attaches and reports its registration (mlock stands in for CUDA's; a failed one is reported too).
   EXPECT_EQ(RunAttach(dir, d, ckpt, shm, {"--ticket"}, "attach.log"), 0) << testing::ReadFile(dir / "attach.log");
-  EXPECT_TRUE(testing::WaitFor([&] { return Value(port, "engram_register_seconds_count") == "1"; },
-                               std::chrono::seconds(20)))
+  EXPECT_TRUE(
+      testing::WaitFor([&] { return Value(port, "engram_register_seconds_count") == "1"; }, std::chrono::seconds(20)))
       << Scrape(port);
   EXPECT_EQ(Value(port, "engram_attach_seconds_count"), "1");
   EXPECT_EQ(Value(port, "engram_attach_seconds_bucket{le=\"+Inf\"}"), "1");

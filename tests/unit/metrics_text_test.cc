@@ -86,7 +86,7 @@ TEST(MetricsTextTest, FamiliesValuesAndLabels) {
 TEST(MetricsTextTest, HistogramsAreCumulative) {
   ReplicaCounters c;
   for (double v : {0.003, 0.2, 0.2, 3.0, 1e6}) c.register_seconds.Observe(v);
-  c.register_seconds.Observe(-1);                             // ignored
+  c.register_seconds.Observe(-1);                                        // ignored
   c.register_seconds.Observe(std::numeric_limits<double>::quiet_NaN());  // ignored
   c.attach_seconds.Observe(1);
   const Parsed p = Parse(MetricsText(engram::v1::StatusReply(), c));
