@@ -82,6 +82,7 @@ ClientEnvironment ParseClientEnvironment(const std::function<const char*(const c
   e.dp_graph_max_slot = r.Int("ENGRAM_DP_GRAPH_MAX_SLOT");
   e.dp_nccl_blocking = r.Int("ENGRAM_DP_NCCL_BLOCKING");
   e.dp_a2a = r.Text("ENGRAM_DP_A2A");
+  e.dp_group = r.Text("ENGRAM_DP_GROUP");
   e.vllm_ple_cpu_offload = r.Flag("VLLM_PLE_CPU_OFFLOAD");
   const std::optional<int64_t> share = r.Int("NCCL_COMM_SPLIT_SHARE_RESOURCES");
   e.nccl_split_shares_resources = share.has_value() && *share != 0;

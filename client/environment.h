@@ -49,6 +49,9 @@ struct ClientEnvironment {
   std::optional<int64_t> dp_graph_max_slot;   // ENGRAM_DP_GRAPH_MAX_SLOT
   std::optional<int64_t> dp_nccl_blocking;    // ENGRAM_DP_NCCL_BLOCKING
   std::string dp_a2a;                         // ENGRAM_DP_A2A: auto | sequential | pipelined | graph
+  // ENGRAM_DP_GROUP: the deployment's name in its DP group's key ([A-Za-z0-9._-], at most 128 bytes), so two
+  // deployments of one checkpoint on a node form separate groups; every replica of a deployment gives the same one.
+  std::string dp_group;
   // Variables of the engines and libraries we work with, read for their meaning to us.
   std::optional<bool> vllm_ple_cpu_offload;  // VLLM_PLE_CPU_OFFLOAD (vLLM's: 0/false/no/off = false)
   bool nccl_split_shares_resources = false;  // NCCL_COMM_SPLIT_SHARE_RESOURCES != 0 (NCCL's)

@@ -64,9 +64,11 @@ absl::Status GroupRegistry::Join(const std::string& lease_id, const engram::v1::
         absl::StrFormat("group join: rendezvous is %d bytes; the rank-0 member must give 1..%d bytes",
                         join.rendezvous().size(), kMaxRendezvousBytes));
   }
+  // The key scopes a group to its uid (another uid's sessions can neither take nor squat it) and to the deployment's
+  // name (two deployments of one checkpoint on a node, ENGRAM_DP_GROUP); edp: one size a group.
   const std::string key =
-      absl::StrFormat("%s%016x/tp%dof%d/dp%d/e%d/g%d", join.name().empty() ? "" : join.name() + "/", h.fingerprint(),
-                      h.tp_rank(), h.tp_size(), h.dp_size(), edp, index);  // edp: one size a group
+      absl::StrFormat("%su%d/%016x/tp%dof%d/dp%d/e%d/g%d", join.name().empty() ? "" : join.name() + "/", peer.uid,
+                      h.fingerprint(), h.tp_rank(), h.tp_size(), h.dp_size(), edp, index);
 
   Outbox out;
   {
@@ -99,8 +101,11 @@ absl::Status GroupRegistry::Join(const std::string& lease_id, const engram::v1::
     }
     Group& g = it->second;
     if (g.status.state() != "FORMING") {
-      return absl::FailedPreconditionError(absl::StrCat("group join: group ", key, " is ", g.status.state(),
-                                                        ": no member joins a group that already formed"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("group join: group ", key, " is ", g.status.state(),
+                       ": no member joins a group that already formed (a second deployment of this "
+                       "checkpoint with the same DP layout on this node as this uid "
+                       "needs its own DP group name: ENGRAM_DP_GROUP=<name>)"));
     }
     // A group is one uid's: another uid (another tenant admitted by --group) may not take a rank in it, break it
     // while it forms, or name its exchange region.
@@ -115,8 +120,11 @@ absl::Status GroupRegistry::Join(const std::string& lease_id, const engram::v1::
     }
     for (const auto& m : g.members) {
       if (m.info.edp_rank() == edp_rank) {
-        return absl::AlreadyExistsError(
-            absl::StrFormat("group join: edp rank %d of group %s is taken by pid %d", edp_rank, key, m.peer.pid));
+        return absl::AlreadyExistsError(absl::StrFormat(
+            "group join: edp rank %d of group %s is taken by pid %d (dp rank %d): another deployment of this "
+            "checkpoint with the same DP layout runs on this node as this uid; give each deployment its own DP group "
+            "name (ENGRAM_DP_GROUP=<name> in each of its replicas)",
+            edp_rank, key, m.peer.pid, m.info.dp_rank()));
       }
     }
     Member m;

@@ -58,7 +58,8 @@ class GroupRegistry {
 
   // A session's join. InvalidArgument for malformed fields, FailedPrecondition for a join this session may not
   // make (no embedding_across_dp, group of one, joined already, another transport), AlreadyExists when the edp rank
-  // is taken in the group. On success the member is recorded; the last member's join forms the group.
+  // is taken in the group or the group under its key formed already (another deployment of the checkpoint: the
+  // message names ENGRAM_DP_GROUP). On success the member is recorded; the last member's join forms the group.
   absl::Status Join(const std::string& lease_id, const engram::v1::Hello& hello, const PeerCred& peer,
                     const engram::v1::GroupJoin& join, Notify notify);
   // The session ended: a forming group forgets the member, a formed one breaks and tells the others.

@@ -12,9 +12,12 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "net/posix_acl.h"
 #include "net/unix_socket.h"
 #include "spdlog/spdlog.h"
 
@@ -50,7 +53,31 @@ absl::Status UdsListener::SetGroups(const std::string& group, const std::string&
       }
     }
   }
+  ShareWithAdmins();
   return absl::OkStatus();
+}
+
+void UdsListener::ShareWithAdmins() {
+  const int admin = admin_gid_, group = group_gid_;
+  const bool grant = admin >= 0 && admin != group;
+  std::vector<std::string> paths = {path_};
+  // The socket's directory too, where it is the daemon's own (made here or by the service manager for it).
+  const std::string dir = path_.substr(0, path_.rfind('/'));
+  struct stat st {};
+  if (!dir.empty() && ::stat(dir.c_str(), &st) == 0 && st.st_uid == ::geteuid()) paths.insert(paths.begin(), dir);
+  for (const std::string& p : paths) {
+    const absl::Status s = grant ? net::GrantGroup(p, static_cast<gid_t>(admin)) : net::ClearAcl(p);
+    if (s.ok()) continue;
+    if (grant) {
+      spdlog::warn(
+          "event=admin_access_failed path={} detail=\"{}\": members of admin_group connect only if they are also "
+          "in group",
+          p, std::string(s.message()));
+    } else {
+      spdlog::warn("event=admin_access_failed path={} detail=\"{}\"", p, std::string(s.message()));
+    }
+  }
+  if (grant) spdlog::info("event=admin_access gid={} paths={}", admin, paths.size());
 }
 
 absl::Status UdsListener::Bind(const std::string& path, const std::string& group, const std::string& admin_group) {
@@ -70,6 +97,7 @@ absl::Status UdsListener::Bind(const std::string& path, const std::string& group
   ASSIGN_OR_RETURN(net::Listening l, net::ListenUnix(path, {.backlog = 256, .mode = 0660, .gid = group_gid_}));
   if (!l.warning.empty()) spdlog::warn("event=chown_failed detail=\"{}\"", l.warning);
   fd_ = l.fd;
+  ShareWithAdmins();
   return absl::OkStatus();
 }
 

@@ -1,7 +1,9 @@
 // UdsListener: the daemon's Unix socket. It owns the listening socket (directory 0750, socket 0660, group
-// configurable), refuses to start when another engramd answers on the same path, accepts connections itself so
-// that it can read each peer's real uid/gid/pid (SO_PEERCRED), and hands the connected fd to the gRPC server.
-// The service maps a call back to its peer through ServerContext::peer() ("fd:N").
+// configurable; an `--admin-group` other than `--group` is added to the socket and to a directory the daemon owns as
+// a POSIX ACL entry with the group's access, so an operator only in the admin group can connect), refuses to start when
+// another engramd answers on the same path, accepts connections itself so that it can read each peer's real uid/gid/pid
+// (SO_PEERCRED), and hands the connected fd to the gRPC server. The service maps a call back to its peer through
+// ServerContext::peer() ("fd:N").
 //
 // Authorisation happens here, for every service on the socket (engram, health, reflection): each connection is
 // handed on with `allowed` (Allowed(peer)); main() gives the refused ones to a server whose only service answers
@@ -50,6 +52,10 @@ class UdsListener {
   static absl::Status CheckGroups(const std::string& group, const std::string& admin_group);
 
  private:
+  // Grants the admin group the socket (and the daemon's own socket directory) by ACL, or clears the ACL when there
+  // is no separate admin group; a failure is a warning naming the path (the operators then need --group too).
+  void ShareWithAdmins();
+
   std::string path_;
   int fd_ = -1;
   std::atomic<int> group_gid_{-1};

@@ -38,7 +38,7 @@ void SegmentRegistry::PublishLoop() {
     std::shared_ptr<const Checkpoint> ckpt;
     std::shared_ptr<const Layout> layout;
     std::shared_ptr<const TokenMap> map;
-    uint64_t serial = 0;
+    uint64_t serial = 0, generation = 0;
     std::shared_ptr<std::atomic<uint64_t>> progress;
     uint64_t bytes = 0;
     std::string path;
@@ -57,6 +57,7 @@ void SegmentRegistry::PublishLoop() {
       layout = it->second->layout;
       map = it->second->map;
       serial = it->second->serial;
+      generation = e->generation;
       progress = e->rows_done;
       progress->store(0);
       bytes = e->bytes;
@@ -86,6 +87,8 @@ void SegmentRegistry::PublishLoop() {
       }
       e->state = ServingState::kLoading;
       e->origin = SegmentOrigin::kPublished;
+      e->error.clear();  // a failure of an earlier try is not this one's
+      e->too_small = false;
     }
     spdlog::info("event=publish_start path={} bytes={} threads={}", path, bytes, threads_);
     auto r = Publish(*ckpt, *layout, *map, key.first, key.second, shm_dir_, instance_id_, epoch_.load(), threads_,
@@ -93,14 +96,19 @@ void SegmentRegistry::PublishLoop() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       // Unloaded (and maybe loaded again) while publishing: Unload/Load unlinked the file already, nothing to record.
-      Segment* e = FindLocked(dir, key, serial);
+      Segment* e = FindLocked(dir, key, serial, generation);
       if (e == nullptr) {
-        // Its shard was unloaded (or dropped by a reload) meanwhile: the file just made is nobody's.
-        if (r.ok()) RetireFileLocked(path);
-        spdlog::info("event=publish_discarded path={}: the shard was unloaded meanwhile", path);
+        // Its shard was unloaded (or dropped by a reload) meanwhile: the file just made is nobody's. When the shard
+        // is served again under the same name, its own publish replaces the file (it may be writing it now).
+        const bool planned_again = FindLocked(dir, key) != nullptr;
+        if (r.ok() && !planned_again) RetireFileLocked(path);
+        spdlog::info("event=publish_discarded path={}: the shard was {} meanwhile", path,
+                     planned_again ? "dropped and served again" : "unloaded");
       } else if (r.ok()) {
         e->descriptor = ReadDescriptor(path, env_);
         e->state = ServingState::kReady;
+        e->error.clear();
+        e->too_small = false;
         e->load_seconds = r->seconds;
         e->checksum = ChecksumState::kOk;
         spdlog::info(

@@ -67,19 +67,20 @@ void SegmentRegistry::RetireFileLocked(const std::string& path) const {
 void SegmentRegistry::VerifyAdopted(const std::string& dir, Key key) {
   std::string path;
   std::shared_ptr<std::atomic<uint64_t>> progress;
-  uint64_t serial = 0;
+  uint64_t serial = 0, generation = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     Segment* e = FindLocked(dir, key);
     if (e == nullptr) return;
     serial = checkpoints_.at(dir)->serial;
+    generation = e->generation;
     path = e->path;
     progress = e->rows_done;
   }
   absl::Status st = VerifyChecksums(path, std::max(1, threads_ / 2), progress.get());
   {
     std::lock_guard<std::mutex> lock(mu_);
-    Segment* e = FindLocked(dir, key, serial);
+    Segment* e = FindLocked(dir, key, serial, generation);
     if (e == nullptr) return;
     e->checksum = st.ok() ? ChecksumState::kOk : ChecksumState::kMismatch;
     if (!st.ok()) {

@@ -120,6 +120,7 @@ void SegmentRegistry::PlanShardsLocked(ServedCheckpoint& c, int64_t tp) const {
     for (auto& l : *desc.mutable_layers()) l.set_checksum(~uint64_t{0});
     e.bytes = SegmentFileBytes(desc.ByteSizeLong(), static_cast<uint64_t>(shard->bytes(c.layout->record_bytes())));
     e.rows_total = static_cast<uint64_t>(shard->rows());
+    e.generation = next_generation_++;
     c.segments[{tp, r}] = e;
   }
 }
@@ -203,11 +204,13 @@ absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
   return absl::OkStatus();
 }
 
-SegmentRegistry::Segment* SegmentRegistry::FindLocked(const std::string& dir, Key key, uint64_t serial) {
+SegmentRegistry::Segment* SegmentRegistry::FindLocked(const std::string& dir, Key key, uint64_t serial,
+                                                      uint64_t generation) {
   auto it = checkpoints_.find(dir);
   if (it == checkpoints_.end() || (serial != 0 && it->second->serial != serial)) return nullptr;
   auto s = it->second->segments.find(key);
-  return s == it->second->segments.end() ? nullptr : &s->second;
+  if (s == it->second->segments.end()) return nullptr;
+  return generation != 0 && s->second.generation != generation ? nullptr : &s->second;
 }
 
 absl::StatusOr<ShardOffer> SegmentRegistry::Offer(const engram::v1::Hello& h, const std::function<bool()>& cancelled,

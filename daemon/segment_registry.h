@@ -167,6 +167,9 @@ class SegmentRegistry {
     std::string error;
     bool too_small = false;
     std::shared_ptr<const engram::v1::SegmentDescriptor> descriptor;  // as stored in the segment (READY only)
+    // Distinguishes this plan of the shard from an earlier one of the same key (a TP size dropped and served
+    // again): a publish or a verification started for an earlier plan records nothing in this one.
+    uint64_t generation = 0;
   };
   struct ServedCheckpoint {
     std::string dir;
@@ -190,8 +193,9 @@ class SegmentRegistry {
   void ScanShmDirLocked();
   void PublishLoop();
   void VerifyAdopted(const std::string& dir, Key key);
-  // The segment (dir, key) if its checkpoint is still served (and, when `serial` is not 0, is that load of it).
-  Segment* FindLocked(const std::string& dir, Key key, uint64_t serial = 0);
+  // The segment (dir, key) if its checkpoint is still served (and, when `serial` is not 0, is that load of it; when
+  // `generation` is not 0, that plan of the shard).
+  Segment* FindLocked(const std::string& dir, Key key, uint64_t serial = 0, uint64_t generation = 0);
 
   const std::string shm_dir_;
   const int threads_;
@@ -207,6 +211,7 @@ class SegmentRegistry {
   std::map<std::string, std::unique_ptr<ServedCheckpoint>> checkpoints_;
   std::deque<std::pair<std::string, Key>> publish_queue_;
   uint64_t next_serial_ = 1;
+  mutable uint64_t next_generation_ = 1;  // under mu_; PlanShardsLocked hands them out
   bool stopping_ = false;
   std::vector<std::thread> workers_;
 };

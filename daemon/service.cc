@@ -243,8 +243,9 @@ grpc::Status EngramService::Session(
             result = ToGrpc(st);
             break;
           }
-          // Its edp rank is another member's: answered on the session, which goes on with its lease (the member
-          // learns why, not only that its session ended; it may join again with the right rank).
+          // Its place is taken (its edp rank, or the whole group formed already): answered on the session, which goes
+          // on with its lease (the member learns why, not only that its session ended; it may join again with the right
+          // rank).
           engram::v1::ServerMessage reply;
           auto* u = reply.mutable_group_update();
           u->set_state(engram::v1::GroupUpdate::BROKEN);

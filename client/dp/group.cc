@@ -35,7 +35,9 @@ absl::StatusOr<std::unique_ptr<DpGroup>> DpGroup::Join(Session& session, const G
     }
     state->cv.notify_all();
   };
-  ASSIGN_OR_RETURN(const uint64_t join_id, session.JoinGroup(join, on_update));
+  GroupJoinRequest named = join;
+  if (named.name.empty()) named.name = Environment().dp_group;  // the deployment's name, when the operator gave one
+  ASSIGN_OR_RETURN(const uint64_t join_id, session.JoinGroup(named, on_update));
   std::unique_lock<std::mutex> lock(state->mu);
   if (!state->cv.wait_for(lock, timeout, [&] { return state->formed || state->broken.load(); })) {
     lock.unlock();

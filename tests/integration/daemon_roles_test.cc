@@ -177,5 +177,56 @@ TEST(DaemonRolesTest, ReloadWithoutAdminGroupTakesTheOperatorCallsAway) {
       << d.Log();
 }
 
+// An operator who is only in admin_group (not in group) connects: the socket carries an ACL entry for the admin
+// group. Removing admin_group on SIGHUP takes the entry away, so that user can no longer connect at all, while an
+// engine of group still can.
+TEST(DaemonRolesTest, AnOperatorOnlyInTheAdminGroupConnects) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: setpriv runs the operator as another uid";
+  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  const std::string admins = SomeOtherGroup();
+  if (admins.empty()) GTEST_SKIP() << "no group on this system to stand for the operators' group";
+  const struct group* g = ::getgrnam(admins.c_str());
+  ASSERT_NE(g, nullptr);
+  const std::string admin_gid = std::to_string(g->gr_gid);
+  const std::string operator_only = "setpriv --reuid=65533 --regid=" + admin_gid + " --groups=" + admin_gid + " ";
+  const std::string engine = "setpriv --reuid=65533 --regid=65534 --groups=65534 ";
+  TempDir dir;
+  ::chmod(dir.path().c_str(), 0755);
+  const std::string shm = MakeShm(dir);
+  const std::string a = MakeCheckpoint(dir, 8, "a", 1);
+  const std::string conf = dir / "engramd.conf";
+  const std::string base = "checkpoint = " + a + "\nshm_dir = " + shm + "\ngroup = nogroup\n";
+  testing::WriteFile(conf, base + "admin_group = " + admins + "\n");
+  Daemon d(dir, {"--config", conf});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  if (d.Log().find("keeps no ACLs") != std::string::npos) {
+    GTEST_SKIP() << "the test directory's filesystem keeps no POSIX ACLs: " << d.Log();
+  }
+  EXPECT_NE(d.Log().find("event=admin_access gid=" + admin_gid), std::string::npos) << d.Log();
+  const std::string status = BinPath("engramctl") + " status --socket " + d.socket();
+  auto as_operator = RunCmd(operator_only + status);
+  EXPECT_EQ(as_operator.exit_code, 0) << as_operator.out << as_operator.err;
+  const std::string load_missing =
+      BinPath("engramctl") + " load --socket " + d.socket() + " --checkpoint " + (dir / "missing");
+  auto load = RunCmd(operator_only + load_missing);
+  EXPECT_EQ(load.exit_code, 1) << "the operator's load runs (and fails: no such checkpoint): " << load.err;
+  EXPECT_EQ(load.err.find("permission denied"), std::string::npos) << load.err;
+  EXPECT_EQ(load.err.find("may attach but not"), std::string::npos) << load.err;
+  // The socket's mode is as before: the ACL adds the admin group, nothing else.
+  struct stat st {};
+  ASSERT_EQ(::stat(d.socket().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+  EXPECT_EQ(RunCmd("setpriv --reuid=65533 --regid=65533 --groups=65533 " + status).exit_code, 4)
+      << "a user in neither group still cannot connect";
+
+  testing::WriteFile(conf, base);
+  ASSERT_TRUE(Reload(d)) << d.Log();
+  auto after = RunCmd(operator_only + status);
+  EXPECT_EQ(after.exit_code, 4) << after.out << after.err;
+  EXPECT_NE(after.err.find("permission denied on"), std::string::npos) << after.err;
+  auto engine_status = RunCmd(engine + status);
+  EXPECT_EQ(engine_status.exit_code, 0) << engine_status.out << engine_status.err;
+}
+
 }  // namespace
 }  // namespace engram

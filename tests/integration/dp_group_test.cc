@@ -683,6 +683,44 @@ TEST_F(DpLifecycleTest, AMemberThatGivesUpFormingEndsTheOthersWait) {
   EXPECT_TRUE(daemon_->proc().Running());
 }
 
+// Two deployments of one checkpoint with one DP layout on a node, as one uid: the second, unnamed, is refused with
+// a message that names ENGRAM_DP_GROUP; named, it forms a group of its own beside the first, which goes on.
+TEST_F(DpLifecycleTest, TwoDeploymentsOfOneCheckpointFormSeparateGroupsByName) {
+  auto holding = [](Process& p) {
+    return WaitFor([&] { return p.Output().find("\"holding\"") != std::string::npos; }, std::chrono::seconds(60));
+  };
+  Process a0 = Member(2, 0, 4, "engine hold", "deploy-a0.log");
+  Process a1 = Member(2, 1, 4, "engine hold", "deploy-a1.log");
+  ASSERT_TRUE(holding(a0)) << a0.Output();
+  ASSERT_TRUE(holding(a1)) << a1.Output();
+  ASSERT_NE(a0.Output().find("\"engine\":\"ok\""), std::string::npos) << a0.Output();
+
+  Process b0 = Member(2, 0, 4, "engine hold", "deploy-b0.log");
+  ASSERT_TRUE(holding(b0)) << b0.Output();
+  json refused = testing::JsonLines(b0.Output()).at(0);
+  ASSERT_TRUE(refused.contains("engine_error")) << b0.Output();
+  EXPECT_NE(refused["engine_error"].get<std::string>().find("ENGRAM_DP_GROUP"), std::string::npos) << refused.dump();
+  b0.Signal(SIGKILL);
+  (void)b0.Wait();
+
+  Process c0 = Member(2, 0, 4, "engine hold", "deploy-c0.log", {"ENGRAM_DP_GROUP=second"});
+  Process c1 = Member(2, 1, 4, "engine hold", "deploy-c1.log", {"ENGRAM_DP_GROUP=second"});
+  ASSERT_TRUE(holding(c0)) << c0.Output();
+  ASSERT_TRUE(holding(c1)) << c1.Output();
+  EXPECT_NE(c0.Output().find("\"engine\":\"ok\""), std::string::npos) << c0.Output();
+  int formed = 0, named = 0;
+  for (const auto& g : Groups()) {
+    if (g["state"] != "FORMED") continue;
+    ++formed;
+    named += g["group"].get<std::string>().rfind("second/", 0) == 0;
+  }
+  EXPECT_EQ(formed, 2) << Groups().dump();
+  EXPECT_EQ(named, 1) << Groups().dump();
+  for (Process* p : {&a0, &a1, &c0, &c1}) p->Signal(SIGKILL);
+  for (Process* p : {&a0, &a1, &c0, &c1}) (void)p->Wait();
+  EXPECT_TRUE(daemon_->proc().Running());
+}
+
 // Rank 0 SIGKILLed while its group forms (it has sent the region's name): nothing of it in /dev/shm.
 TEST_F(DpLifecycleTest, Rank0KilledWhileTheGroupFormsLeavesNoRegion) {
   Process r0 = EnvReplica(2, 0, "--tokens 4 --batches 1 --verify 0", "forming0.log", {});

@@ -3,7 +3,6 @@
 // that hold the HTTP port open do not stop the daemon's gRPC side (engramctl status) nor other scrapes.
 #include <map>
 #include <memory>
-#include <regex>
 #include <set>
 #include <sstream>
 #include <string>
@@ -27,12 +26,13 @@ using testing::TempDir;
 
 // The port the daemon logged (`event=metrics_listening address=127.0.0.1:PORT`); 0 when it did not.
 int MetricsPort(const Daemon& d) {
-  if (!d.WaitLog("event=metrics_listening address=127.0.0.1:")) return 0;
-  std::smatch m;
+  const std::string marker = "event=metrics_listening address=127.0.0.1:";
+  if (!d.WaitLog(marker)) return 0;
   const std::string log = d.Log();
-  return std::regex_search(log, m, std::regex("event=metrics_listening address=127\\.0\\.0\\.1:([0-9]+)"))
-             ? std::stoi(m[1])
-             : 0;
+  size_t at = log.find(marker) + marker.size();
+  int port = 0;
+  for (; at < log.size() && log[at] >= '0' && log[at] <= '9'; ++at) port = port * 10 + (log[at] - '0');
+  return port;
 }
 
 // Sample lines: "name{labels}" -> value.

@@ -48,6 +48,7 @@ TEST(ClientEnvironment, TypedFields) {
                                     {"ENGRAM_HOST_GATHER_ISSUE_MIN_ROWS", "2048"},
                                     {"ENGRAM_DP_STEP_TIMEOUT_MS", "1500"},
                                     {"ENGRAM_DP_A2A", "graph"},
+                                    {"ENGRAM_DP_GROUP", "deployment-b"},
                                     {"VLLM_PLE_CPU_OFFLOAD", "Off"},
                                     {"NCCL_COMM_SPLIT_SHARE_RESOURCES", "1"}});
   EXPECT_EQ(e.lookup_path, "host");
@@ -58,6 +59,7 @@ TEST(ClientEnvironment, TypedFields) {
   EXPECT_EQ(e.host_gather_issue_min_rows, 2048);
   EXPECT_EQ(e.dp_step_timeout_ms, 1500);
   EXPECT_EQ(e.dp_a2a, "graph");
+  EXPECT_EQ(e.dp_group, "deployment-b");
   EXPECT_EQ(e.vllm_ple_cpu_offload, false);
   EXPECT_TRUE(e.nccl_split_shares_resources);
 }

@@ -161,6 +161,46 @@ TEST(GroupRegistryTest, ALeaveBreaksAFormingGroupButASessionEndOnlyForgetsTheMem
   EXPECT_EQ(groups[0].left_pid(), 102);
 }
 
+// Two deployments of one checkpoint with one DP layout on a node: another uid's always forms its own group (it can
+// neither take nor squat the first's key); the same uid's needs its own name (ENGRAM_DP_GROUP), and without one is
+// refused with a message that says so.
+TEST(GroupRegistryTest, DeploymentsAreScopedByUidAndName) {
+  GroupRegistry r;
+  Inbox a, b, c, d, e, f, g;
+  ASSERT_TRUE(r.Join("lease-a", MakeHello(0), PeerCred(100, 1, 1), MakeJoin(0), a.notify()).ok());
+  // Another uid at the same ranks: a group of its own, forming beside the first.
+  ASSERT_TRUE(r.Join("lease-c", MakeHello(0), PeerCred(200, 2, 2), MakeJoin(0), c.notify()).ok());
+  ASSERT_TRUE(r.Join("lease-d", MakeHello(1), PeerCred(201, 2, 2), MakeJoin(1), d.notify()).ok());
+  ASSERT_TRUE(r.Join("lease-b", MakeHello(1), PeerCred(101, 1, 1), MakeJoin(1), b.notify()).ok());
+  ASSERT_EQ(a.all().size(), 1u);
+  ASSERT_EQ(c.all().size(), 1u);
+  EXPECT_EQ(a.all()[0].state(), GroupUpdate::FORMED);
+  EXPECT_EQ(c.all()[0].state(), GroupUpdate::FORMED);
+  EXPECT_NE(a.all()[0].group(), c.all()[0].group());
+  EXPECT_NE(a.all()[0].group().find("u1/"), std::string::npos) << a.all()[0].group();
+  // The same uid again, unnamed: the message names the way out.
+  const absl::Status clash = r.Join("lease-e", MakeHello(0), PeerCred(102, 1, 1), MakeJoin(0), e.notify());
+  EXPECT_EQ(clash.code(), absl::StatusCode::kAlreadyExists) << clash;
+  EXPECT_NE(clash.message().find("ENGRAM_DP_GROUP"), std::string::npos) << clash;
+  // A forming group's rank taken by another deployment of the uid.
+  GroupRegistry r2;
+  Inbox a2, e2;
+  ASSERT_TRUE(r2.Join("lease-a", MakeHello(0), PeerCred(100, 1, 1), MakeJoin(0), a2.notify()).ok());
+  const absl::Status taken = r2.Join("lease-e", MakeHello(0), PeerCred(102, 1, 1), MakeJoin(0), e2.notify());
+  EXPECT_EQ(taken.code(), absl::StatusCode::kAlreadyExists) << taken;
+  EXPECT_NE(taken.message().find("ENGRAM_DP_GROUP"), std::string::npos) << taken;
+  EXPECT_NE(taken.message().find("pid 100 (dp rank 0)"), std::string::npos) << taken;
+  // Named: its own group.
+  auto named0 = MakeJoin(0), named1 = MakeJoin(1);
+  named0.set_name("second");
+  named1.set_name("second");
+  ASSERT_TRUE(r.Join("lease-f", MakeHello(0), PeerCred(103, 1, 1), named0, f.notify()).ok());
+  ASSERT_TRUE(r.Join("lease-g", MakeHello(1), PeerCred(104, 1, 1), named1, g.notify()).ok());
+  ASSERT_EQ(f.all().size(), 1u);
+  EXPECT_EQ(f.all()[0].state(), GroupUpdate::FORMED);
+  EXPECT_EQ(f.all()[0].group().rfind("second/u1/", 0), 0u) << f.all()[0].group();
+}
+
 TEST(GroupRegistryTest, RefusedLeavesChangeNothing) {
   GroupRegistry r;
   Inbox a, b, c;

@@ -6,8 +6,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <filesystem>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -150,6 +152,63 @@ TEST_F(SegmentRegistryTest, NoSpaceDuringAPublishIsShmTooSmall) {
   const Decision d = Decide(HelloFor(fp1_, 1, 0), offer->node);
   ASSERT_FALSE(d.share);
   EXPECT_EQ(d.reasons.at(0).code(), engram::v1::SHM_TOO_SMALL);
+}
+
+// A TP size dropped and served again while its shard publishes: the publish of the dropped plan records nothing in
+// the new one (here it fails, ENOSPC), and the new plan's own publish makes it READY with no error left over.
+class GatedFallocateEnv : public PosixEnv {
+ public:
+  int PosixFallocate(int fd, off_t offset, off_t len) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!armed_) return PosixEnv::PosixFallocate(fd, offset, len);
+    armed_ = false;
+    blocked_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return released_; });
+    return ENOSPC;
+  }
+  void Arm() {
+    std::lock_guard<std::mutex> lock(mu_);
+    armed_ = true;
+  }
+  void WaitBlocked() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return blocked_; });
+  }
+  void Release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool armed_ = false, blocked_ = false, released_ = false;
+};
+
+TEST_F(SegmentRegistryTest, ATpSizeServedAgainDuringItsPublishShowsOnlyItsOwnOutcome) {
+  GatedFallocateEnv env;
+  SegmentRegistry reg(shm_->path(), 2, 7, &env);
+  ASSERT_TRUE(reg.Start({ck1_}, {1}).ok());
+  ASSERT_EQ(Settled(reg).size(), 1u);
+  env.Arm();
+  ASSERT_TRUE(reg.Reconfigure({ck1_}, {1, 2}).ok());
+  env.WaitBlocked();  // TP 2 rank 0's publish is in its reservation
+  ASSERT_TRUE(reg.Reconfigure({ck1_}, {1}).ok());
+  ASSERT_TRUE(reg.Reconfigure({ck1_}, {1, 2}).ok());
+  env.Release();  // the dropped plan's publish fails now
+  const auto segs = Settled(reg);
+  ASSERT_EQ(segs.size(), 3u);
+  for (const auto& s : segs) {
+    EXPECT_EQ(Name(s.state), "READY") << s.name << " " << s.error;
+    EXPECT_EQ(s.error, "") << s.name << ": an earlier plan's failure is not this segment's";
+    EXPECT_TRUE(Exists(s.path)) << s.path;
+  }
+  auto offer = reg.Offer(HelloFor(fp1_, 2, 0), kNever, kNever);
+  ASSERT_TRUE(offer.ok()) << offer.status();
+  EXPECT_TRUE(offer->ready);
+  EXPECT_FALSE(offer->node.shm_too_small);
 }
 
 TEST_F(SegmentRegistryTest, RestartAdoptsVerifiesRetiresAndRemovesDebris) {

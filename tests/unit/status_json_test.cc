@@ -7,7 +7,6 @@
 
 #include <fstream>
 #include <map>
-#include <regex>
 #include <sstream>
 #include <string>
 
@@ -32,17 +31,36 @@ std::map<std::string, std::string> DocumentedFields(const std::string& doc) {
   std::istringstream in(doc);
   std::string line, object;
   bool in_fields = false;
-  const std::regex heading(R"(^### (?:`([^`]+)`|\(top level\))\s*$)");
-  const std::regex row(R"(^\| `([a-z0-9_]+)` \| ([a-z ]+) \|)");
-  std::smatch m;
   while (std::getline(in, line)) {
     if (line == "## Fields") in_fields = true;
     if (!in_fields) continue;
-    if (std::regex_match(line, m, heading)) {
-      object = m[1].matched ? m[1].str() + "." : "";
-    } else if (std::regex_search(line, m, row)) {
-      out[object + m[1].str()] = m[2].str();
+    if (line.rfind("### ", 0) == 0) {
+      std::string title = line.substr(4);
+      while (!title.empty() && title.back() == ' ') title.pop_back();
+      if (title == "(top level)") {
+        object = "";
+      } else if (title.size() > 2 && title.front() == '`' && title.back() == '`') {
+        object = title.substr(1, title.size() - 2) + ".";
+      }
+      continue;
     }
+    // "| `name` | type |": name of [a-z0-9_], type of [a-z ].
+    if (line.rfind("| `", 0) != 0) continue;
+    const size_t name_end = line.find("` | ", 3);
+    if (name_end == std::string::npos) continue;
+    const std::string name = line.substr(3, name_end - 3);
+    const size_t type_end = line.find(" |", name_end + 4);
+    if (type_end == std::string::npos) continue;
+    const std::string type = line.substr(name_end + 4, type_end - name_end - 4);
+    auto only = [](const std::string& text, auto allowed) {
+      if (text.empty()) return false;
+      for (char c : text)
+        if (!allowed(c)) return false;
+      return true;
+    };
+    if (!only(name, [](char c) { return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_'; })) continue;
+    if (!only(type, [](char c) { return (c >= 'a' && c <= 'z') || c == ' '; })) continue;
+    out[object + name] = type;
   }
   return out;
 }
