@@ -28,6 +28,7 @@ std::string_view FaultPointName(FaultPoint p) {
     case FaultPoint::kDpGiveUpBeforeMapping: return "dp_give_up_before_mapping";
     case FaultPoint::kDpPeerOpen: return "dp_peer_open";
     case FaultPoint::kPrivateTableMemory: return "private_table_memory";
+    case FaultPoint::kCpuStaging: return "cpu_staging";
   }
   return "unknown";
 }

@@ -8,6 +8,8 @@
 //   kDpPeerOpen                    a GPU DP member cannot map the other members' memory (peer path refused)
 //   kPrivateTableMemory            the memory free for a private table (`arg`: the bytes it needs) reads as half
 //                                  of what it needs (as in a small cgroup)
+//   kCpuStaging                    the CPU engine's staging buffer of layer `arg` cannot be allocated (as if the
+//                                  process ran out of memory)
 //
 // With no hook installed every query is false and costs one relaxed atomic load. SetFaultHook is meant for the
 // start of a process or test, before the library runs; Fault() is thread-safe.
@@ -24,11 +26,12 @@ enum class FaultPoint {
   kDpRank0DiesAfterRegion,
   kDpGiveUpBeforeMapping,
   kDpPeerOpen,
-  kPrivateTableMemory
+  kPrivateTableMemory,
+  kCpuStaging
 };
 
 // "register_chunk", "dp_rank0_dies_after_region", "dp_give_up_before_mapping", "dp_peer_open",
-// "private_table_memory".
+// "private_table_memory", "cpu_staging".
 std::string_view FaultPointName(FaultPoint p);
 
 using FaultHook = std::function<bool(FaultPoint point, int64_t arg)>;

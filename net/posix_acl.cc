@@ -19,10 +19,10 @@ constexpr char kAccessAcl[] = "system.posix_acl_access";
 
 // One entry as the kernel reads it: little-endian tag, permission bits (rwx = 4/2/1) and id.
 void Put(std::string* out, uint16_t tag, uint16_t perm, uint32_t id) {
-  const uint8_t bytes[8] = {static_cast<uint8_t>(tag),        static_cast<uint8_t>(tag >> 8),
-                            static_cast<uint8_t>(perm),       static_cast<uint8_t>(perm >> 8),
-                            static_cast<uint8_t>(id),         static_cast<uint8_t>(id >> 8),
-                            static_cast<uint8_t>(id >> 16),   static_cast<uint8_t>(id >> 24)};
+  const uint8_t bytes[8] = {static_cast<uint8_t>(tag),      static_cast<uint8_t>(tag >> 8),
+                            static_cast<uint8_t>(perm),     static_cast<uint8_t>(perm >> 8),
+                            static_cast<uint8_t>(id),       static_cast<uint8_t>(id >> 8),
+                            static_cast<uint8_t>(id >> 16), static_cast<uint8_t>(id >> 24)};
   out->append(reinterpret_cast<const char*>(bytes), sizeof(bytes));
 }
 

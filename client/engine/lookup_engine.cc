@@ -1,10 +1,12 @@
 #include "engram/lookup_engine.h"
 
+#include <new>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "client/dp/engine.h"
+#include "client/fault_points.h"
 #include "model/reference.h"
 
 #ifdef ENGRAM_HAVE_CUDA
@@ -99,7 +101,7 @@ class CpuEngine final : public LookupEngine {
   absl::Status Prefetch(const int32_t* hash_ids, int32_t T) override {
     const int L = static_cast<int>(t_.layers().size());
     if (hash_ids == nullptr && T > 0) return absl::InvalidArgumentError("prefetch: null hash ids");
-    AllocateStaging();
+    RETURN_IF_ERROR(AllocateStaging());
     for (int l = 0; l < L; ++l) {
       RETURN_IF_ERROR(Lookup(l, hash_ids + static_cast<int64_t>(l) * t_.n_cols(), T, L * t_.n_cols(),
                              staging_[static_cast<size_t>(l)].data(), false));
@@ -111,17 +113,30 @@ class CpuEngine final : public LookupEngine {
     return absl::OkStatus();
   }
   uint16_t* staging(int l) const override {
-    const_cast<CpuEngine*>(this)->AllocateStaging();
+    if (!const_cast<CpuEngine*>(this)->AllocateStaging().ok()) return nullptr;
     return l < 0 || l >= static_cast<int>(staging_.size())
                ? nullptr
                : const_cast<uint16_t*>(staging_[static_cast<size_t>(l)].data());
   }
 
  private:
-  void AllocateStaging() {
-    if (!staging_.empty()) return;
-    staging_.resize(t_.layers().size());
-    for (auto& s : staging_) s.resize(static_cast<size_t>(max_tokens_) * t_.n_cols() * t_.head_dim());
+  // Every layer's buffer or none: a failure part way leaves the engine as it was (the next call tries again).
+  absl::Status AllocateStaging() {
+    if (!staging_.empty()) return absl::OkStatus();
+    const size_t per_layer = static_cast<size_t>(max_tokens_) * t_.n_cols() * t_.head_dim();
+    std::vector<std::vector<uint16_t>> made(t_.layers().size());
+    try {
+      for (size_t l = 0; l < made.size(); ++l) {
+        if (Fault(FaultPoint::kCpuStaging, static_cast<int64_t>(l))) throw std::bad_alloc();
+        made[l].resize(per_layer);
+      }
+    } catch (const std::bad_alloc&) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("prefetch: the staging buffers (", made.size(), " layers of ", per_layer * sizeof(uint16_t),
+                       " bytes, for max_tokens ", max_tokens_, ") could not be allocated; the engine is unchanged"));
+    }
+    staging_ = std::move(made);
+    return absl::OkStatus();
   }
   absl::Status CheckTokens(int32_t T) const {
     if (T < 0 || T > max_tokens_) {

@@ -106,6 +106,9 @@ class LookupEngine {
   }
   // The path the last Prefetch took (kAuto before the first, and on the CPU backend).
   virtual LookupPath last_lookup_path() const { return LookupPath::kAuto; }
+  // Layer l's staging buffer; null for a layer out of range, an engine made without staging, or (CPU backend,
+  // allocated on first use) staging memory that could not be allocated: Prefetch then says so (ResourceExhausted)
+  // and the engine stays usable.
   virtual uint16_t* staging(int l) const = 0;
   // What the base LookupInto checks against (engines that keep the default implementation say it).
   virtual const Table* table_for_checks() const { return nullptr; }

@@ -6,6 +6,7 @@
 
 #include <random>
 
+#include "client/fault_points.h"
 #include "engram/client.h"
 #include "engram/lookup_engine.h"
 #include "gtest/gtest.h"
@@ -124,6 +125,54 @@ TEST(LookupEngineTest, CpuBackendRunsTheSameCallsAsTheGpu) {
   bad[3] = static_cast<int32_t>(t.token_map().raw_size());
   EXPECT_FALSE((*engine)->Hash(bad.data(), pos.data(), qsl.data(), nullptr, nullptr, T, 2, ids.data()).ok());
   EXPECT_FALSE(client::LookupEngine::Create(t, 0).ok());
+}
+
+// The CPU engine's staging, allocated on the first Prefetch, failing part way (layer 1 of its buffers): Prefetch
+// says so and the engine is unchanged; once memory is there again, the next Prefetch works and its rows are right.
+TEST(LookupEngineTest, AStagingAllocationThatFailsLeavesTheEngineWhole) {
+  testing::TempDir dir;
+  tools::SyntheticSpec spec;
+  spec.out_dir = dir / "ck";
+  spec.table_mib = 4;
+  ASSERT_TRUE(tools::WriteSyntheticCheckpoint(spec).ok());
+  client::ClientOptions opts;
+  opts.socket = dir / "none.sock";
+  opts.timeout = std::chrono::milliseconds(100);
+  opts.use_gpu = false;
+  auto c = client::Client::Create(opts);
+  ASSERT_TRUE(c.ok()) << c.status();
+  client::AttachRequest req;
+  req.checkpoint = spec.out_dir;
+  auto table = (*c)->Attach(req);
+  ASSERT_TRUE(table.ok()) << table.status();
+  const auto& t = **table;
+  const int T = 8, L = static_cast<int>(t.layers().size()), C = static_cast<int>(t.n_cols());
+  ASSERT_GE(L, 2) << "the fault is at the second layer's buffer";
+  auto engine = client::LookupEngine::Create(t, T);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<int32_t> tokens(T), qsl = {0, T}, ids(static_cast<size_t>(T * L * C), -9);
+  std::vector<int64_t> pos(T);
+  for (int i = 0; i < T; ++i) {
+    tokens[i] = static_cast<int32_t>(rng() % static_cast<uint64_t>(t.token_map().raw_size()));
+    pos[i] = i;
+  }
+  ASSERT_TRUE((*engine)->Hash(tokens.data(), pos.data(), qsl.data(), nullptr, nullptr, T, 1, ids.data()).ok());
+  client::SetFaultHook(
+      [](client::FaultPoint p, int64_t arg) { return p == client::FaultPoint::kCpuStaging && arg == 1; });
+  const absl::Status failed = (*engine)->Prefetch(ids.data(), T);
+  EXPECT_EQ(failed.code(), absl::StatusCode::kResourceExhausted) << failed;
+  EXPECT_NE(failed.message().find("could not be allocated"), std::string::npos) << failed;
+  EXPECT_EQ((*engine)->staging(0), nullptr) << "no buffer of a half-made staging is handed out";
+  client::SetFaultHook(nullptr);
+  ASSERT_TRUE((*engine)->Prefetch(ids.data(), T).ok());
+  const int64_t D = t.head_dim();
+  for (int l = 0; l < L; ++l) {
+    ASSERT_NE((*engine)->staging(l), nullptr) << "layer " << l;
+    std::vector<uint16_t> want(static_cast<size_t>(T * C * D), 0xFFFF);
+    ASSERT_TRUE((*engine)->Lookup(l, ids.data() + l * C, T, L * C, want.data(), false).ok());
+    EXPECT_TRUE(std::equal(want.begin(), want.end(), (*engine)->staging(l))) << "prefetched layer " << l;
+  }
 }
 
 TEST(LookupEngineTest, PleCheckpointsAreRefusedHonestly) {
