@@ -61,10 +61,15 @@ void UdsListener::ShareWithAdmins() {
   const int admin = admin_gid_, group = group_gid_;
   const bool grant = admin >= 0 && admin != group;
   std::vector<std::string> paths = {path_};
-  // The socket's directory too, where it is the daemon's own (made here or by the service manager for it).
+  // The socket's directory too, where it is the daemon's own (made here or by the service manager for it) and open
+  // to its group.
   const std::string dir = path_.substr(0, path_.rfind('/'));
   struct stat st {};
-  if (!dir.empty() && ::stat(dir.c_str(), &st) == 0 && st.st_uid == ::geteuid()) paths.insert(paths.begin(), dir);
+  // A directory its group cannot enter stays as it is: an entry copying the group's (absent) access would deny the
+  // admin group what "other" may later be given.
+  if (!dir.empty() && ::stat(dir.c_str(), &st) == 0 && st.st_uid == ::geteuid() && (st.st_mode & 0070) != 0) {
+    paths.insert(paths.begin(), dir);
+  }
   for (const std::string& p : paths) {
     const absl::Status s = grant ? net::GrantGroup(p, static_cast<gid_t>(admin)) : net::ClearAcl(p);
     if (s.ok()) continue;

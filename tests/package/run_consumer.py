@@ -64,6 +64,8 @@ def main():
     ap.add_argument("--build", required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--cmake", default="cmake")
+    # A sanitized build's library needs its runtime first in the process: the consumer is built with it too.
+    ap.add_argument("--sanitize", default="")
     a = ap.parse_args()
     work = pathlib.Path(a.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -81,7 +83,9 @@ def main():
     build = work / "build"
     env = dict(os.environ)
     run([a.cmake, "-S", HERE / "consumer", "-B", build, "-G", "Ninja", f"-DCMAKE_PREFIX_PATH={prefix}",
-         f"-DENGRAM_SNIPPETS_DIR={work / 'snippets'}", "-DCMAKE_BUILD_TYPE=Debug"], env=env)
+         f"-DENGRAM_SNIPPETS_DIR={work / 'snippets'}", "-DCMAKE_BUILD_TYPE=Debug"]
+        + ([f"-DCMAKE_CXX_FLAGS=-fsanitize={a.sanitize}", f"-DCMAKE_C_FLAGS=-fsanitize={a.sanitize}",
+            f"-DCMAKE_EXE_LINKER_FLAGS=-fsanitize={a.sanitize}"] if a.sanitize else []), env=env)
     run([a.cmake, "--build", build], env=env)
     print(run([build / "consumer"]).strip())
     print(run([build / "consumer_c"]).strip())
