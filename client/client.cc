@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
+#include "base/utf8.h"
 #include "client/dp/plan.h"
 #include "client/environment.h"
 #include "client/fault_points.h"
@@ -123,7 +124,9 @@ std::unique_ptr<TableImpl> ShareGranted(Session& session, const ClientOptions& o
                                        "next to the gRPC socket), or give this replica the daemon's shm directory")});
       return nullptr;
     }
-    if (table.ok()) Log().warn("engram: event=attach_by_path path={} detail=\"{}\"", path, no_descriptor);
+    if (table.ok())
+      Log().warn("engram: event=attach_by_path path={} detail={}", engram::LogValue(path),
+                 engram::LogQuoted(no_descriptor));
   }
   if (!table.ok()) {
     reasons->push_back({ReasonCode::kFingerprintMismatch, std::string(table.status().message())});
@@ -280,8 +283,9 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
         BackendName(table->backend()), AttachMethodName(table->attach_method()), segment, times.total, times.populate,
         times.ticket, table->register_seconds());
   } else {
-    Log().warn("engram: event=fallback mode={} backend={} reasons={} detail=\"{}\"", ModeName(table->mode()),
-               BackendName(table->backend()), ReasonCodes(table->reasons()), ReasonList(table->reasons()));
+    Log().warn("engram: event=fallback mode={} backend={} reasons={} detail={}", ModeName(table->mode()),
+               BackendName(table->backend()), ReasonCodes(table->reasons()),
+               engram::LogQuoted(ReasonList(table->reasons())));
   }
   return std::unique_ptr<Table>(std::move(table));
 }

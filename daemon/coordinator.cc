@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
+#include "base/utf8.h"
 #include "daemon/fallback.h"
 #include "daemon/metrics_text.h"
 #include "daemon/publisher.h"
@@ -148,7 +149,8 @@ absl::Status Coordinator::Load(const std::string& dir, const std::vector<int64_t
   absl::Status st = segments_.Load(dir, tp_sizes.empty() ? options().tp_sizes : tp_sizes);
   if (!st.ok()) {
     const std::string detail(st.message());
-    spdlog::error("event=load_failed dir={} detail=\"{}\"", EchoOf(dir, 512), EchoOf(detail, 1024));
+    spdlog::error("event=load_failed dir={} detail={}", engram::LogValue(EchoOf(dir, 512)),
+                  engram::LogQuoted(EchoOf(detail, 1024)));
     segments_.RecordLoadFailure("load", dir, detail);
   }
   return st;
@@ -202,9 +204,11 @@ absl::Status Coordinator::Reload(const Options& opts) {
   auto line = [](const char* key, bool changed, const std::string& value, const char* refused) {
     if (!changed) return;
     if (refused == nullptr) {
-      spdlog::info("event=reload key={} applied value=\"{}\"", key, Bounded(value, 256));
+      spdlog::info("event=reload key={} applied value={}", engram::LogValue(key),
+                   engram::LogQuoted(Bounded(value, 256)));
     } else {
-      spdlog::warn("event=reload key={} refused reason=\"{}\" value=\"{}\"", key, refused, Bounded(value, 256));
+      spdlog::warn("event=reload key={} refused reason={} value={}", engram::LogValue(key), engram::LogQuoted(refused),
+                   engram::LogQuoted(Bounded(value, 256)));
     }
   };
   constexpr const char* kRestart = "takes effect at the next start of engramd";
@@ -217,7 +221,13 @@ absl::Status Coordinator::Reload(const Options& opts) {
   line("max_sessions", before.max_sessions != opts.max_sessions, std::to_string(opts.max_sessions), nullptr);
   line("max_sessions_per_uid", before.max_sessions_per_uid != opts.max_sessions_per_uid,
        std::to_string(opts.max_sessions_per_uid), nullptr);
+  line("ticket_hold_ms", before.ticket_hold_ms != opts.ticket_hold_ms, std::to_string(opts.ticket_hold_ms), nullptr);
+  line("max_streams_per_uid", before.max_streams_per_uid != opts.max_streams_per_uid,
+       std::to_string(opts.max_streams_per_uid), nullptr);
+  line("max_connections_per_uid", before.max_connections_per_uid != opts.max_connections_per_uid,
+       std::to_string(opts.max_connections_per_uid), nullptr);
   line("log_level", before.log_level != opts.log_level, opts.log_level, nullptr);
+  line("reflection", before.reflection != opts.reflection, opts.reflection ? "on" : "off", kRestart);
   line("shm_dir", before.shm_dir != opts.shm_dir, opts.shm_dir, kRestart);
   line("socket", before.socket != opts.socket, opts.socket, kRestart);
   line("threads", before.threads != opts.threads, std::to_string(opts.threads), kRestart);
@@ -229,6 +239,8 @@ absl::Status Coordinator::Reload(const Options& opts) {
     opts_.admin_group = opts.admin_group;
     opts_.max_sessions = opts.max_sessions;
     opts_.max_sessions_per_uid = opts.max_sessions_per_uid;
+    opts_.max_streams_per_uid = opts.max_streams_per_uid;
+    opts_.max_connections_per_uid = opts.max_connections_per_uid;
     opts_.log_level = opts.log_level;
   }
   spdlog::info("event=reload added={} removed={} tp={} tp_changed={} revised={} retired={} tickets={}",

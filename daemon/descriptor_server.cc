@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "base/status_macros.h"
+#include "base/utf8.h"
 #include "net/unix_socket.h"
 #include "shm/descriptor_protocol.h"
 #include "spdlog/spdlog.h"
@@ -67,7 +68,7 @@ absl::Status DescriptorChannel::Bind(const std::string& grpc_socket, int gid) {
   // The gRPC listener already made sure no other engramd serves this directory; what is left here is stale.
   ASSIGN_OR_RETURN(net::Listening l,
                    net::ListenUnix(path, {.backlog = 128, .nonblocking = true, .mode = 0660, .gid = gid}));
-  if (!l.warning.empty()) spdlog::warn("event=chown_failed detail=\"{}\"", l.warning);
+  if (!l.warning.empty()) spdlog::warn("event=chown_failed detail={}", engram::LogQuoted(l.warning));
   const int fd = l.fd;
   std::lock_guard<std::mutex> lock(mu_);
   path_ = path;
@@ -229,8 +230,8 @@ void DescriptorChannel::Serve() {
             }
             ::close(*fd);
           } else {
-            spdlog::warn("event=descriptor_refused pid={} uid={} detail=\"{}\"", c.peer.pid, c.peer.uid,
-                         std::string(fd.status().message()));
+            spdlog::warn("event=descriptor_refused pid={} uid={} detail={}", c.peer.pid, c.peer.uid,
+                         engram::LogQuoted(std::string(fd.status().message())));
             finish(c, absl::StrCat("ERR ", fd.status().message(), "\n"), -1);
           }
           continue;
@@ -274,8 +275,8 @@ void DescriptorChannel::Serve() {
         net::SendWithDescriptor(s, refusal, -1);
         ::close(s);
         if (peer) {
-          spdlog::warn("event=descriptor_refused pid={} uid={} detail=\"{}\"", peer->pid, peer->uid,
-                       std::string(refusal + 4, std::strlen(refusal) - 5));
+          spdlog::warn("event=descriptor_refused pid={} uid={} detail={}", peer->pid, peer->uid,
+                       engram::LogQuoted(std::string(refusal + 4, std::strlen(refusal) - 5)));
         }
         continue;
       }

@@ -142,8 +142,8 @@ absl::Status GroupRegistry::Join(const std::string& lease_id, const engram::v1::
     g.members.push_back(std::move(m));
     lease_group_[lease_id] = key;
     RefreshStatus(g);
-    spdlog::info("event=group_join group={} pid={} dp_rank={} edp_rank={} members={}/{}", key, peer.pid, h.dp_rank(),
-                 edp_rank, g.members.size(), edp);
+    spdlog::info("event=group_join group={} pid={} dp_rank={} edp_rank={} members={}/{}", engram::LogValue(key),
+                 peer.pid, h.dp_rank(), edp_rank, g.members.size(), edp);
     if (static_cast<int32_t>(g.members.size()) == edp) FormLocked(g, &out);
   }
   Send(out);
@@ -191,12 +191,12 @@ void GroupRegistry::RetireLocked(std::map<std::string, Group>::iterator it) {
     } else if (!S_ISREG(st.st_mode) || st.st_uid != group_uid) {
       spdlog::warn(
           "event=group_region_kept group={} region={} owner_uid={} group_uid={}: not the group's, left in place",
-          it->first, g.rendezvous, st.st_uid, group_uid);
+          engram::LogValue(it->first), g.rendezvous, st.st_uid, group_uid);
     } else if (env_->ShmUnlink(g.rendezvous.c_str()) == 0) {
-      spdlog::info("event=group_region_removed group={} region={}", it->first, g.rendezvous);
+      spdlog::info("event=group_region_removed group={} region={}", engram::LogValue(it->first), g.rendezvous);
     } else if (errno != ENOENT) {
-      spdlog::warn("event=group_region_left group={} region={} errno={}: remove it by hand", it->first, g.rendezvous,
-                   errno);
+      spdlog::warn("event=group_region_left group={} region={} errno={}: remove it by hand",
+                   engram::LogValue(it->first), g.rendezvous, errno);
     }
   }
   history_.push_front(it->second.status);
@@ -230,8 +230,9 @@ void GroupRegistry::FormLocked(Group& g, Outbox* out) {
   *u->mutable_members() = g.status.members();
   u->set_generation(g.generation);
   for (auto& m : g.members) Enqueue(g, m, msg, out);
-  spdlog::info("event=group_formed group={} size={} slot={} transport={} bytes_per_step={}", g.status.group(),
-               g.members.size(), g.status.slot(), g.status.transport(), g.status.bytes_per_step());
+  spdlog::info("event=group_formed group={} size={} slot={} transport={} bytes_per_step={}",
+               engram::LogValue(g.status.group()), g.members.size(), g.status.slot(), g.status.transport(),
+               g.status.bytes_per_step());
 }
 
 void GroupRegistry::DepartLocked(const std::string& key, const std::string& lease_id, const std::string& reason,
@@ -290,8 +291,9 @@ void GroupRegistry::DepartLocked(const std::string& key, const std::string& leas
     for (auto& m : g.members) {
       if (!m.info.left()) Enqueue(g, m, msg, out);
     }
-    spdlog::warn("event=group_broken group={} left_pid={} left_dp_rank={} cause_pid={} reason=\"{}\"", key,
-                 gone.peer.pid, gone.info.dp_rank(), culprit.peer.pid, reason);
+    spdlog::warn("event=group_broken group={} left_pid={} left_dp_rank={} cause_pid={} reason={}",
+                 engram::LogValue(key), gone.peer.pid, gone.info.dp_rank(), culprit.peer.pid,
+                 engram::LogQuoted(reason));
   }
   if (std::all_of(g.members.begin(), g.members.end(), [](const Member& m) { return m.info.left(); })) RetireLocked(it);
 }
@@ -346,7 +348,8 @@ absl::StatusOr<engram::v1::GroupLeft> GroupRegistry::LeaveGroup(const std::strin
     }
     left.set_group(key);
     left.set_generation(g.generation);
-    spdlog::info("event=group_leave group={} lease={} reason=\"{}\"", key, lease_id, reason);
+    spdlog::info("event=group_leave group={} lease={} reason={}", engram::LogValue(key), lease_id,
+                 engram::LogQuoted(reason));
     if (leave.stalled_edp_ranks_size() > g.status.size()) {
       return absl::InvalidArgumentError(absl::StrFormat("group leave: %d stalled members named in a group of %d",
                                                         leave.stalled_edp_ranks_size(), g.status.size()));

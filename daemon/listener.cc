@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "base/utf8.h"
 #include "net/posix_acl.h"
 #include "net/unix_socket.h"
 #include "spdlog/spdlog.h"
@@ -49,7 +50,7 @@ absl::Status UdsListener::SetGroups(const std::string& group, const std::string&
     const gid_t file_gid = gid >= 0 ? static_cast<gid_t>(gid) : ::getegid();
     for (const std::string& p : {path_, path_ + ".fds"}) {
       if (::chown(p.c_str(), static_cast<uid_t>(-1), file_gid) != 0) {
-        spdlog::warn("event=chown_failed path={} errno={}", p, errno);
+        spdlog::warn("event=chown_failed path={} errno={}", engram::LogValue(p), errno);
       }
     }
   }
@@ -75,11 +76,12 @@ void UdsListener::ShareWithAdmins() {
     if (s.ok()) continue;
     if (grant) {
       spdlog::warn(
-          "event=admin_access_failed path={} detail=\"{}\": members of admin_group connect only if they are also "
+          "event=admin_access_failed path={} detail={}: members of admin_group connect only if they are also "
           "in group",
-          p, std::string(s.message()));
+          engram::LogValue(p), engram::LogQuoted(std::string(s.message())));
     } else {
-      spdlog::warn("event=admin_access_failed path={} detail=\"{}\"", p, std::string(s.message()));
+      spdlog::warn("event=admin_access_failed path={} detail={}", engram::LogValue(p),
+                   engram::LogQuoted(std::string(s.message())));
     }
   }
   if (grant) spdlog::info("event=admin_access gid={} paths={}", admin, paths.size());
@@ -93,14 +95,14 @@ absl::Status UdsListener::Bind(const std::string& path, const std::string& group
   const std::string dir = path.substr(0, path.rfind('/'));
   if (!dir.empty() && ::mkdir(dir.c_str(), 0750) == 0 && group_gid_ >= 0) {
     if (::chown(dir.c_str(), static_cast<uid_t>(-1), static_cast<gid_t>(group_gid_)) != 0) {
-      spdlog::warn("event=chown_failed path={} errno={}", dir, errno);
+      spdlog::warn("event=chown_failed path={} errno={}", engram::LogValue(dir), errno);
     }
   }
   if (net::SomeoneListens(path)) {
     return absl::AlreadyExistsError(absl::StrCat("another engramd is already serving ", path));
   }
   ASSIGN_OR_RETURN(net::Listening l, net::ListenUnix(path, {.backlog = 256, .mode = 0660, .gid = group_gid_}));
-  if (!l.warning.empty()) spdlog::warn("event=chown_failed detail=\"{}\"", l.warning);
+  if (!l.warning.empty()) spdlog::warn("event=chown_failed detail={}", engram::LogQuoted(l.warning));
   fd_ = l.fd;
   ShareWithAdmins();
   return absl::OkStatus();
@@ -119,9 +121,9 @@ void UdsListener::Start(std::function<void(int, bool)> on_connection) {
           // The pending connection stays in the backlog, so poll would wake at once: wait instead of spinning.
           if (backoff_ms == 0) {
             spdlog::warn(
-                "event=accept_backoff errno={} detail=\"{}\": new connections wait, established ones are "
+                "event=accept_backoff errno={} detail={}: new connections wait, established ones are "
                 "served",
-                err, std::strerror(err));
+                err, engram::LogQuoted(std::strerror(err)));
           }
           backoff_ms = backoff_ms == 0 ? 50 : std::min(backoff_ms * 2, 400);
           for (int waited = 0; waited < backoff_ms && !stop_; waited += 10) {
@@ -140,9 +142,10 @@ void UdsListener::Start(std::function<void(int, bool)> on_connection) {
         continue;
       }
       const PeerCred peer = *read;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        peers_[c] = peer;
+      struct stat st {};
+      if (::fstat(c, &st) != 0 || !Admit(c, peer, st.st_dev, st.st_ino)) {
+        ::close(c);
+        continue;
       }
       const bool allowed = Allowed(peer);
       if (!allowed) spdlog::warn("event=refused pid={} uid={} reason=PERMISSION_DENIED", peer.pid, peer.uid);
@@ -171,7 +174,62 @@ std::optional<PeerCred> UdsListener::PeerOf(const std::string& grpc_peer) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = peers_.find(fd);
   if (it == peers_.end()) return std::nullopt;
-  return it->second;
+  return it->second.peer;
+}
+
+int UdsListener::ConnectionsOf(uint32_t uid) {
+  std::lock_guard<std::mutex> lock(mu_);
+  SweepLocked();
+  auto it = per_uid_.find(uid);
+  return it == per_uid_.end() ? 0 : it->second;
+}
+
+void UdsListener::SweepLocked() {
+  swept_ = std::chrono::steady_clock::now();
+  for (auto it = peers_.begin(); it != peers_.end();) {
+    struct stat st {};
+    if (::fstat(it->first, &st) == 0 && static_cast<uint64_t>(st.st_dev) == it->second.dev &&
+        static_cast<uint64_t>(st.st_ino) == it->second.ino) {
+      ++it;
+      continue;
+    }
+    if (--per_uid_[it->second.peer.uid] <= 0) per_uid_.erase(it->second.peer.uid);
+    it = peers_.erase(it);
+  }
+}
+
+bool UdsListener::Admit(int fd, const PeerCred& peer, uint64_t dev, uint64_t ino) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // An fd number gRPC closed and the kernel gave out again: the old entry is gone.
+  if (auto old = peers_.find(fd); old != peers_.end()) {
+    if (--per_uid_[old->second.peer.uid] <= 0) per_uid_.erase(old->second.peer.uid);
+    peers_.erase(old);
+  }
+  const bool exempt = peer.uid == 0 || peer.uid == ::geteuid();
+  const int cap = max_per_uid_;
+  auto count = [&] {
+    auto it = per_uid_.find(peer.uid);
+    return it == per_uid_.end() ? 0 : it->second;
+  };
+  const auto now = std::chrono::steady_clock::now();
+  if (!exempt && count() >= cap && now - swept_ >= std::chrono::milliseconds(50)) SweepLocked();
+  if (!exempt && count() >= cap) {
+    Refusals& r = refusals_[peer.uid];
+    ++r.since;
+    if (now - r.logged >= std::chrono::seconds(1)) {
+      spdlog::warn(
+          "event=connection_refused pid={} uid={} reason=TOO_MANY_CONNECTIONS open={} max={} refused={}: the "
+          "uid's connections are bounded (max_connections_per_uid)",
+          peer.pid, peer.uid, count(), cap, r.since);
+      r.logged = now;
+      r.since = 0;
+    }
+    if (refusals_.size() > 4096) refusals_.clear();  // bounded memory whatever the number of uids
+    return false;
+  }
+  peers_[fd] = Connection{peer, dev, ino};
+  ++per_uid_[peer.uid];
+  return true;
 }
 
 namespace {

@@ -14,11 +14,19 @@
 // accept works again; established connections keep being served meanwhile.
 // Groups change at run time (SetGroups, on SIGHUP): the next connection and the next call are checked against the
 // new ones, and the socket files change group with them.
+// Connections are bounded per uid (SetMaxConnectionsPerUid; root and the daemon's uid are exempt), refused or not, so
+// that no uid can take the daemon's descriptors or server threads from the others: one more is closed at accept and
+// logged (`event=connection_refused reason=TOO_MANY_CONNECTIONS`, at most once a second per uid, with how many were
+// closed since). gRPC owns a connection's fd once handed on and closes it when the peer goes; the listener remembers
+// each fd with the socket's inode and, when a uid reaches its bound (at most every 50 ms), drops the fds that are
+// closed or now name another file.
 // Thread-safe: the accept loop runs on its own thread; PeerOf, Allowed, Operator and SetGroups may be called from any
 // thread.
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -50,11 +58,30 @@ class UdsListener {
   absl::Status SetGroups(const std::string& group, const std::string& admin_group);
   // Whether SetGroups would succeed: InvalidArgument naming a group that does not exist.
   static absl::Status CheckGroups(const std::string& group, const std::string& admin_group);
+  // At most `n` (>= 1) connections open at once per uid from now on (a reload lowers it for new connections only).
+  void SetMaxConnectionsPerUid(int n) { max_per_uid_ = n; }
+  // Connections of `uid` the listener counts as open (closed ones are dropped at the next sweep).
+  int ConnectionsOf(uint32_t uid);
 
  private:
   // Grants the admin group the socket (and the daemon's own socket directory) by ACL, or clears the ACL when there
   // is no separate admin group; a failure is a warning naming the path (the operators then need --group too).
   void ShareWithAdmins();
+  // Whether connection `fd` of `peer` (socket inode `ino`) may be handed on; records it when so. Called on the accept
+  // thread.
+  bool Admit(int fd, const PeerCred& peer, uint64_t dev, uint64_t ino);
+  // Forgets the fds that are closed or name another file than the socket accepted there. Holds mu_.
+  void SweepLocked();
+
+  struct Connection {
+    PeerCred peer;
+    uint64_t dev = 0;
+    uint64_t ino = 0;
+  };
+  struct Refusals {
+    std::chrono::steady_clock::time_point logged{};
+    int since = 0;  // refused since the last log line
+  };
 
   std::string path_;
   int fd_ = -1;
@@ -62,8 +89,12 @@ class UdsListener {
   std::atomic<int> admin_gid_{-1};
   std::atomic<bool> stop_{false};
   std::thread thread_;
+  std::atomic<int> max_per_uid_{256};
   std::mutex mu_;
-  std::map<int, PeerCred> peers_;
+  std::map<int, Connection> peers_;
+  std::map<uint32_t, int> per_uid_;  // connections in peers_ per uid
+  std::map<uint32_t, Refusals> refusals_;
+  std::chrono::steady_clock::time_point swept_{};
 };
 
 }  // namespace engram::daemon

@@ -14,6 +14,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server_posix.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <systemd/sd-daemon.h>
 
 #include <atomic>
@@ -44,7 +45,8 @@ int main(int argc, char** argv) {
           "usage: engramd --checkpoint DIR [--checkpoint DIR ...] [--tp 1,2] [--shm-dir DIR] [--socket PATH]\n"
           "               [--group NAME] [--admin-group NAME] [--tickets N] [--max-sessions N] [--max-sessions-per-uid "
           "N] [--threads N] [--log-level LEVEL]\n"
-          "               [--max-streams-per-uid N] [--reflection on|off] [--metrics-file PATH]\n"
+          "               [--max-streams-per-uid N] [--max-connections-per-uid N] [--ticket-hold-ms MS]\n"
+          "               [--reflection on|off] [--metrics-file PATH]\n"
           "               [--metrics-address HOST:PORT] [--config FILE]\n"
           "       engramd --version\n");
       return 0;
@@ -75,6 +77,12 @@ int main(int argc, char** argv) {
   sigaddset(&sigs, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  // Every connection and segment is a descriptor: take the whole hard limit (the per-uid bounds share it out).
+  if (rlimit rl{}; ::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+    const rlim_t was = rl.rlim_cur;
+    rl.rlim_cur = rl.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &rl) == 0) spdlog::debug("event=nofile_raised from={} to={}", was, rl.rlim_max);
+  }
 
   UdsListener listener;
   if (auto st = listener.Bind(opts->socket, opts->group, opts->admin_group); !st.ok()) {
@@ -152,10 +160,12 @@ int main(int argc, char** argv) {
     metrics_http = *std::move(started);
     spdlog::info("event=metrics_listening address={}", metrics_http->address());
   }
+  listener.SetMaxConnectionsPerUid(opts->max_connections_per_uid);
   listener.Start(
       [&](int fd, bool allowed) { grpc::AddInsecureChannelFromFd(allowed ? server.get() : refuser.get(), fd); });
   spdlog::info("event=listening version={} socket={} shm_dir={} checkpoints={} tickets={}", ENGRAM_VERSION_STRING,
-               opts->socket, opts->shm_dir, opts->checkpoints.size(), opts->tickets);
+               engram::LogValue(opts->socket), engram::LogValue(opts->shm_dir), opts->checkpoints.size(),
+               opts->tickets);
 
   std::atomic<bool> done{false};
   std::thread readiness([&] {
@@ -164,12 +174,12 @@ int main(int argc, char** argv) {
       // Publishing 189 GiB takes longer than any start timeout: extend it while progress is made.
       const std::string line = state.LoadProgressLine();
       sd_notifyf(0, "STATUS=loading: %s\nEXTEND_TIMEOUT_USEC=%d", line.c_str(), 30000000);
-      if (++ticks % 5 == 0) spdlog::info("event=loading progress=\"{}\"", line);
+      if (++ticks % 5 == 0) spdlog::info("event=loading progress={}", engram::LogQuoted(line));
     }
     health->SetServingStatus(true);
     const std::string line = state.LoadProgressLine();
     sd_notifyf(0, "READY=1\nSTATUS=serving: %s", line.c_str());
-    spdlog::info("event=ready detail=\"{}\"", line);
+    spdlog::info("event=ready detail={}", engram::LogQuoted(line));
   });
 
   std::thread metrics;
@@ -180,8 +190,9 @@ int main(int argc, char** argv) {
         const absl::Status st = WriteMetricsFile(opts->metrics_file, state.MetricsText());
         const std::string error = st.ok() ? "" : std::string(st.message());
         if (error != last_error && !st.ok()) {
-          spdlog::error("event=metrics_write_failed path={} detail=\"{}\"", engram::Printable(opts->metrics_file),
-                        engram::Printable(error));
+          spdlog::error("event=metrics_write_failed path={} detail={}",
+                        engram::LogValue(engram::Printable(opts->metrics_file)),
+                        engram::LogQuoted(engram::Printable(error)));
         }
         last_error = error;
         for (int i = 0; i < 20 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -195,7 +206,7 @@ int main(int argc, char** argv) {
     if (sig == SIGHUP) {
       auto fresh = ParseOptions(argc, argv);
       if (!fresh.ok()) {
-        spdlog::error("event=reload_failed detail=\"{}\"", std::string(fresh.status().message()));
+        spdlog::error("event=reload_failed detail={}", engram::LogQuoted(std::string(fresh.status().message())));
         state.NoteReloadFailure(opts->config_file, std::string(fresh.status().message()));
         continue;
       }
@@ -210,10 +221,12 @@ int main(int argc, char** argv) {
         spdlog::error("event=reload_failed detail=\"{}: nothing changed\"", std::string(st.message()));
         state.NoteReloadFailure(opts->config_file, std::string(st.message()));
       } else if (st = state.Reload(*fresh); !st.ok()) {
-        spdlog::error("event=reload_failed detail=\"{}\"", std::string(st.message()));
+        spdlog::error("event=reload_failed detail={}", engram::LogQuoted(std::string(st.message())));
       } else {
         (void)listener.SetGroups(fresh->group, fresh->admin_group);  // validated above
         service.SetSessionBounds(fresh->max_sessions, fresh->max_sessions_per_uid);
+        stream_counts.set_max_per_uid(fresh->max_streams_per_uid);
+        listener.SetMaxConnectionsPerUid(fresh->max_connections_per_uid);
         quota.SetMaxThreads(fresh->max_sessions + 64);
         spdlog::set_level(spdlog::level::from_str(fresh->log_level));
       }

@@ -65,6 +65,8 @@ absl::Status Set(const std::string& origin, const std::string& key, const std::s
     return int_value(&o->max_sessions_per_uid, 1);
   } else if (key == "max_streams_per_uid") {
     return int_value(&o->max_streams_per_uid, 1);
+  } else if (key == "max_connections_per_uid") {
+    return int_value(&o->max_connections_per_uid, 1);
   } else if (key == "reflection") {
     if (value == "on" || value == "true" || value == "1") {
       o->reflection = true;

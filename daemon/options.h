@@ -2,7 +2,7 @@
 //
 // Config file: one `key = value` per line, `#` comments. Keys: checkpoint (repeatable), tp (comma list), shm_dir,
 // socket, group, admin_group, tickets, ticket_hold_ms, max_sessions, max_sessions_per_uid, max_streams_per_uid,
-// reflection (on|off), threads, log_level, metrics_file, metrics_address. Flags:
+// max_connections_per_uid, reflection (on|off), threads, log_level, metrics_file, metrics_address. Flags:
 // --checkpoint DIR (repeatable), --tp 1,2,
 // --shm-dir DIR, --socket PATH, --group NAME, --admin-group NAME, --tickets N, --threads N, --log-level LEVEL,
 // --metrics-file PATH, --metrics-address HOST:PORT, --config FILE. A flag given on the command line replaces the
@@ -39,6 +39,8 @@ struct Options {
   int max_sessions_per_uid = 512;
   // Other streams open at once per uid (health Watch, reflection): daemon/stream_bound.h.
   int max_streams_per_uid = 16;
+  // Connections open at once per uid, root and the daemon's uid exempt (daemon/listener.h): each costs a descriptor.
+  int max_connections_per_uid = 256;
   // gRPC reflection (ServerReflectionInfo), off by default; when on, operators only (daemon/stream_bound.h).
   bool reflection = false;
   int threads = 0;  // publish/verify workers; 0 = hardware concurrency (at most 32)

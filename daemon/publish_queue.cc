@@ -70,8 +70,8 @@ void SegmentRegistry::PublishLoop() {
         e->error = cap.ok()
                        ? absl::StrFormat("%s has %d bytes free, the segment needs %d", shm_dir_, cap->free_bytes, bytes)
                        : std::string(cap.status().message());
-        spdlog::error("event=segment_not_created path={} reason={} detail=\"{}\"", path,
-                      cap.ok() ? "SHM_TOO_SMALL" : "SHM_MISSING", e->error);
+        spdlog::error("event=segment_not_created path={} reason={} detail={}", engram::LogValue(path),
+                      cap.ok() ? "SHM_TOO_SMALL" : "SHM_MISSING", engram::LogQuoted(e->error));
         cv_.notify_all();
         continue;
       }
@@ -81,7 +81,8 @@ void SegmentRegistry::PublishLoop() {
       if (!ours.ok()) {
         e->state = ServingState::kFailed;
         e->error = std::string(ours.status().message());
-        spdlog::error("event=segment_not_created path={} reason=SEGMENT_NOT_READY detail=\"{}\"", path, e->error);
+        spdlog::error("event=segment_not_created path={} reason=SEGMENT_NOT_READY detail={}", engram::LogValue(path),
+                      engram::LogQuoted(e->error));
         cv_.notify_all();
         continue;
       }
@@ -90,7 +91,7 @@ void SegmentRegistry::PublishLoop() {
       e->error.clear();  // a failure of an earlier try is not this one's
       e->too_small = false;
     }
-    spdlog::info("event=publish_start path={} bytes={} threads={}", path, bytes, threads_);
+    spdlog::info("event=publish_start path={} bytes={} threads={}", engram::LogValue(path), bytes, threads_);
     auto r = Publish(*ckpt, *layout, *map, key.first, key.second, shm_dir_, instance_id_, epoch_.load(), threads_,
                      progress.get(), env_, publish_tuning_);
     {
@@ -102,7 +103,7 @@ void SegmentRegistry::PublishLoop() {
         // is served again under the same name, its own publish replaces the file (it may be writing it now).
         const bool planned_again = FindLocked(dir, key) != nullptr;
         if (r.ok() && !planned_again) RetireFileLocked(path);
-        spdlog::info("event=publish_discarded path={}: the shard was {} meanwhile", path,
+        spdlog::info("event=publish_discarded path={}: the shard was {} meanwhile", engram::LogValue(path),
                      planned_again ? "dropped and served again" : "unloaded");
       } else if (r.ok()) {
         e->descriptor = ReadDescriptor(path, env_);
@@ -115,13 +116,13 @@ void SegmentRegistry::PublishLoop() {
             "event=publish_done path={} bytes={} seconds={:.2f} gib_per_s={:.2f} page_bytes={} "
             "populated_by_writers={} streamed_bytes={} prefetched_bytes={} release_seconds={:.2f} "
             "warm_seconds={:.2f}",
-            path, r->bytes, r->seconds, r->bytes / 1073741824.0 / std::max(r->seconds, 1e-9), r->page_bytes,
-            r->populated, r->streamed_bytes, r->prefetched_bytes, r->release_seconds, r->warm_seconds);
+            engram::LogValue(path), r->bytes, r->seconds, r->bytes / 1073741824.0 / std::max(r->seconds, 1e-9),
+            r->page_bytes, r->populated, r->streamed_bytes, r->prefetched_bytes, r->release_seconds, r->warm_seconds);
       } else {
         e->state = ServingState::kFailed;
         e->too_small = r.status().code() == absl::StatusCode::kResourceExhausted;
         e->error = std::string(r.status().message());
-        spdlog::error("event=publish_failed path={} detail=\"{}\"", path, e->error);
+        spdlog::error("event=publish_failed path={} detail={}", engram::LogValue(path), engram::LogQuoted(e->error));
       }
     }
     cv_.notify_all();

@@ -16,6 +16,7 @@
 #include <sys/mman.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/utf8.h"
 #include "base/worker_threads.h"
 #include "io/cold_prefetch.h"
 #include "io/shard_records.h"
@@ -42,8 +43,8 @@ double WarmForReaders(const std::string& path, int threads, Env* env) {
   const auto t0 = std::chrono::steady_clock::now();
   auto reader = SegmentReader::Open(path, env);
   if (!reader.ok()) {
-    spdlog::warn("event=publish_warm_skipped path={} detail=\"{}\": the first replica maps the pages cold", path,
-                 std::string(reader.status().message()));
+    spdlog::warn("event=publish_warm_skipped path={} detail={}: the first replica maps the pages cold",
+                 engram::LogValue(path), engram::LogQuoted(std::string(reader.status().message())));
     return 0;
   }
   auto* data = const_cast<uint8_t*>((*reader)->data());
@@ -149,9 +150,9 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   std::unique_ptr<ColdPrefetch> prefetch = StartColdPrefetch(ckpt, RowsOf(desc), threads, cold_readers, &cold_why_not);
   if (!cold_why_not.empty()) {
     spdlog::info(
-        "event=publish_cold_probe_unsupported checkpoint={} detail=\"{}\": if the checkpoint is not in the "
+        "event=publish_cold_probe_unsupported checkpoint={} detail={}: if the checkpoint is not in the "
         "page cache, the filling threads read it themselves",
-        ckpt.dir(), cold_why_not);
+        engram::LogValue(ckpt.dir()), engram::LogQuoted(cold_why_not));
   }
   // On hugetlbfs the data's pages are populated by the filling threads (in parallel, next to their writes), not
   // zeroed up front by one thread in fallocate; a tmpfs is reserved whole (SegmentReserve::kAuto; tuning may force
@@ -176,7 +177,7 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
     spdlog::info(
         "event=publish_drop_cache mode=inline path={} bytes={} detail=\"the node cannot keep the checkpoint's pages "
         "next to the segment: they leave the page cache as they are read\"",
-        (*writer)->path(), data_bytes);
+        engram::LogValue((*writer)->path()), data_bytes);
   }
   fill.drop_cache = drop == PublishTuning::DropCache::kInline;
   if (tuning.sub_rows) fill.sub_rows = *tuning.sub_rows;
@@ -192,8 +193,8 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   absl::Status st = ReadShardRecords(ckpt, RowsOf(desc), data, threads, &checksums, rows_done, fill);
   if (prefetch) {
     if (auto why = prefetch->gave_up()) {
-      spdlog::warn("event=publish_cold_readers_stopped path={} detail=\"{}\" (the filling threads read the rest)",
-                   (*writer)->path(), *why);
+      spdlog::warn("event=publish_cold_readers_stopped path={} detail={} (the filling threads read the rest)",
+                   engram::LogValue((*writer)->path()), engram::LogQuoted(*why));
     }
   }
   if (!st.ok()) return st;  // the writer's destructor removes the partial segment

@@ -126,8 +126,9 @@ TicketWait ReplicaRegistry::AwaitTicket(const std::string& lease_id, const std::
     it = replicas_.find(lease_id);  // Detach may have removed it while we waited
     ExpireTicketsLocked();
     const bool timed_out = std::chrono::steady_clock::now() >= deadline;
-    const bool granted = it != replicas_.end() && tickets_held_ < ticket_capacity_ && !ticket_queue_.empty() &&
-                         ticket_queue_.front() == lease_id;
+    const std::string* next_up = NextInQueueLocked();
+    const bool granted =
+        it != replicas_.end() && tickets_held_ < ticket_capacity_ && next_up != nullptr && *next_up == lease_id;
     if (!granted && (it == replicas_.end() || cancelled() || stopping_ || timed_out)) {
       ticket_queue_.erase(std::remove(ticket_queue_.begin(), ticket_queue_.end(), lease_id), ticket_queue_.end());
       if (it != replicas_.end()) it->second.ticket = TicketState::kNone;
@@ -135,7 +136,9 @@ TicketWait ReplicaRegistry::AwaitTicket(const std::string& lease_id, const std::
       return timed_out && it != replicas_.end() && !stopping_ ? TicketWait::kTimedOut : TicketWait::kCancelled;
     }
     if (granted) {
-      ticket_queue_.pop_front();
+      ticket_queue_.erase(std::find(ticket_queue_.begin(), ticket_queue_.end(), lease_id));
+      if (last_grant_.size() > 4096) last_grant_.clear();  // bounded whatever the number of uids
+      last_grant_[it->second.peer.uid] = ++grant_seq_;
       ++tickets_held_;
       it->second.ticket = TicketState::kHeld;
       it->second.ticket_since = std::chrono::steady_clock::now();
@@ -146,6 +149,22 @@ TicketWait ReplicaRegistry::AwaitTicket(const std::string& lease_id, const std::
     const auto next = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
     cv_.wait_until(lock, std::min(next, deadline));
   }
+}
+
+const std::string* ReplicaRegistry::NextInQueueLocked() const {
+  const std::string* best = nullptr;
+  uint64_t best_seq = 0;
+  for (const std::string& id : ticket_queue_) {
+    auto r = replicas_.find(id);
+    if (r == replicas_.end()) continue;
+    auto g = last_grant_.find(r->second.peer.uid);
+    const uint64_t seq = g == last_grant_.end() ? 0 : g->second;
+    if (best == nullptr || seq < best_seq) {
+      best = &id;
+      best_seq = seq;
+    }
+  }
+  return best;
 }
 
 void ReplicaRegistry::ExpireTicketsLocked() {
@@ -199,8 +218,8 @@ void ReplicaRegistry::ReportRegistration(const std::string& lease_id, const engr
     AddRecentFallbackLocked(absl::StrFormat("pid %d dp %d tp %d: REGISTER_FAILED (chunk %d) -> %s", r.peer.pid,
                                             r.hello.dp_rank(), r.hello.tp_rank(), res.failed_chunk(),
                                             ModeName(r.mode)));
-    spdlog::warn("event=register_failed pid={} lease={} chunk={} detail=\"{}\"", r.peer.pid, lease_id,
-                 res.failed_chunk(), EchoOf(res.error()));
+    spdlog::warn("event=register_failed pid={} lease={} chunk={} detail={}", r.peer.pid, lease_id, res.failed_chunk(),
+                 engram::LogQuoted(EchoOf(res.error())));
   }
   cv_.notify_all();
 }
@@ -208,7 +227,7 @@ void ReplicaRegistry::ReportRegistration(const std::string& lease_id, const engr
 absl::Status ReplicaRegistry::RecordOutcome(const std::string& lease_id, const engram::v1::Outcome& outcome) {
   engram::v1::Outcome clean;
   if (auto st = ValidateOutcome(outcome, &clean); !st.ok()) {
-    spdlog::warn("event=outcome_refused lease={} detail=\"{}\"", lease_id, std::string(st.message()));
+    spdlog::warn("event=outcome_refused lease={} detail={}", lease_id, engram::LogQuoted(std::string(st.message())));
     return st;
   }
   std::lock_guard<std::mutex> lock(mu_);

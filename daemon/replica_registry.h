@@ -96,7 +96,7 @@ class ReplicaRegistry {
   // `notify` pushes an event to the session. Returns the lease id.
   std::string Attach(const engram::v1::Hello& hello, const PeerCred& peer, const Decision& decision,
                      const std::string& segment_key, std::function<void(const engram::v1::ServerMessage&)> notify);
-  // Queues the replica for a ticket and blocks until it is at the head of the queue and a ticket is free (true),
+  // Queues the replica for a ticket and blocks until it is next (NextInQueueLocked) and a ticket is free (true),
   // or `cancelled()` turns true, the replica is detached or the registry shuts down (false; it leaves the queue).
   bool AcquireTicket(const std::string& lease_id, const std::function<bool()>& cancelled);
   // The same, waiting at most until `deadline` (kTimedOut: it leaves the queue).
@@ -152,6 +152,10 @@ class ReplicaRegistry {
   void AddRecentFallbackLocked(std::string line);
   void ReleaseTicketLocked(Replica& r);
   void ExpireTicketsLocked();  // reclaims tickets held past the hold limit
+  // The queued lease the next free ticket goes to: of the uids waiting, the one granted least recently (never first),
+  // and that uid's longest-waiting lease; so that one uid queueing many replicas cannot keep another's waiting behind
+  // all of them.
+  const std::string* NextInQueueLocked() const;
 
   const uint64_t instance_id_;
   mutable std::mutex mu_;
@@ -163,6 +167,8 @@ class ReplicaRegistry {
   int tickets_held_ = 0;
   std::chrono::milliseconds ticket_hold_limit_{120000};
   std::deque<std::string> ticket_queue_;
+  std::map<uint32_t, uint64_t> last_grant_;  // uid -> grant_seq_ at its last grant
+  uint64_t grant_seq_ = 0;
   bool stopping_ = false;
   uint64_t next_lease_ = 1;
 };

@@ -34,9 +34,9 @@ void SegmentRegistry::ScanShmDirLocked() {
     if (!ours.ok() || !*ours) continue;  // foreign: removed, or left (its segment fails when planned)
     auto h = ReadOwnedSegmentHeader(path, ::geteuid(), env_);
     if (!h.ok() || h->state != static_cast<uint32_t>(SegmentState::kReady)) {
-      spdlog::warn("event=segment_debris path={} state={} detail=\"{}\": removed", path,
+      spdlog::warn("event=segment_debris path={} state={} detail={}: removed", engram::LogValue(path),
                    h.ok() ? SegmentStateName(static_cast<SegmentState>(h->state)) : "unreadable",
-                   h.ok() ? "left by a crash during loading" : std::string(h.status().message()));
+                   engram::LogQuoted(h.ok() ? "left by a crash during loading" : std::string(h.status().message())));
       env_->Unlink(path.c_str());
       continue;
     }
@@ -45,7 +45,7 @@ void SegmentRegistry::ScanShmDirLocked() {
       for (const auto& [key, seg] : c->segments) wanted = wanted || seg.name == name;
     }
     if (!wanted) {
-      spdlog::info("event=segment_retired path={}: not served by this configuration", path);
+      spdlog::info("event=segment_retired path={}: not served by this configuration", engram::LogValue(path));
       RetireFileLocked(path);
       continue;
     }
@@ -84,8 +84,8 @@ void SegmentRegistry::VerifyAdopted(const std::string& dir, Key key) {
     if (e == nullptr) return;
     e->checksum = st.ok() ? ChecksumState::kOk : ChecksumState::kMismatch;
     if (!st.ok()) {
-      spdlog::error("event=segment_checksum_mismatch path={} detail=\"{}\": republishing", path,
-                    std::string(st.message()));
+      spdlog::error("event=segment_checksum_mismatch path={} detail={}: republishing", engram::LogValue(path),
+                    engram::LogQuoted(std::string(st.message())));
       e->state = ServingState::kPending;
       e->descriptor.reset();
       env_->Unlink(path.c_str());

@@ -25,13 +25,13 @@ absl::StatusOr<bool> OursOrClear(const std::string& path, Env* env) {
   if (S_ISREG(st.st_mode) && st.st_uid == ::geteuid() && (st.st_mode & (S_IWGRP | S_IWOTH)) == 0) return true;
   const char* kind = S_ISLNK(st.st_mode) ? "symlink" : S_ISREG(st.st_mode) ? "file" : "special";
   if (env->Unlink(path.c_str()) == 0 || errno == ENOENT) {
-    spdlog::warn("event=segment_foreign path={} owner={} mode={:04o} kind={}: not this daemon's, removed", path,
-                 st.st_uid, st.st_mode & 07777, kind);
+    spdlog::warn("event=segment_foreign path={} owner={} mode={:04o} kind={}: not this daemon's, removed",
+                 engram::LogValue(path), st.st_uid, st.st_mode & 07777, kind);
     return false;
   }
   const int err = errno;
-  spdlog::error("event=segment_foreign path={} owner={} mode={:04o} kind={} detail=\"{}\": cannot be removed", path,
-                st.st_uid, st.st_mode & 07777, kind, std::strerror(err));
+  spdlog::error("event=segment_foreign path={} owner={} mode={:04o} kind={} detail={}: cannot be removed",
+                engram::LogValue(path), st.st_uid, st.st_mode & 07777, kind, engram::LogQuoted(std::strerror(err)));
   return absl::FailedPreconditionError(absl::StrFormat(
       "a file owned by uid %d occupies %s (mode %04o) and cannot be removed (%s): it is not this daemon's (uid %d)",
       st.st_uid, path, st.st_mode & 07777, std::strerror(err), ::geteuid()));

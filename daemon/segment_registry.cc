@@ -83,8 +83,8 @@ absl::StatusOr<std::unique_ptr<SegmentRegistry::ServedCheckpoint>> SegmentRegist
   ASSIGN_OR_RETURN(c->ckpt, Checkpoint::Open(dir));
   c->fingerprint = c->ckpt->Fingerprint();
   if (c->ckpt->config().kind == ModelKind::kPle) {
-    spdlog::warn("event=checkpoint_ple dir={} arch={}: PLE tables are never shared (MODEL_NOT_SHAREABLE)", dir,
-                 c->ckpt->config().architecture);
+    spdlog::warn("event=checkpoint_ple dir={} arch={}: PLE tables are never shared (MODEL_NOT_SHAREABLE)",
+                 engram::LogValue(dir), c->ckpt->config().architecture);
     return c;
   }
   RETURN_IF_ERROR(c->ckpt->ValidateEngramTensors());
@@ -147,8 +147,8 @@ absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
     ASSIGN_OR_RETURN(shm_lock_, ShmDirLock::Acquire(shm_dir_));
   }
   if (!shm_.ok()) {
-    spdlog::error("event=shm_missing dir={} detail=\"{}\": replicas will fall back (SHM_MISSING)", shm_dir_,
-                  std::string(shm_.status().message()));
+    spdlog::error("event=shm_missing dir={} detail={}: replicas will fall back (SHM_MISSING)",
+                  engram::LogValue(shm_dir_), engram::LogQuoted(std::string(shm_.status().message())));
     for (auto& [dir, c] : checkpoints_) {
       for (auto& [key, e] : c->segments) {
         e.state = ServingState::kFailed;
@@ -164,7 +164,8 @@ absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
     for (const auto& [key, e] : c->segments) planned += e.bytes;
   }
   if (auto why = ShmPagesWarning(*shm_, planned)) {
-    spdlog::warn("event=shm_small_pages dir={} bytes={} detail=\"{}\"", shm_dir_, planned, *why);
+    spdlog::warn("event=shm_small_pages dir={} bytes={} detail={}", engram::LogValue(shm_dir_), planned,
+                 engram::LogQuoted(*why));
   }
   ScanShmDirLocked();
   for (auto& [dir, c] : checkpoints_) {
@@ -180,7 +181,8 @@ absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
       if (h.ok() && h->state == static_cast<uint32_t>(SegmentState::kReady) && h->fingerprint == c->fingerprint &&
           h->total_bytes == e.bytes) {
         if (const std::string why = SizeProblem(e.path, e.bytes, env_); !why.empty()) {
-          spdlog::warn("event=segment_debris path={} detail=\"{}\": removed, republishing", e.path, why);
+          spdlog::warn("event=segment_debris path={} detail={}: removed, republishing", engram::LogValue(e.path),
+                       engram::LogQuoted(why));
           env_->Unlink(e.path.c_str());
           publish_queue_.push_back({dir, key});
           continue;
@@ -191,7 +193,8 @@ absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
           e.origin = SegmentOrigin::kAdopted;
           e.load_seconds = h->load_seconds;
           e.checksum = ChecksumState::kVerifying;
-          spdlog::info("event=segment_adopted path={} bytes={} load_seconds={:.2f}", e.path, e.bytes, e.load_seconds);
+          spdlog::info("event=segment_adopted path={} bytes={} load_seconds={:.2f}", engram::LogValue(e.path), e.bytes,
+                       e.load_seconds);
           workers_.emplace_back([this, d = dir, k = key] { VerifyAdopted(d, k); });
           continue;
         }
@@ -290,7 +293,7 @@ absl::Status SegmentRegistry::Load(const std::string& given, const std::vector<i
     for (auto& [key, e] : c->segments) publish_queue_.push_back({dir, key});
     checkpoints_[dir] = std::move(c);
   }
-  spdlog::info("event=load dir={}", dir);
+  spdlog::info("event=load dir={}", engram::LogValue(dir));
   cv_.notify_all();
   return absl::OkStatus();
 }
@@ -307,7 +310,7 @@ absl::Status SegmentRegistry::Unload(const std::string& given) {
   }
   checkpoints_.erase(it);
   lock.unlock();
-  spdlog::info("event=unload dir={}", dir);
+  spdlog::info("event=unload dir={}", engram::LogValue(dir));
   cv_.notify_all();
   return absl::OkStatus();
 }
@@ -406,7 +409,7 @@ absl::StatusOr<ReconfigureResult> SegmentRegistry::Reconfigure(const std::vector
           result.retired_segment_keys.push_back(c->dir + "/" + e.name);
         }
         spdlog::info("event=checkpoint_revised dir={} fingerprint={:016x} was={:016x}: publishing the new revision",
-                     c->dir, c->fingerprint, old->second->fingerprint);
+                     engram::LogValue(c->dir), c->fingerprint, old->second->fingerprint);
         checkpoints_.erase(old);
         result.revised.push_back(c->dir);
       } else {

@@ -136,8 +136,8 @@ grpc::Status EngramService::Session(
   for (const grpc::Status& st :
        {Bounded("hello.checkpoint", first.hello().checkpoint()), CheckClientVersion(first.hello().client_version())}) {
     if (st.ok()) continue;
-    spdlog::warn("event=refused pid={} uid={} reason=INVALID_ARGUMENT detail=\"{}\"", peer.pid, peer.uid,
-                 st.error_message());
+    spdlog::warn("event=refused pid={} uid={} reason=INVALID_ARGUMENT detail={}", peer.pid, peer.uid,
+                 engram::LogQuoted(st.error_message()));
     return st;
   }
   std::mutex write_mu;
@@ -237,8 +237,8 @@ grpc::Status EngramService::Session(
         if (auto st = state_->JoinGroup(lease, first.hello(), peer, msg.group_join(),
                                         [group_sink](const engram::v1::ServerMessage& m) { group_sink->Write(m); });
             !st.ok()) {
-          spdlog::warn("event=group_join_refused pid={} uid={} detail=\"{}\"", peer.pid, peer.uid,
-                       std::string(st.message()));
+          spdlog::warn("event=group_join_refused pid={} uid={} detail={}", peer.pid, peer.uid,
+                       engram::LogQuoted(std::string(st.message())));
           if (st.code() != absl::StatusCode::kAlreadyExists) {  // a malformed or out-of-order join ends the session
             result = ToGrpc(st);
             break;
@@ -265,8 +265,8 @@ grpc::Status EngramService::Session(
         } else if (auto res = state_->groups().LeaveGroup(lease, msg.group_leave()); res.ok()) {
           *left = *res;
         } else {
-          spdlog::warn("event=group_leave_refused pid={} uid={} detail=\"{}\"", peer.pid, peer.uid,
-                       std::string(res.status().message()));
+          spdlog::warn("event=group_leave_refused pid={} uid={} detail={}", peer.pid, peer.uid,
+                       engram::LogQuoted(std::string(res.status().message())));
           left->set_code(static_cast<int32_t>(res.status().code()));
           left->set_error(std::string(res.status().message()));
         }

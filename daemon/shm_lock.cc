@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "base/utf8.h"
 #include "spdlog/spdlog.h"
 
 namespace engram::daemon {
@@ -60,7 +61,7 @@ absl::StatusOr<ShmDirLock> ShmDirLock::Acquire(const std::string& shm_dir, Env* 
   lock.path_ = shm_dir + "/" + kShmLockName;
   struct stat dst {};
   if (env->Stat(shm_dir.c_str(), &dst) != 0 && errno == ENOENT) {
-    spdlog::warn("event=shm_lock_skipped dir={}: the directory does not exist", shm_dir);
+    spdlog::warn("event=shm_lock_skipped dir={}: the directory does not exist", engram::LogValue(shm_dir));
     return lock;
   }
   for (int attempt = 0; attempt < 3; ++attempt) {
@@ -85,11 +86,11 @@ absl::StatusOr<ShmDirLock> ShmDirLock::Acquire(const std::string& shm_dir, Env* 
       const std::string text = absl::StrCat(::getpid(), "\n");
       if (env->Ftruncate(fd, 0) != 0 ||
           env->Pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
-        spdlog::warn("event=shm_lock_pid_not_written path={} errno={}", lock.path_, errno);
+        spdlog::warn("event=shm_lock_pid_not_written path={} errno={}", engram::LogValue(lock.path_), errno);
       }
       env->Fchmod(fd, 0600);
       lock.fd_ = fd;
-      spdlog::info("event=shm_lock path={} pid={}", lock.path_, ::getpid());
+      spdlog::info("event=shm_lock path={} pid={}", engram::LogValue(lock.path_), ::getpid());
       return lock;
     }
     // Not ours: planted by another user, a symlink, or the lock of another engramd running as another uid. A file
@@ -110,15 +111,15 @@ absl::StatusOr<ShmDirLock> ShmDirLock::Acquire(const std::string& shm_dir, Env* 
     }
     struct stat st {};
     env->Lstat(lock.path_.c_str(), &st);
-    spdlog::warn("event=segment_foreign path={} owner={} mode={:04o}: not this daemon's lock file, removed", lock.path_,
-                 st.st_uid, st.st_mode & 07777);
+    spdlog::warn("event=segment_foreign path={} owner={} mode={:04o}: not this daemon's lock file, removed",
+                 engram::LogValue(lock.path_), st.st_uid, st.st_mode & 07777);
     if (fd >= 0) env->Close(fd);
     if (env->Unlink(lock.path_.c_str()) != 0 && errno != ENOENT) {
       // Refusing to start would let any local user stop a non-root engramd by planting the file: run unlocked.
       spdlog::error(
-          "event=shm_lock_unavailable path={} owner={} detail=\"{}\": a file owned by uid {} occupies it; "
+          "event=shm_lock_unavailable path={} owner={} detail={}: a file owned by uid {} occupies it; "
           "running without the one-daemon-per-directory lock",
-          lock.path_, st.st_uid, std::strerror(errno), st.st_uid);
+          engram::LogValue(lock.path_), st.st_uid, engram::LogQuoted(std::strerror(errno)), st.st_uid);
       return ShmDirLock();
     }
   }

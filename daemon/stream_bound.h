@@ -15,6 +15,7 @@
 
 #include <grpcpp/support/server_interceptor.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -35,11 +36,12 @@ class StreamCounts {
   bool Admit(uint32_t uid);
   void Release(uint32_t uid);
   int max_per_uid() const { return max_per_uid_; }
+  void set_max_per_uid(int n) { max_per_uid_ = n < 1 ? 1 : n; }  // a reload: new streams are checked against it
   int open_of(uint32_t uid);
 
  private:
   UdsListener* listener_;
-  const int max_per_uid_;
+  std::atomic<int> max_per_uid_;
   const bool reflection_;
   std::mutex mu_;
   std::map<uint32_t, int> open_;

@@ -270,7 +270,7 @@ if [ "$what" = fullscale ]; then
   w=$(mktemp -d /tmp/engram-fs.XXXXXX)
   log=$out/fullscale.log
   "$here/bin/engram-mkckpt" --out "$w/ck" --like deepseek-v4.1-flash --layers "${ENGRAM_FS_LAYERS:-1}" | tee -a "$log"
-  { grep -E 'MemTotal|MemAvailable|Shmem:|HugePages_Total' /proc/meminfo; lscpu | grep -E '^(NUMA node|Model name|Socket)';
+  { echo "uptime $(cut -d" " -f1 /proc/uptime) s"; grep -E 'MemTotal|MemAvailable|Shmem:|HugePages_Total' /proc/meminfo; lscpu | grep -E '^(NUMA node|Model name|Socket)';
     echo "shmem_enabled: $(cat /sys/kernel/mm/transparent_hugepage/shmem_enabled)"; df -h /dev/shm | tail -1; } | tee -a "$log"
   wait_ready() {
     for _ in $(seq 1500); do "$here/bin/engramctl" status --socket "$w/sock" --json 2>/dev/null | grep -q '"state":"READY"' && return 0; sleep 0.2; done
@@ -291,7 +291,19 @@ if [ "$what" = fullscale ]; then
       wait_ready || { echo "$m: not READY"; rc=1; }
       echo "== $m ($dir), tickets $tickets: READY after $(awk "BEGIN{print $(date +%s.%N) - $t0}") s; $("$here/bin/engramctl" status --socket "$w/sock" --json | grep -o '"load_seconds":[0-9.]*' | head -1)" | tee -a "$log"
       grep -E 'MemAvailable|Shmem:|ShmemHugePages' /proc/meminfo | tr '\n' ' ' | tee -a "$log"; echo | tee -a "$log"
+      if [ $first = 1 ] && [ -n "${ENGRAM_FS_BEFORE:-}" ]; then
+        # ENGRAM_FS_BEFORE="each": bench_register on the published segment before the first replica (the machine's
+        # first registration, chunk by chunk), with the kernel's vmstat counters that moved meanwhile.
+        seg=$(ls "$dir"/engram-* 2>/dev/null | head -1)
+        echo "== before the first replica, uptime $(cut -d' ' -f1 /proc/uptime) s: bench_register $ENGRAM_FS_BEFORE" | tee -a "$log"
+        for pass in 1 2; do
+          cp /proc/vmstat "$w/vmstat.0"
+          "$here/bin/bench_register" --file "$seg" --only "$ENGRAM_FS_BEFORE" --chunks-gib "${ENGRAM_FS_BEFORE_CHUNKS:-8}" 2>&1 | tee -a "$log"
+          echo "  pass $pass vmstat moved: $(awk 'NR==FNR{a[$1]=$2;next} ($2-a[$1])!=0{printf "%s=%d ", $1, $2-a[$1]}' "$w/vmstat.0" /proc/vmstat)" | tee -a "$log"
+        done
+      fi
       if [ $first = 1 ]; then
+        echo "== first replica, uptime $(cut -d' ' -f1 /proc/uptime) s" | tee -a "$log"
         "$here/bin/engram-replica" --socket "$w/sock" --checkpoint "$w/ck" --dp-size 2 --tokens 1024 --batches 2 --verify 64 2>&1 | tail -1 | tee -a "$log"
         [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         first=0

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "base/utf8.h"
 #include "client/dp/nccl_exchange.h"
 #include "client/dp/step_watch.h"
 #include "client/engine/device_engine.h"
@@ -265,9 +266,9 @@ class DpDeviceEngine final : public LookupEngine {
         e->peer_ = true;
       } else if (absl::IsFailedPrecondition(peer)) {
         Log().warn(
-            "engram: event=dp_peer_reads_unavailable group={} reason=\"{}\" (the group uses the all-to-all "
+            "engram: event=dp_peer_reads_unavailable group={} reason={} (the group uses the all-to-all "
             "path)",
-            g.group, std::string(peer.message()));
+            engram::LogValue(g.group), engram::LogQuoted(std::string(peer.message())));
       } else {
         return peer;
       }

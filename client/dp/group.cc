@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "base/utf8.h"
 #include "client/environment.h"
 #include "client/log.h"
 
@@ -31,7 +32,7 @@ absl::StatusOr<std::unique_ptr<DpGroup>> DpGroup::Join(Session& session, const G
     } else if (e.broken && !state->broken) {
       state->detail = e.group.empty() ? e.detail : absl::StrCat("DP group ", e.group, " broken: ", e.detail);
       state->broken.store(true, std::memory_order_release);
-      Log().error("engram: event=dp_group_broken detail=\"{}\"", state->detail);
+      Log().error("engram: event=dp_group_broken detail={}", engram::LogQuoted(state->detail));
     }
     state->cv.notify_all();
   };
@@ -76,7 +77,7 @@ void DpGroup::Leave(const std::string& reason, const std::vector<int32_t>& stall
     }
   }
   if (auto st = session_->LeaveGroup(join_id_, formed_.group, formed_.generation, reason, stalled); !st.ok()) {
-    Log().warn("engram: event=dp_group_leave_failed detail=\"{}\"", std::string(st.message()));
+    Log().warn("engram: event=dp_group_leave_failed detail={}", engram::LogQuoted(std::string(st.message())));
   }
 }
 

@@ -171,7 +171,7 @@ struct Session::Impl {
     if (l.code() == 0) {
       Log().info("engram: event=dp_group_left group={} generation={}", l.group(), l.generation());
     } else {
-      Log().warn("engram: event=dp_group_leave_refused code={} detail=\"{}\"", l.code(), l.error());
+      Log().warn("engram: event=dp_group_leave_refused code={} detail={}", l.code(), engram::LogQuoted(l.error()));
     }
   }
   // The session ended: a group this session joined cannot go on (its membership was this lease); the reconnect
@@ -213,7 +213,7 @@ struct Session::Impl {
       v1::ServerMessage m;
       while (c->stream->Read(&m)) {
         if (m.has_event() && m.event().kind() == v1::Event::DRAINING) {
-          Log().warn("engram: event=daemon_draining detail=\"{}\"", m.event().detail());
+          Log().warn("engram: event=daemon_draining detail={}", engram::LogQuoted(m.event().detail()));
         }
         if (m.has_group_update()) DeliverGroupUpdate(m.group_update());
         if (m.has_group_left()) DeliverGroupLeft(m.group_left());

@@ -14,7 +14,9 @@
 // the gRPC error code) and exits, so a test can run the probe as another uid through setpriv;
 // `daemon_hardening_test --idle-streams SOCKET METHOD N` opens N bidirectional streams of METHOD, sends one request
 // on each (a reflection list_services), prints {"answered": A, "failed": F} once each stream was answered or ended,
-// and holds the answered ones open, idle, until killed.
+// and holds the answered ones open, idle, until killed; `daemon_hardening_test --hold-connections SOCKET N` connects
+// N times to SOCKET (a gRPC channel each, no call), prints {"connected": C, "refused": R} (R: not connected after 3 s)
+// and holds the open ones until killed.
 #include <fcntl.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
@@ -114,6 +116,30 @@ int IdleStreams(const std::string& socket, const std::string& method, int n) {
   }
   std::cout << "{\"answered\": " << answered << ", \"failed\": " << failed << "}" << std::endl;
   while (true) std::this_thread::sleep_for(1h);
+}
+
+// --hold-connections: see the file comment.
+int HoldConnections(const std::string& socket, int n) {
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  for (int i = 0; i < n; ++i) {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    args.SetInt("engram.test.channel", i);  // distinct arguments: a connection of its own
+    channels.push_back(grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), args));
+    (void)channels.back()->GetState(/*try_to_connect=*/true);
+  }
+  const auto deadline = std::chrono::system_clock::now() + 5s;  // one deadline for all: a refused one waits no longer
+  int connected = 0;
+  for (auto& c : channels) connected += c->WaitForConnected(deadline) ? 1 : 0;
+  std::cout << "{\"connected\": " << connected << ", \"refused\": " << n - connected << "}" << std::endl;
+  // Polling a completion queue drives the channels' transports (the daemon's keepalive pings are answered), so the
+  // connections stay open as an engine's would.
+  grpc::CompletionQueue cq;
+  while (true) {
+    void* tag = nullptr;
+    bool ok = false;
+    (void)cq.AsyncNext(&tag, &ok, std::chrono::system_clock::now() + 1s);
+  }
 }
 
 // `engramctl attach` once: its first JSON line (decision, verified rows, mismatches).
@@ -802,6 +828,49 @@ TEST(DaemonHardeningTest, IdleReflectionStreamsDoNotStarveTheDaemon) {
   }
 }
 
+// --- connections are bounded per uid ------------------------------------------------------------------------------
+
+// One uid holding many idle connections (each a descriptor of the daemon, none a session) is cut at
+// max_connections_per_uid: the rest are closed at accept and logged; root's status and another uid's attach keep
+// working, and once the holder is gone the same uid connects again.
+TEST(DaemonHardeningTest, ConnectionsAreBoundedPerUid) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the connections and the attach come from other uids";
+  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  if (RunCmd("getent group nogroup").exit_code != 0) GTEST_SKIP() << "no group 'nogroup' (gid 65534)";
+  TempDir dir;
+  ::chmod(dir.path().c_str(), 0755);
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 2);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--group", "nogroup", "--max-connections-per-uid", "64"});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  Process holder({"/usr/bin/setpriv", "--reuid=65533", "--regid=65533", "--groups=65534", g_self, "--hold-connections",
+                  d.socket(), "300"},
+                 dir / "holder.log");
+  ASSERT_TRUE(WaitFor([&] { return !testing::JsonLine(holder.Output(), false).is_null(); }, 60s)) << holder.Output();
+  const json held = testing::JsonLine(holder.Output(), false);
+  EXPECT_EQ(held["connected"], 64) << held.dump();
+  EXPECT_EQ(held["refused"], 300 - 64) << held.dump();
+  EXPECT_TRUE(d.WaitLog("reason=TOO_MANY_CONNECTIONS")) << d.Log();
+  const auto text = RunCmd(BinPath("engramctl") + " status --socket " + d.socket());
+  EXPECT_EQ(text.exit_code, 0) << text.out << text.err;
+  const json other = AttachOnce(d, ckpt, shm, "", "setpriv --reuid=65532 --regid=65532 --groups=65534 ");
+  EXPECT_EQ(other["decision"], "shared") << other.dump();
+  const json refused = AttachOnce(d, ckpt, shm, "", "setpriv --reuid=65533 --regid=65533 --groups=65534 ");
+  EXPECT_TRUE(refused.is_null() || refused.value("decision", "") != "shared")
+      << "the holder's uid is at its bound: " << refused.dump();
+  holder.Signal(SIGKILL);
+  (void)holder.Wait(10s);
+  json again;
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        again = AttachOnce(d, ckpt, shm, "", "setpriv --reuid=65533 --regid=65533 --groups=65534 ");
+        return again["decision"] == "shared";
+      },
+      30s))
+      << again.dump() << d.Log();
+  EXPECT_TRUE(d.proc().Running());
+}
+
 // --- registration tickets: a hold limit, and each waiter's own deadline -------------------------------------------
 
 // A replica that takes the node's only ticket and never reports cannot keep another uid's replica waiting past that
@@ -857,6 +926,43 @@ TEST(DaemonHardeningTest, AHeldTicketExpiresAndWaitersKeepTheirDeadlines) {
     holder.Wait();
     EXPECT_TRUE(d.proc().Running());
   }
+}
+
+// One uid queueing many replicas for the node's only ticket does not keep another uid's replica behind all of them:
+// the next ticket goes to the uid granted least recently. Each of uid 65533's six never reports and holds its ticket
+// until the 1.5 s hold limit; first come, first served, uid 65532's replica would wait about 10 s, past its 6 s
+// deadline.
+TEST(DaemonHardeningTest, TicketsGoRoundTheUids) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the replicas run as two other uids";
+  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  if (RunCmd("getent group nogroup").exit_code != 0) GTEST_SKIP() << "no group 'nogroup' (gid 65534)";
+  TempDir dir;
+  ::chmod(dir.path().c_str(), 0755);
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 2);
+  const std::string helper = BinPath("../tests/session_helper");
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--group", "nogroup", "--tickets", "1", "--ticket-hold-ms",
+                 "1500"});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  ::chmod(d.socket().c_str(), 0666);
+  std::vector<std::unique_ptr<Process>> squatters;
+  for (int i = 0; i < 6; ++i) {
+    squatters.push_back(
+        std::make_unique<Process>(std::vector<std::string>{"/usr/bin/setpriv", "--reuid=65533", "--regid=65533",
+                                                           "--groups=65534", helper, d.socket(), ckpt, shm, "ticket"},
+                                  dir / ("squatter-" + std::to_string(i) + ".log")));
+  }
+  ASSERT_TRUE(WaitFor([&] { return d.Status()["replicas"].size() == 6; }, 30s)) << d.Status().dump();
+  std::this_thread::sleep_for(500ms);  // all six have asked for the ticket
+  Process other(
+      {"/usr/bin/setpriv", "--reuid=65532", "--regid=65532", "--groups=65534", BinPath("engram-replica"), "--socket",
+       d.socket(), "--checkpoint", ckpt, "--dp-size", "2", "--batches", "1", "--timeout-ms", "6000"},
+      dir / "other.log");
+  ASSERT_NE(other.Wait(60s), -1) << other.Output();
+  const json out = testing::JsonLine(other.Output(), false);
+  EXPECT_EQ(out["mode"], "SHARED") << other.Output() << d.Log();
+  for (auto& p : squatters) p->Signal(SIGKILL);
+  EXPECT_TRUE(d.proc().Running());
 }
 
 // --- the metrics file, and segments whose file changed size ------------------------------------------------------
@@ -927,6 +1033,68 @@ int ControlBytes(const std::string& text) {
   int n = 0;
   for (const unsigned char c : text) n += (c < 0x20 && c != '\n') || c == 0x7f ? 1 : 0;
   return n;
+}
+
+// The keys of one logfmt line (key=value pairs; a value in double quotes may hold spaces and \-escaped quotes), as a
+// log shipper parses it: an independent reading of the line, not the daemon's quoting code.
+std::vector<std::string> LogfmtKeys(const std::string& line) {
+  std::vector<std::string> keys;
+  size_t i = 0;
+  while (i < line.size()) {
+    while (i < line.size() && line[i] == ' ') ++i;
+    const size_t start = i;
+    while (i < line.size() && line[i] != ' ' && line[i] != '=' && line[i] != '"') ++i;
+    if (i < line.size() && line[i] == '=') {
+      keys.push_back(line.substr(start, i - start));
+      ++i;
+    }
+    if (i < line.size() && line[i] == '"') {
+      for (++i; i < line.size() && line[i] != '"'; ++i) {
+        if (line[i] == '\\') ++i;
+      }
+      ++i;
+    } else {
+      while (i < line.size() && line[i] != ' ') ++i;
+    }
+  }
+  return keys;
+}
+
+// Quotes and spaces in a checkpoint directory's name, in a config.json value and in a reloaded setting forge no
+// key: every line of the log holds one event= as a logfmt reader splits it.
+TEST(DaemonHardeningTest, QuotesInHostileTextForgeNoLogKey) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string a = MakeCheckpoint(dir, 2, "a", 1);
+  const std::string forge = "\" event=ready detail=\"every segment ready";
+  const std::string bad = dir / ("q" + forge);
+  std::filesystem::rename(MakeCheckpoint(dir, 2, "c", 3), bad);
+  {
+    json cfg = json::parse(testing::ReadFile(bad + "/config.json"));
+    cfg["engram_head_dim"] = "1" + forge;
+    testing::WriteFile(bad + "/config.json", cfg.dump());
+  }
+  const std::string conf = dir / "engramd.conf";
+  testing::WriteFile(conf, "checkpoint = " + a + "\nshm_dir = " + shm + "\n");
+  Daemon d(dir, {"--config", conf});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  Process load({BinPath("engramctl"), "load", "--checkpoint", bad, "--socket", d.socket()}, dir / "load.log");
+  EXPECT_NE(load.Wait(60s), 0) << load.Output();
+  ASSERT_TRUE(d.WaitLog("event=load_failed")) << d.Log();
+  testing::WriteFile(conf, "checkpoint = " + a + "\nshm_dir = " + shm + forge + "\n");
+  d.proc().Signal(SIGHUP);
+  ASSERT_TRUE(d.WaitLog("key=shm_dir")) << d.Log();
+  const std::string log = d.Log();
+  std::istringstream lines(log);
+  int checked = 0;
+  for (std::string line; std::getline(lines, line);) {
+    const std::vector<std::string> keys = LogfmtKeys(line);
+    EXPECT_LE(std::count(keys.begin(), keys.end(), "event"), 1) << "a forged key: " << line;
+    EXPECT_LE(std::count(keys.begin(), keys.end(), "detail"), 1) << "a forged key: " << line;
+    checked += line.find("every segment ready") != std::string::npos ? 1 : 0;
+  }
+  EXPECT_GE(checked, 2) << "the hostile text is logged (quoted): " << log;
+  EXPECT_TRUE(d.proc().Running());
 }
 
 // Checkpoint directories whose names hold an escape sequence and a newline followed by a forged log line: loading,
@@ -1069,6 +1237,8 @@ TEST(DaemonHardeningTest, ARegularFileAtTheSocketPathIsLeftAndRefused) {
 int main(int argc, char** argv) {
   engram::g_self = std::filesystem::canonical("/proc/self/exe").string();
   if (argc == 3 && std::string(argv[1]) == "--health-probe") return engram::testing::HealthCheck(argv[2]);
+  if (argc == 4 && std::string(argv[1]) == "--hold-connections")
+    return engram::HoldConnections(argv[2], std::atoi(argv[3]));
   if (argc == 5 && std::string(argv[1]) == "--idle-streams")
     return engram::IdleStreams(argv[2], argv[3], std::atoi(argv[4]));
   ::testing::InitGoogleTest(&argc, argv);
