@@ -4,10 +4,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -20,6 +22,66 @@ absl::Status Errno(const std::string& what) {
 
 std::atomic<uint64_t> g_next_tmp{0};
 
+// Whether a directory may hold the metrics file or lead to it: root's or the daemon's, and sticky if others may
+// write it (then no one else can replace what is in it).
+absl::Status CheckTrusted(const struct stat& st, const std::string& dir) {
+  const bool owner_ok = st.st_uid == 0 || st.st_uid == ::geteuid();
+  const bool others_write = (st.st_mode & (S_IWGRP | S_IWOTH)) != 0;
+  if (owner_ok && (!others_write || (st.st_mode & S_ISVTX) != 0)) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "the metrics file's directory %s (owner uid %d, mode %04o) is not safe to write in: it and every directory "
+      "above it must be root's or uid %d's, and sticky if others may write it",
+      dir, st.st_uid, st.st_mode & 07777, ::geteuid()));
+}
+
+// Opens `dir` one component at a time, each directory checked (CheckTrusted) before the next is looked up in it, so
+// that no one who may not write a directory on the way can plant a link that moves the file elsewhere. A symlink on
+// the way is followed only when it is root's or the daemon's (its directory, checked, lets no one else replace it).
+absl::StatusOr<int> OpenTrustedDir(const std::string& dir) {
+  int dfd = ::open(dir[0] == '/' ? "/" : ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0) return Errno(absl::StrCat("open the metrics file's directory ", dir));
+  std::string walked = dir[0] == '/' ? "/" : ".";
+  size_t pos = 0;
+  while (true) {
+    struct stat ds {};
+    if (::fstat(dfd, &ds) != 0) {
+      const absl::Status st = Errno(absl::StrCat("fstat ", walked));
+      ::close(dfd);
+      return st;
+    }
+    if (absl::Status st = CheckTrusted(ds, walked); !st.ok()) {
+      ::close(dfd);
+      return st;
+    }
+    while (pos < dir.size() && dir[pos] == '/') ++pos;
+    if (pos >= dir.size()) return dfd;
+    const size_t end = std::min(dir.find('/', pos), dir.size());
+    const std::string name = dir.substr(pos, end - pos);
+    pos = end;
+    if (name == ".") continue;
+    walked = absl::StrCat(walked == "/" ? "" : walked, "/", name);
+    struct stat ls {};
+    int flags = O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW;
+    if (::fstatat(dfd, name.c_str(), &ls, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(ls.st_mode)) {
+      if (ls.st_uid != 0 && ls.st_uid != ::geteuid()) {
+        ::close(dfd);
+        return absl::FailedPreconditionError(
+            absl::StrFormat("the metrics file's path %s is a symlink of uid %d: only root's or uid %d's are followed",
+                            walked, ls.st_uid, ::geteuid()));
+      }
+      flags &= ~O_NOFOLLOW;
+    }
+    const int next = ::openat(dfd, name.c_str(), flags);
+    const int err = errno;
+    ::close(dfd);
+    if (next < 0) {
+      errno = err;
+      return Errno(absl::StrCat("open the metrics file's directory ", walked));
+    }
+    dfd = next;
+  }
+}
+
 }  // namespace
 
 absl::Status WriteMetricsFile(const std::string& path, const std::string& text) {
@@ -27,22 +89,13 @@ absl::Status WriteMetricsFile(const std::string& path, const std::string& text) 
   const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
   const std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
   if (base.empty()) return absl::InvalidArgumentError(absl::StrCat("metrics file ", path, " names no file"));
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) return Errno(absl::StrCat("open the metrics file's directory ", dir));
+  absl::StatusOr<int> opened = OpenTrustedDir(dir);
+  if (!opened.ok()) return opened.status();
+  const int dfd = *opened;
   struct Closer {
     int fd;
     ~Closer() { ::close(fd); }
   } close_dir{dfd};
-  struct stat ds {};
-  if (::fstat(dfd, &ds) != 0) return Errno(absl::StrCat("fstat ", dir));
-  const bool owner_ok = ds.st_uid == 0 || ds.st_uid == ::geteuid();
-  const bool others_write = (ds.st_mode & (S_IWGRP | S_IWOTH)) != 0;
-  if (!owner_ok || (others_write && (ds.st_mode & S_ISVTX) == 0)) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "the metrics file's directory %s (owner uid %d, mode %04o) is not safe to write in: it must be root's or "
-        "uid %d's, and sticky if others may write it",
-        dir, ds.st_uid, ds.st_mode & 07777, ::geteuid()));
-  }
   std::string tmp;
   int fd = -1;
   for (int attempt = 0; attempt < 16 && fd < 0; ++attempt) {

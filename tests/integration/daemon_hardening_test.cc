@@ -967,6 +967,39 @@ TEST(DaemonHardeningTest, TicketsGoRoundTheUids) {
 
 // --- the metrics file, and segments whose file changed size ------------------------------------------------------
 
+// A directory symlink planted on the metrics file's path (in a sticky directory anyone may write, by another uid)
+// pointing at the shm directory, with the file's name a segment's: the metrics file is never written through it
+// (event=metrics_write_failed names the link's owner) and the segment keeps its bytes.
+TEST(DaemonHardeningTest, ALinkOnTheMetricsPathIsNotFollowed) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the link is planted by another uid";
+  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  TempDir dir;
+  ::chmod(dir.path().c_str(), 0755);
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 2);
+  const std::string pub = dir / "pub";
+  ASSERT_EQ(::mkdir(pub.c_str(), 0755), 0);
+  ASSERT_EQ(::chmod(pub.c_str(), 01777), 0);
+  // The daemon first starts without metrics to learn the segment's name.
+  std::string name;
+  {
+    Daemon first(dir, {"--checkpoint", ckpt, "--shm-dir", shm}, "first");
+    ASSERT_TRUE(first.WaitReady()) << first.Log();
+    name = first.Status()["segments"][0]["name"].get<std::string>();
+  }
+  const std::string seg = shm + "/" + name;
+  const std::string before = testing::ReadFile(seg);
+  ASSERT_FALSE(before.empty());
+  const auto ln = RunCmd("setpriv --reuid=65533 --regid=65533 --clear-groups ln -s " + shm + " " + pub + "/textfile");
+  ASSERT_EQ(ln.exit_code, 0) << ln.out << ln.err;
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--metrics-file", pub + "/textfile/" + name}, "linked");
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  ASSERT_TRUE(d.WaitLog("event=metrics_write_failed")) << d.Log();
+  EXPECT_NE(d.Log().find("symlink of uid 65533"), std::string::npos) << d.Log();
+  EXPECT_EQ(testing::ReadFile(seg), before) << "the segment was written through the link";
+  EXPECT_TRUE(d.proc().Running());
+}
+
 // A symlink planted at the metrics file's old temporary name (`<file>.tmp`) pointing at a live segment: the segment
 // is never opened through it (size, header and rows unchanged), and the metrics file is still written, as a regular
 // file.
