@@ -107,6 +107,7 @@ void SegmentRegistry::PublishLoop() {
                      planned_again ? "dropped and served again" : "unloaded");
       } else if (r.ok()) {
         e->descriptor = ReadDescriptor(path, env_);
+        e->file = FileIdentityOf(path, env_);
         e->state = ServingState::kReady;
         e->error.clear();
         e->too_small = false;

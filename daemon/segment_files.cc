@@ -37,7 +37,13 @@ absl::StatusOr<bool> OursOrClear(const std::string& path, Env* env) {
       st.st_uid, path, st.st_mode & 07777, std::strerror(err), ::geteuid()));
 }
 
-std::string SizeProblem(const std::string& path, uint64_t bytes, Env* env) {
+FileIdentity FileIdentityOf(const std::string& path, Env* env) {
+  struct stat st {};
+  if (env->Lstat(path.c_str(), &st) != 0) return {};
+  return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
+}
+
+std::string SizeProblem(const std::string& path, uint64_t bytes, Env* env, FileIdentity expected) {
   struct stat st {};
   if (env->Lstat(path.c_str(), &st) != 0)
     return absl::StrCat("the segment file ", path, " is gone: ", std::strerror(errno));
@@ -45,6 +51,11 @@ std::string SizeProblem(const std::string& path, uint64_t bytes, Env* env) {
   if (static_cast<uint64_t>(st.st_size) != bytes) {
     return absl::StrFormat("the segment file %s is %d bytes, %d expected: truncated or replaced", path, st.st_size,
                            bytes);
+  }
+  if (expected.ino != 0 &&
+      (static_cast<uint64_t>(st.st_dev) != expected.dev || static_cast<uint64_t>(st.st_ino) != expected.ino)) {
+    return absl::StrFormat("the segment file %s was replaced (inode %d, %d when it was made ready)", path, st.st_ino,
+                           expected.ino);
   }
   return "";
 }

@@ -22,9 +22,13 @@ bool Unsettled(ServingState s);
 // anyone plant a file under our name before we start).
 absl::StatusOr<bool> OursOrClear(const std::string& path, Env* env);
 
-// Empty when the file at `path` is a regular file of exactly `bytes` bytes; otherwise why it is not (its size, or
-// that it is gone or not a regular file): a READY segment whose file was truncated or replaced is not served.
-std::string SizeProblem(const std::string& path, uint64_t bytes, Env* env);
+// The identity of the file at `path` now (lstat; zeros when it cannot be read).
+FileIdentity FileIdentityOf(const std::string& path, Env* env);
+
+// Empty when the file at `path` is a regular file of exactly `bytes` bytes and, when `expected` is known, the same
+// file; otherwise why it is not (its size, another file in its place, or that it is gone or not a regular file): a
+// READY segment whose file was truncated or replaced, whatever its size, is not served.
+std::string SizeProblem(const std::string& path, uint64_t bytes, Env* env, FileIdentity expected = {});
 
 // `s` cut to at most `max` bytes on a UTF-8 boundary, with "..." when cut.
 std::string Bounded(const std::string& s, size_t max);

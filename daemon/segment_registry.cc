@@ -189,6 +189,7 @@ absl::Status SegmentRegistry::Start(const std::vector<std::string>& checkpoints,
         }
         if (auto desc = ReadDescriptor(e.path, env_)) {
           e.descriptor = std::move(desc);
+          e.file = FileIdentityOf(e.path, env_);
           e.state = ServingState::kReady;
           e.origin = SegmentOrigin::kAdopted;
           e.load_seconds = h->load_seconds;
@@ -255,7 +256,7 @@ absl::StatusOr<ShardOffer> SegmentRegistry::Offer(const engram::v1::Hello& h, co
       if (k.first == h.tp_size()) node.tables_bytes += e.bytes;
     }
     const std::string size_problem =
-        seg.state == ServingState::kReady && seg.descriptor ? SizeProblem(seg.path, seg.bytes, env_) : "";
+        seg.state == ServingState::kReady && seg.descriptor ? SizeProblem(seg.path, seg.bytes, env_, seg.file) : "";
     if (seg.state == ServingState::kReady && seg.descriptor && size_problem.empty()) {
       offer.ready = true;
       offer.segment_name = seg.name;
@@ -466,7 +467,7 @@ std::vector<SegmentInfo> SegmentRegistry::Segments() const {
       i.error = e.error;
       if (e.state == ServingState::kReady) {
         // What is served is the file as it is now: one truncated or replaced under the daemon is not READY.
-        if (std::string why = SizeProblem(e.path, e.bytes, env_); !why.empty()) {
+        if (std::string why = SizeProblem(e.path, e.bytes, env_, e.file); !why.empty()) {
           i.state = ServingState::kFailed;
           i.error = std::move(why);
         }

@@ -105,6 +105,11 @@ struct ReconfigureResult {
 
 inline constexpr size_t kMaxRecentLoadFailures = 8;
 
+// A file's device and inode (zeros: unknown).
+struct FileIdentity {
+  uint64_t dev = 0, ino = 0;
+};
+
 class SegmentRegistry {
  public:
   // `threads`: publish/verify workers (>= 1). `instance_id`: written into the headers of published segments.
@@ -170,6 +175,7 @@ class SegmentRegistry {
     // Distinguishes this plan of the shard from an earlier one of the same key (a TP size dropped and served
     // again): a publish or a verification started for an earlier plan records nothing in this one.
     uint64_t generation = 0;
+    FileIdentity file;  // the file READY was decided for (FileIdentityOf): another one there is not served
   };
   struct ServedCheckpoint {
     std::string dir;

@@ -1059,6 +1059,30 @@ TEST(DaemonHardeningTest, ATruncatedSegmentIsNeverReady) {
   EXPECT_TRUE(d.proc().Running());
 }
 
+// A READY segment replaced under the daemon by another file of the same size (a copy with one row changed) is not
+// READY in status, names the replacement, and is not granted: the size alone would not tell.
+TEST(DaemonHardeningTest, ASameSizeReplacementIsNeverReady) {
+  TempDir dir;
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 2);
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  ASSERT_TRUE(WaitFor([&] { return d.Status()["segments"][0]["checksum_state"] == "ok"; }, 30s)) << d.Log();
+  const std::string seg = shm + "/" + d.Status()["segments"][0]["name"].get<std::string>();
+  std::string bytes = testing::ReadFile(seg);
+  bytes[bytes.size() - 1] = static_cast<char>(bytes[bytes.size() - 1] ^ 0x5a);
+  testing::WriteFile(seg + ".new", bytes);
+  ::chmod((seg + ".new").c_str(), 0440);
+  ASSERT_EQ(::rename((seg + ".new").c_str(), seg.c_str()), 0);
+  ASSERT_EQ(std::filesystem::file_size(seg), bytes.size());
+  const json s = d.Status();
+  EXPECT_NE(s["segments"][0]["state"], "READY") << s.dump();
+  EXPECT_NE(s["segments"][0].value("error", "").find("replaced"), std::string::npos) << s.dump();
+  const json a = AttachOnce(d, ckpt, shm);
+  EXPECT_NE(a["decision"], "shared") << a.dump();
+  EXPECT_TRUE(d.proc().Running());
+}
+
 // --- text from checkpoints and clients is printable wherever it is shown -----------------------------------------
 
 // Control bytes of `text` other than its line ends.
