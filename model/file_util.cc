@@ -9,6 +9,7 @@
 #include <cstring>
 #include <fstream>
 #include <optional>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
 
@@ -112,6 +113,42 @@ std::optional<uint64_t> ReadNumber(const std::string& path) {
 
 }  // namespace
 
+uint64_t CgroupAvailableBytes(const std::string& self_cgroup, const std::string& sys_root) {
+  uint64_t free_bytes = ~uint64_t{0};
+  // What `dir` leaves, by one hierarchy's file names (v2: memory.max/current; v1: limit_in_bytes/usage_in_bytes).
+  auto leave = [&](const std::string& dir, const char* limit, const char* usage) {
+    const auto max = ReadNumber(dir + "/" + limit), used = ReadNumber(dir + "/" + usage);
+    if (max && used) free_bytes = std::min(free_bytes, *max > *used ? *max - *used : 0);
+  };
+  // The group, every group above it (a parent's limit binds its children), and the mount's root (inside a container
+  // the mount is the container's own group and the path, the host's name for it, does not exist there).
+  auto walk = [&](const std::string& mount, std::string path, const char* limit, const char* usage) {
+    while (!path.empty() && path.back() == '/') path.pop_back();
+    while (true) {
+      leave(mount + path, limit, usage);
+      if (path.empty()) break;
+      path = path.substr(0, path.rfind('/'));
+    }
+  };
+  std::istringstream lines(self_cgroup);
+  for (std::string line; std::getline(lines, line);) {
+    // "ID:CONTROLLERS:PATH"; v2 is "0::PATH", v1's memory line lists "memory" among its controllers.
+    const auto a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    if (path.find("..") != std::string::npos) continue;
+    if (line.rfind("0::", 0) == 0) {
+      walk(sys_root, path, "memory.max", "memory.current");
+      continue;
+    }
+    std::istringstream names(controllers);
+    for (std::string name; std::getline(names, name, ',');) {
+      if (name == "memory") walk(sys_root + "/" + controllers, path, "memory.limit_in_bytes", "memory.usage_in_bytes");
+    }
+  }
+  return free_bytes;
+}
+
 uint64_t AvailableMemoryBytes() {
   uint64_t free_bytes = ~uint64_t{0};
   {
@@ -126,15 +163,10 @@ uint64_t AvailableMemoryBytes() {
       in.ignore(256, '\n');
     }
   }
-  // cgroup v2: the line "0::/path" of /proc/self/cgroup names this process's group under /sys/fs/cgroup.
   std::ifstream cg("/proc/self/cgroup");
-  for (std::string line; std::getline(cg, line);) {
-    if (line.rfind("0::", 0) != 0) continue;
-    const std::string dir = "/sys/fs/cgroup" + line.substr(3);
-    const auto max = ReadNumber(dir + "/memory.max"), current = ReadNumber(dir + "/memory.current");
-    if (max && current) free_bytes = std::min(free_bytes, *max > *current ? *max - *current : 0);
-  }
-  return free_bytes;
+  std::stringstream text;
+  text << cg.rdbuf();
+  return std::min(free_bytes, CgroupAvailableBytes(text.str(), "/sys/fs/cgroup"));
 }
 
 }  // namespace engram

@@ -28,8 +28,13 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path, size_t max_by
 // Writes `data` to `path` atomically (temporary file in the same directory, then rename).
 absl::Status WriteFileAtomic(const std::string& path, const std::string& data);
 
-// The memory this process may still take: /proc/meminfo's MemAvailable, or less where the process's cgroup v2
-// group (memory.max - memory.current) leaves less. ~0 when neither can be read.
+// The memory this process may still take: /proc/meminfo's MemAvailable, or less where the process's memory cgroup
+// or one above it leaves less (CgroupAvailableBytes). ~0 when none can be read.
 uint64_t AvailableMemoryBytes();
+// What the memory cgroups named by `self_cgroup` (the text of /proc/self/cgroup) leave under `sys_root`
+// (/sys/fs/cgroup): the least, over the group, its ancestors and the mount's root, of limit - usage (v2: memory.max
+// and memory.current; v1: the memory hierarchy's memory.limit_in_bytes and memory.usage_in_bytes). ~0 when none
+// has a limit.
+uint64_t CgroupAvailableBytes(const std::string& self_cgroup, const std::string& sys_root);
 
 }  // namespace engram
