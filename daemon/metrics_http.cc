@@ -127,6 +127,10 @@ class MetricsHttpServer::Impl::Session : public std::enable_shared_from_this<Ses
                     false, absl::StrCat(ec.message(), "\n"));
     }
     const auto& req = parser_->get();
+    if (parser_->chunked() || parser_->content_length().value_or(0) > 0) {
+      // A body of any framing (an empty chunked one too): GET and HEAD take none.
+      return Answer(http::status::bad_request, req.version(), false, false, "a request takes no body\n");
+    }
     const bool keep = req.keep_alive();
     if (req.method() != http::verb::get && req.method() != http::verb::head) {
       return Answer(http::status::method_not_allowed, req.version(), keep, false, "only GET and HEAD\n");

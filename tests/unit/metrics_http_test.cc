@@ -84,6 +84,10 @@ TEST(MetricsHttpTest, HostileRequestsAreRefusedAndClosed) {
   EXPECT_EQ(huge.status, 431) << huge.head;
   auto body = HttpRequest(s->port(), "GET", "/metrics", "Content-Length: 5\r\n\r\nhello");
   EXPECT_EQ(body.status, 400) << "a request with a body: " << body.head;
+  auto chunked = HttpRequest(s->port(), "GET", "/metrics", "Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n");
+  EXPECT_EQ(chunked.status, 400) << "a chunked body: " << chunked.head;
+  auto empty_chunked = HttpRequest(s->port(), "GET", "/metrics", "Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n");
+  EXPECT_EQ(empty_chunked.status, 400) << "any chunked body: " << empty_chunked.head;
   TcpConnection garbage(s->port());
   ASSERT_TRUE(garbage.Send("\x16\x03\x01 not http at all\r\n\r\n"));
   EXPECT_EQ(garbage.Read().status, 400);
