@@ -27,6 +27,7 @@
 #include "client/session/session.h"
 #include "engram/v1/engram.grpc.pb.h"
 #include "model/checkpoint.h"
+#include "model/normalize.h"
 #include "nlohmann/json.hpp"
 #include "shm/segment.h"
 #include "tools/args.h"
@@ -38,12 +39,18 @@ namespace engram::tools {
 
 using namespace ctl;  // NOLINT: the subcommands' shared helpers
 
+namespace {
+// The daemon's paths travel as protobuf strings, which are UTF-8 by definition.
+constexpr const char* kNotUtf8 = "--checkpoint is not valid UTF-8: engramd takes checkpoint paths in UTF-8";
+}  // namespace
+
 int CmdLoad(int argc, char** argv) {
   Args a;
   if (auto st = a.Parse(argc, argv, 2, {"--socket", "--checkpoint", "--tp", "--timeout"}, {}); !st.ok()) {
     return Usage(std::string(st.message()));
   }
   if (!a.Has("--checkpoint")) return Usage("load needs --checkpoint DIR");
+  if (!IsValidUtf8(a.Get("--checkpoint"))) return Usage(kNotUtf8);
   if (auto st = a.RequireInts({"--timeout"}, 1, 24 * 3600); !st.ok()) return Usage(std::string(st.message()));
   engram::v1::LoadRequest req;
   req.set_checkpoint(a.Get("--checkpoint"));
@@ -72,6 +79,7 @@ int CmdUnload(int argc, char** argv) {
     return Usage(std::string(st.message()));
   }
   if (!a.Has("--checkpoint")) return Usage("unload needs --checkpoint DIR");
+  if (!IsValidUtf8(a.Get("--checkpoint"))) return Usage(kNotUtf8);
   engram::v1::UnloadRequest req;
   req.set_checkpoint(a.Get("--checkpoint"));
   const std::string socket = a.Get("--socket", kDefaultSocket);

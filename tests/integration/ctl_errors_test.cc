@@ -35,6 +35,19 @@ TEST(CtlErrorsTest, IntegersAreParsedStrictly) {
   EXPECT_EQ(r.exit_code, 2) << r.err;
 }
 
+// A checkpoint path that is not UTF-8 cannot travel in the daemon's protocol: engramctl says so itself (exit 2),
+// before any request, instead of an empty error and a raw protobuf log line.
+TEST(CtlErrorsTest, ANonUtf8PathIsABadArgument) {
+  TempDir dir;
+  const std::string ctl = BinPath("engramctl");
+  for (const std::string cmd : {"load", "unload"}) {
+    auto r = RunCmd(ctl + " " + cmd + " --checkpoint '" + dir.path() + "/\xff\xfe' --socket " + (dir / "s"));
+    EXPECT_EQ(r.exit_code, 2) << cmd << ": " << r.err;
+    EXPECT_NE(r.err.find("not valid UTF-8"), std::string::npos) << cmd << ": " << r.err;
+    EXPECT_EQ(r.err.find("libprotobuf"), std::string::npos) << cmd << ": " << r.err;
+  }
+}
+
 TEST(CtlErrorsTest, NotRunningIsOnlySaidWhenNothingListens) {
   TempDir dir;
   auto r = RunCmd(BinPath("engramctl") + " status --socket " + (dir / "none.sock"));
