@@ -191,12 +191,13 @@ void GroupRegistry::RetireLocked(std::map<std::string, Group>::iterator it) {
     } else if (!S_ISREG(st.st_mode) || st.st_uid != group_uid) {
       spdlog::warn(
           "event=group_region_kept group={} region={} owner_uid={} group_uid={}: not the group's, left in place",
-          engram::LogValue(it->first), g.rendezvous, st.st_uid, group_uid);
+          engram::LogValue(it->first), engram::LogValue(g.rendezvous), st.st_uid, group_uid);
     } else if (env_->ShmUnlink(g.rendezvous.c_str()) == 0) {
-      spdlog::info("event=group_region_removed group={} region={}", engram::LogValue(it->first), g.rendezvous);
+      spdlog::info("event=group_region_removed group={} region={}", engram::LogValue(it->first),
+                   engram::LogValue(g.rendezvous));
     } else if (errno != ENOENT) {
       spdlog::warn("event=group_region_left group={} region={} errno={}: remove it by hand",
-                   engram::LogValue(it->first), g.rendezvous, errno);
+                   engram::LogValue(it->first), engram::LogValue(g.rendezvous), errno);
     }
   }
   history_.push_front(it->second.status);

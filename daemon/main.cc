@@ -218,7 +218,8 @@ int main(int argc, char** argv) {
         st = absl::InvalidArgumentError("log_level '" + fresh->log_level + "' is not a level");
       }
       if (!st.ok()) {
-        spdlog::error("event=reload_failed detail=\"{}: nothing changed\"", std::string(st.message()));
+        spdlog::error("event=reload_failed detail={}",
+                      engram::LogQuoted(std::string(st.message()) + ": nothing changed"));
         state.NoteReloadFailure(opts->config_file, std::string(st.message()));
       } else if (st = state.Reload(*fresh); !st.ok()) {
         spdlog::error("event=reload_failed detail={}", engram::LogQuoted(std::string(st.message())));

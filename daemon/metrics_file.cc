@@ -8,10 +8,13 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <deque>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 
 namespace engram::daemon {
 namespace {
@@ -36,49 +39,64 @@ absl::Status CheckTrusted(const struct stat& st, const std::string& dir) {
 
 // Opens `dir` one component at a time, each directory checked (CheckTrusted) before the next is looked up in it, so
 // that no one who may not write a directory on the way can plant a link that moves the file elsewhere. A symlink on
-// the way is followed only when it is root's or the daemon's (its directory, checked, lets no one else replace it).
+// the way is followed only when it is root's or the daemon's, and its target is walked the same way, component by
+// component (at most 40 links).
 absl::StatusOr<int> OpenTrustedDir(const std::string& dir) {
+  std::deque<std::string> todo;  // the components still to walk
+  auto push_front_path = [&todo](const std::string& p) {
+    std::vector<std::string> parts = absl::StrSplit(p, '/', absl::SkipEmpty());
+    for (auto it = parts.rbegin(); it != parts.rend(); ++it) todo.push_front(*it);
+  };
+  push_front_path(dir);
   int dfd = ::open(dir[0] == '/' ? "/" : ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd < 0) return Errno(absl::StrCat("open the metrics file's directory ", dir));
-  std::string walked = dir[0] == '/' ? "/" : ".";
-  size_t pos = 0;
+  std::string walked = dir[0] == '/' ? "" : ".";
+  int links = 0;
+  auto fail = [&dfd](absl::Status st) {
+    ::close(dfd);
+    return st;
+  };
   while (true) {
     struct stat ds {};
-    if (::fstat(dfd, &ds) != 0) {
-      const absl::Status st = Errno(absl::StrCat("fstat ", walked));
-      ::close(dfd);
-      return st;
-    }
-    if (absl::Status st = CheckTrusted(ds, walked); !st.ok()) {
-      ::close(dfd);
-      return st;
-    }
-    while (pos < dir.size() && dir[pos] == '/') ++pos;
-    if (pos >= dir.size()) return dfd;
-    const size_t end = std::min(dir.find('/', pos), dir.size());
-    const std::string name = dir.substr(pos, end - pos);
-    pos = end;
-    if (name == ".") continue;
-    walked = absl::StrCat(walked == "/" ? "" : walked, "/", name);
+    if (::fstat(dfd, &ds) != 0) return fail(Errno(absl::StrCat("fstat ", walked.empty() ? "/" : walked)));
+    if (absl::Status st = CheckTrusted(ds, walked.empty() ? "/" : walked); !st.ok()) return fail(st);
+    while (!todo.empty() && todo.front() == ".") todo.pop_front();
+    if (todo.empty()) return dfd;
+    const std::string name = todo.front();
+    todo.pop_front();
     struct stat ls {};
-    int flags = O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW;
     if (::fstatat(dfd, name.c_str(), &ls, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(ls.st_mode)) {
+      const std::string at = absl::StrCat(walked, "/", name);
       if (ls.st_uid != 0 && ls.st_uid != ::geteuid()) {
-        ::close(dfd);
-        return absl::FailedPreconditionError(
+        return fail(absl::FailedPreconditionError(
             absl::StrFormat("the metrics file's path %s is a symlink of uid %d: only root's or uid %d's are followed",
-                            walked, ls.st_uid, ::geteuid()));
+                            at, ls.st_uid, ::geteuid())));
       }
-      flags &= ~O_NOFOLLOW;
+      if (++links > 40) return fail(absl::FailedPreconditionError(absl::StrCat("too many symlinks at ", at)));
+      char target[4096];
+      const ssize_t n = ::readlinkat(dfd, name.c_str(), target, sizeof(target) - 1);
+      if (n <= 0) return fail(Errno(absl::StrCat("readlink ", at)));
+      const std::string to(target, static_cast<size_t>(n));
+      push_front_path(to);
+      if (to[0] == '/') {  // absolute: start again from the root, checking it
+        const int root = ::open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (root < 0) return fail(Errno("open /"));
+        ::close(dfd);
+        dfd = root;
+        walked.clear();
+      }
+      continue;
     }
-    const int next = ::openat(dfd, name.c_str(), flags);
-    const int err = errno;
-    ::close(dfd);
+    const int next = ::openat(dfd, name.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
     if (next < 0) {
+      const int err = errno;
+      ::close(dfd);
       errno = err;
-      return Errno(absl::StrCat("open the metrics file's directory ", walked));
+      return Errno(absl::StrCat("open the metrics file's directory ", walked, "/", name));
     }
+    ::close(dfd);
     dfd = next;
+    walked = absl::StrCat(walked, "/", name);
   }
 }
 

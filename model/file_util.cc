@@ -126,8 +126,9 @@ uint64_t CgroupAvailableBytes(const std::string& self_cgroup, const std::string&
     while (!path.empty() && path.back() == '/') path.pop_back();
     while (true) {
       leave(mount + path, limit, usage);
-      if (path.empty()) break;
-      path = path.substr(0, path.rfind('/'));
+      const auto slash = path.rfind('/');
+      if (path.empty() || slash == std::string::npos) break;
+      path.resize(slash);
     }
   };
   std::istringstream lines(self_cgroup);
@@ -136,7 +137,7 @@ uint64_t CgroupAvailableBytes(const std::string& self_cgroup, const std::string&
     const auto a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
     if (b == std::string::npos) continue;
     const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
-    if (path.find("..") != std::string::npos) continue;
+    if (path.empty() || path[0] != '/' || ("/" + path + "/").find("/../") != std::string::npos) continue;
     if (line.rfind("0::", 0) == 0) {
       walk(sys_root, path, "memory.max", "memory.current");
       continue;

@@ -1000,6 +1000,30 @@ TEST(DaemonHardeningTest, ALinkOnTheMetricsPathIsNotFollowed) {
   EXPECT_TRUE(d.proc().Running());
 }
 
+// A root-owned link on the metrics path whose target runs through another uid's directory: the target is walked
+// component by component like the path itself, so the other uid's directory (and the link it put there, to the shm
+// directory) is refused; nothing is written there.
+TEST(DaemonHardeningTest, ALinksTargetOnTheMetricsPathIsCheckedToo) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: a directory of another uid";
+  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  TempDir dir;
+  ::chmod(dir.path().c_str(), 0755);
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 2);
+  const std::string evil = dir / "evil", tgt = dir / "tgt";
+  ASSERT_EQ(::mkdir(evil.c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir(tgt.c_str(), 0755), 0);
+  ASSERT_EQ(::chown(evil.c_str(), 65533, 65533), 0);
+  ASSERT_EQ(::symlink((evil + "/d").c_str(), (dir / "L").c_str()), 0);  // root's link
+  const auto ln = RunCmd("setpriv --reuid=65533 --regid=65533 --clear-groups ln -s " + tgt + " " + evil + "/d");
+  ASSERT_EQ(ln.exit_code, 0) << ln.out << ln.err;
+  Daemon d(dir, {"--checkpoint", ckpt, "--shm-dir", shm, "--metrics-file", dir / "L/m.prom"});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  ASSERT_TRUE(d.WaitLog("event=metrics_write_failed")) << d.Log();
+  EXPECT_FALSE(std::filesystem::exists(tgt + "/m.prom")) << d.Log();
+  EXPECT_TRUE(d.proc().Running());
+}
+
 // A symlink planted at the metrics file's old temporary name (`<file>.tmp`) pointing at a live segment: the segment
 // is never opened through it (size, header and rows unchanged), and the metrics file is still written, as a regular
 // file.
@@ -1141,6 +1165,10 @@ TEST(DaemonHardeningTest, QuotesInHostileTextForgeNoLogKey) {
   testing::WriteFile(conf, "checkpoint = " + a + "\nshm_dir = " + shm + forge + "\n");
   d.proc().Signal(SIGHUP);
   ASSERT_TRUE(d.WaitLog("key=shm_dir")) << d.Log();
+  // A refused reload names the value in its detail (an unknown group, a log level that is none).
+  testing::WriteFile(conf, "checkpoint = " + a + "\nshm_dir = " + shm + "\ngroup = nosuch" + forge + "\n");
+  d.proc().Signal(SIGHUP);
+  ASSERT_TRUE(d.WaitLog("event=reload_failed")) << d.Log();
   const std::string log = d.Log();
   std::istringstream lines(log);
   int checked = 0;
@@ -1150,7 +1178,7 @@ TEST(DaemonHardeningTest, QuotesInHostileTextForgeNoLogKey) {
     EXPECT_LE(std::count(keys.begin(), keys.end(), "detail"), 1) << "a forged key: " << line;
     checked += line.find("every segment ready") != std::string::npos ? 1 : 0;
   }
-  EXPECT_GE(checked, 2) << "the hostile text is logged (quoted): " << log;
+  EXPECT_GE(checked, 3) << "the hostile text is logged (quoted): " << log;
   EXPECT_TRUE(d.proc().Running());
 }
 

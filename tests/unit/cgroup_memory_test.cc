@@ -51,7 +51,15 @@ TEST(CgroupMemoryTest, V1CoMountedAndInsideAContainer) {
   Put(root + "/cpu,memory", "memory.usage_in_bytes", std::to_string(kGiB));
   EXPECT_EQ(CgroupAvailableBytes("3:cpu,memory:/kubepods/burstable/pod1/c2\n", root), kGiB);
   EXPECT_EQ(CgroupAvailableBytes("3:cpu,memory:/../../etc\n", root), ~uint64_t{0}) << "no path climbs out";
-  EXPECT_EQ(CgroupAvailableBytes("garbage\n::\n", root), ~uint64_t{0});
+  EXPECT_EQ(CgroupAvailableBytes("garbage\n::\n0::x\n4:memory:x\n", root), ~uint64_t{0}) << "and it ends";
+}
+
+TEST(CgroupMemoryTest, DotsInsideANameAreNotAParent) {
+  TempDir t;
+  const std::string root = t.path();
+  Put(root + "/system.slice/a..b.service", "memory.max", std::to_string(3 * kGiB));
+  Put(root + "/system.slice/a..b.service", "memory.current", std::to_string(kGiB));
+  EXPECT_EQ(CgroupAvailableBytes("0::/system.slice/a..b.service\n", root), 2 * kGiB);
 }
 
 }  // namespace
