@@ -177,11 +177,9 @@ std::optional<PeerCred> UdsListener::PeerOf(const std::string& grpc_peer) {
   return it->second.peer;
 }
 
-int UdsListener::ConnectionsOf(uint32_t uid) {
-  std::lock_guard<std::mutex> lock(mu_);
-  SweepLocked();
-  auto it = per_uid_.find(uid);
-  return it == per_uid_.end() ? 0 : it->second;
+std::map<int, UdsListener::Connection>::iterator UdsListener::ForgetLocked(std::map<int, Connection>::iterator it) {
+  if (--per_uid_[it->second.peer.uid] <= 0) per_uid_.erase(it->second.peer.uid);
+  return peers_.erase(it);
 }
 
 void UdsListener::SweepLocked() {
@@ -191,20 +189,16 @@ void UdsListener::SweepLocked() {
     if (::fstat(it->first, &st) == 0 && static_cast<uint64_t>(st.st_dev) == it->second.dev &&
         static_cast<uint64_t>(st.st_ino) == it->second.ino) {
       ++it;
-      continue;
+    } else {
+      it = ForgetLocked(it);
     }
-    if (--per_uid_[it->second.peer.uid] <= 0) per_uid_.erase(it->second.peer.uid);
-    it = peers_.erase(it);
   }
 }
 
 bool UdsListener::Admit(int fd, const PeerCred& peer, uint64_t dev, uint64_t ino) {
   std::lock_guard<std::mutex> lock(mu_);
   // An fd number gRPC closed and the kernel gave out again: the old entry is gone.
-  if (auto old = peers_.find(fd); old != peers_.end()) {
-    if (--per_uid_[old->second.peer.uid] <= 0) per_uid_.erase(old->second.peer.uid);
-    peers_.erase(old);
-  }
+  if (auto old = peers_.find(fd); old != peers_.end()) ForgetLocked(old);
   const bool exempt = peer.uid == 0 || peer.uid == ::geteuid();
   const int cap = max_per_uid_;
   auto count = [&] {

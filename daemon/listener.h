@@ -60,8 +60,6 @@ class UdsListener {
   static absl::Status CheckGroups(const std::string& group, const std::string& admin_group);
   // At most `n` (>= 1) connections open at once per uid from now on (a reload lowers it for new connections only).
   void SetMaxConnectionsPerUid(int n) { max_per_uid_ = n; }
-  // Connections of `uid` the listener counts as open (closed ones are dropped at the next sweep).
-  int ConnectionsOf(uint32_t uid);
 
  private:
   // Grants the admin group the socket (and the daemon's own socket directory) by ACL, or clears the ACL when there
@@ -72,6 +70,9 @@ class UdsListener {
   bool Admit(int fd, const PeerCred& peer, uint64_t dev, uint64_t ino);
   // Forgets the fds that are closed or name another file than the socket accepted there. Holds mu_.
   void SweepLocked();
+  struct Connection;
+  // Forgets one remembered connection; returns the next. Holds mu_.
+  std::map<int, Connection>::iterator ForgetLocked(std::map<int, Connection>::iterator it);
 
   struct Connection {
     PeerCred peer;

@@ -142,6 +142,15 @@ int HoldConnections(const std::string& socket, int n) {
   }
 }
 
+// Why a test that runs processes as other uids (setpriv) cannot run here, or "" when it can: root, setpriv, and with
+// `nogroup` the group 'nogroup' (gid 65534) that such tests give the daemon.
+std::string NoOtherUids(const std::string& why_root, bool nogroup) {
+  if (::geteuid() != 0) return "needs root: " + why_root;
+  if (RunCmd("command -v setpriv").exit_code != 0) return "setpriv (util-linux) is not installed";
+  if (nogroup && RunCmd("getent group nogroup").exit_code != 0) return "no group 'nogroup' (gid 65534)";
+  return "";
+}
+
 // `engramctl attach` once: its first JSON line (decision, verified rows, mismatches).
 json AttachOnce(const Daemon& d, const std::string& ckpt, const std::string& shm, const std::string& extra = "",
                 const std::string& prefix = "") {
@@ -225,8 +234,8 @@ TEST(DaemonHardeningTest, PlantedSegmentIsNotAdopted) {
 // sticky directory: it cannot remove it, so it never adopts nor writes it, and the segment fails with a clear error
 // that replicas get as SEGMENT_NOT_READY.
 TEST(DaemonHardeningTest, ForeignFileThatCannotBeRemovedFailsTheSegment) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the daemon runs as another uid than the planted file's";
-  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  if (const std::string no = NoOtherUids("the daemon runs as another uid than the planted file's", false); !no.empty())
+    GTEST_SKIP() << no;
   TempDir dir;
   ::chmod(dir.path().c_str(), 0777);
   const std::string shm = MakeShm(dir);
@@ -340,8 +349,8 @@ TEST(DaemonHardeningTest, AliasesOfACheckpointAreTheSameCheckpoint) {
 // The same across users: a non-root engramd owns the directory's lock; root starting another engramd there must
 // refuse (the lock file is not root's, but a live daemon holds it), not replace the lock and delete the segments.
 TEST(DaemonHardeningTest, ADaemonOfAnotherUserKeepsTheDirectory) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the two daemons run as different uids";
-  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  if (const std::string no = NoOtherUids("the two daemons run as different uids", false); !no.empty())
+    GTEST_SKIP() << no;
   TempDir dir;
   ::chmod(dir.path().c_str(), 0777);
   const std::string shm = MakeShm(dir);
@@ -699,9 +708,7 @@ TEST(DaemonHardeningTest, ClientVersionsAreBoundedAndStatusShowsEachReplicas) {
 // --- --group members can map the segments (through the descriptor the daemon passes) -----------------------------
 
 TEST(DaemonHardeningTest, GroupMemberMapsTheSegments) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root: setpriv changes uid";
-  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
-  if (RunCmd("getent group nogroup").exit_code != 0) GTEST_SKIP() << "no group 'nogroup' (gid 65534)";
+  if (const std::string no = NoOtherUids("setpriv changes uid", true); !no.empty()) GTEST_SKIP() << no;
   TempDir dir;
   ::chmod(dir.path().c_str(), 0755);
   const std::string shm = MakeShm(dir);
@@ -748,8 +755,7 @@ TEST(DaemonHardeningTest, FailedLoadIsLoggedAndShownInStatus) {
 }
 
 TEST(DaemonHardeningTest, RefusedUidsGetNothingFromAnyService) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root: setpriv switches to another uid";
-  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  if (const std::string no = NoOtherUids("setpriv switches to another uid", false); !no.empty()) GTEST_SKIP() << no;
   TempDir dir;
   ::chmod(dir.path().c_str(), 0755);
   const std::string shm = MakeShm(dir);
@@ -778,9 +784,8 @@ TEST(DaemonHardeningTest, RefusedUidsGetNothingFromAnyService) {
 // attach: reflection is off unless asked for; with --reflection on an engine's streams are refused (operators only)
 // and an operator's are bounded per uid (max_streams_per_uid).
 TEST(DaemonHardeningTest, IdleReflectionStreamsDoNotStarveTheDaemon) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the streams and the attach come from other uids";
-  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
-  if (RunCmd("getent group nogroup").exit_code != 0) GTEST_SKIP() << "no group 'nogroup' (gid 65534)";
+  if (const std::string no = NoOtherUids("the streams and the attach come from other uids", true); !no.empty())
+    GTEST_SKIP() << no;
   TempDir dir;
   ::chmod(dir.path().c_str(), 0755);
   const std::string shm = MakeShm(dir);
@@ -834,9 +839,8 @@ TEST(DaemonHardeningTest, IdleReflectionStreamsDoNotStarveTheDaemon) {
 // max_connections_per_uid: the rest are closed at accept and logged; root's status and another uid's attach keep
 // working, and once the holder is gone the same uid connects again.
 TEST(DaemonHardeningTest, ConnectionsAreBoundedPerUid) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the connections and the attach come from other uids";
-  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
-  if (RunCmd("getent group nogroup").exit_code != 0) GTEST_SKIP() << "no group 'nogroup' (gid 65534)";
+  if (const std::string no = NoOtherUids("the connections and the attach come from other uids", true); !no.empty())
+    GTEST_SKIP() << no;
   TempDir dir;
   ::chmod(dir.path().c_str(), 0755);
   const std::string shm = MakeShm(dir);
@@ -877,9 +881,8 @@ TEST(DaemonHardeningTest, ConnectionsAreBoundedPerUid) {
 // replica's --timeout-ms (it gets its answer, a fallback naming the ticket, by its deadline), and the daemon takes
 // the ticket back after --ticket-hold-ms (event=ticket_expired names the holder), so the next replica shares.
 TEST(DaemonHardeningTest, AHeldTicketExpiresAndWaitersKeepTheirDeadlines) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the waiting replica runs as another uid than the holder";
-  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
-  if (RunCmd("getent group nogroup").exit_code != 0) GTEST_SKIP() << "no group 'nogroup' (gid 65534)";
+  if (const std::string no = NoOtherUids("the waiting replica runs as another uid than the holder", true); !no.empty())
+    GTEST_SKIP() << no;
   TempDir dir;
   ::chmod(dir.path().c_str(), 0755);
   const std::string shm = MakeShm(dir);
@@ -933,9 +936,7 @@ TEST(DaemonHardeningTest, AHeldTicketExpiresAndWaitersKeepTheirDeadlines) {
 // until the 1.5 s hold limit; first come, first served, uid 65532's replica would wait about 10 s, past its 6 s
 // deadline.
 TEST(DaemonHardeningTest, TicketsGoRoundTheUids) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the replicas run as two other uids";
-  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
-  if (RunCmd("getent group nogroup").exit_code != 0) GTEST_SKIP() << "no group 'nogroup' (gid 65534)";
+  if (const std::string no = NoOtherUids("the replicas run as two other uids", true); !no.empty()) GTEST_SKIP() << no;
   TempDir dir;
   ::chmod(dir.path().c_str(), 0755);
   const std::string shm = MakeShm(dir);
@@ -971,8 +972,7 @@ TEST(DaemonHardeningTest, TicketsGoRoundTheUids) {
 // pointing at the shm directory, with the file's name a segment's: the metrics file is never written through it
 // (event=metrics_write_failed names the link's owner) and the segment keeps its bytes.
 TEST(DaemonHardeningTest, ALinkOnTheMetricsPathIsNotFollowed) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the link is planted by another uid";
-  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  if (const std::string no = NoOtherUids("the link is planted by another uid", false); !no.empty()) GTEST_SKIP() << no;
   TempDir dir;
   ::chmod(dir.path().c_str(), 0755);
   const std::string shm = MakeShm(dir);
@@ -1004,8 +1004,7 @@ TEST(DaemonHardeningTest, ALinkOnTheMetricsPathIsNotFollowed) {
 // component by component like the path itself, so the other uid's directory (and the link it put there, to the shm
 // directory) is refused; nothing is written there.
 TEST(DaemonHardeningTest, ALinksTargetOnTheMetricsPathIsCheckedToo) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root: a directory of another uid";
-  if (RunCmd("command -v setpriv").exit_code != 0) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  if (const std::string no = NoOtherUids("a directory of another uid", false); !no.empty()) GTEST_SKIP() << no;
   TempDir dir;
   ::chmod(dir.path().c_str(), 0755);
   const std::string shm = MakeShm(dir);
