@@ -875,6 +875,32 @@ TEST(DaemonHardeningTest, ConnectionsAreBoundedPerUid) {
   EXPECT_TRUE(d.proc().Running());
 }
 
+// SIGHUP applies a new connection bound (and says so): the next connections of a uid are held to it.
+TEST(DaemonHardeningTest, AReloadAppliesTheConnectionBound) {
+  if (const std::string no = NoOtherUids("the connections come from another uid", true); !no.empty()) {
+    GTEST_SKIP() << no;
+  }
+  TempDir dir;
+  ::chmod(dir.path().c_str(), 0755);
+  const std::string shm = MakeShm(dir);
+  const std::string ckpt = MakeCheckpoint(dir, 2);
+  const std::string conf = dir / "engramd.conf";
+  const std::string base = "checkpoint = " + ckpt + "\nshm_dir = " + shm + "\ngroup = nogroup\n";
+  testing::WriteFile(conf, base + "max_connections_per_uid = 64\n");
+  Daemon d(dir, {"--config", conf});
+  ASSERT_TRUE(d.WaitReady()) << d.Log();
+  testing::WriteFile(conf, base + "max_connections_per_uid = 3\n");
+  d.proc().Signal(SIGHUP);
+  ASSERT_TRUE(d.WaitLog("event=reload key=max_connections_per_uid applied")) << d.Log();
+  Process holder({"/usr/bin/setpriv", "--reuid=65533", "--regid=65533", "--groups=65534", g_self, "--hold-connections",
+                  d.socket(), "10"},
+                 dir / "holder.log");
+  ASSERT_TRUE(WaitFor([&] { return !testing::JsonLine(holder.Output(), false).is_null(); }, 60s)) << holder.Output();
+  EXPECT_EQ(testing::JsonLine(holder.Output(), false)["connected"], 3) << holder.Output();
+  holder.Signal(SIGKILL);
+  EXPECT_TRUE(d.proc().Running());
+}
+
 // --- registration tickets: a hold limit, and each waiter's own deadline -------------------------------------------
 
 // A replica that takes the node's only ticket and never reports cannot keep another uid's replica waiting past that
