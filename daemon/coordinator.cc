@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <random>
 #include <vector>
 
@@ -21,6 +22,20 @@
 
 namespace engram::daemon {
 
+namespace {
+
+// The directory of this executable (where --prewarm-registration auto looks for engram-prewarm); "" when unknown.
+std::string SelfDirectory() {
+  char buf[PATH_MAX];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return "";
+  std::string exe(buf, static_cast<size_t>(n));
+  const size_t slash = exe.rfind('/');
+  return slash == std::string::npos ? "" : exe.substr(0, slash);
+}
+
+}  // namespace
+
 uint64_t Coordinator::NewInstanceId() {
   std::random_device rd;
   return (uint64_t{rd()} << 32) ^ rd() ^ static_cast<uint64_t>(::getpid());
@@ -36,7 +51,9 @@ Coordinator::Coordinator(Options opts)
   replicas_.SetTicketHoldLimit(std::chrono::milliseconds(opts_.ticket_hold_ms));
 }
 
-Coordinator::~Coordinator() = default;
+Coordinator::~Coordinator() {
+  if (prewarm_ != nullptr) prewarm_->Stop();
+}
 
 Options Coordinator::options() const {
   std::lock_guard<std::mutex> lock(opts_mu_);
@@ -45,7 +62,22 @@ Options Coordinator::options() const {
 
 absl::Status Coordinator::Start() {
   const Options o = options();
-  return segments_.Start(o.checkpoints, o.tp_sizes, /*lock_shm_dir=*/true);
+  ASSIGN_OR_RETURN(PrewarmOptions po, ResolvePrewarmTool(o.prewarm_registration, SelfDirectory()));
+  if (!po.tool.empty()) {
+    spdlog::info("event=registration_prewarm state=on tool={}", engram::LogValue(po.tool));
+  } else {
+    spdlog::info("event=registration_prewarm state=off detail={}", engram::LogQuoted(po.off_reason));
+  }
+  prewarm_ = std::make_unique<RegistrationPrewarm>(
+      std::move(po), RegistrationPrewarm::Hooks{[this] { return replicas_.TryHoldDaemonTicket(); },
+                                                [this] { replicas_.ReleaseDaemonTicket(); },
+                                                [this] { return replicas_.ReplicaWaiting(); }});
+  segments_.SetReadyHook([this](const std::string& path) { prewarm_->SegmentReady(path); });
+  RETURN_IF_ERROR(segments_.Start(o.checkpoints, o.tp_sizes, /*lock_shm_dir=*/true));
+  for (const SegmentInfo& s : segments_.Segments()) {  // adopted: READY already
+    if (s.state == ServingState::kReady) prewarm_->SegmentReady(s.path);
+  }
+  return absl::OkStatus();
 }
 
 bool Coordinator::WaitSettled(std::chrono::milliseconds timeout) { return segments_.WaitSettled(timeout); }
@@ -132,7 +164,7 @@ void Coordinator::Detach(const std::string& lease_id) {
 }
 
 engram::v1::StatusReply Coordinator::Status() {
-  engram::v1::StatusReply reply = BuildStatus(segments_, replicas_, draining_);
+  engram::v1::StatusReply reply = BuildStatus(segments_, replicas_, draining_, prewarm_.get());
   for (auto& g : groups_.Groups()) *reply.add_groups() = std::move(g);
   if (descriptors_ != nullptr) {
     const DescriptorStats d = descriptors_->Stats();

@@ -27,6 +27,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -35,6 +36,7 @@
 #include "daemon/descriptor_server.h"
 #include "daemon/group_registry.h"
 #include "daemon/options.h"
+#include "daemon/prewarm.h"
 #include "daemon/replica_registry.h"
 #include "daemon/segment_registry.h"
 #include "engram/v1/engram.pb.h"
@@ -106,6 +108,9 @@ class Coordinator {
   std::atomic<bool> draining_{false};
   const uint64_t instance_id_;  // shared by both registries: segment headers and lease ids
   DescriptorChannel* descriptors_ = nullptr;
+  // Made by Start (--prewarm-registration), before the registries so that it outlives their threads (the publish
+  // thread calls its SegmentReady); ~Coordinator stops it first, while the registries it calls are alive.
+  std::unique_ptr<RegistrationPrewarm> prewarm_;
   // Declared last: destroyed first (their threads stop and their waiters wake while the rest is alive).
   SegmentRegistry segments_;
   ReplicaRegistry replicas_;

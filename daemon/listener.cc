@@ -92,7 +92,8 @@ absl::Status UdsListener::Bind(const std::string& path, const std::string& group
   ASSIGN_OR_RETURN(admin_gid_, ResolveGroup(admin_group, "admin group"));
   RETURN_IF_ERROR(net::CheckSocketPath(path));
   ASSIGN_OR_RETURN(group_gid_, ResolveGroup(group, "group"));
-  const std::string dir = path.substr(0, path.rfind('/'));
+  const size_t slash = path.rfind('/');  // a bare name (`--socket engramd.sock`) is in the working directory
+  const std::string dir = slash == std::string::npos ? std::string() : path.substr(0, slash);
   if (!dir.empty() && ::mkdir(dir.c_str(), 0750) == 0 && group_gid_ >= 0) {
     if (::chown(dir.c_str(), static_cast<uid_t>(-1), static_cast<gid_t>(group_gid_)) != 0) {
       spdlog::warn("event=chown_failed path={} errno={}", engram::LogValue(dir), errno);

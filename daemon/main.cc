@@ -2,7 +2,7 @@
 //
 //   engramd --checkpoint DIR [--checkpoint DIR ...] --tp 1[,2,...] [--shm-dir DIR] [--socket PATH] [--group NAME]
 //           [--tickets N] [--threads N] [--log-level LEVEL] [--metrics-file PATH] [--metrics-address HOST:PORT]
-//           [--config FILE]
+//           [--prewarm-registration auto|off|PATH] [--config FILE]
 //   engramd --version     prints "engramd <version>" (engram/version.h) and exits 0
 //
 // Runs in the foreground, logs to stderr, readiness through sd_notify (READY=1 once the requested segments are
@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
           "N] [--threads N] [--log-level LEVEL]\n"
           "               [--max-streams-per-uid N] [--max-connections-per-uid N] [--ticket-hold-ms MS]\n"
           "               [--reflection on|off] [--metrics-file PATH]\n"
-          "               [--metrics-address HOST:PORT] [--config FILE]\n"
+          "               [--metrics-address HOST:PORT] [--prewarm-registration auto|off|PATH] [--config FILE]\n"
           "       engramd --version\n");
       return 0;
     }

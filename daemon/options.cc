@@ -77,6 +77,10 @@ absl::Status Set(const std::string& origin, const std::string& key, const std::s
     }
   } else if (key == "threads") {
     return int_value(&o->threads, 0);
+  } else if (key == "prewarm_registration") {
+    if (value.empty())
+      return absl::InvalidArgumentError(absl::StrCat(origin, ": prewarm_registration wants auto, off or a path"));
+    o->prewarm_registration = value;
   } else if (key == "log_level") {
     o->log_level = value;
   } else if (key == "metrics_file") {

@@ -2,7 +2,8 @@
 //
 // Config file: one `key = value` per line, `#` comments. Keys: checkpoint (repeatable), tp (comma list), shm_dir,
 // socket, group, admin_group, tickets, ticket_hold_ms, max_sessions, max_sessions_per_uid, max_streams_per_uid,
-// max_connections_per_uid, reflection (on|off), threads, log_level, metrics_file, metrics_address. Flags:
+// max_connections_per_uid, reflection (on|off), threads, log_level, metrics_file, metrics_address,
+// prewarm_registration (auto|off|PATH). Flags:
 // --checkpoint DIR (repeatable), --tp 1,2,
 // --shm-dir DIR, --socket PATH, --group NAME, --admin-group NAME, --tickets N, --threads N, --log-level LEVEL,
 // --metrics-file PATH, --metrics-address HOST:PORT, --config FILE. A flag given on the command line replaces the
@@ -48,6 +49,9 @@ struct Options {
   std::string metrics_file;  // Prometheus text format, rewritten every 2 s (node_exporter textfile collector)
   // HTTP /metrics for Prometheus (daemon/metrics_http.h), "" = off; validated by ParseMetricsAddress.
   std::string metrics_address;
+  // engramd's own first CUDA registration of each READY segment (daemon/prewarm.h): auto (engram-prewarm next to
+  // engramd, when installed), off, or the tool's path.
+  std::string prewarm_registration = "auto";
   std::string config_file;  // where the file values came from ("" when none)
 };
 

@@ -92,6 +92,7 @@ void SegmentRegistry::PublishLoop() {
       e->too_small = false;
     }
     spdlog::info("event=publish_start path={} bytes={} threads={}", engram::LogValue(path), bytes, threads_);
+    bool ready = false;
     auto r = Publish(*ckpt, *layout, *map, key.first, key.second, shm_dir_, instance_id_, epoch_.load(), threads_,
                      progress.get(), env_, publish_tuning_);
     {
@@ -125,8 +126,10 @@ void SegmentRegistry::PublishLoop() {
         e->error = std::string(r.status().message());
         spdlog::error("event=publish_failed path={} detail={}", engram::LogValue(path), engram::LogQuoted(e->error));
       }
+      ready = r.ok() && e != nullptr;
     }
     cv_.notify_all();
+    if (ready && ready_hook_) ready_hook_(path);
   }
 }
 

@@ -182,6 +182,28 @@ void ReplicaRegistry::ExpireTicketsLocked() {
   }
 }
 
+bool ReplicaRegistry::TryHoldDaemonTicket() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ExpireTicketsLocked();
+  if (stopping_ || !ticket_queue_.empty() || tickets_held_ >= ticket_capacity_) return false;
+  ++tickets_held_;
+  ++daemon_tickets_;
+  return true;
+}
+
+void ReplicaRegistry::ReleaseDaemonTicket() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (daemon_tickets_ == 0) return;
+  --daemon_tickets_;
+  if (tickets_held_ > 0) --tickets_held_;
+  cv_.notify_all();
+}
+
+bool ReplicaRegistry::ReplicaWaiting() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !ticket_queue_.empty();
+}
+
 void ReplicaRegistry::SetTicketHoldLimit(std::chrono::milliseconds limit) {
   std::lock_guard<std::mutex> lock(mu_);
   ticket_hold_limit_ = std::max(limit, std::chrono::milliseconds(1));

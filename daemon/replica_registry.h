@@ -102,6 +102,11 @@ class ReplicaRegistry {
   // The same, waiting at most until `deadline` (kTimedOut: it leaves the queue).
   TicketWait AwaitTicket(const std::string& lease_id, const std::function<bool()>& cancelled,
                          std::chrono::steady_clock::time_point deadline);
+  // The daemon's own registration (daemon/prewarm.h): takes a ticket only when one is free and no replica is queued
+  // for one (true); ReleaseDaemonTicket gives it back. ReplicaWaiting: a replica is queued for a ticket now.
+  bool TryHoldDaemonTicket();
+  void ReleaseDaemonTicket();
+  bool ReplicaWaiting() const;
   // How long a ticket may be held before it is reclaimed (at least 1 ms).
   void SetTicketHoldLimit(std::chrono::milliseconds limit);
   // Registration result: frees the replica's ticket; on failure the replica falls back (REGISTER_FAILED), its
@@ -164,7 +169,8 @@ class ReplicaRegistry {
   std::deque<std::string> recent_fallbacks_;
   ReplicaCounters counters_;
   int ticket_capacity_ = 1;
-  int tickets_held_ = 0;
+  int tickets_held_ = 0;  // the daemon's own (daemon_tickets_) included
+  int daemon_tickets_ = 0;
   std::chrono::milliseconds ticket_hold_limit_{120000};
   std::deque<std::string> ticket_queue_;
   std::map<uint32_t, uint64_t> last_grant_;  // uid -> grant_seq_ at its last grant

@@ -156,6 +156,9 @@ class SegmentRegistry {
   void BumpEpoch() { ++epoch_; }
   // Wakes waiters in Offer/WaitSettled so that they re-check their conditions (e.g. after draining began).
   void Wake();
+  // Called with a segment's path each time a publish of it ends READY (on the publish thread, under no lock). Set
+  // before Start; segments adopted by Start are READY when it returns (Segments() lists them).
+  void SetReadyHook(std::function<void(const std::string& path)> hook) { ready_hook_ = std::move(hook); }
 
  private:
   using Key = std::pair<int64_t, int64_t>;  // (tp_size, tp_rank)
@@ -208,6 +211,7 @@ class SegmentRegistry {
   const uint64_t instance_id_;
   Env* const env_;
   const PublishTuning publish_tuning_;
+  std::function<void(const std::string& path)> ready_hook_;
   std::atomic<uint64_t> epoch_{1};
   std::deque<std::string> load_failures_;
   ShmDirLock shm_lock_;

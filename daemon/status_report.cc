@@ -7,7 +7,8 @@
 
 namespace engram::daemon {
 
-engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const ReplicaRegistry& replicas, bool draining) {
+engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const ReplicaRegistry& replicas, bool draining,
+                                    const RegistrationPrewarm* prewarm) {
   engram::v1::StatusReply s;
   const std::string& shm_dir = segments.shm_dir();
   auto cap = ProbeShm(shm_dir);
@@ -36,6 +37,18 @@ engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const Repli
                       : e.rows_total ? static_cast<double>(e.rows_done) / e.rows_total
                                      : 0.0);
     seg->set_error(e.error);
+    PrewarmRecord pw;
+    if (prewarm != nullptr) {
+      pw = prewarm->RecordOf(e.path);
+    } else {
+      pw.detail = "engramd has not started serving";
+    }
+    auto* p = seg->mutable_prewarm();
+    p->set_state(std::string(Name(pw.state)));
+    p->set_register_seconds(pw.register_seconds);
+    p->set_seconds(pw.seconds);
+    p->set_at_unix_ms(pw.at_unix_ms);
+    p->set_detail(pw.detail);
     if (e.state == ServingState::kReady) engram_bytes += e.bytes;
   }
   shm->set_engram_bytes(engram_bytes);

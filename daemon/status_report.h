@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <string>
 
+#include "daemon/prewarm.h"
 #include "daemon/replica_registry.h"
 #include "daemon/segment_registry.h"
 #include "engram/v1/engram.pb.h"
@@ -24,6 +25,8 @@ namespace engram::daemon {
 inline constexpr size_t kMaxStatusReplicas = 1024;
 inline constexpr size_t kMaxStatusReplicaBytes = size_t{1} << 20;
 
-engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const ReplicaRegistry& replicas, bool draining);
+// `prewarm`: the daemon's registration prewarm (null: off, "engramd is not serving yet").
+engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const ReplicaRegistry& replicas, bool draining,
+                                    const RegistrationPrewarm* prewarm = nullptr);
 
 }  // namespace engram::daemon

@@ -93,6 +93,25 @@ int CmdStatus(int argc, char** argv) {
                                  g.origin().empty() ? "-" : g.origin(), g.load_seconds(), g.checksum_state(),
                                  g.error().empty() ? "" : "  ! " + g.error());
   }
+  // engramd's own first registration of each segment (daemon/prewarm.h): one line when it is off everywhere.
+  bool any_prewarm = false;
+  for (const auto& g : s.segments()) {
+    const auto& p = g.prewarm();
+    if (p.state() == "off" || p.state().empty()) continue;
+    any_prewarm = true;
+    std::cout << absl::StrFormat("  prewarm %s: %s", g.name(), p.state());
+    if (p.state() == "done")
+      std::cout << absl::StrFormat(", registered in %.2fs (%.2fs in all)", p.register_seconds(), p.seconds());
+    if (p.at_unix_ms() > 0) {
+      std::cout << ", at "
+                << absl::FormatTime("%Y-%m-%d %H:%M:%S", absl::FromUnixMillis(p.at_unix_ms()), absl::LocalTimeZone());
+    }
+    if (p.state() != "done" && !p.detail().empty()) std::cout << ": " << p.detail();
+    std::cout << "\n";
+  }
+  if (!any_prewarm && s.segments_size() > 0) {
+    std::cout << "  registration prewarm off: " << s.segments(0).prewarm().detail() << "\n";
+  }
   std::cout << absl::StrFormat("\n%-8s %-6s %-6s %-6s %-15s %-11s %-12s %-10s %-10s %s\n", "pid", "uid", "dp", "tp",
                                "mode", "via", "attached", "register", "client", "reasons");
   for (const auto& r : s.replicas()) {

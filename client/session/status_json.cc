@@ -42,7 +42,13 @@ json Segment(const v1::SegmentStatus& g) {
           {"load_seconds", g.load_seconds()},
           {"checksum_state", g.checksum_state()},
           {"progress", g.progress()},
-          {"error", g.error()}};
+          {"error", g.error()},
+          {"prewarm",
+           {{"state", g.prewarm().state()},
+            {"register_seconds", g.prewarm().register_seconds()},
+            {"seconds", g.prewarm().seconds()},
+            {"at_unix_ms", g.prewarm().at_unix_ms()},
+            {"detail", g.prewarm().detail()}}}};
 }
 
 json Replica(const v1::ReplicaStatus& r) {

@@ -491,6 +491,26 @@ TEST(DaemonTest, StartupRefusals) {
   EXPECT_EQ(p3.Wait(), 2);
 }
 
+// A socket given as a bare name is made in the daemon's working directory (not a directory of that name).
+TEST(DaemonTest, ASocketNamedWithoutADirectoryIsInTheWorkingDirectory) {
+  TempDir dir;
+  const std::string ckpt = MakeCheckpoint(dir, 8);
+  ::mkdir((dir / "shm").c_str(), 0755);
+  Process d({"/bin/sh", "-c",
+             "cd '" + dir.path() + "' && exec '" + BinPath("../daemon/engramd") + "' --checkpoint ck --shm-dir shm " +
+                 "--socket bare.sock"},
+            dir / "bare.log");
+  ASSERT_TRUE(
+      WaitFor([&] { return RunCmd(BinPath("engramctl") + " status --socket " + (dir / "bare.sock")).exit_code == 0; },
+              std::chrono::seconds(30)))
+      << d.Output();
+  struct stat st {};
+  ASSERT_EQ(::stat((dir / "bare.sock").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISSOCK(st.st_mode)) << "bare.sock is not a socket";
+  d.Signal(SIGTERM);
+  EXPECT_EQ(d.Wait(), 0) << d.Output();
+}
+
 TEST(DaemonTest, HostileClientsAndForeignUsersDoNotHurtIt) {
   TempDir dir;
   const std::string shm = dir / "shm";

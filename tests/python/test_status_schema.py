@@ -12,6 +12,8 @@ def without_live(doc):
     """The document less what changes between two calls with nothing else happening (docs/status.md, "Rules")."""
     doc = json.loads(json.dumps(doc))
     del doc["shm"]["free_bytes"]
+    for g in doc["segments"]:
+        del g["prewarm"]  # settles on its own after READY (docs/status.md, "Rules")
     for r in doc["replicas"]:
         del r["attached_seconds"]
     return doc

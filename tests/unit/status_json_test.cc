@@ -110,6 +110,11 @@ engram::v1::StatusReply Full() {
   g->set_checksum_state("ok");
   g->set_progress(0.5);
   g->set_error("e");
+  g->mutable_prewarm()->set_state("done");
+  g->mutable_prewarm()->set_register_seconds(1.25);
+  g->mutable_prewarm()->set_seconds(2.5);
+  g->mutable_prewarm()->set_at_unix_ms(int64_t{1} << 40);
+  g->mutable_prewarm()->set_detail("register_seconds=1.250");
   auto* r = s.add_replicas();
   r->set_pid(10);
   r->set_own_pid(11);
