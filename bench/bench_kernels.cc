@@ -158,10 +158,9 @@ int main(int argc, char** argv) {
         const double ms =
             MedianMs([&] { lookup(static_cast<const uint8_t*>(dseg), rows, items, packed, 0); }, s, 10, 2);
         const double gbs = items * rb / ms / 1e6;
-        std::printf(
-            "UVA %5.1f GiB shm, %7lld rows, %-6s         %8.3f ms  %8.2f     %.3f of H2D (bar 8.0 GB/s: %.2fx)\n",
-            seg_bytes / 1073741824.0, static_cast<long long>(items), packed ? "packed" : "bf16", ms, gbs, gbs / h2d,
-            gbs / 8.0);
+        std::printf("UVA %5.1f GiB shm, %7lld rows, %-6s         %8.3f ms  %8.2f     %.3f of H2D\n",
+                    seg_bytes / 1073741824.0, static_cast<long long>(items), packed ? "packed" : "bf16", ms, gbs,
+                    gbs / h2d);
       }
     }
     // Same ids, sorted: does locality in the table help the address translation that bounds the UVA path?
@@ -261,11 +260,8 @@ int main(int argc, char** argv) {
         const double graph_ms = MedianMs([&] { CUDA_CHECK(cudaGraphLaunch(exec, s)); }, s, 50, 5) / 20;
         cudaGraphExecDestroy(exec);
         cudaGraphDestroy(graph);
-        const double bar = tokens == 1 ? 5 : tokens == 2 ? 6 : tokens == 4 ? 8 : 20;
-        std::printf(
-            "UVA latency %2d tokens x 24 columns, %5.0f MiB   %8.2f us  launch+run, %6.2f us in a graph (bar %.0f "
-            "us)\n",
-            tokens, footprint_rows * rb / 1048576.0, ms * 1e3, graph_ms * 1e3, bar);
+        std::printf("UVA latency %2d tokens x 24 columns, %5.0f MiB   %8.2f us  launch+run, %6.2f us in a graph\n",
+                    tokens, footprint_rows * rb / 1048576.0, ms * 1e3, graph_ms * 1e3);
       }
     }
   }  // !variants_only
@@ -734,7 +730,7 @@ int main(int argc, char** argv) {
   for (int t : {4096, 8192}) {
     const double ms = MedianMs([&] { gate(t, s); }, s, 20, 3);
     const double bytes = double(t) * (HC * HD * 2 * 2 + (HC + 1) * HD * 2);  // hidden in+out, kv in
-    std::printf("T=%-42d %8.3f ms  %8.0f     %.3f (bar 0.70)\n", t, ms, bytes / ms / 1e6, bytes / ms / 1e6 / d2d);
+    std::printf("T=%-42d %8.3f ms  %8.0f     %.3f of D2D\n", t, ms, bytes / ms / 1e6, bytes / ms / 1e6 / d2d);
   }
 
   // HBM lookup: 1M rows from a device table (the ceiling copies' buffers, 2 GiB of records).
@@ -746,7 +742,7 @@ int main(int argc, char** argv) {
     const double rec = items * rb / ms / 1e6, moved = items * (rb + D * 2) / ms / 1e6;
     std::printf(
         "\nlookup HBM 2 GiB table, %lld rows, bf16        %8.3f ms  %8.0f rec.  %.3f of D2D counting rows "
-        "read + bf16 written (bar 1.1 TB/s of records)\n",
+        "read + bf16 written\n",
         static_cast<long long>(items), ms, rec, moved / d2d);
   }
 
@@ -777,7 +773,7 @@ int main(int argc, char** argv) {
     CUDA_CHECK(cudaMemcpy(dp, pos.data(), T * 8, cudaMemcpyHostToDevice));
     engram::kernels::HashArgs h{dt, dp, dq, nullptr, nullptr, T, 2, dout, nullptr};
     const double ms = MedianMs([&] { CUDA_CHECK(engram::kernels::LaunchHash((*dl)->view(), h, s)); }, s, 100, 10);
-    std::printf("hash T=8192, 2 layers x 24 columns               %8.2f us                (bar 15 us)\n", ms * 1e3);
+    std::printf("hash T=8192, 2 layers x 24 columns               %8.2f us\n", ms * 1e3);
 
     // Prefetch during a busy main stream: main = 10 gate kernels of T=8192.
     for (int blocks : {0, 8, 16}) {
@@ -829,7 +825,7 @@ int main(int argc, char** argv) {
       std::printf("\nprefetch, background grid %s blocks: 8192 tokens x 2 layers (UVA) alone %.3f ms\n",
                   blocks ? std::to_string(blocks).c_str() : "default", side_alone);
       std::printf(
-          "  main stream (60 gates T=8192) alone %.3f ms, with the prefetch %.3f ms: slowed %.1f%% (bar 5%%); "
+          "  main stream (60 gates T=8192) alone %.3f ms, with the prefetch %.3f ms: slowed %.1f%%; "
           "lookup done before the main stream in %d/10 runs\n",
           alone, with[with.size() / 2], (with[with.size() / 2] / alone - 1) * 100, finished_first);
     }

@@ -82,8 +82,8 @@ absl::StatusOr<PrewarmOptions> ResolvePrewarmTool(const std::string& setting, co
     return o;
   }
   if (!IsExecutableFile(setting)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prewarm_registration: '", setting, "' is not an executable file (auto, off, or the tool's path)"));
+    return absl::InvalidArgumentError(absl::StrCat("prewarm_registration: '", setting,
+                                                   "' is not an executable file (auto, off, or the tool's path)"));
   }
   o.tool = setting;
   return o;
@@ -234,8 +234,10 @@ PrewarmRecord RegistrationPrewarm::RunOne(const std::string& path) {
       std::lock_guard<std::mutex> lock(mu_);
       stopping = stopping_;
     }
-    if (stopping) stopped_why = "engramd is stopping";
-    else if (hooks_.replica_waiting()) stopped_why = "a replica asked for a registration ticket: it goes first";
+    if (stopping)
+      stopped_why = "engramd is stopping";
+    else if (hooks_.replica_waiting())
+      stopped_why = "a replica asked for a registration ticket: it goes first";
     timed_out = Clock::now() - t0 > options_.timeout;
     if (!stopped_why.empty() || timed_out) {
       ::kill(pid, SIGKILL);
@@ -285,8 +287,8 @@ PrewarmRecord RegistrationPrewarm::RunOne(const std::string& path) {
   absl::ConsumePrefix(&why, "error=");
   const std::string how = WIFEXITED(status) ? absl::StrCat("exited with status ", WEXITSTATUS(status))
                                             : absl::StrCat("was killed by signal ", WTERMSIG(status));
-  return finish(PrewarmState::kFailed, why.empty() ? absl::StrCat("engram-prewarm ", how)
-                                                   : absl::StrCat("engram-prewarm ", how, ": ", why));
+  return finish(PrewarmState::kFailed,
+                why.empty() ? absl::StrCat("engram-prewarm ", how) : absl::StrCat("engram-prewarm ", how, ": ", why));
 }
 
 }  // namespace engram::daemon

@@ -60,6 +60,10 @@ case "${1:-kernels}" in
 esac
 # ENGRAM_BUNDLE_EXTRA="bench/bench_daemon ...": more binaries of the build directory in the same bundle (built already).
 for x in ${ENGRAM_BUNDLE_EXTRA:-}; do bins+=("$build/$x"); done
+# engramd's registration prewarm tool goes beside it (its --prewarm-registration auto looks there).
+for b in "${bins[@]}"; do
+  if [ "$(basename "$b")" = engramd ] && [ -x "$build/daemon/engram-prewarm" ]; then bins+=("$build/daemon/engram-prewarm"); break; fi
+done
 for b in "${bins[@]}"; do
   cp "$b" "$out/bin/"
   # Everything ldd resolves except the C library family and the driver (the GPU machine has its own).
@@ -286,10 +290,17 @@ if [ "$what" = fullscale ]; then
     first=1
     for tickets in ${ENGRAM_FS_TICKETS:-1}; do
       t0=$(date +%s.%N)
-      "$here/bin/engramd" --checkpoint "$w/ck" --shm-dir "$dir" --socket "$w/sock" --tickets "$tickets" --log-level info 2>> "$out/fullscale-engramd-$m.log" &
+      # ENGRAM_FS_PREWARM: engramd's --prewarm-registration (auto: engram-prewarm beside it; off).
+      "$here/bin/engramd" --checkpoint "$w/ck" --shm-dir "$dir" --socket "$w/sock" --tickets "$tickets" --log-level info \
+        --prewarm-registration "${ENGRAM_FS_PREWARM:-auto}" 2>> "$out/fullscale-engramd-$m.log" &
       d=$!
       wait_ready || { echo "$m: not READY"; rc=1; }
       echo "== $m ($dir), tickets $tickets: READY after $(awk "BEGIN{print $(date +%s.%N) - $t0}") s; $("$here/bin/engramctl" status --socket "$w/sock" --json | grep -o '"load_seconds":[0-9.]*' | head -1)" | tee -a "$log"
+      if [ $first = 1 ] && [ "${ENGRAM_FS_PREWARM:-auto}" != off ]; then
+        # engramd's own first registration of the segment: wait for it to settle, then show what it paid.
+        for _ in $(seq 600); do "$here/bin/engramctl" status --socket "$w/sock" --json | grep -qE '"state":"(queued|running)"' || break; sleep 0.2; done
+        echo "  prewarm settled $(awk "BEGIN{print $(date +%s.%N) - $t0}") s after engramd's start: $("$here/bin/engramctl" status --socket "$w/sock" --json | grep -o '"prewarm":{[^}]*}')" | tee -a "$log"
+      fi
       grep -E 'MemAvailable|Shmem:|ShmemHugePages' /proc/meminfo | tr '\n' ' ' | tee -a "$log"; echo | tee -a "$log"
       if [ $first = 1 ] && [ -n "${ENGRAM_FS_BEFORE:-}" ]; then
         # ENGRAM_FS_BEFORE="each": bench_register on the published segment before the first replica (the machine's
@@ -300,7 +311,10 @@ if [ "$what" = fullscale ]; then
         # accessed on each read, and activates it on the second), to see whether the first registration's extra goes.
         for pass in 1 2; do
           cp /proc/vmstat "$w/vmstat.0"
-          if [ "$ENGRAM_FS_BEFORE" = read2 ]; then
+          if [ "$ENGRAM_FS_BEFORE" = scratch ]; then
+            # ENGRAM_FS_BEFORE="scratch": a registration of anonymous memory (not the segment's pages) first.
+            "$here/bin/engram-prewarm" --scratch-mib "${ENGRAM_FS_SCRATCH_MIB:-8192}" 2>&1 | tee -a "$log"
+          elif [ "$ENGRAM_FS_BEFORE" = read2 ]; then
             t2=$(date +%s.%N); dd if="$seg" of=/dev/null bs=16M 2>/dev/null
             echo "  read pass $pass: $(awk "BEGIN{print $(date +%s.%N) - $t2}") s" | tee -a "$log"
           else

@@ -14,7 +14,8 @@ namespace {
 int Help(int code) {
   (code == 0 ? std::cout : std::cerr)
       << "usage: engramctl COMMAND [options]\n"
-         "  plan (--checkpoint DIR | --config FILE) [--tp N] [--shm-dir DIR] [--json]\n"
+         "  plan (--checkpoint DIR | --config FILE) [--tp N] [--dp N] [--local-dp N] [--tokens N]\n"
+         "       [--cpu-offload true|false] [--elastic-ep] [--embedding-across-dp] [--shm-dir DIR] [--json]\n"
          "  tokenmap --tokenizer FILE [--out FILE] [--json]\n"
          "  hash (--checkpoint DIR | --config FILE --tokenizer FILE) --tokens a,b,... [--dead 0,1,...] [--json]\n"
          "  status [--socket PATH] [--json]\n"
@@ -26,7 +27,7 @@ int Help(int code) {
          "  attach --checkpoint DIR [--tp-size N --tp-rank R --dp-size N --dp-rank R --local-dp-size N]\n"
          "         [--cpu-offload auto|true|false] [--dp-shared-memory auto|true|false] [--embedding-across-dp]\n"
          "         [--elastic-ep] [--no-descriptor] [--shm-dir DIR] [--ticket] [--verify N] [--hold S]\n"
-         "         [--socket PATH]\n"
+         "         [--timeout S] [--socket PATH]\n"
          "  --version                          (print engramctl's version)\n";
   return code;
 }

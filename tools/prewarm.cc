@@ -8,7 +8,8 @@
 //                                   any file's pages)
 //
 // Prints one line of key=value pairs and exits 0 (done), 3 (no usable GPU: `reason=`), 1 (failed: `error=`) or
-// 2 (bad usage); `error=` and `reason=` take the rest of the line. Single-threaded apart from the registration's own workers.
+// 2 (bad usage); `error=` and `reason=` take the rest of the line. Single-threaded apart from the registration's own
+// workers.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>

@@ -235,13 +235,19 @@ int main(int argc, char** argv) {
     std::cout << "engram-replica " << ENGRAM_VERSION_STRING << "\n";
     return 0;
   }
+  for (const char* choice : {"--cpu-offload", "--dp-shared-memory"}) {  // auto (the default), true or false
+    const std::string v = a.Get(choice, "auto");
+    if (st.ok() && v != "auto" && v != "true" && v != "false") {
+      st = absl::InvalidArgumentError(std::string(choice) + " takes auto, true or false, not '" + v + "'");
+    }
+  }
   if (!st.ok() || !a.Has("--checkpoint")) {
     std::cerr
         << "engram-replica: " << (st.ok() ? "--checkpoint DIR is required" : std::string(st.message())) << "\n"
         << "usage: engram-replica --socket PATH --checkpoint DIR --tp-size N --tp-rank R --dp-size N --dp-rank R\n"
            "       [--local-dp-size N (DP ranks on this node; 0: all)] [--timeout-ms MS]\n"
            "       [--verify ROWS (rows per batch and layer checked against the checkpoint)]\n"
-           "       [--dp-shared-memory auto|true|false] [--cpu-offload true|false] [--embedding-across-dp]\n"
+           "       [--dp-shared-memory auto|true|false] [--cpu-offload auto|true|false] [--embedding-across-dp]\n"
            "       [--elastic-ep] [--batches N] [--tokens N] [--hold SECONDS] [--write-probe]\n"
            "       [--no-descriptor] [--shm-dir DIR (path fallback: the daemon's shm dir as seen here)]\n"
            "       [--device N (CUDA device, e.g. one per DP rank)]\n"
@@ -266,7 +272,7 @@ int main(int argc, char** argv) {
   req.elastic_ep = a.Has("--elastic-ep");
   req.embedding_across_dp = a.Has("--embedding-across-dp");
   req.shm_dir = a.Get("--shm-dir", "");
-  if (a.Has("--cpu-offload")) req.cpu_offload = a.Get("--cpu-offload") != "false";
+  if (a.Get("--cpu-offload", "auto") != "auto") req.cpu_offload = a.Get("--cpu-offload") == "true";
   const std::string dsm = a.Get("--dp-shared-memory", "auto");
   req.dp_shared_memory = dsm == "true"    ? engram::client::Choice::kTrue
                          : dsm == "false" ? engram::client::Choice::kFalse
