@@ -147,6 +147,10 @@ void Coordinator::ReportRegistration(const std::string& lease_id, const engram::
   replicas_.ReportRegistration(lease_id, result);
 }
 
+void Coordinator::RecordEngineChoice(const std::string& lease_id, const std::string& text) {
+  replicas_.RecordEngineChoice(lease_id, text);
+}
+
 absl::Status Coordinator::RecordOutcome(const std::string& lease_id, const engram::v1::Outcome& outcome) {
   return replicas_.RecordOutcome(lease_id, outcome);
 }

@@ -70,6 +70,8 @@ class Coordinator {
   // FailedPrecondition when sent twice.
   absl::Status RecordOutcome(const std::string& lease_id, const engram::v1::Outcome& outcome);
   void Detach(const std::string& lease_id);
+  // What the replica's latest lookup engine chose (ReplicaRegistry::RecordEngineChoice).
+  void RecordEngineChoice(const std::string& lease_id, const std::string& text);
   // A DP_SHARDED replica joins its node-local group (daemon/group_registry.h); Detach leaves it.
   absl::Status JoinGroup(const std::string& lease_id, const engram::v1::Hello& hello, const PeerCred& peer,
                          const engram::v1::GroupJoin& join,

@@ -182,6 +182,12 @@ void ReplicaRegistry::ExpireTicketsLocked() {
   }
 }
 
+void ReplicaRegistry::RecordEngineChoice(const std::string& lease_id, const std::string& text) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = replicas_.find(lease_id);
+  if (it != replicas_.end()) it->second.engine = engram::Printable(text);
+}
+
 bool ReplicaRegistry::TryHoldDaemonTicket() {
   std::lock_guard<std::mutex> lock(mu_);
   ExpireTicketsLocked();
@@ -349,6 +355,7 @@ std::vector<ReplicaInfo> ReplicaRegistry::Replicas() const {
     i.outcome_reported = r.outcome_reported;
     i.attached_seconds = SecondsSince(r.attached);
     i.register_seconds = r.register_seconds;
+    i.engine = r.engine;
     i.segment_key = r.segment_key;
     out.push_back(std::move(i));
   }

@@ -73,6 +73,7 @@ struct ReplicaInfo {
   double attached_seconds = 0;
   double register_seconds = -1;
   std::string segment_key;  // the segment it holds a lease on; "" when none
+  std::string engine;       // its latest lookup engine's choice (printable); "" until it made one
 };
 
 struct ReplicaCounters {
@@ -116,6 +117,9 @@ class ReplicaRegistry {
   // ValidateOutcome), FailedPrecondition for a second one, NotFound for an unknown lease. A mode other than SHARED
   // releases the replica's lease.
   absl::Status RecordOutcome(const std::string& lease_id, const engram::v1::Outcome& outcome);
+  // The replica's latest lookup engine's choice, shown in status (control characters replaced; the caller bounds
+  // its size). An unknown lease changes nothing.
+  void RecordEngineChoice(const std::string& lease_id, const std::string& text);
   // Ends the session: frees its ticket, removes it from the ticket queue, releases its lease.
   void Detach(const std::string& lease_id);
 
@@ -152,6 +156,7 @@ class ReplicaRegistry {
     std::chrono::steady_clock::time_point attached;
     double register_seconds = -1;
     std::string segment_key;
+    std::string engine;
     std::function<void(const engram::v1::ServerMessage&)> notify;
   };
   void AddRecentFallbackLocked(std::string line);

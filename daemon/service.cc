@@ -227,6 +227,18 @@ grpc::Status EngramService::Session(
         outcome_mode = msg.outcome().mode();
         continue;
       }
+      case engram::v1::ClientMessage::kEngineChoice:
+        // After the outcome: status shows what the replica's engine chose (the latest one's).
+        if (!outcome_sent) {
+          result = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "engine choice sent before the outcome");
+          break;
+        }
+        if (auto st = Bounded("engine_choice.text", msg.engine_choice().text(), kMaxEngineChoiceBytes); !st.ok()) {
+          result = st;
+          break;
+        }
+        state_->RecordEngineChoice(lease, msg.engine_choice().text());
+        continue;
       case engram::v1::ClientMessage::kGroupJoin:
         // DP_SHARDED replicas only, once they settled in that mode (daemon/group_registry.h checks the rest).
         if (!outcome_sent || outcome_mode != engram::v1::DP_SHARDED) {

@@ -20,6 +20,7 @@
 namespace engram::daemon {
 
 inline constexpr size_t kMaxClientStringBytes = 4096;
+inline constexpr size_t kMaxEngineChoiceBytes = 2048;  // EngineChoice.text
 inline constexpr size_t kMaxBackendBytes = 64;
 inline constexpr size_t kMaxClientVersionBytes = 64;
 

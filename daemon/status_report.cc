@@ -70,6 +70,7 @@ engram::v1::StatusReply BuildStatus(const SegmentRegistry& segments, const Repli
     for (const auto& reason : r.reasons) *rep->add_reasons() = reason;
     rep->set_attached_seconds(r.attached_seconds);
     rep->set_register_seconds(r.register_seconds);
+    rep->set_engine(r.engine);
     rep->set_lease_id(r.lease_id);
     rep->set_attach(std::string(AttachName(r.attach)));
     rep->set_own_pid(r.hello.pid());

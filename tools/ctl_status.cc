@@ -128,6 +128,7 @@ int CmdStatus(int argc, char** argv) {
                                  reasons.empty() ? "-" : absl::StrJoin(reasons, ","));
     for (const auto& x : r.reasons())
       std::cout << "           " << engram::v1::FallbackReason_Name(x.code()) << ": " << x.hint() << "\n";
+    if (!r.engine().empty()) std::cout << "           engine: " << r.engine() << "\n";
   }
   PrintGroups(s);
   if (s.recent_fallbacks_size() > 0) {

@@ -305,7 +305,11 @@ int main(int argc, char** argv) {
                                                        ids(static_cast<size_t>(T * L * C));
   std::vector<int64_t> pos(static_cast<size_t>(T));
   std::vector<uint16_t> rows(static_cast<size_t>(T * C * D));
-  auto host_engine = engram::client::LookupEngine::CreateOnHost(t, static_cast<int32_t>(std::max<int64_t>(T, 1)));
+  // On the CPU backend this is the serving engine (Create reports its choice to engramd); on CUDA, the checker.
+  const int32_t max_tokens = static_cast<int32_t>(std::max<int64_t>(T, 1));
+  auto host_engine = t.backend() == engram::client::Backend::kCpu
+                         ? engram::client::LookupEngine::Create(t, max_tokens, nullptr)
+                         : engram::client::LookupEngine::CreateOnHost(t, max_tokens);
   if (!host_engine.ok()) {
     std::cout << json{{"error", std::string(host_engine.status().message())}}.dump() << std::endl;
     return 1;

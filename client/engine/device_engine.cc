@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/status_macros.h"
 #include "client/environment.h"
 #include "client/log.h"
@@ -133,6 +134,10 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
       "ids)",
       LookupPathName(e->path_), table_text, e->host_options_.threads, e->host_options_.dedup,
       e->host_options_.uva_share, host_records);
+  e->choice_ = absl::StrCat("backend=cuda lookup_path=", LookupPathName(e->path_), " path_table=", table_text,
+                            " host_gather_threads=", e->host_options_.threads,
+                            absl::StrFormat(" host_gather_uva_share=%.2f", e->host_options_.uva_share),
+                            e->calibration_.empty() ? "" : " ", e->calibration_);
   return e;
 }
 
@@ -202,6 +207,8 @@ absl::Status DeviceEngine::Calibrate(const ClientEnvironment& env) {
       "engram: event=lookup_calibrated row_order_from_items={} decode_shape={} host_gather={} table_rows={} "
       "seconds={:.3f}",
       row_order, decode, host, table_->layers()[0].row_end - table_->layers()[0].row_begin, seconds);
+  calibration_ = absl::StrFormat("row_order_from_items=%s decode_shape=%s host_gather=%s calibration_seconds=%.3f",
+                                 row_order, decode, host, seconds);
   return absl::OkStatus();
 }
 

@@ -38,6 +38,8 @@ class DeviceEngine final : public LookupEngine {
                                                               cudaStream_t stream, bool staging = true);
   ~DeviceEngine() override;
   Backend backend() const override { return Backend::kCuda; }
+  // Its path, the host-gather threads and share, and the calibration's choices with their timings.
+  std::string choice() const override { return choice_; }
 
   // Hash ids of a flattened batch: out [T, n_layers, n_cols] (device). See kernels::HashArgs for the inputs.
   using LookupEngine::Hash;
@@ -68,6 +70,8 @@ class DeviceEngine final : public LookupEngine {
   int64_t sort_min_items(bool packed, bool background) const { return sort_min_items_[packed][background]; }
 
  private:
+  std::string calibration_;  // what Calibrate chose, for choice()
+  std::string choice_;
   DeviceEngine() = default;
   void NotePath(LookupPath path, int64_t items);
   const PathPoint* NearestPoint(int64_t items) const;  // last_path_, and a log line the first time a path is taken

@@ -216,12 +216,15 @@ absl::StatusOr<std::unique_ptr<LookupEngine>> LookupEngine::Create(const Table& 
   if (table.backend() == Backend::kCuda) {
 #ifdef ENGRAM_HAVE_CUDA
     ASSIGN_OR_RETURN(auto e, DeviceEngine::Create(table, max_tokens, static_cast<cudaStream_t>(stream), staging));
+    table.NoteEngineChoice(e->choice());
     return std::unique_ptr<LookupEngine>(std::move(e));
 #else
     return absl::InternalError("a CUDA table in a build without CUDA");
 #endif
   }
-  return CreateOnHost(table, max_tokens);
+  ASSIGN_OR_RETURN(auto e, CreateOnHost(table, max_tokens));
+  table.NoteEngineChoice(e->choice());
+  return e;
 }
 
 absl::StatusOr<std::unique_ptr<LookupEngine>> LookupEngine::CreateOnHost(const Table& table, int32_t max_tokens) {

@@ -140,6 +140,7 @@ struct Session::Impl {
   std::unique_ptr<Connection> conn;
   bool closing = false;
   std::optional<v1::ClientMessage> outcome;         // replayed after a reconnect
+  std::optional<v1::ClientMessage> engine_choice;   // the same (after the outcome)
   std::function<void(const GroupEvent&)> on_group;  // the DP group this session joined (JoinGroup)
   uint64_t join_id = 0;                             // that membership's id (0: none)
   uint64_t next_join_id = 1;
@@ -258,6 +259,7 @@ struct Session::Impl {
               "reading its own mapping of the old file (no longer shared): restart it to share again");
         }
         if (outcome && !(*next)->stream->Write(*outcome)) continue;
+        if (engine_choice && !(*next)->stream->Write(*engine_choice)) continue;
         std::unique_ptr<Connection> old = std::move(conn);
         conn = std::move(*next);
         (void)old->stream->Finish();  // it ended (Read returned false): collect its status, then let it go
@@ -417,6 +419,15 @@ absl::Status Session::ReportOutcome(Mode mode, const std::vector<Reason>& reason
   o->set_attach(static_cast<v1::AttachMethod>(attach));
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->outcome = m;
+  return impl_->Write(m);
+}
+
+absl::Status Session::ReportEngineChoice(const std::string& text) {
+  v1::ClientMessage m;
+  m.mutable_engine_choice()->set_text(Utf8Prefix(text, 2048));  // the daemon's bound
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (!impl_->outcome) return absl::FailedPreconditionError("an engine choice is reported after the outcome");
+  impl_->engine_choice = m;
   return impl_->Write(m);
 }
 

@@ -116,6 +116,9 @@ class Session {
   absl::Status ReportRegistration(const RegistrationReport& report);
   absl::Status ReportOutcome(Mode mode, const std::vector<Reason>& reasons, Backend backend,
                              AttachMethod attach = AttachMethod::kNone);
+  // What this replica's latest lookup engine chose (EngineChoice; status shows it): after ReportOutcome, replayed
+  // after a reconnect like the outcome. Cut to 2048 bytes.
+  absl::Status ReportEngineChoice(const std::string& text);
   // Holds the session (the lease) and drains daemon events in the background until destruction. When the session
   // breaks (engramd died or restarted) the background thread logs event=lease_lost, reconnects with backoff (up to
   // 5 s apart), says hello again and replays the outcome, so status lists this replica again; the table keeps its

@@ -64,6 +64,7 @@ json Replica(const v1::ReplicaStatus& r) {
           {"mode", r.mode()},
           {"backend", r.backend()},
           {"attach", r.attach()},
+          {"engine", r.engine()},
           {"reasons", ReasonNames(r.reasons())},
           {"hints", ReasonHints(r.reasons())},
           {"attached_seconds", r.attached_seconds()},

@@ -10,7 +10,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "base/utf8.h"
 #include "base/worker_threads.h"
+#include "client/log.h"
 #include "io/shard_records.h"
 #include "model/tokenizer.h"
 
@@ -49,6 +51,13 @@ void FillLayers(const Layout& layout, const ShardRange& shard, TableImpl* t) {
 }
 
 }  // namespace
+
+void TableImpl::NoteEngineChoice(const std::string& choice) const {
+  if (session_ == nullptr) return;
+  if (auto st = session_->ReportEngineChoice(choice); !st.ok()) {
+    Log().debug("engram: event=engine_choice_not_reported detail={}", engram::LogQuoted(std::string(st.message())));
+  }
+}
 
 TableImpl::~TableImpl() {
   keep_.clear();  // unregister / free device copies before the memory goes

@@ -48,6 +48,7 @@ class TableImpl final : public Table {
   double register_seconds() const override { return register_seconds_; }
   AttachMethod attach_method() const override { return attach_; }
   AttachTimes attach_times() const override { return times_; }
+  void NoteEngineChoice(const std::string& choice) const override;
 
   // The bytes the table's records span (one mapping or allocation), for pinning.
   const uint8_t* base() const { return base_; }

@@ -126,6 +126,9 @@ class Table {
   virtual AttachMethod attach_method() const { return AttachMethod::kNone; }
   // The attach's time, step by step.
   virtual AttachTimes attach_times() const { return {}; }
+  // A lookup engine made on this table says what it chose (LookupEngine::choice): the table's session with engramd
+  // reports it, and `engramctl status` shows it for this replica. Best effort; nothing without a session.
+  virtual void NoteEngineChoice(const std::string& choice) const { (void)choice; }
   // Hashing, lookups and the gate go through a LookupEngine (engram/lookup_engine.h): the one lookup API, on the
   // GPU or the CPU, and on the host records of any table (LookupEngine::CreateOnHost).
 };

@@ -16,8 +16,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "engram/client.h"
 
 namespace engram::client {
@@ -66,10 +68,14 @@ class LookupEngine {
   static absl::StatusOr<std::unique_ptr<LookupEngine>> Create(const Table& table, int32_t max_tokens, void* stream,
                                                               bool staging);
   // The CPU engine over the table's host records whatever its backend (host pointers in and out): the C API's host
-  // calls and host-side checks. Its lookups fail with FailedPrecondition on a DEVICE table (no host copy).
+  // calls and host-side checks. Its lookups fail with FailedPrecondition on a DEVICE table (no host copy). Unlike
+  // Create, it does not report its choice to engramd (a checker beside the serving engine is not what it runs).
   static absl::StatusOr<std::unique_ptr<LookupEngine>> CreateOnHost(const Table& table, int32_t max_tokens);
   virtual ~LookupEngine() = default;
   virtual Backend backend() const = 0;
+  // What this engine chose when it was made and why, as one line of key=value pairs (backend=, lookup_path=, its
+  // calibration's choices and timings); Create reports it to engramd through the table's session.
+  virtual std::string choice() const { return absl::StrCat("backend=", backend() == Backend::kCuda ? "cuda" : "cpu"); }
 
   // Flattened batch of `num_requests` requests (docs/math.md section 5): out [T, n_layers, n_cols] int32 row ids.
   // lookback [R, N-1] raw ids oldest first, -1 unknown (null: all unknown); lookback_dead [R, N-1] nonzero = that

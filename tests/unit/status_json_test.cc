@@ -128,6 +128,7 @@ engram::v1::StatusReply Full() {
   r->set_mode("PRIVATE_PINNED");
   r->set_backend("cpu");
   r->set_attach("");
+  r->set_engine("backend=cpu");
   auto* reason = r->add_reasons();
   reason->set_code(engram::v1::SHM_NOT_VISIBLE);
   reason->set_hint("run with --ipc=host");
