@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <optional>
@@ -150,24 +151,34 @@ uint64_t CgroupAvailableBytes(const std::string& self_cgroup, const std::string&
   return free_bytes;
 }
 
+std::optional<uint64_t> MeminfoValue(const std::string& meminfo, const std::string& key) {
+  const std::string text = "\n" + meminfo;
+  const size_t at = text.find("\n" + key + ":");
+  if (at == std::string::npos) return std::nullopt;
+  const char* p = text.c_str() + at + key.size() + 2;
+  while (*p == ' ' || *p == '\t') ++p;
+  if (*p < '0' || *p > '9') return std::nullopt;
+  errno = 0;
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(p, &end, 10);
+  if (errno == ERANGE) return std::nullopt;
+  return static_cast<uint64_t>(v);
+}
+
+uint64_t AvailableMemoryBytes(const std::string& meminfo, const std::string& self_cgroup, const std::string& sys_root) {
+  const auto kb = MeminfoValue(meminfo, "MemAvailable");
+  const uint64_t free_bytes = kb && *kb <= (~uint64_t{0} >> 10) ? *kb * 1024 : ~uint64_t{0};
+  return std::min(free_bytes, CgroupAvailableBytes(self_cgroup, sys_root));
+}
+
 uint64_t AvailableMemoryBytes() {
-  uint64_t free_bytes = ~uint64_t{0};
-  {
-    std::ifstream in("/proc/meminfo");
-    std::string key;
-    uint64_t kb = 0;
-    while (in >> key >> kb) {
-      if (key == "MemAvailable:") {
-        free_bytes = kb * 1024;
-        break;
-      }
-      in.ignore(256, '\n');
-    }
-  }
-  std::ifstream cg("/proc/self/cgroup");
-  std::stringstream text;
-  text << cg.rdbuf();
-  return std::min(free_bytes, CgroupAvailableBytes(text.str(), "/sys/fs/cgroup"));
+  auto slurp = [](const char* path) {
+    std::ifstream in(path);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  };
+  return AvailableMemoryBytes(slurp("/proc/meminfo"), slurp("/proc/self/cgroup"), "/sys/fs/cgroup");
 }
 
 }  // namespace engram

@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -28,9 +29,14 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path, size_t max_by
 // Writes `data` to `path` atomically (temporary file in the same directory, then rename).
 absl::Status WriteFileAtomic(const std::string& path, const std::string& data);
 
+// The value of `key` ("MemAvailable", "HugePages_Free", ...) in the text of /proc/meminfo, as written (kB for sizes,
+// a count for page counts); nullopt when the key is absent or its value does not parse. The one parser of that file.
+std::optional<uint64_t> MeminfoValue(const std::string& meminfo, const std::string& key);
 // The memory this process may still take: /proc/meminfo's MemAvailable, or less where the process's memory cgroup
-// or one above it leaves less (CgroupAvailableBytes). ~0 when none can be read.
+// or one above it leaves less (CgroupAvailableBytes). ~0 when none can be read. The first form reads the files
+// (model/ and io/ code, which have no Env); the second takes their text (Env::AvailableMemoryBytes reads them).
 uint64_t AvailableMemoryBytes();
+uint64_t AvailableMemoryBytes(const std::string& meminfo, const std::string& self_cgroup, const std::string& sys_root);
 // What the memory cgroups named by `self_cgroup` (the text of /proc/self/cgroup) leave under `sys_root`
 // (/sys/fs/cgroup): the least, over the group, its ancestors and the mount's root, of limit - usage (v2: memory.max
 // and memory.current; v1: the memory hierarchy's memory.limit_in_bytes and memory.usage_in_bytes). ~0 when none

@@ -15,16 +15,21 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "model/file_util.h"
 
 namespace engram {
 namespace {
 
 // The mountinfo entry whose mount point is the longest prefix of `dir` (dir must be canonical).
-void ReadMountInfo(const std::string& dir, ShmCapacity& out) {
-  std::ifstream in("/proc/self/mountinfo");
+void ReadMountInfo(const std::string& dir, ShmCapacity& out, Env* env) {
+  std::string text;
+  if (env->ReadSmallFile("/proc/self/mountinfo", size_t{16} << 20, &text) != 0) return;
+  std::istringstream in(text);
   std::string line;
   size_t best = 0;
   while (std::getline(in, line)) {
@@ -46,38 +51,28 @@ void ReadMountInfo(const std::string& dir, ShmCapacity& out) {
   }
 }
 
-uint64_t HugetlbFreeBytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  uint64_t free_pages = 0, page_kb = 0;
-  while (in >> key) {
-    uint64_t v = 0;
-    in >> v;
-    if (key == "HugePages_Free:") free_pages = v;
-    if (key == "Hugepagesize:") page_kb = v;
-    in.ignore(256, '\n');
-  }
-  return free_pages * page_kb * 1024;
+std::string Meminfo(Env* env) {
+  std::string text;
+  return env->ReadSmallFile("/proc/meminfo", 1 << 20, &text) == 0 ? text : std::string();
 }
 
-uint64_t MeminfoBytes(const std::string& text, const std::string& key) {
-  const size_t at = text.find("\n" + key + ":");
-  if (at == std::string::npos) return 0;
-  return std::strtoull(text.c_str() + at + key.size() + 2, nullptr, 10) * 1024;
+uint64_t HugetlbFreeBytes(Env* env) {
+  const std::string text = Meminfo(env);
+  return MeminfoValue(text, "HugePages_Free").value_or(0) * MeminfoValue(text, "Hugepagesize").value_or(0) * 1024;
 }
 
-uint64_t ReadCount(const std::string& path) {
-  std::ifstream in(path);
+uint64_t ReadCount(Env* env, const std::string& path) {
+  std::string text;
   uint64_t v = 0;
-  return (in >> v) ? v : 0;
+  if (env->ReadSmallFile(path.c_str(), 4096, &text) != 0) return 0;
+  return absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &v) ? v : 0;
 }
 
 }  // namespace
 
-NodeMemory ReadNodeMemory() {
-  std::ifstream in("/proc/meminfo");
-  std::string text = "\n" + std::string(std::istreambuf_iterator<char>(in), {});
-  return {MeminfoBytes(text, "MemTotal"), MeminfoBytes(text, "MemAvailable")};
+NodeMemory ReadNodeMemory(Env* env) {
+  const std::string text = Meminfo(env);
+  return {MeminfoValue(text, "MemTotal").value_or(0) * 1024, MeminfoValue(text, "MemAvailable").value_or(0) * 1024};
 }
 
 bool SegmentsOnHugePages(const ShmCapacity& c) {
@@ -104,12 +99,12 @@ uint64_t MappingOverheadBytes(uint64_t bytes, bool huge_pages) {
   return (bytes + page - 1) / page * 16;
 }
 
-HugePool ReadHugePool(uint64_t page_bytes) {
+HugePool ReadHugePool(uint64_t page_bytes, Env* env) {
   HugePool p;
   p.page_bytes = page_bytes;
   const std::string dir = absl::StrCat("/sys/kernel/mm/hugepages/hugepages-", page_bytes / 1024, "kB/");
-  p.total_pages = ReadCount(dir + "nr_hugepages");
-  const uint64_t free_pages = ReadCount(dir + "free_hugepages"), reserved = ReadCount(dir + "resv_hugepages");
+  p.total_pages = ReadCount(env, dir + "nr_hugepages");
+  const uint64_t free_pages = ReadCount(env, dir + "free_hugepages"), reserved = ReadCount(env, dir + "resv_hugepages");
   p.available_pages = free_pages > reserved ? free_pages - reserved : 0;
   return p;
 }
@@ -129,29 +124,29 @@ void ApplyHugetlbfsLimits(uint64_t vfs_blocks, uint64_t vfs_bavail, const HugePo
 
 absl::StatusOr<ShmCapacity> ProbeShm(const std::string& dir, Env* env) {
   ShmCapacity c;
-  char real[PATH_MAX];
-  if (::realpath(dir.c_str(), real) == nullptr) {
+  std::string real;
+  if (env->Realpath(dir.c_str(), &real) != 0) {
     return absl::NotFoundError(absl::StrCat(dir, ": shared-memory directory does not exist"));
   }
   c.path = real;
   struct stat st {};
-  if (env->Stat(real, &st) != 0 || !S_ISDIR(st.st_mode)) {
+  if (env->Stat(real.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
     return absl::NotFoundError(absl::StrCat(dir, ": not a directory"));
   }
   c.device = st.st_dev;
   c.inode = st.st_ino;
   struct statvfs vfs {};
-  if (RetryEintr([&] { return env->Statvfs(real, &vfs); }) != 0) {
+  if (RetryEintr([&] { return env->Statvfs(real.c_str(), &vfs); }) != 0) {
     return absl::InternalError(absl::StrCat(dir, ": statvfs failed: ", std::strerror(errno)));
   }
   c.total_bytes = static_cast<uint64_t>(vfs.f_blocks) * vfs.f_frsize;
   c.free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
-  ReadMountInfo(c.path, c);
-  c.hugetlb_free_bytes = HugetlbFreeBytes();
+  ReadMountInfo(c.path, c, env);
+  c.hugetlb_free_bytes = HugetlbFreeBytes(env);
   if (c.fs_type == "hugetlbfs") {
     // statvfs counts in the mount's huge pages (f_bsize is the page size) and says nothing without size=.
     ApplyHugetlbfsLimits(static_cast<uint64_t>(vfs.f_blocks), static_cast<uint64_t>(vfs.f_bavail),
-                         ReadHugePool(static_cast<uint64_t>(vfs.f_bsize)), c);
+                         ReadHugePool(static_cast<uint64_t>(vfs.f_bsize), env), c);
   }
   struct rlimit rl {};
   if (::getrlimit(RLIMIT_MEMLOCK, &rl) == 0) {

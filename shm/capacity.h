@@ -1,7 +1,8 @@
 // Capacity probe of a shared-memory directory: what the daemon checks before it creates any segment, and what
 // `engramctl plan` and `status` show. Reads statvfs (total/free bytes), the mount's filesystem type and `huge=`
-// policy from /proc/self/mountinfo, the hugetlb pool (/proc/meminfo) and RLIMIT_MEMLOCK; statvfs goes through the
-// Env (shm/env.h), so tests can make a mount look full.
+// policy from /proc/self/mountinfo, the hugetlb pool (/proc/meminfo, its sysfs counts) and RLIMIT_MEMLOCK. Every
+// read (realpath, stat, statvfs, the /proc and /sys files) goes through the Env (shm/env.h), so tests can make a
+// mount look full, another file system, or on huge pages.
 //
 // On hugetlbfs the room is the mount's size= limit capped by its page size's free pool (without size= the kernel
 // reports no blocks at all, and the pool is the whole answer). Pure function of the system state; thread-safe.
@@ -33,7 +34,7 @@ struct NodeMemory {
   uint64_t total_bytes = 0;
   uint64_t available_bytes = 0;
 };
-NodeMemory ReadNodeMemory();
+NodeMemory ReadNodeMemory(Env* env = Env::Default());
 
 // Whether segments published in a directory with these properties sit on huge pages: hugetlbfs, or a tmpfs whose
 // huge= option gives them (always, within_size; not advise: the segment's space is reserved before any mapping
@@ -61,7 +62,7 @@ struct HugePool {
   uint64_t total_pages = 0;
   uint64_t available_pages = 0;
 };
-HugePool ReadHugePool(uint64_t page_bytes);
+HugePool ReadHugePool(uint64_t page_bytes, Env* env = Env::Default());
 
 // What a hugetlbfs mount can hold: its size= limit when it has one (statvfs blocks, in huge pages), never more
 // than the pool can still back; without size= the kernel reports 0 blocks and the pool alone is the limit.

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
+#include <cstdlib>
 #include <string>
 #include <string_view>
 
@@ -61,7 +63,44 @@ size_t PosixEnv::PageBytes() {
 }
 int PosixEnv::Mprotect(void* addr, size_t len, int prot) { return ::mprotect(addr, len, prot); }
 
-uint64_t PosixEnv::AvailableMemoryBytes() { return engram::AvailableMemoryBytes(); }
+uint64_t PosixEnv::AvailableMemoryBytes() {
+  std::string meminfo, cgroup;
+  if (ReadSmallFile("/proc/meminfo", 1 << 20, &meminfo) != 0) meminfo.clear();
+  if (ReadSmallFile("/proc/self/cgroup", 1 << 20, &cgroup) != 0) cgroup.clear();
+  return engram::AvailableMemoryBytes(meminfo, cgroup, "/sys/fs/cgroup");
+}
+
+int PosixEnv::ReadSmallFile(const char* path, size_t max_bytes, std::string* out) {
+  const int fd = RetryEintr([&] { return ::open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); });
+  if (fd < 0) return -1;
+  out->clear();
+  char buf[8192];
+  while (true) {
+    const ssize_t n = RetryEintr([&] { return ::read(fd, buf, sizeof(buf)); });
+    if (n < 0) {
+      const int e = errno;
+      ::close(fd);
+      errno = e;
+      return -1;
+    }
+    if (n == 0) break;
+    if (out->size() + static_cast<size_t>(n) > max_bytes) {
+      ::close(fd);
+      errno = EFBIG;
+      return -1;
+    }
+    out->append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return 0;
+}
+
+int PosixEnv::Realpath(const char* path, std::string* out) {
+  char buf[PATH_MAX];
+  if (::realpath(path, buf) == nullptr) return -1;
+  *out = buf;
+  return 0;
+}
 int PosixEnv::Mlock(const void* addr, size_t len) { return ::mlock(addr, len); }
 int PosixEnv::Munlock(const void* addr, size_t len) { return ::munlock(addr, len); }
 

@@ -60,6 +60,11 @@ class Env {
   // memory.max, that limit less memory.current (a side that cannot be read does not count; neither: UINT64_MAX).
   // The client checks it before it builds a private table.
   virtual uint64_t AvailableMemoryBytes() = 0;
+  // The whole of a small file read to its end (a /proc or /sys entry, whose size stat reports as 0; a config file)
+  // into *out: 0, or -1 with errno (EFBIG past `max_bytes`).
+  virtual int ReadSmallFile(const char* path, size_t max_bytes, std::string* out) = 0;
+  // realpath(3) into *out: 0, or -1 with errno.
+  virtual int Realpath(const char* path, std::string* out) = 0;
 };
 
 // The system calls themselves. Derive from it to override one call in a test.
@@ -89,6 +94,8 @@ class PosixEnv : public Env {
   int Munlock(const void* addr, size_t len) override;
   size_t PageBytes() override;
   uint64_t AvailableMemoryBytes() override;
+  int ReadSmallFile(const char* path, size_t max_bytes, std::string* out) override;
+  int Realpath(const char* path, std::string* out) override;
 };
 
 // Repeats `call` while it fails with EINTR (for calls whose result is -1 + errno).

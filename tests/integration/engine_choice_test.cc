@@ -47,8 +47,8 @@ TEST(EngineChoice, AReplicasEngineChoiceIsInStatus) {
       std::chrono::seconds(60)))
       << d.Status().dump() << replica.Output();
   // This machine's engine: the CPU one without a GPU, the calibrated CUDA one with.
-  EXPECT_TRUE(engine.rfind("backend=cpu", 0) == 0 ||
-              (engine.rfind("backend=cuda lookup_path=", 0) == 0 && engine.find("host_gather_threads=") != std::string::npos))
+  EXPECT_TRUE(engine.rfind("backend=cpu", 0) == 0 || (engine.rfind("backend=cuda lookup_path=", 0) == 0 &&
+                                                      engine.find("host_gather_threads=") != std::string::npos))
       << engine;
   const auto text = RunCmd(BinPath("engramctl") + " status --socket " + d.socket());
   EXPECT_NE(text.out.find("engine: " + engine), std::string::npos) << text.out;

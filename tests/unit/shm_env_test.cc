@@ -12,12 +12,15 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "model/file_util.h"
 #include "shm/capacity.h"
 #include "shm/env.h"
 #include "shm/segment.h"
@@ -109,6 +112,84 @@ TEST(ShmEnvTest, EintrIsRetriedEverywhere) {
   ASSERT_TRUE(h.ok()) << h.status();
   EXPECT_EQ(h->fingerprint, 0x1234u);
   EXPECT_EQ(env.eintr_budget, 0);
+}
+
+// The /proc and /sys files the probe reads come through the Env: a made-up mountinfo, meminfo and hugetlb pool.
+class ProcEnv : public PosixEnv {
+ public:
+  std::map<std::string, std::string> files;  // path -> text; other paths: the real file
+  std::string real_dir;                      // what Realpath answers; "" = ENOENT
+  int ReadSmallFile(const char* path, size_t max_bytes, std::string* out) override {
+    auto it = files.find(path);
+    if (it == files.end()) return PosixEnv::ReadSmallFile(path, max_bytes, out);
+    *out = it->second;
+    return 0;
+  }
+  int Realpath(const char* path, std::string* out) override {
+    if (real_dir.empty()) {
+      errno = ENOENT;
+      return -1;
+    }
+    (void)path;
+    *out = real_dir;
+    return 0;
+  }
+};
+
+TEST(ShmEnvTest, TheProcAndSysFilesOfTheProbeComeThroughTheEnv) {
+  TempDir dir;
+  ProcEnv env;
+  env.real_dir = dir.path();
+  env.files["/proc/self/mountinfo"] =
+      "22 1 0:5 / / rw - ext4 /dev/sda1 rw\n"
+      "40 22 0:40 / " +
+      dir.path() + " rw,nosuid - tmpfs tmpfs rw,size=1024k,huge=within_size\n";
+  env.files["/proc/meminfo"] =
+      "MemTotal:       1000 kB\nMemAvailable:    600 kB\nHugePages_Free:      3\nHugepagesize:    2048 kB\n";
+  auto cap = ProbeShm(dir.path(), &env);
+  ASSERT_TRUE(cap.ok()) << cap.status();
+  EXPECT_EQ(cap->fs_type, "tmpfs");
+  EXPECT_EQ(cap->huge_pages, "within_size");
+  EXPECT_EQ(cap->hugetlb_free_bytes, uint64_t{3} * 2048 * 1024);
+  const NodeMemory m = ReadNodeMemory(&env);
+  EXPECT_EQ(m.total_bytes, 1000u * 1024);
+  EXPECT_EQ(m.available_bytes, 600u * 1024);
+  const std::string pool = "/sys/kernel/mm/hugepages/hugepages-2048kB/";
+  env.files[pool + "nr_hugepages"] = "10\n";
+  env.files[pool + "free_hugepages"] = "7\n";
+  env.files[pool + "resv_hugepages"] = "2\n";
+  const HugePool p = ReadHugePool(2048 * 1024, &env);
+  EXPECT_EQ(p.total_pages, 10u);
+  EXPECT_EQ(p.available_pages, 5u);
+  env.files[pool + "free_hugepages"] = "lots\n";  // unreadable counts are 0, never garbage
+  EXPECT_EQ(ReadHugePool(2048 * 1024, &env).available_pages, 0u);
+  env.files["/proc/meminfo"] = "MemTotal: x kB\n";
+  EXPECT_EQ(ReadNodeMemory(&env).total_bytes, 0u);
+  env.real_dir.clear();  // realpath fails: the directory does not exist
+  EXPECT_EQ(ProbeShm(dir.path(), &env).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ShmEnvTest, ReadSmallFileReadsProcFilesToTheirEndAndIsBounded) {
+  PosixEnv env;
+  std::string text;
+  ASSERT_EQ(env.ReadSmallFile("/proc/self/status", 1 << 20, &text), 0);  // stat says 0 bytes; the text is longer
+  EXPECT_NE(text.find("Pid:"), std::string::npos);
+  EXPECT_EQ(env.ReadSmallFile("/proc/self/status", 8, &text), -1);
+  EXPECT_EQ(errno, EFBIG);
+  EXPECT_EQ(env.ReadSmallFile("/nonexistent/file", 8, &text), -1);
+  EXPECT_EQ(errno, ENOENT);
+}
+
+TEST(ShmEnvTest, MeminfoValuesParseOrAreAbsent) {
+  const std::string t = "MemTotal:  16 kB\nHugePages_Free:\t4\nBad: kB\nHuge: 99999999999999999999999 kB\n";
+  EXPECT_EQ(MeminfoValue(t, "MemTotal"), std::optional<uint64_t>(16));
+  EXPECT_EQ(MeminfoValue(t, "HugePages_Free"), std::optional<uint64_t>(4));
+  EXPECT_EQ(MeminfoValue(t, "Bad"), std::nullopt);
+  EXPECT_EQ(MeminfoValue(t, "Huge"), std::nullopt);
+  EXPECT_EQ(MeminfoValue(t, "Total"), std::nullopt);  // a key, not a suffix of one
+  EXPECT_EQ(MeminfoValue("", "MemTotal"), std::nullopt);
+  EXPECT_EQ(AvailableMemoryBytes("MemAvailable: 2 kB\n", "", "/nonexistent"), 2048u);
+  EXPECT_EQ(AvailableMemoryBytes("", "", "/nonexistent"), ~uint64_t{0});
 }
 
 TEST(ShmEnvTest, StatvfsThroughTheEnvMakesAMountLookFull) {
