@@ -116,7 +116,8 @@ absl::StatusOr<engram::v1::ServerMessage> Coordinator::Attach(
     }
     if (descriptors_ != nullptr) {
       g->set_fd_socket(descriptors_->socket_name());
-      g->set_fd_token(descriptors_->Issue(*lease_id, peer, offer.segment_path, offer.segment_bytes));
+      g->set_fd_token(descriptors_->Issue(*lease_id, peer, offer.segment_path, offer.segment_bytes, g->segment_dev(),
+                                          g->segment_ino()));
     }
     spdlog::info("event=attach decision=shared pid={} uid={} dp_rank={} tp_rank={} segment={} lease={}", peer.pid,
                  peer.uid, h.dp_rank(), h.tp_rank(), offer.segment_name, *lease_id);

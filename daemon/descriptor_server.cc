@@ -56,7 +56,8 @@ bool SameSecret(const std::string& a, const std::string& b) {
 
 }  // namespace
 
-DescriptorChannel::DescriptorChannel(std::function<bool(const PeerCred&)> allowed) : allowed_(std::move(allowed)) {}
+DescriptorChannel::DescriptorChannel(std::function<bool(const PeerCred&)> allowed, Env* env)
+    : allowed_(std::move(allowed)), env_(env) {}
 
 DescriptorChannel::~DescriptorChannel() { Stop(); }
 
@@ -88,13 +89,13 @@ void DescriptorChannel::Stop() {
   if (fd_ >= 0) {
     ::close(fd_);
     fd_ = -1;
-    ::unlink(path_.c_str());
+    env_->Unlink(path_.c_str());
   }
 }
 
 std::string DescriptorChannel::Issue(const std::string& lease, const PeerCred& peer, const std::string& segment_path,
-                                     uint64_t segment_bytes) {
-  Pending p{lease, RandomToken(), segment_path, segment_bytes, peer};
+                                     uint64_t segment_bytes, uint64_t dev, uint64_t ino) {
+  Pending p{lease, RandomToken(), segment_path, segment_bytes, dev, ino, peer};
   std::string token = p.token;
   std::lock_guard<std::mutex> lock(mu_);
   by_lease_[lease] = std::move(p);
@@ -160,16 +161,17 @@ absl::StatusOr<int> DescriptorChannel::Redeem(const std::string& request_line, c
     p = std::move(it->second);
     by_lease_.erase(it);
   }
-  int fd = ::open(p.path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  int fd = RetryEintr([&] { return env_->Open(p.path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0); });
   if (fd < 0 && errno == ENOENT) {  // retired or unloaded between the grant and this fetch
     return refuse(
         absl::NotFoundError(absl::StrCat(kSegmentGone, ": ", p.path, " was retired or unloaded since the grant")));
   }
   if (fd < 0) return refuse(absl::NotFoundError(absl::StrCat("open ", p.path, ": ", std::strerror(errno))));
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid() ||
-      static_cast<uint64_t>(st.st_size) != p.bytes) {
-    ::close(fd);
+  if (env_->Fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid() ||
+      static_cast<uint64_t>(st.st_size) != p.bytes ||
+      (p.ino != 0 && (static_cast<uint64_t>(st.st_dev) != p.dev || static_cast<uint64_t>(st.st_ino) != p.ino))) {
+    env_->Close(fd);
     return refuse(
         absl::FailedPreconditionError(absl::StrCat(kSegmentGone, ": ", p.path, " is no longer the granted segment")));
   }

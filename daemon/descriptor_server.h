@@ -34,6 +34,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "net/peer_cred.h"
+#include "shm/env.h"
 
 namespace engram::daemon {
 
@@ -48,7 +49,8 @@ struct DescriptorStats {
 class DescriptorChannel {
  public:
   // `allowed`: the listener's authorisation (daemon/listener.h UdsListener::Allowed).
-  explicit DescriptorChannel(std::function<bool(const PeerCred&)> allowed);
+  // `env`: the OS seam for the segment files it opens and its socket file (tests inject faults through it).
+  explicit DescriptorChannel(std::function<bool(const PeerCred&)> allowed, Env* env = Env::Default());
   ~DescriptorChannel();  // Stop()
   DescriptorChannel(const DescriptorChannel&) = delete;
   DescriptorChannel& operator=(const DescriptorChannel&) = delete;
@@ -61,9 +63,10 @@ class DescriptorChannel {
   void Stop();
 
   // A one-time token for lease `lease`: `peer` may fetch the descriptor of `segment_path` (a regular file of
-  // `segment_bytes` bytes owned by this process's uid) once. Replaces any earlier token of the lease.
+  // `segment_bytes` bytes owned by this process's uid, and when `dev`/`ino` are not 0 the very file the grant
+  // named: another file put under the name since is refused) once. Replaces any earlier token of the lease.
   std::string Issue(const std::string& lease, const PeerCred& peer, const std::string& segment_path,
-                    uint64_t segment_bytes);
+                    uint64_t segment_bytes, uint64_t dev = 0, uint64_t ino = 0);
   void Revoke(const std::string& lease);
   // The file name clients look for next to the gRPC socket ("" before Bind).
   std::string socket_name() const;
@@ -76,12 +79,13 @@ class DescriptorChannel {
  private:
   struct Pending {
     std::string lease, token, path;
-    uint64_t bytes = 0;
+    uint64_t bytes = 0, dev = 0, ino = 0;
     PeerCred peer;
   };
   void Serve();
 
   std::function<bool(const PeerCred&)> allowed_;
+  Env* const env_;
   std::string path_;
   int fd_ = -1;
   std::atomic<bool> stop_{false};

@@ -218,6 +218,27 @@ TEST_F(DescriptorChannelTest, AReplacedOrResizedFileIsNotHandedOut) {
   EXPECT_FALSE(Fetch("lease-2", t2).ok());
 }
 
+TEST_F(DescriptorChannelTest, AnotherFileOfTheSameSizeUnderTheNameIsNotHandedOut) {
+  struct stat granted {};
+  ASSERT_EQ(::stat(file_.c_str(), &granted), 0);
+  const std::string token = channel_->Issue("lease-1", Me(), file_, content_.size(), granted.st_dev, granted.st_ino);
+  // The granted file is replaced by another one with the same size, owner and mode.
+  const std::string other = file_ + ".new";
+  testing::WriteFile(other, content_);
+  ::chmod(other.c_str(), 0600);
+  ASSERT_EQ(::rename(other.c_str(), file_.c_str()), 0);
+  auto fd = Fetch("lease-1", token);
+  EXPECT_FALSE(fd.ok());
+  EXPECT_NE(fd.status().message().find("no longer the granted segment"), std::string::npos) << fd.status();
+  // The file the grant names is handed out.
+  struct stat now {};
+  ASSERT_EQ(::stat(file_.c_str(), &now), 0);
+  const std::string t2 = channel_->Issue("lease-2", Me(), file_, content_.size(), now.st_dev, now.st_ino);
+  auto good = Fetch("lease-2", t2);
+  ASSERT_TRUE(good.ok()) << good.status();
+  ::close(*good);
+}
+
 TEST_F(DescriptorChannelTest, MalformedOversizedAndSilentPeersAreRefusedWithoutBlockingOthers) {
   bool fd = true;
   EXPECT_EQ(Raw("hello\n", &fd).rfind("ERR malformed", 0), 0u);
