@@ -26,6 +26,12 @@ namespace engram::daemon {
 
 namespace {
 
+// The directory part of a socket path; "" for a bare name (`--socket engramd.sock`: the working directory).
+std::string DirectoryOf(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? std::string() : path.substr(0, slash);
+}
+
 // The gid of `name` (-1 for an empty name), or InvalidArgument naming the option.
 absl::StatusOr<int> ResolveGroup(const std::string& name, const char* what) {
   if (name.empty()) return -1;
@@ -49,7 +55,7 @@ absl::Status UdsListener::SetGroups(const std::string& group, const std::string&
     // Root or the daemon's gid without a --group: the files keep the daemon's own group.
     const gid_t file_gid = gid >= 0 ? static_cast<gid_t>(gid) : ::getegid();
     for (const std::string& p : {path_, path_ + ".fds"}) {
-      if (::chown(p.c_str(), static_cast<uid_t>(-1), file_gid) != 0) {
+      if (env_->Chown(p.c_str(), static_cast<uid_t>(-1), file_gid) != 0) {
         spdlog::warn("event=chown_failed path={} errno={}", engram::LogValue(p), errno);
       }
     }
@@ -64,11 +70,11 @@ void UdsListener::ShareWithAdmins() {
   std::vector<std::string> paths = {path_};
   // The socket's directory too, where it is the daemon's own (made here or by the service manager for it) and open
   // to its group.
-  const std::string dir = path_.substr(0, path_.rfind('/'));
+  const std::string dir = DirectoryOf(path_);
   struct stat st {};
   // A directory its group cannot enter stays as it is: an entry copying the group's (absent) access would deny the
   // admin group what "other" may later be given.
-  if (!dir.empty() && ::stat(dir.c_str(), &st) == 0 && st.st_uid == ::geteuid() && (st.st_mode & 0070) != 0) {
+  if (!dir.empty() && env_->Stat(dir.c_str(), &st) == 0 && st.st_uid == ::geteuid() && (st.st_mode & 0070) != 0) {
     paths.insert(paths.begin(), dir);
   }
   for (const std::string& p : paths) {
@@ -92,10 +98,9 @@ absl::Status UdsListener::Bind(const std::string& path, const std::string& group
   ASSIGN_OR_RETURN(admin_gid_, ResolveGroup(admin_group, "admin group"));
   RETURN_IF_ERROR(net::CheckSocketPath(path));
   ASSIGN_OR_RETURN(group_gid_, ResolveGroup(group, "group"));
-  const size_t slash = path.rfind('/');  // a bare name (`--socket engramd.sock`) is in the working directory
-  const std::string dir = slash == std::string::npos ? std::string() : path.substr(0, slash);
-  if (!dir.empty() && ::mkdir(dir.c_str(), 0750) == 0 && group_gid_ >= 0) {
-    if (::chown(dir.c_str(), static_cast<uid_t>(-1), static_cast<gid_t>(group_gid_)) != 0) {
+  const std::string dir = DirectoryOf(path);
+  if (!dir.empty() && env_->Mkdir(dir.c_str(), 0750) == 0 && group_gid_ >= 0) {
+    if (env_->Chown(dir.c_str(), static_cast<uid_t>(-1), static_cast<gid_t>(group_gid_)) != 0) {
       spdlog::warn("event=chown_failed path={} errno={}", engram::LogValue(dir), errno);
     }
   }
@@ -144,7 +149,7 @@ void UdsListener::Start(std::function<void(int, bool)> on_connection) {
       }
       const PeerCred peer = *read;
       struct stat st {};
-      if (::fstat(c, &st) != 0 || !Admit(c, peer, st.st_dev, st.st_ino)) {
+      if (env_->Fstat(c, &st) != 0 || !Admit(c, peer, st.st_dev, st.st_ino)) {
         ::close(c);
         continue;
       }
@@ -161,7 +166,7 @@ void UdsListener::Stop() {
   if (fd_ >= 0) {
     ::close(fd_);
     fd_ = -1;
-    ::unlink(path_.c_str());
+    env_->Unlink(path_.c_str());
   }
 }
 
@@ -187,7 +192,7 @@ void UdsListener::SweepLocked() {
   swept_ = std::chrono::steady_clock::now();
   for (auto it = peers_.begin(); it != peers_.end();) {
     struct stat st {};
-    if (::fstat(it->first, &st) == 0 && static_cast<uint64_t>(st.st_dev) == it->second.dev &&
+    if (env_->Fstat(it->first, &st) == 0 && static_cast<uint64_t>(st.st_dev) == it->second.dev &&
         static_cast<uint64_t>(st.st_ino) == it->second.ino) {
       ++it;
     } else {

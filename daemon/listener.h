@@ -36,11 +36,14 @@
 
 #include "absl/status/status.h"
 #include "net/peer_cred.h"
+#include "shm/env.h"
 
 namespace engram::daemon {
 
 class UdsListener {
  public:
+  // `env`: the OS seam for the socket's files and directory (mkdir, chown, stat, fstat, unlink).
+  explicit UdsListener(Env* env = Env::Default()) : env_(env) {}
   ~UdsListener();
   // Binds `path`; fails (AlreadyExists) when a live daemon listens there, removes a stale socket file otherwise.
   absl::Status Bind(const std::string& path, const std::string& group, const std::string& admin_group = "");
@@ -62,6 +65,7 @@ class UdsListener {
   void SetMaxConnectionsPerUid(int n) { max_per_uid_ = n; }
 
  private:
+  Env* const env_;
   // Grants the admin group the socket (and the daemon's own socket directory) by ACL, or clears the ACL when there
   // is no separate admin group; a failure is a warning naming the path (the operators then need --group too).
   void ShareWithAdmins();

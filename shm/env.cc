@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -94,6 +95,9 @@ int PosixEnv::ReadSmallFile(const char* path, size_t max_bytes, std::string* out
   ::close(fd);
   return 0;
 }
+
+int PosixEnv::Mkdir(const char* path, mode_t mode) { return ::mkdir(path, mode); }
+int PosixEnv::Chown(const char* path, uid_t uid, gid_t gid) { return ::chown(path, uid, gid); }
 
 int PosixEnv::Realpath(const char* path, std::string* out) {
   char buf[PATH_MAX];

@@ -65,6 +65,8 @@ class Env {
   virtual int ReadSmallFile(const char* path, size_t max_bytes, std::string* out) = 0;
   // realpath(3) into *out: 0, or -1 with errno.
   virtual int Realpath(const char* path, std::string* out) = 0;
+  virtual int Mkdir(const char* path, mode_t mode) = 0;
+  virtual int Chown(const char* path, uid_t uid, gid_t gid) = 0;
 };
 
 // The system calls themselves. Derive from it to override one call in a test.
@@ -96,6 +98,8 @@ class PosixEnv : public Env {
   uint64_t AvailableMemoryBytes() override;
   int ReadSmallFile(const char* path, size_t max_bytes, std::string* out) override;
   int Realpath(const char* path, std::string* out) override;
+  int Mkdir(const char* path, mode_t mode) override;
+  int Chown(const char* path, uid_t uid, gid_t gid) override;
 };
 
 // Repeats `call` while it fails with EINTR (for calls whose result is -1 + errno).
