@@ -118,10 +118,10 @@ absl::Status ApplyConfigText(const std::string& text, const std::string& origin,
   return absl::OkStatus();
 }
 
-std::string CanonicalCheckpointPath(const std::string& dir) {
+std::string CanonicalCheckpointPath(const std::string& dir, Env* env) {
   if (dir.empty()) return dir;
-  char buf[PATH_MAX];
-  if (::realpath(dir.c_str(), buf) != nullptr) return buf;
+  std::string real;
+  if (env->Realpath(dir.c_str(), &real) == 0) return real;
   std::error_code ec;
   std::filesystem::path p = std::filesystem::absolute(dir, ec);
   if (ec) p = dir;

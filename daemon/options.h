@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/publish_tuning.h"
+#include "shm/env.h"
 
 namespace engram::daemon {
 
@@ -59,7 +60,7 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv);
 // The one name of a checkpoint directory, so that aliases (a trailing slash, `.`/`..`, a symlink) are the same
 // checkpoint everywhere the daemon takes one (config, Load, Unload, Reload): realpath(3) when the directory exists,
 // else the absolute, lexically normal path without a trailing slash.
-std::string CanonicalCheckpointPath(const std::string& dir);
+std::string CanonicalCheckpointPath(const std::string& dir, Env* env = Env::Default());
 // Parses config file text into `opts` (only keys present change).
 absl::Status ApplyConfigText(const std::string& text, const std::string& origin, Options* opts);
 

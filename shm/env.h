@@ -1,7 +1,10 @@
 // Env: the seam between engram and the operating system for segments and tables (LevelDB's Env is the model).
-// Every OS call of shm/ and daemon/ on files, directories and shared memory goes through an Env: the daemon's
-// publisher, its shm-directory scan and lock, its segment registry and DP regions, the capacity probe
-// (shm/capacity.h) and the client's tables (client/table/tables.h). The
+// The OS calls of shm/ and daemon/ on files, directories and shared memory go through an Env: the daemon's
+// publisher, its shm-directory scan and lock, its segment registry and DP regions, the capacity probe with its /proc
+// and /sys reads (shm/capacity.h), the descriptor channel, the listener's socket files, checkpoint paths'
+// realpath, and the client's tables (client/table/tables.h). Not yet: the metrics file's directory walk
+// (daemon/metrics_file.cc, openat/renameat relative to a checked directory) and the config file's read (model's
+// ReadSmallFile, which refuses anything but a regular file). The
 // default, Env::Default(), makes the system calls; a test derives from PosixEnv and overrides one call to inject a
 // fault (ENOSPC from fallocate after the capacity probe passed, EINTR, a failed mlock, a small statvfs) without
 // root and without filling a real filesystem.
