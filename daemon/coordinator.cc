@@ -109,11 +109,9 @@ absl::StatusOr<engram::v1::ServerMessage> Coordinator::Attach(
     *g->mutable_segment() = *offer.descriptor;
     g->set_epoch(segments_.epoch());
     g->set_lease_id(*lease_id);
-    struct stat st {};
-    if (Env::Default()->Stat(offer.segment_path.c_str(), &st) == 0) {
-      g->set_segment_dev(st.st_dev);
-      g->set_segment_ino(st.st_ino);
-    }
+    g->set_takes_engine_choice(true);
+    g->set_segment_dev(offer.file.dev);  // the file READY was decided for, not whatever the name holds now
+    g->set_segment_ino(offer.file.ino);
     if (descriptors_ != nullptr) {
       g->set_fd_socket(descriptors_->socket_name());
       g->set_fd_token(descriptors_->Issue(*lease_id, peer, offer.segment_path, offer.segment_bytes, g->segment_dev(),
@@ -123,6 +121,7 @@ absl::StatusOr<engram::v1::ServerMessage> Coordinator::Attach(
                  peer.uid, h.dp_rank(), h.tp_rank(), offer.segment_name, *lease_id);
   } else {
     auto* f = msg.mutable_fallback();
+    f->set_takes_engine_choice(true);
     f->set_mode(d.mode);
     std::vector<std::string> names;
     for (const auto& reason : d.reasons) {

@@ -206,8 +206,20 @@ PrewarmRecord RegistrationPrewarm::RunOne(const std::string& path) {
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
+  // engramd blocks SIGTERM/SIGINT/SIGHUP for its signal thread and ignores SIGPIPE: the child starts with none
+  // blocked and every one at its default, so that it can be stopped like any process.
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none, defaults;
+  sigemptyset(&none);
+  sigemptyset(&defaults);
+  for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGPIPE}) sigaddset(&defaults, sig);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
   pid_t pid = -1;
-  const int err = ::posix_spawn(&pid, options_.tool.c_str(), &fa, nullptr, argv.data(), environ);
+  const int err = ::posix_spawn(&pid, options_.tool.c_str(), &fa, &attr, argv.data(), environ);
+  posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&fa);
   ::close(fds[1]);
   if (err != 0) {
@@ -249,9 +261,19 @@ PrewarmRecord RegistrationPrewarm::RunOne(const std::string& path) {
   if (stopped_why.empty() && !timed_out) {
     // Its output closed: it is ending. Wait for it, still giving way to a replica and to the timeout.
     while (::waitpid(pid, &status, WNOHANG) == 0) {
-      if (hooks_.replica_waiting() || Clock::now() - t0 > options_.timeout) {
-        stopped_why = hooks_.replica_waiting() ? "a replica asked for a registration ticket: it goes first" : "";
-        timed_out = stopped_why.empty();
+      bool stopping;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stopping = stopping_;
+      }
+      if (stopping) {
+        stopped_why = "engramd is stopping";
+      } else if (hooks_.replica_waiting()) {
+        stopped_why = "a replica asked for a registration ticket: it goes first";
+      } else if (Clock::now() - t0 > options_.timeout) {
+        timed_out = true;
+      }
+      if (!stopped_why.empty() || timed_out) {
         ::kill(pid, SIGKILL);
         break;
       }

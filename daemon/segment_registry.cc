@@ -263,6 +263,7 @@ absl::StatusOr<ShardOffer> SegmentRegistry::Offer(const engram::v1::Hello& h, co
       offer.segment_path = seg.path;
       offer.segment_bytes = seg.bytes;
       offer.descriptor = seg.descriptor;
+      offer.file = seg.file;
     } else {
       node.shm_too_small = seg.too_small;
       node.segment_failed = true;

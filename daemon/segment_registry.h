@@ -84,6 +84,11 @@ struct SegmentInfo {
   std::string error;
 };
 
+// A file's device and inode (zeros: unknown).
+struct FileIdentity {
+  uint64_t dev = 0, ino = 0;
+};
+
 // What a replica's hello can get: the node view Decide needs and, when the shard is READY, what a grant carries.
 struct ShardOffer {
   NodeView node;
@@ -92,6 +97,7 @@ struct ShardOffer {
   std::string segment_name, segment_path;
   uint64_t segment_bytes = 0;
   std::shared_ptr<const engram::v1::SegmentDescriptor> descriptor;
+  FileIdentity file;  // the file READY was decided for (the grant names it; the descriptor channel checks it)
   // Key a lease on this segment is recorded under (checkpoint dir + "/" + segment name).
   std::string segment_key() const { return checkpoint + "/" + segment_name; }
 };
@@ -104,11 +110,6 @@ struct ReconfigureResult {
 };
 
 inline constexpr size_t kMaxRecentLoadFailures = 8;
-
-// A file's device and inode (zeros: unknown).
-struct FileIdentity {
-  uint64_t dev = 0, ino = 0;
-};
 
 class SegmentRegistry {
  public:

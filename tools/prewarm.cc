@@ -11,7 +11,9 @@
 // 2 (bad usage); `error=` and `reason=` take the rest of the line. Single-threaded apart from the registration's own
 // workers.
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -61,6 +63,8 @@ int main(int argc, char** argv) {
     Usage();
     return a.Has("--help") && st.ok() ? 0 : 2;
   }
+  // engramd's child: it goes with its parent (a daemon killed outright leaves no registration running).
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   std::string why;
   if (engram::client::ProbeCuda(&why) != engram::client::CudaState::kUsable) {
     std::cout << "reason=" << why << "\n";

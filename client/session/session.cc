@@ -129,10 +129,17 @@ absl::StatusOr<std::unique_ptr<Connection>> Connect(const std::string& socket, s
 
 }  // namespace
 
+// Whether the daemon that answered a hello takes EngineChoice messages (an older one ends a session that sends one).
+static bool TakesEngineChoice(const v1::ServerMessage& answer) {
+  return answer.has_grant() ? answer.grant().takes_engine_choice()
+                            : answer.has_fallback() && answer.fallback().takes_engine_choice();
+}
+
 struct Session::Impl {
   std::string socket;
   Declaration declaration;
   bool granted = false;                       // this session's mapping came from a grant
+  bool takes_engine_choice = false;           // the daemon of the current connection takes EngineChoice
   uint64_t segment_dev = 0, segment_ino = 0;  // that file's identity when it was granted
 
   std::mutex mu;  // guards conn, closing, outcome
@@ -259,7 +266,8 @@ struct Session::Impl {
               "reading its own mapping of the old file (no longer shared): restart it to share again");
         }
         if (outcome && !(*next)->stream->Write(*outcome)) continue;
-        if (engine_choice && !(*next)->stream->Write(*engine_choice)) continue;
+        takes_engine_choice = TakesEngineChoice(answer);
+        if (engine_choice && takes_engine_choice && !(*next)->stream->Write(*engine_choice)) continue;
         std::unique_ptr<Connection> old = std::move(conn);
         conn = std::move(*next);
         (void)old->stream->Finish();  // it ended (Read returned false): collect its status, then let it go
@@ -291,6 +299,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(const std::string& socket
   ASSIGN_OR_RETURN(impl->conn, Connect(socket, timeout, d, &answer));
   std::unique_ptr<Session> s(new Session(std::move(impl)));
   Answer& a = s->answer_;
+  s->impl_->takes_engine_choice = TakesEngineChoice(answer);
   if (answer.has_grant()) {
     const auto& g = answer.grant();
     a.granted = true;
@@ -428,6 +437,7 @@ absl::Status Session::ReportEngineChoice(const std::string& text) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (!impl_->outcome) return absl::FailedPreconditionError("an engine choice is reported after the outcome");
   impl_->engine_choice = m;
+  if (!impl_->takes_engine_choice) return absl::OkStatus();  // an older engramd: it would end the session
   return impl_->Write(m);
 }
 

@@ -72,6 +72,7 @@ TEST(EngineChoice, AMalformedChoiceEndsOnlyItsOwnSession) {
     auto s = stub->Session(ctx);
     engram::v1::ServerMessage m;
     EXPECT_TRUE(s->Write(testing::SharingHello(ckpt, shm, 2)) && s->Read(&m) && m.has_grant());
+    EXPECT_TRUE(m.grant().takes_engine_choice()) << "the grant says this daemon takes EngineChoice";
     return s;
   };
   auto choice = [](const std::string& text) {

@@ -6,6 +6,7 @@
 // daemon ticket. Waits are on conditions with deadlines, never fixed sleeps.
 #include "daemon/prewarm.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
 
@@ -98,6 +99,29 @@ TEST(Prewarm, ReportOfTheToolIsRecordedAndTheTicketGivenBack) {
   EXPECT_EQ(ReadFile(args), "--segment /shm/a\n");
   EXPECT_EQ(t.taken.load(), 1);
   EXPECT_EQ(t.held.load(), 0);
+}
+
+// engramd blocks SIGTERM/SIGINT/SIGHUP for its signal thread: the child must not inherit that (it could not be
+// stopped like any process).
+TEST(Prewarm, TheChildStartsWithNoSignalBlocked) {
+  TempDir dir;
+  const std::string out = dir / "sigblk";
+  const std::string tool = Script(dir, "t", "grep SigBlk /proc/$$/status > " + out + "\necho register_seconds=1\n");
+  sigset_t block, old;
+  sigemptyset(&block);
+  sigaddset(&block, SIGTERM);
+  sigaddset(&block, SIGHUP);
+  ASSERT_EQ(pthread_sigmask(SIG_BLOCK, &block, &old), 0);  // the worker thread inherits this, as in engramd
+  FakeTickets t;
+  {
+    RegistrationPrewarm p(Tool(tool), t.Hooks());
+    pthread_sigmask(SIG_SETMASK, &old, nullptr);
+    p.SegmentReady("/shm/a");
+    ASSERT_TRUE(p.WaitIdle(30s));
+    EXPECT_EQ(p.RecordOf("/shm/a").state, PrewarmState::kDone) << p.RecordOf("/shm/a").detail;
+  }
+  const std::string line = ReadFile(out);
+  EXPECT_NE(line.find("0000000000000000"), std::string::npos) << line;
 }
 
 TEST(Prewarm, NoGpuIsASkipWithTheToolsReason) {
