@@ -113,8 +113,10 @@ void RegistrationPrewarm::Stop() {
 void RegistrationPrewarm::SegmentReady(const std::string& path) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!enabled() || stopping_) return;
-  for (const auto& q : queue_) {
-    if (q == path) return;
+  if (auto it = records_.find(path);  // queued or running already: once is enough
+      it != records_.end() &&
+      (it->second.state == PrewarmState::kQueued || it->second.state == PrewarmState::kRunning)) {
+    return;
   }
   if (records_.size() >= kMaxRecords) {  // bounded: settled records of segments long gone go first
     for (auto it = records_.begin(); it != records_.end();) {

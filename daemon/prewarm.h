@@ -65,7 +65,8 @@ class RegistrationPrewarm {
   RegistrationPrewarm(const RegistrationPrewarm&) = delete;
   RegistrationPrewarm& operator=(const RegistrationPrewarm&) = delete;
 
-  // A segment became READY at `path`: queues its prewarm (off: records why not). A path queued already stays once.
+  // A segment became READY at `path`: queues its prewarm (off: records why not). A path queued or running already is
+  // not queued again.
   void SegmentReady(const std::string& path);
   // The record of `path`: off with the reason when prewarming is off; kOff with "not READY yet" when never queued.
   PrewarmRecord RecordOf(const std::string& path) const;
