@@ -231,10 +231,26 @@ PrewarmRecord RegistrationPrewarm::RunOne(const std::string& path) {
   std::string out;
   std::string stopped_why;
   bool timed_out = false;
-  for (bool open = true; open;) {
+  // Whether the child must go now: engramd stops, a replica asks for a ticket, or the timeout passed.
+  auto must_end = [&] {
+    bool stopping;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping = stopping_;
+    }
+    if (stopping) {
+      stopped_why = "engramd is stopping";
+    } else if (hooks_.replica_waiting()) {
+      stopped_why = "a replica asked for a registration ticket: it goes first";
+    } else if (Clock::now() - t0 > options_.timeout) {
+      timed_out = true;
+    }
+    return !stopped_why.empty() || timed_out;
+  };
+  bool killed = false;
+  for (bool open = true; open && !killed;) {
     pollfd p{fds[0], POLLIN, 0};
-    const int n = ::poll(&p, 1, 50);
-    if (n > 0) {
+    if (::poll(&p, 1, 50) > 0) {
       char buf[512];
       const ssize_t got = ::read(fds[0], buf, sizeof(buf));
       if (got > 0) {
@@ -243,46 +259,23 @@ PrewarmRecord RegistrationPrewarm::RunOne(const std::string& path) {
         open = false;  // the child closed its output (it ended, or closed it and runs on: waitpid below)
       }
     }
-    bool stopping;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stopping = stopping_;
-    }
-    if (stopping)
-      stopped_why = "engramd is stopping";
-    else if (hooks_.replica_waiting())
-      stopped_why = "a replica asked for a registration ticket: it goes first";
-    timed_out = Clock::now() - t0 > options_.timeout;
-    if (!stopped_why.empty() || timed_out) {
+    if (must_end()) {
       ::kill(pid, SIGKILL);
-      break;
+      killed = true;
     }
   }
   ::close(fds[0]);
   int status = 0;
-  if (stopped_why.empty() && !timed_out) {
-    // Its output closed: it is ending. Wait for it, still giving way to a replica and to the timeout.
-    while (::waitpid(pid, &status, WNOHANG) == 0) {
-      bool stopping;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        stopping = stopping_;
-      }
-      if (stopping) {
-        stopped_why = "engramd is stopping";
-      } else if (hooks_.replica_waiting()) {
-        stopped_why = "a replica asked for a registration ticket: it goes first";
-      } else if (Clock::now() - t0 > options_.timeout) {
-        timed_out = true;
-      }
-      if (!stopped_why.empty() || timed_out) {
-        ::kill(pid, SIGKILL);
-        break;
-      }
+  // Its output closed: it is ending. Wait for it, still giving way to a stop, a replica and the timeout.
+  while (!killed && ::waitpid(pid, &status, WNOHANG) == 0) {
+    if (must_end()) {
+      ::kill(pid, SIGKILL);
+      killed = true;
+    } else {
       ::usleep(20000);
     }
   }
-  if (!stopped_why.empty() || timed_out) {
+  if (killed) {
     while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
     if (timed_out) {
