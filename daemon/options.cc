@@ -1,9 +1,7 @@
 #include "daemon/options.h"
 
-#include <climits>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <sstream>
 
 #include "absl/strings/numbers.h"
