@@ -293,10 +293,9 @@ int main(int argc, char** argv) {
     {
       // The default fill (records packed and hashed in the cache, then written with non-temporal stores: no
       // read-for-ownership of the segment's fresh lines, as the first-touch copy's memcpy streams its stores too)
-      // against plain stores and ShardFillOptions::direct_read.
+      // against plain stores.
       Tuning packed = Tuning{};
       packed.drop_cache = Tuning::DropCache::kKeep;
-      packed.direct_read = false;
       variants.push_back({"reserve auto, packed, non-temporal stores on huge pages (default)", packed, threads});
       Tuning always = packed;
       always.stream_stores = 1;
@@ -305,9 +304,6 @@ int main(int argc, char** argv) {
       Tuning plain = packed;
       plain.stream_stores = 0;
       variants.push_back({"reserve auto, packed, plain stores (ENGRAM_PUBLISH_NT=0)", plain, threads});
-      Tuning direct = plain;
-      direct.direct_read = true;
-      variants.push_back({"reserve auto, weights read into place (direct reads)", direct, threads});
     }
     if (threads2 > 0) variants.push_back({"populate, " + std::to_string(threads2) + " threads", writers, threads2});
     for (size_t m = 0; m < mounts.size(); ++m) {

@@ -235,7 +235,7 @@ int main(int argc, char** argv) {
       shape.col_end = {12, 24};
       shape.group_col_begin = 0;
       shape.group_col_end = 24;
-      shape.graph = T <= DpExchangeShape::kDefaultGraphMaxSlot;  // the product default (client/dp/device_engine.cc)
+      shape.graph = T <= DpExchangeShape::kDefaultGraphMaxSlot;  // the product default (client/dp/dp_device_engine.cc)
       auto x = DpNcclExchange::Create(shape, *comm, false, stream, shard, nullptr, std::chrono::seconds(60));
       if (!x.ok()) {
         std::fprintf(stderr, "exchange: %s\n", std::string(x.status().message()).c_str());

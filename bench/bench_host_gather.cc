@@ -112,7 +112,7 @@ int main(int argc, char** argv) {
         const Variant& v = variants[vi];
         const int32_t* b = ids.data() + (k++ % sets) * n;
         const double t0 = NowMs();
-        if (!v.fused) {  // RowDeduper::Plan without de-duplication: the identity plan, one pass over the pool
+        if (!v.fused) {  // PlanIdentity: the plan in a pass of its own over the pool
           pool.Run([&](int w) {
             const engram::client::Range rr = engram::client::SplitRange(n, threads, w);
             engram::client::PlanIdentityRange(b, static_cast<int32_t>(C), C, 0, rows, rr.begin, rr.end,

@@ -32,6 +32,7 @@
 #include "bench/gpu_timing.h"
 #include "client/engine/host_gather.h"
 #include "client/engine/prefetch.h"
+#include "client/tuning.h"
 #include "kernels/device_layout.h"
 #include "kernels/engram_kernels.h"
 #include "model/layout.h"
@@ -291,9 +292,8 @@ int main(int argc, char** argv) {
       std::string uva_what, host_what;
     };
     std::vector<Best> best;
-    auto make_hg = [&](bool dedup, int th) {
+    auto make_hg = [&](int th) {
       engram::client::HostGatherOptions o;
-      o.dedup = dedup;
       o.threads = th;
       auto g = engram::client::HostGather::Create({{seg, 0, rows, static_cast<const uint8_t*>(dseg)}}, {d_out},
                                                   static_cast<int32_t>(max_items / C), C, static_cast<int32_t>(D), o);
@@ -305,13 +305,11 @@ int main(int argc, char** argv) {
     };
     const int default_threads = engram::client::DefaultGatherThreads(cores);
     if (!variants_only) {  // (the variants below then run alone: no idle engines' pools and buffers beside them)
-      std::unique_ptr<engram::client::HostGather> hg[2] = {make_hg(false, default_threads),
-                                                           make_hg(true, default_threads)};
-      std::printf("host gather: %d threads (default share of %d cores); engine default: dedup %d, UVA share %.2f\n",
-                  hg[0]->threads(), cores, engram::client::kEngineHostGatherDedup ? 1 : 0,
-                  engram::client::kEngineHostGatherUvaShare);
-      // Every row: the engine's share and its neighbours; de-duplicated: 0.4 (its best measured share).
-      const std::vector<double> shares_every = {0.0, 0.15, 0.2, 0.25, 0.3, 0.4}, shares_dedup = {0.0, 0.4};
+      std::unique_ptr<engram::client::HostGather> hg = make_hg(default_threads);
+      std::printf("host gather: %d threads (default share of %d cores); engine default: UVA share %.2f\n",
+                  hg->threads(), cores, engram::client::tuning_default::kHostGatherUvaShare);
+      // The engine's built-in share and its neighbours (the engine's calibration picks among 0.15-0.35).
+      const std::vector<double> shares = {0.0, 0.15, 0.2, 0.25, 0.3, 0.4};
       for (double repeat : {0.0, 0.45}) {
         for (int64_t n_rows : {int64_t{6144}, int64_t{24576}, int64_t{196608}, int64_t{1} << 20}) {
           const int64_t items = n_rows / C * C;
@@ -342,32 +340,26 @@ int main(int argc, char** argv) {
                uva_engine, items);
           double host_best = 1e30, host_engine = 1e30;
           std::string host_what;
-          for (int dd = 0; dd < 2; ++dd) {
-            for (double share : dd == 0 ? shares_every : shares_dedup) {
-              auto& g = *hg[dd];
-              g.set_uva_share(share);
-              const double ms = MedianMs(
-                  [&] {
-                    if (!g.Prefetch(ids.data() + (k++ % sets) * items, tokens, C, s).ok() || !g.Wait(0, s).ok()) {
-                      std::exit(1);
-                    }
-                  },
-                  s, 10, 2);
-              char what[96];
-              std::snprintf(what, sizeof what, "host gather, %s, UVA share %.2f", dd ? "de-duplicated" : "every row",
-                            share);
-              line(what, ms, g.stats(0).rows_moved);
-              if (ms < host_best) {
-                host_best = ms;
-                host_what = what;
-              }
-              if ((dd == 1) == engram::client::kEngineHostGatherDedup &&
-                  share == engram::client::kEngineHostGatherUvaShare) {
-                host_engine = ms;
-              }
+          for (double share : shares) {
+            auto& g = *hg;
+            g.set_uva_share(share);
+            const double ms = MedianMs(
+                [&] {
+                  if (!g.Prefetch(ids.data() + (k++ % sets) * items, tokens, C, s).ok() || !g.Wait(0, s).ok()) {
+                    std::exit(1);
+                  }
+                },
+                s, 10, 2);
+            char what[96];
+            std::snprintf(what, sizeof what, "host gather, every row, UVA share %.2f", share);
+            line(what, ms, g.stats(0).rows_moved);
+            if (ms < host_best) {
+              host_best = ms;
+              host_what = what;
             }
-            hg[dd]->set_uva_share(0);
+            if (share == engram::client::tuning_default::kHostGatherUvaShare) host_engine = ms;
           }
+          hg->set_uva_share(0);
           if (host_engine > 1e29) host_engine = host_best;
           std::printf(
               "%-7lld rows, %2.0f%% repeats: fastest UVA %.3f ms, fastest host %.3f ms (%s); engine: UVA %.3f ms, "
@@ -377,8 +369,7 @@ int main(int argc, char** argv) {
           if (repeat == 0.0) best.push_back({items, uva_engine, host_engine, "", host_what});
         }
       }
-      hg[0].reset();
-      hg[1].reset();
+      hg.reset();
       // Threads and chunk sizes: how the host gather scales (random rows, fresh ids; every row; the engine's share).
       for (int64_t n_rows : {int64_t{24576}, int64_t{196608}, int64_t{1} << 20}) {
         const int64_t items = n_rows / C * C;
@@ -390,13 +381,12 @@ int main(int argc, char** argv) {
             if (th > cores || (min_chunk != 1024 && n_rows > 196608)) continue;
             engram::client::HostGatherOptions o;
             o.threads = th;
-            o.dedup = false;
             o.min_chunk_rows = min_chunk;
             auto g =
                 engram::client::HostGather::Create({{seg, 0, rows, static_cast<const uint8_t*>(dseg)}}, {d_out},
                                                    static_cast<int32_t>(max_items / C), C, static_cast<int32_t>(D), o);
             if (!g.ok()) return 1;
-            for (double share : {0.0, engram::client::kEngineHostGatherUvaShare}) {
+            for (double share : {0.0, engram::client::tuning_default::kHostGatherUvaShare}) {
               (*g)->set_uva_share(share);
               const double ms = MedianMs(
                   [&] {
@@ -426,7 +416,7 @@ int main(int argc, char** argv) {
         const char* name;
         int32_t prefetch = 16, nt = 0, fused = 0, issuer = 0, spin = 200, dspin = 0, prewake = 0;
         int64_t min_chunk = 1024, max_chunk = 8192;
-        int32_t issue_min = 0, sunpack = 0, pass_spin = 200;
+        int32_t issue_min = 0, pass_spin = 200;
         int threads = 0;  // 0: the default share of the cores
       };
       const HgVariant hv[] = {
@@ -570,18 +560,6 @@ int main(int argc, char** argv) {
            .min_chunk = 256,
            .max_chunk = 1024,
            .issue_min = 4096},
-          {.name = "all + streamed unpack", .nt = 1, .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1, .sunpack = 1},
-          {.name = "all + streamed unpack, chunks 256-2048, >= 4096",
-           .nt = 1,
-           .fused = 1,
-           .issuer = 1,
-           .dspin = 200,
-           .prewake = 1,
-           .min_chunk = 256,
-           .max_chunk = 2048,
-           .issue_min = 4096,
-           .sunpack = 1},
-          {.name = "all + streamed unpack, no nt", .fused = 1, .issuer = 1, .dspin = 200, .prewake = 1, .sunpack = 1},
           {.name = "fused + pass spin + prewake + dspin (no issuer)",
            .fused = 1,
            .dspin = 200,
@@ -643,7 +621,6 @@ int main(int argc, char** argv) {
       for (const HgVariant& v : hv) {
         engram::client::HostGatherOptions o;
         o.threads = v.threads > 0 ? std::min(v.threads, cores) : default_threads;
-        o.dedup = false;
         o.prefetch_rows = v.prefetch;
         o.stream_stores = v.nt;
         o.fused = v.fused;
@@ -654,7 +631,6 @@ int main(int argc, char** argv) {
         o.min_chunk_rows = v.min_chunk;
         o.max_chunk_rows = v.max_chunk;
         o.issue_min_rows = v.issue_min;
-        o.stream_unpack = v.sunpack;
         o.pass_spin_us = v.pass_spin;
         auto g = engram::client::HostGather::Create({{seg, 0, rows, static_cast<const uint8_t*>(dseg)}}, {d_out},
                                                     static_cast<int32_t>(max_items / C), C, static_cast<int32_t>(D), o);
@@ -662,7 +638,7 @@ int main(int argc, char** argv) {
         for (size_t si = 0; si < 3; ++si) {
           const int64_t items = sizes[si] / C * C;
           for (int sh = 0; sh < 2; ++sh) {
-            const double share = sh == 0 ? 0.0 : engram::client::kEngineHostGatherUvaShare;
+            const double share = sh == 0 ? 0.0 : engram::client::tuning_default::kHostGatherUvaShare;
             (*g)->set_uva_share(share);
             double pass_b2b = 0, pass_idle = 0;
             const double b2b = time_batches(**g, size_ids[si], items, 0, &pass_b2b);
@@ -684,7 +660,7 @@ int main(int argc, char** argv) {
         std::printf(
             "host gather variants, %7lld rows, share %.2f: fastest b2b %s (%.3f ms, %.3f of H2D), fastest idle "
             "%s (%.3f ms, %.3f of H2D)\n",
-            static_cast<long long>(items), bi % 2 == 0 ? 0.0 : engram::client::kEngineHostGatherUvaShare,
+            static_cast<long long>(items), bi % 2 == 0 ? 0.0 : engram::client::tuning_default::kHostGatherUvaShare,
             best_b2b[bi].what.c_str(), best_b2b[bi].ms, items * rb / best_b2b[bi].ms / 1e6 / h2d,
             best_idle[bi].what.c_str(), best_idle[bi].ms, items * rb / best_idle[bi].ms / 1e6 / h2d);
       }
@@ -831,13 +807,12 @@ int main(int argc, char** argv) {
     }
     // The host-gather path beside the same busy main stream: CPU threads and copy engines, the unpack on the GPU
     // (and, with the engine's UVA share, the row-order kernel on part of the tokens).
-    for (double share : {0.0, engram::client::kEngineHostGatherUvaShare}) {
+    for (double share : {0.0, engram::client::tuning_default::kHostGatherUvaShare}) {
       uint16_t *o0 = nullptr, *o1 = nullptr;
       CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&o0), size_t{T} * 24 * D * 2));
       CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&o1), size_t{T} * 24 * D * 2));
       engram::client::HostGatherOptions ho;
       ho.uva_share = share;
-      ho.dedup = engram::client::kEngineHostGatherDedup;
       auto g = engram::client::HostGather::Create(
           {{seg, 0, rows / 2, static_cast<const uint8_t*>(dseg)},
            {seg + (rows / 2) * rb, 0, rows / 2, static_cast<const uint8_t*>(dseg) + (rows / 2) * rb}},

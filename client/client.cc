@@ -158,6 +158,8 @@ bool ResolveCpuOffload(const std::optional<bool>& explicit_value) {
   return Environment().vllm_ple_cpu_offload.value_or(true);
 }
 
+const Tuning& Table::tuning() const { return Environment().tuning; }
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& options) {
   if (options.socket.empty()) return absl::InvalidArgumentError("no daemon socket given");
   return std::unique_ptr<Client>(new Client(options));
@@ -226,7 +228,7 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
     const int threads =
         req.threads > 0 ? req.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     // DP_SHARDED: only this rank's shard of the group's columns (client/dp/plan.h), in host memory or, with
-    // cpu_offload false, on the GPU; the LookupEngine exchanges the rest every step (client/dp/engine.h).
+    // cpu_offload false, on the GPU; the LookupEngine exchanges the rest every step (client/dp/dp_engine.h).
     bool dp_sharded = mode == Mode::kDpSharded;
     ShardRange own = shard;
     if (dp_sharded) {
@@ -269,6 +271,7 @@ absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) 
     if (dp_sharded) table->mode_ = Mode::kDpSharded;
   }
   table->reasons_ = std::move(reasons);
+  table->tuning_ = options_.tuning.Over(Environment().tuning);
   times.total = SecondsSince(t0);
   table->times_ = times;
   if (session != nullptr) {  // status lists this replica with exactly what it runs; the session is its lease

@@ -19,15 +19,15 @@ namespace engram::daemon {
 //     drops the checkpoint's pages from the page cache after READY (a detached thread), "inline" drops them job by
 //     job inside the fill, anything else ("0") keeps them;
 //   ENGRAM_PUBLISH_SUB_ROWS=N rows per read-pack-hash step (unset: ShardFillOptions' default, 1024).
-//   ENGRAM_PUBLISH_DIRECT_READ=1 reads the weights straight into their records (ShardFillOptions::direct_read).
 //   ENGRAM_PUBLISH_COLD_READERS=N readers stream a checkpoint that is not in the page cache ahead of the workers
 //     (ShardFillOptions::cold_readers; 0: none).
+// (Reading the weights straight into their records instead of packing them from a cache-resident buffer measured
+// +1-2% on huge pages and -14% on 4 KiB /dev/shm on the H200 (2026-11-30): the fill always packs.)
 struct PublishTuning {
   enum class DropCache { kAuto, kAfterReady, kInline, kKeep };
   SegmentReserve reserve = SegmentReserve::kAuto;
   DropCache drop_cache = DropCache::kAuto;
   std::optional<int64_t> sub_rows;  // unset: ShardFillOptions' default
-  bool direct_read = false;         // ShardFillOptions::direct_read (ENGRAM_PUBLISH_DIRECT_READ=1: on)
   // ShardFillOptions::stream_stores: -1 (default) where the segment's pages are huge, 0 never, 1 always
   // (ENGRAM_PUBLISH_NT=-1|0|1). Measured (bench/RESULTS.md, 2026-11-30): faster on huge pages in every run (huge
   // tmpfs 0.74-0.79 vs 0.65-0.77 of the first-touch copy, hugetlbfs 0.86 vs 0.73); on 4 KiB /dev/shm two runs disagree

@@ -76,7 +76,6 @@ PublishTuning PublishTuning::FromEnvironment() {
     t.drop_cache = DropCache::kKeep;
   }
   if (const char* v = std::getenv("ENGRAM_PUBLISH_SUB_ROWS"); v != nullptr) t.sub_rows = std::atoll(v);
-  if (const char* v = std::getenv("ENGRAM_PUBLISH_DIRECT_READ"); v != nullptr) t.direct_read = std::atoi(v) != 0;
   if (const char* v = std::getenv("ENGRAM_PUBLISH_COLD_READERS"); v != nullptr && *v != '\0') {
     t.cold_readers = std::clamp(std::atoi(v), 0, 64);
   }
@@ -181,7 +180,6 @@ absl::StatusOr<PublishResult> Publish(const Checkpoint& ckpt, const Layout& layo
   }
   fill.drop_cache = drop == PublishTuning::DropCache::kInline;
   if (tuning.sub_rows) fill.sub_rows = *tuning.sub_rows;
-  fill.direct_read = tuning.direct_read;
   fill.stream_stores = PublishStreamsStores(tuning.stream_stores, (*writer)->huge_pages());
   std::atomic<uint64_t> streamed{0};
   fill.streamed_bytes = &streamed;

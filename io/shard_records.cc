@@ -136,8 +136,8 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
         const LayerRows& l = layers[j.entry];
         const EngramTensors& t = tensors[j.entry];
         thread_local std::vector<uint8_t> weight_buf, scale_buf, pack_buf;
-        const bool stream = fill.stream_stores && !fill.direct_read;
-        weight_buf.resize(fill.direct_read ? 0 : static_cast<size_t>(kSubRows * D));
+        const bool stream = fill.stream_stores;
+        weight_buf.resize(static_cast<size_t>(kSubRows * D));
         scale_buf.resize(static_cast<size_t>(kSubRows * S));
         pack_buf.resize(stream ? static_cast<size_t>(kSubRows * rb) : 0);
         XXH3_state_t* hash = XXH3_createState();
@@ -160,19 +160,10 @@ absl::Status ReadShardRecords(const Checkpoint& ckpt, const std::vector<LayerRow
           // The records of this step are assembled at `packed`: in place, or (streamed) in the cache-resident buffer,
           // hashed there and then written out with non-temporal stores.
           uint8_t* const packed = stream ? pack_buf.data() : rec;
-          if (fill.direct_read) {
-            r = t.embed_weight.file->ReadRows(*t.embed_weight.info, static_cast<uint64_t>(row * D),
-                                              static_cast<uint64_t>(D), static_cast<uint64_t>(n), rec,
-                                              static_cast<uint64_t>(rb));
-            if (!r.ok()) break;
-            for (int64_t i = 0; i < n; ++i)
-              std::memcpy(rec + i * rb + D, scale_buf.data() + i * S, static_cast<size_t>(S));
-          } else {
-            r = t.embed_weight.file->ReadRange(*t.embed_weight.info, static_cast<uint64_t>(row * D), weight_buf.data(),
-                                               static_cast<uint64_t>(n * D));
-            if (!r.ok()) break;
-            PackRecords(weight_buf.data(), scale_buf.data(), n, D, packed);
-          }
+          r = t.embed_weight.file->ReadRange(*t.embed_weight.info, static_cast<uint64_t>(row * D), weight_buf.data(),
+                                             static_cast<uint64_t>(n * D));
+          if (!r.ok()) break;
+          PackRecords(weight_buf.data(), scale_buf.data(), n, D, packed);
           XXH3_64bits_update(hash, packed, bytes);
           if (stream) {
             StreamCopy(rec, packed, static_cast<int64_t>(bytes));

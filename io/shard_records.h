@@ -39,15 +39,9 @@ struct ShardFillOptions {
   bool drop_cache = true;
   // Rows per read-pack-hash step (the buffer stays in cache); <= 0 means the default, at most kChecksumChunkRows.
   int64_t sub_rows = 1024;
-  // true: the weights are read straight into their records (SafetensorsFile::ReadRows: the page cache copied once, into
-  // place); only the scales pass through the cache-resident buffer. false (default): both tensors are read into the
-  // buffer and packed from there. Measured on the H200 host (bench_daemon, bench/RESULTS.md "Publish"): +1-2% on huge
-  // pages, -14% on 4 KiB /dev/shm (the kernel's copy takes the segment's page faults one 4 KiB page at a time), so it
-  // stays off; ENGRAM_PUBLISH_DIRECT_READ=1 turns it on for a publish.
-  bool direct_read = false;
   // true: the records are packed into a cache-resident buffer, hashed there and written to dst with non-temporal
   // stores (base/stream_copy.h): the segment's fresh lines are not read before they are written (no
-  // read-for-ownership) nor kept in the cache. Ignored with direct_read (the kernel's copy writes the weights).
+  // read-for-ownership) nor kept in the cache.
   bool stream_stores = false;
   // If set, receives the bytes written with streamed stores (what a publish reports as PublishResult::streamed_bytes).
   std::atomic<uint64_t>* streamed_bytes = nullptr;

@@ -9,6 +9,7 @@
 #include "base/utf8.h"
 #include "client/environment.h"
 #include "client/log.h"
+#include "client/tuning.h"
 
 namespace engram::client {
 
@@ -87,13 +88,11 @@ std::optional<std::string> DpGroup::Broken() const {
   return state_->detail;
 }
 
-namespace {
-std::chrono::milliseconds PositiveMs(const std::optional<int64_t>& v, int64_t def) {
-  return std::chrono::milliseconds(v.value_or(0) > 0 ? *v : def);
+std::chrono::milliseconds DpFormTimeout(const Tuning& tuning) {
+  return TuningMillis(tuning.dp_form_timeout_ms, tuning_default::kDpFormTimeoutMs);
 }
-}  // namespace
-
-std::chrono::milliseconds DpFormTimeout() { return PositiveMs(Environment().dp_form_timeout_ms, 300000); }
-std::chrono::milliseconds DpStepTimeout() { return PositiveMs(Environment().dp_step_timeout_ms, 60000); }
+std::chrono::milliseconds DpStepTimeout(const Tuning& tuning) {
+  return TuningMillis(tuning.dp_step_timeout_ms, tuning_default::kDpStepTimeoutMs);
+}
 
 }  // namespace engram::client

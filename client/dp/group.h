@@ -21,6 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "client/session/session.h"
+#include "engram/tuning.h"
 
 namespace engram::client {
 
@@ -55,9 +56,9 @@ class DpGroup {
   bool left_ = false;
 };
 
-// Timeouts of the group, from the environment (milliseconds): ENGRAM_DP_FORM_TIMEOUT_MS (forming, default 300000)
-// and ENGRAM_DP_STEP_TIMEOUT_MS (one step's wait for the slowest member, default 60000).
-std::chrono::milliseconds DpFormTimeout();
-std::chrono::milliseconds DpStepTimeout();
+// Timeouts of the group from the table's tuning: dp_form_timeout_ms (forming) and dp_step_timeout_ms (one step's
+// wait for the slowest member); their defaults are client/tuning.h's.
+std::chrono::milliseconds DpFormTimeout(const Tuning& tuning);
+std::chrono::milliseconds DpStepTimeout(const Tuning& tuning);
 
 }  // namespace engram::client

@@ -1,11 +1,11 @@
-// DpHostRegion: the host transport of the DP-sharded exchange (client/dp/engine.h) between the replica processes
+// DpHostRegion: the host transport of the DP-sharded exchange (client/dp/dp_engine.h) between the replica processes
 // of one group on one node, for the CPU backend (CI, machines without a GPU). One shared-memory region per group:
 // the rank-0 member picks a fresh name (Reserve: nothing is created yet) whose bytes travel through engramd as the
 // group's rendezvous (the way an ncclUniqueId does); once the group formed it creates it (shm_open, O_EXCL, 0600),
 // sizes and initialises it, the others open it, and after the first barrier the name is unlinked (the mapping
 // lives on). The name exists only between the group forming and every member having mapped it; a member that gives
 // up in that window removes it (RemoveName, whoever created it), and a member that dies in it (rank 0 included)
-// breaks the group, so the others give up and remove it: nothing is left in /dev/shm (client/dp/engine.cc).
+// breaks the group, so the others give up and remove it: nothing is left in /dev/shm (client/dp/dp_engine.cc).
 //
 // Layout: a header (shape, an abort flag with its reason, and per member: its step phase, token count, pid and the
 // step's layer range), then per member its gathered-ids area [slot, layers, cols] int32, then per (source, dest)

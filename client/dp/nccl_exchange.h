@@ -50,6 +50,7 @@
 
 #include "absl/status/statusor.h"
 #include "client/dp/nccl_api.h"
+#include "client/tuning.h"
 
 namespace engram::client {
 
@@ -72,16 +73,9 @@ struct DpExchangeShape {
   bool graph = false;  // the pipelined step as a replayed CUDA graph (a local choice: the collectives are the same)
   bool own_concurrent = false;
   int32_t record_bytes() const { return head_dim + head_dim / 32; }
-  // bench_dp on 2 x H200 (bench/RESULTS.md, 2026-11-30 s3): every chunk is one more host-polled NCCL group (~60-75 us
-  // of host time each: a non-blocking communicator launches every group from a new thread), so few large chunks win:
-  // 32 MiB (one chunk at 4096 tokens per rank, two at 8192) measured best, 218 / 362 us against 16 MiB's 277 / 400.
-  static constexpr int64_t kDefaultDpChunkBytes = int64_t{32} << 20;
-  // The product's form choice (client/dp/device_engine.cc, ENGRAM_DP_GRAPH_MAX_SLOT): the CUDA-graph form for group
-  // slots up to this, the pipelined form enqueued call by call above. bench_dp on 2 x H200 (RESULTS.md, 2026-11-30
-  // s3, graph run): graph 33-40 us at 1-64 tokens per rank and 64 us at 512 (pipelined: 112-144 us), but 245 / 410 us
-  // at 4096 / 8192 against the pipelined form's 217 / 366 (every NCCL kernel in the graph costs more GPU time; more
-  // chunks make it worse). 2048: between the measured 512 (graph wins 2.2x) and 4096 (pipelined wins 1.13x).
-  static constexpr int32_t kDefaultGraphMaxSlot = 2048;
+  // The measured defaults (client/tuning.h, where the measurements are cited).
+  static constexpr int64_t kDefaultDpChunkBytes = tuning_default::kDpChunkBytes;
+  static constexpr int32_t kDefaultGraphMaxSlot = tuning_default::kDpGraphMaxSlot;
 };
 
 class DpNcclExchange {

@@ -8,7 +8,7 @@
 //   2. each rank looks up its own columns for every gathered token;
 //   3. all-to-all of packed 264-byte records back: rank r receives from every member its T_r tokens' rows of that
 //      member's columns, and unpacks them to bf16 in column order (columns outside the group's range are zero).
-// The exchange runs in client/dp/engine.h over a transport (client/dp/host_transport.h between processes on the
+// The exchange runs in client/dp/dp_engine.h over a transport (client/dp/host_transport.h between processes on the
 // host); the group is brokered by engramd (daemon/group_registry.h). Pure functions; thread-safe.
 #pragma once
 

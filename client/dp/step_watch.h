@@ -1,4 +1,4 @@
-// The DP engine's step watchdog clock (client/dp/device_engine.cc): which queued steps count as overdue. The caller
+// The DP engine's step watchdog clock (client/dp/dp_device_engine.cc): which queued steps count as overdue. The caller
 // reports finishes oldest first (steps on two streams, the engine's and its prefetch stream, may finish out of
 // order: a younger step's finish is then reported late, when the older one's is, never early); a step is overdue
 // when steps are queued and none has finished for `timeout`, counted from the later of the moment the queue became

@@ -10,15 +10,14 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
-#include <mutex>
 #include <string>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status_macros.h"
-#include "client/environment.h"
 #include "client/log.h"
+#include "client/tuning.h"
 
 namespace engram::client {
 namespace {
@@ -31,13 +30,13 @@ namespace {
 constexpr PathPoint kDefaultPathTable[] = {
     {1536, false}, {6144, true}, {24576, true}, {196608, true}, {1048560, false}};
 
-// ENGRAM_HOST_GATHER_MIN_ITEMS=N: host gather from N items (a plain threshold, a single point marked `threshold`);
-// else the table bench_kernels writes (ENGRAM_LOOKUP_PATH_TABLE: lines "ITEMS host|uva"); else the measured default.
-std::vector<PathPoint> PathTable(const ClientEnvironment& env) {
-  if (env.host_gather_min_items.value_or(0) > 0) return {{*env.host_gather_min_items, true, true}};
-  if (!env.lookup_path_table.empty()) {
+// host_gather_min_items=N: host gather from N items (a plain threshold, a single point marked `threshold`); else
+// the table bench_kernels writes (lookup_path_table: lines "ITEMS host|uva"); else the measured default.
+std::vector<PathPoint> PathTable(const Tuning& tuning) {
+  if (tuning.host_gather_min_items.value_or(0) > 0) return {{*tuning.host_gather_min_items, true, true}};
+  if (!tuning.lookup_path_table.empty()) {
     std::vector<PathPoint> table;
-    if (FILE* f = std::fopen(env.lookup_path_table.c_str(), "r")) {
+    if (FILE* f = std::fopen(tuning.lookup_path_table.c_str(), "r")) {
       long long n = 0;
       char what[16] = {};
       while (std::fscanf(f, "%lld %15s", &n, what) == 2) {
@@ -58,24 +57,24 @@ int AllowedCpus() {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-LookupPath PathFromEnv(const ClientEnvironment& env) {
-  if (env.lookup_path == "uva") return LookupPath::kUva;
-  if (env.lookup_path == "host" || env.lookup_path == "host_gather") return LookupPath::kHostGather;
+LookupPath PathFromTuning(const Tuning& tuning) {
+  if (tuning.lookup_path == "uva") return LookupPath::kUva;
+  if (tuning.lookup_path == "host" || tuning.lookup_path == "host_gather") return LookupPath::kHostGather;
   return LookupPath::kAuto;
 }
 
-// The UVA gather's tuning from the environment, applied once per process (before the first engine's launches).
-void ApplyLookupTuningFromEnvironment(const ClientEnvironment& env) {
-  static std::once_flag once;
-  std::call_once(once, [&env] {
-    kernels::LookupTuning t = kernels::GetLookupTuning();
-    if (env.lookup_sort_min_items) t.sort_min_items = *env.lookup_sort_min_items;
-    if (env.lookup_sort_variant)
-      t.sort_variant = static_cast<int32_t>(std::clamp<int64_t>(*env.lookup_sort_variant, 0, 3));
-    if (env.lookup_sort_blocks)
-      t.sort_blocks = static_cast<int32_t>(std::clamp<int64_t>(*env.lookup_sort_blocks, 0, 1 << 20));
-    kernels::SetLookupTuning(t);
-  });
+// The row-order gather's variant and grid are the kernels' process-wide state: set when a table's tuning names
+// them (the last engine created with them decides), left at the kernels' defaults otherwise.
+void ApplyProcessWideLookupTuning(const Tuning& tuning) {
+  if (!tuning.lookup_sort_variant && !tuning.lookup_sort_blocks) return;
+  kernels::LookupTuning t = kernels::GetLookupTuning();
+  if (tuning.lookup_sort_variant) {
+    t.sort_variant = static_cast<int32_t>(std::clamp<int64_t>(*tuning.lookup_sort_variant, 0, 3));
+  }
+  if (tuning.lookup_sort_blocks) {
+    t.sort_blocks = static_cast<int32_t>(std::clamp<int64_t>(*tuning.lookup_sort_blocks, 0, 1 << 20));
+  }
+  kernels::SetLookupTuning(t);
 }
 
 }  // namespace
@@ -104,23 +103,29 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
   }
   e->sort_bytes_ = kernels::LookupSortScratchBytes(static_cast<int64_t>(max_tokens) * table.n_cols());
   RETURN_IF_ERROR(kernels::CudaStatus(cudaMalloc(&e->sort_scratch_, e->sort_bytes_), "sort scratch"));
-  const ClientEnvironment& env = Environment();
-  ApplyLookupTuningFromEnvironment(env);
-  e->path_ = PathFromEnv(env);
-  e->path_table_ = PathTable(env);
+  const Tuning& tuning = table.tuning();
+  ApplyProcessWideLookupTuning(tuning);
+  if (tuning.lookup_sort_min_items) {  // a fixed row-order threshold for every launch: no calibration of it
+    for (auto& by_background : e->sort_min_items_) {
+      for (int64_t& from : by_background) from = *tuning.lookup_sort_min_items;
+    }
+  }
+  e->path_ = PathFromTuning(tuning);
+  e->path_table_ = PathTable(tuning);
   e->host_options_.threads = DefaultGatherThreads(AllowedCpus());
-  // The gather threads and their CPUs: ENGRAM_HOST_GATHER_THREADS=N, ENGRAM_HOST_GATHER_CPUS=LIST (e.g. "8-15").
-  if (env.host_gather_threads.value_or(0) > 0) {
-    e->host_options_.threads = static_cast<int>(std::min<int64_t>(*env.host_gather_threads, 1024));
+  // The gather threads and their CPUs (host_gather_threads, host_gather_cpus: a list such as "8-15").
+  if (tuning.host_gather_threads.value_or(0) > 0) {
+    e->host_options_.threads = static_cast<int>(std::min<int64_t>(*tuning.host_gather_threads, 1024));
   }
-  if (!env.host_gather_cpus.empty()) {
-    ASSIGN_OR_RETURN(e->host_options_.cpus, ParseCpuList(env.host_gather_cpus));
+  if (!tuning.host_gather_cpus.empty()) {
+    ASSIGN_OR_RETURN(e->host_options_.cpus, ParseCpuList(tuning.host_gather_cpus));
   }
-  // De-duplication and the UVA share of a split batch: the measured defaults (host_gather.h, bench/RESULTS.md);
-  // ENGRAM_HOST_GATHER_DEDUP=0|1 and ENGRAM_HOST_GATHER_UVA_SHARE=0..1 override them.
-  e->host_options_.dedup = env.host_gather_dedup.value_or(kEngineHostGatherDedup);
-  e->host_options_.uva_share = std::clamp(env.host_gather_uva_share.value_or(kEngineHostGatherUvaShare), 0.0, 1.0);
-  RETURN_IF_ERROR(e->Calibrate(env));
+  // The UVA share of a split batch (the measured default, client/tuning.h; the calibration may replace it) and the
+  // gather loop's knobs.
+  e->host_options_.uva_share =
+      std::clamp(tuning.host_gather_uva_share.value_or(tuning_default::kHostGatherUvaShare), 0.0, 1.0);
+  e->host_options_ = ResolveHostGatherOptions(e->host_options_, tuning);
+  RETURN_IF_ERROR(e->Calibrate(tuning));
   const bool host_records = table.layers().empty() || table.records(0) != nullptr;
   std::string table_text;
   for (const auto& p : e->path_table_)
@@ -130,10 +135,8 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
                                            : "uva");
   Log().info(
       "engram: event=lookup_engine backend=cuda lookup_path={} path_table={} host_gather_threads={} "
-      "host_gather_dedup={} host_gather_uva_share={:.2f} host_records={} (uva under CUDA graph capture and for device "
-      "ids)",
-      LookupPathName(e->path_), table_text, e->host_options_.threads, e->host_options_.dedup,
-      e->host_options_.uva_share, host_records);
+      "host_gather_uva_share={:.2f} host_records={} (uva under CUDA graph capture and for device ids)",
+      LookupPathName(e->path_), table_text, e->host_options_.threads, e->host_options_.uva_share, host_records);
   e->choice_ = absl::StrCat("backend=cuda lookup_path=", LookupPathName(e->path_), " path_table=", table_text,
                             " host_gather_threads=", e->host_options_.threads,
                             absl::StrFormat(" host_gather_uva_share=%.2f", e->host_options_.uva_share),
@@ -156,7 +159,7 @@ absl::StatusOr<std::unique_ptr<HostGather>> DeviceEngine::MakeHostGather(int thr
                             static_cast<int32_t>(table_->head_dim()), o);
 }
 
-absl::Status DeviceEngine::Calibrate(const ClientEnvironment& env) {
+absl::Status DeviceEngine::Calibrate(const Tuning& tuning) {
   if (table_->layers().empty()) return absl::OkStatus();
   const auto t0 = std::chrono::steady_clock::now();
   CalibrationTarget t;
@@ -171,26 +174,26 @@ absl::Status DeviceEngine::Calibrate(const ClientEnvironment& env) {
   t.sort_scratch = sort_scratch_;
   t.sort_bytes = sort_bytes_;
   std::string row_order = "fixed", decode = "default", host = "built-in";
-  if (!env.lookup_sort_min_items) {
+  if (!tuning.lookup_sort_min_items) {
     ASSIGN_OR_RETURN(const RowOrderChoice ro, CalibrateRowOrder(t, stream_));
     for (int p = 0; p < 2; ++p) {
       for (int b = 0; b < 2; ++b) sort_min_items_[p][b] = ro.from_items[p][b];
     }
     row_order = ro.text;
   }
-  const bool calibrate = env.engine_calibrate.value_or(true);
+  const bool calibrate = tuning.engine_calibrate.value_or(true);
   if (calibrate) {
     ASSIGN_OR_RETURN(decode_, CalibrateDecode(t));
     decode = decode_.text.empty() ? "default" : decode_.text;
   }
   // The host-gather plan: only where the automatic choice could take that path, with nothing fixed by hand.
   const bool host_records = table_->records(0) != nullptr && table_->device_records(0) != nullptr;
-  if (calibrate && has_staging_ && host_records && path_ == LookupPath::kAuto && env.lookup_path_table.empty() &&
-      !env.host_gather_min_items && !env.host_gather_uva_share) {
+  if (calibrate && has_staging_ && host_records && path_ == LookupPath::kAuto && tuning.lookup_path_table.empty() &&
+      !tuning.host_gather_min_items && !tuning.host_gather_uva_share) {
     std::vector<int> threads = {host_options_.threads};
     const int cpus = AllowedCpus();
     const int more = std::min(cpus * 3 / 4, 24);
-    if (!env.host_gather_threads && more > host_options_.threads) threads.push_back(more);
+    if (!tuning.host_gather_threads && more > host_options_.threads) threads.push_back(more);
     ASSIGN_OR_RETURN(const HostPlan plan, CalibrateHostGather(
                                               t, threads, {0.15, 0.25, 0.35},
                                               [this](int th) { return MakeHostGather(th); }, stream_, &host_));

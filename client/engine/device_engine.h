@@ -16,9 +16,9 @@
 #include "client/engine/calibration.h"
 #include "client/engine/host_gather.h"
 #include "client/engine/prefetch.h"
-#include "client/environment.h"
 #include "engram/client.h"
 #include "engram/lookup_engine.h"
+#include "engram/tuning.h"
 #include "kernels/device_layout.h"
 #include "kernels/engram_kernels.h"
 
@@ -92,7 +92,7 @@ class DeviceEngine final : public LookupEngine {
   DecodeShapes decode_;                                  // the plain gather's shape at decode sizes
   // Times the row-order threshold, the decode shapes and the host-gather plan on this table (calibration.h), as
   // the environment allows, and logs what was chosen and why.
-  absl::Status Calibrate(const ClientEnvironment& env);
+  absl::Status Calibrate(const Tuning& tuning);
   absl::StatusOr<std::unique_ptr<HostGather>> MakeHostGather(int threads) const;
   std::unique_ptr<HostGather> host_;  // created by the calibration, else on the first host-gather Prefetch
   int32_t* d_ids_ = nullptr;          // host ids copied for the UVA path

@@ -1,5 +1,5 @@
-// HostGather: the host-gather lookup path. CPU threads gather a batch's rows from the shared host mapping (each
-// distinct row once, client/engine/host_gather_plan.h) into pinned staging, chunk by chunk; each chunk is copied to the
+// HostGather: the host-gather lookup path. CPU threads gather a batch's rows from the shared host mapping
+// (client/engine/host_gather_plan.h) into pinned staging, chunk by chunk; each chunk is copied to the
 // GPU as soon as it is full (the copy engine drains chunk k while the threads gather chunk k+1), and a GPU unpack
 // (the lookup kernel over the dense gathered rows, so the same fp8 -> bf16 arithmetic as every other path)
 // writes bf16 rows into the caller's staging buffers. Completion of layer l is an event; Wait(l) orders a stream
@@ -36,21 +36,13 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/engine/host_gather_plan.h"
+#include "engram/tuning.h"
 
 namespace engram::client {
-
-// The engine's defaults (client/engine/device_engine.cc; bench_kernels measures them and writes the automatic choice's
-// table for them), measured on the H200 (bench/RESULTS.md, 2026-11-30): de-duplication off (it costs more than
-// it saves even at 45% repeats), a quarter of the tokens on the UVA row-order kernel (the best share at 196K rows,
-// the size where the engine takes this path; 0.15-0.4 measured side by side in four runs: 0.2 and 0.3 won some
-// runs by 1-3% and lost others by as much, and a per-size share gained nothing).
-inline constexpr bool kEngineHostGatherDedup = false;
-inline constexpr double kEngineHostGatherUvaShare = 0.25;
 
 struct HostGatherOptions {
   int threads = 0;            // gather threads; 0 = DefaultGatherThreads(the machine's cores)
   std::vector<int> cpus;      // CPU affinity of the gather threads (worker i on cpus[i % n]); empty = unpinned
-  bool dedup = true;          // fetch each distinct row of a batch once
   int32_t unpack_blocks = 0;  // grid of the GPU unpack; 0 = the whole GPU (it reads HBM only, briefly)
   int64_t min_chunk_rows = 256, max_chunk_rows = 1024;  // rows a gather thread takes at a time
   // Share of each batch's tokens gathered by the UVA row-order kernel concurrently (0 = none; needs every layer's
@@ -62,13 +54,13 @@ struct HostGatherOptions {
   int32_t uva_blocks = 8;
 
   // How the batch reaches the copy engine (what closes the gap between the pipeline and the CPU gather ceiling). Each
-  // field left at -1 is taken from its environment variable when set, else from the built-in default (in brackets:
-  // chosen from bench_kernels' "host gather variant" lines, bench/RESULTS.md); HostGather::options() shows the result.
+  // field left at -1 is taken from its tuning knob when set (ENGRAM_<KNOB>, or the table's Tuning for an engine's
+  // gather), else from the measured default in client/tuning.h (in brackets); HostGather::options() shows the result.
   int32_t prefetch_rows = -1;  // ENGRAM_HOST_GATHER_PREFETCH: rows prefetched ahead in each thread's list (16;
                                // 0 = none)
   int32_t stream_stores = -1;  // ENGRAM_HOST_GATHER_NT=1: non-temporal stores into the pinned staging (1)
-  int32_t fused = -1;          // ENGRAM_HOST_GATHER_FUSED=1: without de-duplication, each thread plans its own chunk
-                               // (ids -> rows, index) right before gathering it: one pass, not two (1)
+  int32_t fused = -1;          // ENGRAM_HOST_GATHER_FUSED=1: each thread plans its own chunk (ids -> rows, index)
+                               // right before gathering it: one pass, not two (1)
   int32_t copy_issuer = -1;    // ENGRAM_HOST_GATHER_ISSUER=1: the dispatcher thread enqueues the chunk copies (runs
                                // of finished chunks merged into one copy); the gather threads never call CUDA (1)
   int32_t spin_us = -1;        // ENGRAM_HOST_GATHER_SPIN_US: idle gather threads spin this long before sleeping (200)
@@ -82,12 +74,10 @@ struct HostGatherOptions {
   int32_t issue_min_rows = -1;    // ENGRAM_HOST_GATHER_ISSUE_MIN_ROWS: with copy_issuer, a copy waits until this many
                                   // finished rows are contiguous (the last copy takes the rest): small chunks for the
                                   // threads, large copies for the copy engine (4096)
-  int32_t stream_unpack = -1;  // ENGRAM_HOST_GATHER_STREAM_UNPACK=1: with copy_issuer and fused (every row), each copy
-                               // is unpacked as it lands (its tokens' index copied with it), not all at the end (0)
 };
 
-// The options with every -1 field resolved (environment, then built-in default).
-HostGatherOptions ResolveHostGatherOptions(HostGatherOptions options);
+// The options with every -1 field resolved: the knob of `tuning` when set, else the measured default.
+HostGatherOptions ResolveHostGatherOptions(HostGatherOptions options, const Tuning& tuning);
 
 struct HostLayer {
   const uint8_t* records = nullptr;  // host-readable records, row_begin's first (the shared mapping)
@@ -118,19 +108,31 @@ class HostGather {
   const HostGatherOptions& options() const { return opt_; }  // as resolved by Create
   int32_t n_layers() const { return static_cast<int32_t>(layers_.size()); }
   cudaEvent_t layer_event(int32_t layer) const { return done_[static_cast<size_t>(layer)]; }
-  // Of the last batch, per layer: items served and rows moved over PCIe (after de-duplication).
+  // Of the last batch, per layer: items served and rows moved over PCIe.
   struct LayerStats {
     int64_t items = 0, rows_moved = 0;  // rows_moved counts the UVA share's items too
     int64_t uva_items = 0;              // items served by the UVA share
     double gather_ms = 0;               // host time of the threads' gather pass (the fused plan, the gather, the
-                                        // copy issue; a de-duplicating plan runs before it and is not counted)
+                                        // copy issue; an unfused plan runs before it and is not counted)
   };
   LayerStats stats(int32_t layer) const { return stats_[static_cast<size_t>(layer)]; }
 
  private:
   HostGather() = default;
+  // One layer of the batch: how its tokens split between the CPU threads and the UVA share.
+  struct LayerBatch {
+    int32_t l = 0;
+    size_t li = 0;
+    int32_t uva_tokens = 0, host_tokens = 0;
+    int64_t host_items = 0, uva_items = 0;
+  };
   void Dispatch();
+  // The dispatcher's work for layer l (client/engine/host_gather_layer.cc): the split, the UVA share's launch, the
+  // threads' gather pass with its copies, and the unpack.
   absl::Status RunLayer(int32_t l);
+  LayerBatch SplitBatch(int32_t l) const;
+  absl::Status LaunchUvaShare(const LayerBatch& b, bool serial);
+  absl::Status GatherPass(const LayerBatch& b, bool fused, bool uva_in_pass);
 
   std::vector<HostLayer> layers_;
   std::vector<uint16_t*> out_;
@@ -139,14 +141,12 @@ class HostGather {
   HostGatherOptions opt_;
   int device_ = 0;
   std::unique_ptr<GatherPool> pool_;
-  std::unique_ptr<RowDeduper> dedup_;
   cudaStream_t copy_ = nullptr, unpack_ = nullptr, uva_ = nullptr;
   bool uva_ok_ = false;           // every layer has device records: batches may be split
   void* sort_scratch_ = nullptr;  // the UVA share's row-order sort (one launch at a time: one stream)
   size_t sort_bytes_ = 0;
   std::vector<cudaEvent_t> uva_done_;
   cudaEvent_t main_ready_ = nullptr;
-  cudaEvent_t group_copied_ = nullptr;  // stream_unpack: the last group's copies (re-recorded per group)
   std::vector<cudaEvent_t> copied_, done_;
   std::vector<uint8_t*> pinned_rows_;   // [max_items, rb] per layer
   std::vector<int32_t*> pinned_index_;  // [max_items] per layer

@@ -121,15 +121,6 @@ void GatherPool::Loop(int worker) {
 
 namespace {
 
-inline uint64_t Mix(uint64_t x) {  // murmur3's finaliser: spreads consecutive rows over the table
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return x;
-}
-
 // Calls fn(i, id) for items i in [begin, end) in order, id = ids[t * stride + c] for i = t * cols + c (one division
 // per range, not per item).
 template <typename Fn>
@@ -152,19 +143,11 @@ inline void ForEachId(const int32_t* ids, int64_t begin, int64_t end, int32_t co
 
 }  // namespace
 
-RowDeduper::RowDeduper(int64_t max_items) : max_items_(std::max<int64_t>(max_items, 1)) {
-  bucketed_.resize(static_cast<size_t>(max_items_));
-}
-
-absl::Status RowDeduper::Plan(const int32_t* ids, int32_t num_tokens, int32_t num_cols, int64_t ids_stride,
-                              int64_t row_begin, int64_t row_end, bool dedup, GatherPool& pool, int32_t* index,
-                              GatherPlan* plan) {
+absl::Status PlanIdentity(const int32_t* ids, int32_t num_tokens, int32_t num_cols, int64_t ids_stride,
+                          int64_t row_begin, int64_t row_end, GatherPool& pool, int32_t* index, GatherPlan* plan) {
   const int64_t items = static_cast<int64_t>(num_tokens) * num_cols;
   if (num_tokens < 0 || num_cols < 1 || ids_stride < num_cols || row_end < row_begin) {
     return absl::InvalidArgumentError("gather plan: bad shape");
-  }
-  if (items > max_items_) {
-    return absl::InvalidArgumentError(absl::StrCat(items, " items; the de-duplicator was sized for ", max_items_));
   }
   if (row_end - row_begin >= static_cast<int64_t>(GatherPlan::kNoRow)) {
     return absl::InvalidArgumentError("gather plan: more than 2^32 - 1 rows in a layer");
@@ -173,116 +156,11 @@ absl::Status RowDeduper::Plan(const int32_t* ids, int32_t num_tokens, int32_t nu
   if (plan->rows.size() < static_cast<size_t>(items)) plan->rows.resize(static_cast<size_t>(items));
   uint32_t* rows = plan->rows.data();
   const int P = pool.threads();
-  if (!dedup) {
-    pool.Run([&](int w) {
-      const Range r = SplitRange(items, P, w);
-      PlanIdentityRange(ids, num_cols, ids_stride, row_begin, row_end, r.begin, r.end, rows, index);
-    });
-    plan->n_rows = items;
-    return absl::OkStatus();
-  }
-  // Part p owns rows [p * range / P, (p + 1) * range / P) (relative to row_begin), computed by a multiply and a shift
-  // (part_scale = P * 2^32 / range): ascending parts, ascending rows.
-  const uint64_t range = static_cast<uint64_t>(std::max<int64_t>(row_end - row_begin, 1));
-  const uint64_t part_scale = (static_cast<uint64_t>(P) << 32) / range;
-  auto part_of = [&](uint64_t rel) { return static_cast<size_t>(std::min<uint64_t>((rel * part_scale) >> 32, P - 1)); };
-  counts_.resize(static_cast<size_t>(P));
-  tables_.resize(static_cast<size_t>(P));
-  part_begin_.assign(static_cast<size_t>(P) + 1, 0);
-  part_rows_.assign(static_cast<size_t>(P) + 1, 0);
-  // 1. Items per (worker, part); non-owned items get -1 now, owned ones 0.
   pool.Run([&](int w) {
-    auto& cnt = counts_[static_cast<size_t>(w)];
-    cnt.assign(static_cast<size_t>(P), 0);
     const Range r = SplitRange(items, P, w);
-    ForEachId(ids, r.begin, r.end, num_cols, ids_stride, [&](int64_t i, int64_t id) {
-      const bool owned = id >= row_begin && id < row_end;
-      index[i] = owned ? 0 : -1;
-      if (owned) ++cnt[part_of(static_cast<uint64_t>(id - row_begin))];
-    });
+    PlanIdentityRange(ids, num_cols, ids_stride, row_begin, row_end, r.begin, r.end, rows, index);
   });
-  // Scatter offsets: parts in order, within a part the workers in order.
-  int64_t at = 0;
-  for (int p = 0; p < P; ++p) {
-    part_begin_[static_cast<size_t>(p)] = at;
-    for (int w = 0; w < P; ++w) {
-      const int64_t n = counts_[static_cast<size_t>(w)][static_cast<size_t>(p)];
-      counts_[static_cast<size_t>(w)][static_cast<size_t>(p)] = at;
-      at += n;
-    }
-  }
-  part_begin_[static_cast<size_t>(P)] = at;
-  // 2. Scatter the owned items into their parts as (item, row) pairs: the part's pass reads nothing else.
-  uint64_t* bucketed = bucketed_.data();
-  pool.Run([&](int w) {
-    auto& off = counts_[static_cast<size_t>(w)];
-    const Range r = SplitRange(items, P, w);
-    ForEachId(ids, r.begin, r.end, num_cols, ids_stride, [&](int64_t i, int64_t id) {
-      if (id < row_begin || id >= row_end) return;
-      const uint64_t rel = static_cast<uint64_t>(id - row_begin);
-      bucketed[off[part_of(rel)]++] = (rel << 32) | static_cast<uint64_t>(i);
-    });
-  });
-  // 3. Each worker de-duplicates its part in its own table (slot proportional to the row: the slot order is the
-  //    row order; a part whose rows crowd into long probe runs is placed again by a hash). index[i] = local slot.
-  pool.Run([&](int p) {
-    const int64_t begin = part_begin_[static_cast<size_t>(p)], end = part_begin_[static_cast<size_t>(p) + 1];
-    // The part's first row (approximately: rows outside the span are clamped to the table's ends).
-    const uint64_t lo = static_cast<uint64_t>(p) * range / static_cast<uint64_t>(P);
-    const uint64_t width = std::max<uint64_t>(range / static_cast<uint64_t>(P), 1);
-    int64_t cap = 16;
-    while (cap < 2 * (end - begin)) cap <<= 1;
-    const uint64_t slot_scale = (static_cast<uint64_t>(cap) << 32) / width;  // slot = (rel - lo) * cap / width
-    auto& table = tables_[static_cast<size_t>(p)];
-    // A tail past the last home slot: probe runs at the top of the part continue there instead of wrapping to the
-    // front (which would put those rows first).
-    const uint64_t size = static_cast<uint64_t>(cap) + 256;
-    table.assign(static_cast<size_t>(size), 0);
-    const uint64_t mask = static_cast<uint64_t>(cap) - 1;
-    for (bool ordered : {true, false}) {
-      bool crowded = false;
-      for (int64_t k = begin; k < end && !crowded; ++k) {
-        const uint64_t pair = bucketed[k];
-        const uint32_t i = static_cast<uint32_t>(pair), rel = static_cast<uint32_t>(pair >> 32), key = rel + 1;
-        // Ordered: proportional to the row within the part, clamped to the table (part edges are approximate).
-        uint64_t s = ordered
-                         ? std::min<uint64_t>((static_cast<uint64_t>(rel > lo ? rel - lo : 0) * slot_scale) >> 32, mask)
-                         : Mix(key) & mask;
-        for (int probes = 0; table[s] != 0 && table[s] != key; ++probes) {
-          if (ordered && probes > 256) {
-            crowded = true;
-            break;
-          }
-          s = s + 1 == size ? 0 : s + 1;
-        }
-        table[s] = key;
-        index[i] = static_cast<int32_t>(s);
-      }
-      if (!crowded) break;
-      std::fill(table.begin(), table.end(), 0u);
-    }
-    int64_t n = 0;
-    for (const uint32_t k : table) n += k != 0;
-    part_rows_[static_cast<size_t>(p) + 1] = n;
-  });
-  for (int p = 0; p < P; ++p) part_rows_[static_cast<size_t>(p) + 1] += part_rows_[static_cast<size_t>(p)];
-  // 4. Each part numbers its rows after the parts before it (the table's slots become those numbers) and rewrites
-  //    its items' indices.
-  pool.Run([&](int p) {
-    auto& table = tables_[static_cast<size_t>(p)];
-    uint32_t next = static_cast<uint32_t>(part_rows_[static_cast<size_t>(p)]);
-    for (auto& k : table) {
-      if (k == 0) continue;
-      rows[next] = k - 1;
-      k = next++;  // the slot now holds the row's position in `rows`
-    }
-    const int64_t begin = part_begin_[static_cast<size_t>(p)], end = part_begin_[static_cast<size_t>(p) + 1];
-    for (int64_t k = begin; k < end; ++k) {
-      const uint32_t i = static_cast<uint32_t>(bucketed[k]);
-      index[i] = static_cast<int32_t>(table[static_cast<size_t>(index[i])]);
-    }
-  });
-  plan->n_rows = part_rows_[static_cast<size_t>(P)];
+  plan->n_rows = items;
   return absl::OkStatus();
 }
 

@@ -1,13 +1,14 @@
 // The CPU side of the host-gather lookup path (client/engine/host_gather.h), free of CUDA so that it is unit-tested on
-// any machine: a small thread pool (optional CPU affinity), the de-duplication of a batch's row ids (each distinct row
-// fetched once; every item maps to its row's slot in the gathered array), the chunk plan (how many rows per H2D
-// copy) and the row gather itself (264 B records copied from the shared mapping, with software prefetch a tunable
-// number of rows ahead, optionally with non-temporal stores: the destination is pinned staging that only the GPU's
-// DMA reads, so the CPU need not read its lines before writing them).
+// any machine: a small thread pool (optional CPU affinity), the plan of a batch's rows (every owned item's row, in
+// item order; items outside the layer's rows read as zeros), the chunk plan (how many rows per H2D copy) and the row
+// gather itself (264 B records copied from the shared mapping, with software prefetch a tunable number of rows ahead,
+// optionally with non-temporal stores: the destination is pinned staging that only the GPU's DMA reads, so the CPU need
+// not read its lines before writing them).
 //
-// Ownership: GatherPool owns its threads and joins them in its destructor. RowDeduper owns its hash table, sized
-// for max_items. Thread-safety: one thread drives a GatherPool (Run is not reentrant); a RowDeduper is used by one
-// Dedup call at a time (which itself spreads over the pool). The free functions are pure.
+// Ownership: GatherPool owns its threads and joins them in its destructor. Thread-safety: one thread drives a
+// GatherPool (Run is not reentrant); PlanIdentity spreads over the pool it is given. The other free functions are
+// pure. (Fetching each distinct row of a batch once was measured and lost: it cost more than it saved even at 45%
+// repeated rows, bench/RESULTS.md.)
 #pragma once
 
 #include <atomic>
@@ -73,38 +74,22 @@ class GatherPool {
   const std::function<void(int)>* job_ = nullptr;  // written before generation_'s release increment
 };
 
-// A batch of one layer's ids, de-duplicated: `rows` holds each distinct owned row (relative to row_begin) once, in
-// ascending row order as far as the placement allows (address order for the gather), and
-// index[i] is item i's position in `rows` (or -1 when the id lies outside [row_begin, row_end)). Without
-// de-duplication rows[k] is item k's row and index[i] = i for owned items (a non-owned item's rows[i] is kNoRow).
+// A batch of one layer's ids, planned: rows[i] is item i's row (relative to row_begin) and index[i] = i for an owned
+// item; an item whose id lies outside [row_begin, row_end) has rows[i] = kNoRow and index[i] = -1 (zeros).
 struct GatherPlan {
   static constexpr uint32_t kNoRow = 0xFFFFFFFFu;
   std::vector<uint32_t> rows;
   int64_t n_rows = 0;  // rows used (rows.size() is a capacity)
 };
 
-class RowDeduper {
- public:
-  explicit RowDeduper(int64_t max_items);
-  // Items i in [0, num_tokens * num_cols): id = ids[t * ids_stride + c]. Writes index[0 .. items) and plan->rows.
-  // With dedup=false the plan is the identity (every item fetched, in item order).
-  absl::Status Plan(const int32_t* ids, int32_t num_tokens, int32_t num_cols, int64_t ids_stride, int64_t row_begin,
-                    int64_t row_end, bool dedup, GatherPool& pool, int32_t* index, GatherPlan* plan);
+// Items i in [0, num_tokens * num_cols): id = ids[t * ids_stride + c]. Writes index[0 .. items) and plan->rows
+// (grown to the batch), spread over the pool's workers. InvalidArgument for a bad shape or null ids.
+absl::Status PlanIdentity(const int32_t* ids, int32_t num_tokens, int32_t num_cols, int64_t ids_stride,
+                          int64_t row_begin, int64_t row_end, GatherPool& pool, int32_t* index, GatherPlan* plan);
 
- private:
-  // How: the row range is cut into one part per worker; items are bucketed by part (count, prefix, scatter), then
-  // each worker de-duplicates its own part in a private open-addressing table (no shared atomics, a table sized to
-  // the part, slots ordered by row), numbers its rows after the parts before it and rewrites its items' indices.
-  int64_t max_items_;
-  std::vector<uint64_t> bucketed_;             // (row << 32 | item) grouped by part
-  std::vector<std::vector<int64_t>> counts_;   // [worker][part] items, then scatter offsets
-  std::vector<int64_t> part_begin_;            // [part + 1] start of each part in bucketed_
-  std::vector<int64_t> part_rows_;             // [part + 1] distinct rows before each part
-  std::vector<std::vector<uint32_t>> tables_;  // [part] row + 1 per slot; 0 = empty
-};
-
-// The identity plan of items [begin, end) (no de-duplication): rows[i] = id - row_begin and index[i] = i for owned
-// items, rows[i] = kNoRow and index[i] = -1 otherwise; id of item i = t * cols + c is ids[t * stride + c].
+// The plan of items [begin, end) alone (what PlanIdentity does for the whole batch): rows[i] = id - row_begin and
+// index[i] = i for owned items, rows[i] = kNoRow and index[i] = -1 otherwise; id of item i = t * cols + c is ids[t *
+// stride + c].
 void PlanIdentityRange(const int32_t* ids, int32_t cols, int64_t stride, int64_t row_begin, int64_t row_end,
                        int64_t begin, int64_t end, uint32_t* rows, int32_t* index);
 

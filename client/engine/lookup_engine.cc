@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "client/dp/engine.h"
+#include "client/dp/dp_engine.h"
 #include "client/fault_points.h"
 #include "model/reference.h"
 

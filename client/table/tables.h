@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "client/environment.h"
 #include "client/session/session.h"
 #include "engram/client.h"
 #include "model/checkpoint.h"
@@ -28,7 +29,7 @@ namespace engram::client {
 
 class TableImpl final : public Table {
  public:
-  explicit TableImpl(Env* env) : env_(env) {}
+  explicit TableImpl(Env* env) : env_(env), tuning_(Environment().tuning) {}
   ~TableImpl() override;
 
   Mode mode() const override { return mode_; }
@@ -49,12 +50,14 @@ class TableImpl final : public Table {
   AttachMethod attach_method() const override { return attach_; }
   AttachTimes attach_times() const override { return times_; }
   void NoteEngineChoice(const std::string& choice) const override;
+  const Tuning& tuning() const override { return tuning_; }
 
   // The bytes the table's records span (one mapping or allocation), for pinning.
   const uint8_t* base() const { return base_; }
   size_t bytes() const { return bytes_; }
 
   Env* env_;
+  Tuning tuning_;  // the attaching client's knobs over the environment's
   Mode mode_ = Mode::kPrivatePinned;
   Backend backend_ = Backend::kCpu;
   double register_seconds_ = -1;

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "engram/tuning.h"
 #include "engram/types.h"
 
 // The library's own types, declared only: the public headers are self-contained (include/engram and abseil). Code
@@ -59,6 +60,9 @@ struct ClientOptions {
   // Fetch the granted segment as a descriptor over the daemon's descriptor socket (the default); false: open the
   // segment's path only (for diagnosis; SHM_NOT_VISIBLE where this process cannot see the daemon's directory).
   bool descriptor_passing = true;
+  // The lookup engines' knobs for the tables this client attaches (engram/tuning.h): each one set here wins over
+  // its ENGRAM_<KEY> environment variable; unset ones keep the environment's value or the measured default.
+  Tuning tuning;
 };
 
 struct AttachRequest {
@@ -129,6 +133,9 @@ class Table {
   // A lookup engine made on this table says what it chose (LookupEngine::choice): the table's session with engramd
   // reports it, and `engramctl status` shows it for this replica. Best effort; nothing without a session.
   virtual void NoteEngineChoice(const std::string& choice) const { (void)choice; }
+  // The knobs its engines use: the attaching client's ClientOptions::tuning over the environment's (a table made
+  // elsewhere: the environment's alone).
+  virtual const Tuning& tuning() const;
   // Hashing, lookups and the gate go through a LookupEngine (engram/lookup_engine.h): the one lookup API, on the
   // GPU or the CPU, and on the host records of any table (LookupEngine::CreateOnHost).
 };

@@ -6,7 +6,7 @@
 // the staging buffers at once and Wait returns at once. Staging buffers sit at fixed addresses, sized from
 // max_tokens (CUDA-graph friendly). Every misuse (null, too many tokens, layer out of range) is a Status.
 // DP_SHARDED table (embedding_across_dp): Create joins the node-local DP group and the exchange runs inside
-// Prefetch/Lookup, collectives every member calls (client/dp/engine.h); CreateOnHost sees only the local shard.
+// Prefetch/Lookup, collectives every member calls (client/dp/dp_engine.h); CreateOnHost sees only the local shard.
 // Lookup paths (CUDA backend): the UVA kernel (graph-capturable; row-order gather from 12288 items) or
 // the host-gather path (client/engine/host_gather.h: CPU threads, pinned staging, chunked copies, GPU unpack, a share
 // of the tokens on the UVA row-order kernel at the same time), which is host work and so runs only outside CUDA graph

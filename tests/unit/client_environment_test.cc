@@ -2,6 +2,7 @@
 // into its typed field, malformed and empty values leave the field unset, and the hook answers only while installed.
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -9,6 +10,7 @@
 #include "client/environment.h"
 #include "client/fault_points.h"
 #include "client/log.h"
+#include "client/tuning.h"
 #include "engram/engram_c.h"
 #include "engram/log.h"
 #include "spdlog/sinks/ostream_sink.h"
@@ -30,11 +32,10 @@ ClientEnvironment From(const std::map<std::string, std::string>& vars) {
 
 TEST(ClientEnvironment, UnsetLeavesEveryFieldEmpty) {
   const ClientEnvironment e = From({});
-  EXPECT_TRUE(e.lookup_path.empty());
-  EXPECT_FALSE(e.lookup_sort_min_items.has_value());
-  EXPECT_FALSE(e.host_gather_dedup.has_value());
-  EXPECT_FALSE(e.host_gather_uva_share.has_value());
-  EXPECT_FALSE(e.dp_step_timeout_ms.has_value());
+  EXPECT_TRUE(e.tuning.lookup_path.empty());
+  EXPECT_FALSE(e.tuning.lookup_sort_min_items.has_value());
+  EXPECT_FALSE(e.tuning.host_gather_uva_share.has_value());
+  EXPECT_FALSE(e.tuning.dp_step_timeout_ms.has_value());
   EXPECT_FALSE(e.vllm_ple_cpu_offload.has_value());
   EXPECT_FALSE(e.nccl_split_shares_resources);
 }
@@ -43,7 +44,7 @@ TEST(ClientEnvironment, TypedFields) {
   const ClientEnvironment e = From({{"ENGRAM_LOOKUP_PATH", "host"},
                                     {"ENGRAM_LOOKUP_SORT_MIN_ITEMS", "4096"},
                                     {"ENGRAM_HOST_GATHER_CPUS", "8-15"},
-                                    {"ENGRAM_HOST_GATHER_DEDUP", "1"},
+                                    {"ENGRAM_ENGINE_CALIBRATE", "off"},
                                     {"ENGRAM_HOST_GATHER_UVA_SHARE", "0.25"},
                                     {"ENGRAM_HOST_GATHER_ISSUE_MIN_ROWS", "2048"},
                                     {"ENGRAM_DP_STEP_TIMEOUT_MS", "1500"},
@@ -51,54 +52,70 @@ TEST(ClientEnvironment, TypedFields) {
                                     {"ENGRAM_DP_GROUP", "deployment-b"},
                                     {"VLLM_PLE_CPU_OFFLOAD", "Off"},
                                     {"NCCL_COMM_SPLIT_SHARE_RESOURCES", "1"}});
-  EXPECT_EQ(e.lookup_path, "host");
-  EXPECT_EQ(e.lookup_sort_min_items, 4096);
-  EXPECT_EQ(e.host_gather_cpus, "8-15");
-  EXPECT_EQ(e.host_gather_dedup, true);
-  EXPECT_DOUBLE_EQ(e.host_gather_uva_share.value_or(-1), 0.25);
-  EXPECT_EQ(e.host_gather_issue_min_rows, 2048);
-  EXPECT_EQ(e.dp_step_timeout_ms, 1500);
-  EXPECT_EQ(e.dp_a2a, "graph");
+  EXPECT_EQ(e.tuning.lookup_path, "host");
+  EXPECT_EQ(e.tuning.lookup_sort_min_items, 4096);
+  EXPECT_EQ(e.tuning.host_gather_cpus, "8-15");
+  EXPECT_EQ(e.tuning.engine_calibrate, false);
+  EXPECT_DOUBLE_EQ(e.tuning.host_gather_uva_share.value_or(-1), 0.25);
+  EXPECT_EQ(e.tuning.host_gather_issue_min_rows, 2048);
+  EXPECT_EQ(e.tuning.dp_step_timeout_ms, 1500);
+  EXPECT_EQ(e.tuning.dp_a2a, "graph");
   EXPECT_EQ(e.dp_group, "deployment-b");
   EXPECT_EQ(e.vllm_ple_cpu_offload, false);
   EXPECT_TRUE(e.nccl_split_shares_resources);
+}
+
+// Every knob Tuning::Keys() names is read from ENGRAM_<KEY>: a knob added to the record is reachable from the
+// environment, and only that knob is set (oracle: the expected "key=value" text, written here).
+TEST(ClientEnvironment, EveryTuningKeyIsReadFromItsVariable) {
+  ASSERT_GE(Tuning::Keys().size(), 20u);
+  for (const std::string& key : Tuning::Keys()) {
+    SCOPED_TRACE(key);
+    std::string name = "ENGRAM_";
+    for (char ch : key) name += static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+    const std::string value = key == "lookup_path" ? "uva" : key == "dp_a2a" ? "pipelined" : "1";
+    EXPECT_EQ(TuningText(From({{name, value}}).tuning), key + "=" + value);
+  }
 }
 
 TEST(ClientEnvironment, MalformedAndEmptyNumbersAreIgnored) {
   const ClientEnvironment e = From({{"ENGRAM_LOOKUP_SORT_MIN_ITEMS", "12k"},
                                     {"ENGRAM_HOST_GATHER_UVA_SHARE", ""},
                                     {"ENGRAM_DP_CHUNK_KIB", "9999999999999999999999"},
+                                    {"ENGRAM_LOOKUP_PATH", "fastest"},
                                     {"NCCL_COMM_SPLIT_SHARE_RESOURCES", "yes"}});
-  EXPECT_FALSE(e.lookup_sort_min_items.has_value());
-  EXPECT_FALSE(e.host_gather_uva_share.has_value());
-  EXPECT_FALSE(e.dp_chunk_kib.has_value());
+  EXPECT_FALSE(e.tuning.lookup_sort_min_items.has_value());
+  EXPECT_FALSE(e.tuning.host_gather_uva_share.has_value());
+  EXPECT_FALSE(e.tuning.dp_chunk_kib.has_value());
+  EXPECT_TRUE(e.tuning.lookup_path.empty());
   EXPECT_FALSE(e.nccl_split_shares_resources);
 }
 
 TEST(ClientEnvironment, NonFiniteNumbersOddFlagsAndOutOfRangeDurationsAreIgnored) {
   const ClientEnvironment e = From({{"ENGRAM_HOST_GATHER_UVA_SHARE", "nan"},
-                                    {"ENGRAM_HOST_GATHER_DEDUP", " 0 "},
+                                    {"ENGRAM_ENGINE_CALIBRATE", " 0 "},
                                     {"VLLM_PLE_CPU_OFFLOAD", "disable"},
                                     {"ENGRAM_DP_STEP_TIMEOUT_MS", "10000000000000"},
                                     {"ENGRAM_DP_FORM_TIMEOUT_MS", "-5"}});
-  EXPECT_FALSE(e.host_gather_uva_share.has_value());
-  EXPECT_EQ(e.host_gather_dedup, false);
+  EXPECT_FALSE(e.tuning.host_gather_uva_share.has_value());
+  EXPECT_EQ(e.tuning.engine_calibrate, false);
   EXPECT_FALSE(e.vllm_ple_cpu_offload.has_value());
-  EXPECT_FALSE(e.dp_step_timeout_ms.has_value());
-  EXPECT_FALSE(e.dp_form_timeout_ms.has_value());
-  EXPECT_FALSE(From({{"ENGRAM_HOST_GATHER_UVA_SHARE", "inf"}}).host_gather_uva_share.has_value());
+  EXPECT_FALSE(e.tuning.dp_step_timeout_ms.has_value());
+  EXPECT_FALSE(e.tuning.dp_form_timeout_ms.has_value());
+  EXPECT_FALSE(From({{"ENGRAM_HOST_GATHER_UVA_SHARE", "inf"}}).tuning.host_gather_uva_share.has_value());
+  EXPECT_FALSE(From({{"ENGRAM_HOST_GATHER_UVA_SHARE", "1.5"}}).tuning.host_gather_uva_share.has_value());
 }
 
 TEST(ClientEnvironment, ReloadReadsTheProcessEnvironmentAgainAndKeepsEarlierReferencesValid) {
   ::setenv("ENGRAM_LOOKUP_PATH", "uva", 1);
   ReloadEnvironment();
   const ClientEnvironment& before = Environment();
-  EXPECT_EQ(before.lookup_path, "uva");
+  EXPECT_EQ(before.tuning.lookup_path, "uva");
   ::setenv("ENGRAM_LOOKUP_PATH", "host", 1);
-  EXPECT_EQ(Environment().lookup_path, "uva") << "read once: a change alone is not seen";
+  EXPECT_EQ(Environment().tuning.lookup_path, "uva") << "read once: a change alone is not seen";
   ReloadEnvironment();
-  EXPECT_EQ(Environment().lookup_path, "host");
-  EXPECT_EQ(before.lookup_path, "uva");  // the earlier record is still alive
+  EXPECT_EQ(Environment().tuning.lookup_path, "host");
+  EXPECT_EQ(before.tuning.lookup_path, "uva");  // the earlier record is still alive
   ::unsetenv("ENGRAM_LOOKUP_PATH");
   ReloadEnvironment();
 }

@@ -1,13 +1,11 @@
-// The CPU side of the host-gather path (client/engine/host_gather_plan.h): de-duplication of a batch's rows (every item
-// maps to a gathered row holding its id, each distinct owned row gathered exactly once, non-owned items -1), the
-// identity plan without de-duplication, chunk planning, range splitting, the pool, and the record gather.
-// Oracles: std::set / direct indexing, never the code under test.
+// The CPU side of the host-gather path (client/engine/host_gather_plan.h): the plan of a batch's rows (every owned
+// item maps to its row, non-owned items to none and -1), chunk planning, range splitting, the pool, and the record
+// gather. Oracles: direct indexing, never the code under test.
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <random>
-#include <set>
 #include <thread>
 #include <vector>
 
@@ -17,42 +15,32 @@
 namespace engram::client {
 namespace {
 
-// Checks the plan against the ids: index[i] is -1 exactly for ids outside [begin, end); otherwise rows[index[i]] is
-// the item's row; with dedup, rows[0, n) are distinct and exactly the owned ids.
+// Checks the plan against the ids by direct indexing: item i of a non-owned id has index -1 and no row; an owned
+// item's index is i and its row is id - begin.
 void CheckPlan(const std::vector<int32_t>& ids, int32_t T, int32_t C, int64_t stride, int64_t begin, int64_t end,
-               bool dedup, const std::vector<int32_t>& index, const GatherPlan& plan) {
-  std::set<int64_t> owned;
+               const std::vector<int32_t>& index, const GatherPlan& plan) {
+  ASSERT_EQ(plan.n_rows, static_cast<int64_t>(T) * C);
   for (int32_t t = 0; t < T; ++t) {
     for (int32_t c = 0; c < C; ++c) {
       const int64_t i = static_cast<int64_t>(t) * C + c;
       const int64_t id = ids[static_cast<size_t>(t * stride + c)];
       if (id < begin || id >= end) {
         ASSERT_EQ(index[static_cast<size_t>(i)], -1) << "item " << i;
+        ASSERT_EQ(plan.rows[static_cast<size_t>(i)], GatherPlan::kNoRow) << "item " << i;
         continue;
       }
-      owned.insert(id - begin);
-      const int32_t k = index[static_cast<size_t>(i)];
-      ASSERT_GE(k, 0);
-      ASSERT_LT(k, plan.n_rows);
-      ASSERT_EQ(plan.rows[static_cast<size_t>(k)], static_cast<uint32_t>(id - begin)) << "item " << i;
+      ASSERT_EQ(index[static_cast<size_t>(i)], i) << "item " << i;
+      ASSERT_EQ(plan.rows[static_cast<size_t>(i)], static_cast<uint32_t>(id - begin)) << "item " << i;
     }
-  }
-  if (dedup) {
-    std::set<int64_t> gathered(plan.rows.begin(), plan.rows.begin() + plan.n_rows);
-    EXPECT_EQ(static_cast<int64_t>(gathered.size()), plan.n_rows) << "a row is gathered twice";
-    EXPECT_EQ(gathered, owned);
-  } else {
-    EXPECT_EQ(plan.n_rows, static_cast<int64_t>(T) * C);
   }
 }
 
-TEST(HostGatherPlanTest, DedupMapsEveryItemToItsRowAndFetchesEachRowOnce) {
+TEST(HostGatherPlanTest, EveryItemMapsToItsRowAndForeignIdsToNone) {
   std::mt19937_64 rng(11);
   for (int threads : {1, 3, 8}) {
     GatherPool pool(threads);
     const int32_t T = 1000, C = 6;
     const int64_t stride = 2 * C;  // layer 1 of a two-layer hash output
-    RowDeduper d(static_cast<int64_t>(T) * C);
     std::vector<int32_t> ids(static_cast<size_t>(T * stride));
     // Half the items repeat an earlier one; some ids fall outside the layer's rows [100, 5100).
     for (size_t i = 0; i < ids.size(); ++i) {
@@ -61,76 +49,48 @@ TEST(HostGatherPlanTest, DedupMapsEveryItemToItsRowAndFetchesEachRowOnce) {
       else
         ids[i] = static_cast<int32_t>(rng() % 5300);
     }
-    std::vector<int32_t> index(static_cast<size_t>(T) * C);
+    std::vector<int32_t> index(static_cast<size_t>(T) * C, 12345);
     GatherPlan plan;
-    for (bool dedup : {true, false}) {
-      ASSERT_TRUE(d.Plan(ids.data(), T, C, stride, 100, 5100, dedup, pool, index.data(), &plan).ok());
-      CheckPlan(ids, T, C, stride, 100, 5100, dedup, index, plan);
-      if (dedup) {
-        EXPECT_LT(plan.n_rows, static_cast<int64_t>(T) * C * 3 / 4);  // repeats were merged
-      }
+    ASSERT_TRUE(PlanIdentity(ids.data(), T, C, stride, 100, 5100, pool, index.data(), &plan).ok());
+    CheckPlan(ids, T, C, stride, 100, 5100, index, plan);
+    // A range planned alone gives the same answer as the whole batch.
+    std::vector<uint32_t> rows(static_cast<size_t>(T) * C, 7);
+    std::vector<int32_t> part(static_cast<size_t>(T) * C, 7);
+    PlanIdentityRange(ids.data(), C, stride, 100, 5100, 37, 4001, rows.data(), part.data());
+    for (int64_t i = 37; i < 4001; ++i) {
+      ASSERT_EQ(rows[static_cast<size_t>(i)], plan.rows[static_cast<size_t>(i)]) << "item " << i;
+      ASSERT_EQ(part[static_cast<size_t>(i)], index[static_cast<size_t>(i)]) << "item " << i;
     }
-    // The table is left empty: planning again gives the same answer.
-    ASSERT_TRUE(d.Plan(ids.data(), T, C, stride, 100, 5100, true, pool, index.data(), &plan).ok());
-    CheckPlan(ids, T, C, stride, 100, 5100, true, index, plan);
+    EXPECT_EQ(rows[36], 7u);  // outside the range: untouched
+    EXPECT_EQ(rows[4001], 7u);
   }
 }
 
-TEST(HostGatherPlanTest, DedupRowsComeInRowOrderAndCrowdedIdsStillPlanCorrectly) {
-  std::mt19937_64 rng(3);
+TEST(HostGatherPlanTest, NoneOwnedAndEmpty) {
   GatherPool pool(4);
-  const int32_t T = 2000, C = 8;
-  RowDeduper d(static_cast<int64_t>(T) * C);
-  std::vector<int32_t> ids(static_cast<size_t>(T) * C), index(ids.size());
-  GatherPlan plan;
-  // Uniform ids over a large table: the gathered rows ascend except where a probe run wrapped (a handful).
-  for (auto& id : ids) id = static_cast<int32_t>(rng() % 50000000);
-  ASSERT_TRUE(d.Plan(ids.data(), T, C, C, 0, 50000000, true, pool, index.data(), &plan).ok());
-  CheckPlan(ids, T, C, C, 0, 50000000, true, index, plan);
-  // The walk through the table: a sorted order travels the table once (<= 50M rows), a random one ~n/3 times;
-  // linear probing only swaps neighbours.
-  int64_t walk = 0;
-  for (int64_t k = 1; k < plan.n_rows; ++k) {
-    walk += std::llabs(static_cast<int64_t>(plan.rows[static_cast<size_t>(k)]) -
-                       static_cast<int64_t>(plan.rows[static_cast<size_t>(k - 1)]));
-  }
-  EXPECT_LE(walk, 2 * int64_t{50000000}) << "the gather order is not the row order";
-  // Every id in a narrow band of a large table: ordered placement would crowd; the plan is still exact.
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i % 9000);
-  ASSERT_TRUE(d.Plan(ids.data(), T, C, C, 0, 50000000, true, pool, index.data(), &plan).ok());
-  CheckPlan(ids, T, C, C, 0, 50000000, true, index, plan);
-  EXPECT_EQ(plan.n_rows, 9000);
-}
-
-TEST(HostGatherPlanTest, AllRepeatsAndNoneOwnedAndEmpty) {
-  GatherPool pool(4);
-  RowDeduper d(4096);
   std::vector<int32_t> ids(4096, 77), index(4096);
   GatherPlan plan;
-  ASSERT_TRUE(d.Plan(ids.data(), 4096, 1, 1, 0, 100, true, pool, index.data(), &plan).ok());
-  EXPECT_EQ(plan.n_rows, 1);
-  EXPECT_EQ(plan.rows[0], 77u);
-  for (int32_t k : index) ASSERT_EQ(k, 0);
-  ASSERT_TRUE(d.Plan(ids.data(), 4096, 1, 1, 0, 50, true, pool, index.data(), &plan).ok());
-  EXPECT_EQ(plan.n_rows, 0);
+  ASSERT_TRUE(PlanIdentity(ids.data(), 4096, 1, 1, 0, 50, pool, index.data(), &plan).ok());
+  EXPECT_EQ(plan.n_rows, 4096);
   for (int32_t k : index) ASSERT_EQ(k, -1);
-  ASSERT_TRUE(d.Plan(nullptr, 0, 24, 24, 0, 50, true, pool, nullptr, &plan).ok());
+  ASSERT_TRUE(PlanIdentity(nullptr, 0, 24, 24, 0, 50, pool, nullptr, &plan).ok());
   EXPECT_EQ(plan.n_rows, 0);
 }
 
 TEST(HostGatherPlanTest, BadInputsAreErrors) {
   GatherPool pool(2);
-  RowDeduper d(100);
   std::vector<int32_t> ids(200), index(200);
   GatherPlan plan;
-  EXPECT_EQ(d.Plan(ids.data(), 101, 1, 1, 0, 10, true, pool, index.data(), &plan).code(),
-            absl::StatusCode::kInvalidArgument);  // more items than sized for
-  EXPECT_EQ(d.Plan(ids.data(), 10, 4, 3, 0, 10, true, pool, index.data(), &plan).code(),
+  EXPECT_EQ(PlanIdentity(ids.data(), 10, 4, 3, 0, 10, pool, index.data(), &plan).code(),
             absl::StatusCode::kInvalidArgument);  // stride < cols
-  EXPECT_EQ(d.Plan(ids.data(), 10, 1, 1, 10, 0, true, pool, index.data(), &plan).code(),
+  EXPECT_EQ(PlanIdentity(ids.data(), 10, 1, 1, 10, 0, pool, index.data(), &plan).code(),
             absl::StatusCode::kInvalidArgument);  // empty reversed range
-  EXPECT_EQ(d.Plan(nullptr, 10, 1, 1, 0, 10, true, pool, index.data(), &plan).code(),
+  EXPECT_EQ(PlanIdentity(nullptr, 10, 1, 1, 0, 10, pool, index.data(), &plan).code(),
             absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanIdentity(ids.data(), -1, 1, 1, 0, 10, pool, index.data(), &plan).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanIdentity(ids.data(), 1, 1, 1, 0, int64_t{1} << 33, pool, index.data(), &plan).code(),
+            absl::StatusCode::kInvalidArgument);  // more than 2^32 - 1 rows
 }
 
 TEST(HostGatherPlanTest, ChunksAndRanges) {

@@ -72,10 +72,10 @@ TEST_P(RowOracleTest, OracleEqualsFormulaAndProductionReaderEqualsOracle) {
     const int64_t layer_id = oracle->layer_ids()[l];
     const int64_t rows = (*ckpt)->config().num_embeddings[l];
     ASSERT_GT(rows, 2);
-    // The whole layer through the production reader, with two threads: read-then-packed (the default), weights
-    // read into place (ShardFillOptions::direct_read, in 37-row steps that end mid-chunk) and packed in the cache
-    // then streamed out (stream_stores, 37-row steps, into a destination 5 bytes off alignment, and 1024-row steps)
-    // give the same bytes and the same checksums, and write nothing outside the records.
+    // The whole layer through the production reader, with two threads: read-then-packed in place (the default, in
+    // 37-row steps that end mid-chunk and in 1024-row steps) and packed in the cache then streamed out
+    // (stream_stores, 37-row steps, into a destination 5 bytes off alignment, and 1024-row steps) give the same
+    // bytes and the same checksums, and write nothing outside the records.
     std::vector<uint8_t> table(static_cast<size_t>(rows * rb), 0xEE);
     std::vector<uint64_t> sums;
     ASSERT_TRUE(ReadShardRecords(**ckpt, {{static_cast<int64_t>(l), 0, rows, 0}}, table.data(), 2, &sums).ok());
@@ -93,13 +93,12 @@ TEST_P(RowOracleTest, OracleEqualsFormulaAndProductionReaderEqualsOracle) {
     }
     struct Fill {
       const char* name;
-      bool direct, stream;
+      bool stream;
       int64_t sub_rows, offset;
     };
-    for (const Fill& f : {Fill{"direct_read", true, false, 37, 0}, Fill{"packed", false, false, 1024, 0},
-                          Fill{"stream_stores", false, true, 37, 5}, Fill{"stream_stores", false, true, 1024, 0}}) {
+    for (const Fill& f : {Fill{"packed", false, 37, 0}, Fill{"packed", false, 1024, 0},
+                          Fill{"stream_stores", true, 37, 5}, Fill{"stream_stores", true, 1024, 0}}) {
       ShardFillOptions fill;
-      fill.direct_read = f.direct;
       fill.stream_stores = f.stream;
       fill.sub_rows = f.sub_rows;
       std::vector<uint8_t> other(table.size() + 16, 0x11);

@@ -380,7 +380,7 @@ TEST(PublishTuningTest, FromEnvReadsEachKnob) {
   using Drop = daemon::PublishTuning::DropCache;
   const auto unset_all = [] {
     for (const char* k : {"ENGRAM_PUBLISH_RESERVE", "ENGRAM_PUBLISH_DROP_CACHE", "ENGRAM_PUBLISH_SUB_ROWS",
-                          "ENGRAM_PUBLISH_DIRECT_READ", "ENGRAM_PUBLISH_NT", "ENGRAM_PUBLISH_COLD_READERS"}) {
+                          "ENGRAM_PUBLISH_NT", "ENGRAM_PUBLISH_COLD_READERS"}) {
       ::unsetenv(k);
     }
   };
@@ -389,7 +389,6 @@ TEST(PublishTuningTest, FromEnvReadsEachKnob) {
   EXPECT_EQ(t.reserve, SegmentReserve::kAuto);
   EXPECT_EQ(t.drop_cache, Drop::kAuto);  // chosen per publish (ChooseDropCache)
   EXPECT_FALSE(t.sub_rows.has_value());
-  EXPECT_FALSE(t.direct_read);
   EXPECT_EQ(t.stream_stores, -1);
   EXPECT_FALSE(t.cold_readers.has_value());
   ::setenv("ENGRAM_PUBLISH_COLD_READERS", "0", 1);
@@ -410,10 +409,6 @@ TEST(PublishTuningTest, FromEnvReadsEachKnob) {
   EXPECT_TRUE(daemon::PublishStreamsStores(-1, true));
   EXPECT_TRUE(daemon::PublishStreamsStores(1, false));
   EXPECT_FALSE(daemon::PublishStreamsStores(0, true));
-  ::setenv("ENGRAM_PUBLISH_DIRECT_READ", "1", 1);
-  EXPECT_TRUE(daemon::PublishTuning::FromEnvironment().direct_read);
-  ::setenv("ENGRAM_PUBLISH_DIRECT_READ", "0", 1);
-  EXPECT_FALSE(daemon::PublishTuning::FromEnvironment().direct_read);
   ::setenv("ENGRAM_PUBLISH_RESERVE", "whole", 1);
   ::setenv("ENGRAM_PUBLISH_DROP_CACHE", "inline", 1);
   ::setenv("ENGRAM_PUBLISH_SUB_ROWS", "4096", 1);

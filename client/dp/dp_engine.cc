@@ -1,4 +1,4 @@
-#include "client/dp/engine.h"
+#include "client/dp/dp_engine.h"
 
 #include <signal.h>
 
@@ -17,7 +17,7 @@
 #include "client/fault_points.h"
 #include "client/log.h"
 #ifdef ENGRAM_HAVE_CUDA
-#include "client/dp/device_engine.h"
+#include "client/dp/dp_device_engine.h"
 #endif
 #include "client/table/tables.h"
 #include "model/reference.h"
@@ -128,7 +128,7 @@ class DpHostEngine final : public LookupEngine {
     }
     const int32_t me = static_cast<int32_t>(plan_.edp_rank), n = static_cast<int32_t>(plan_.edp);
     const int64_t C = t_.n_cols(), D = t_.head_dim(), rb = t_.layout().record_bytes();
-    const auto timeout = DpStepTimeout();
+    const auto timeout = DpStepTimeout(t_.tuning());
     auto broken = [this] { return group_->Broken(); };
     // 1. All-gather of hash ids: publish mine, wait for everyone's.
     DpMemberSlot& mine = region_->member(me);
@@ -261,7 +261,7 @@ absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpEngine(const Table& table,
     ASSIGN_OR_RETURN(region, DpHostRegion::Reserve());
     join.rendezvous = region->name();
   }
-  ASSIGN_OR_RETURN(auto group, DpGroup::Join(session, join, DpFormTimeout()));
+  ASSIGN_OR_RETURN(auto group, DpGroup::Join(session, join, DpFormTimeout(table.tuning())));
   const GroupEvent& g = group->formed();
   // From here until every member mapped the region its name is in /dev/shm. A member that gives up in that window
   // aborts the region (if it mapped it), removes the name (whoever created it: a rank 0 that died cannot) and leaves
@@ -292,13 +292,13 @@ absl::StatusOr<std::unique_ptr<LookupEngine>> CreateDpEngine(const Table& table,
     if (Fault(FaultPoint::kDpGiveUpBeforeMapping)) {
       return give_up(absl::UnavailableError("fault injection: this member gave up before mapping the region"));
     }
-    auto opened = DpHostRegion::Open(region_name, shape, me, broken, DpStepTimeout());
+    auto opened = DpHostRegion::Open(region_name, shape, me, broken, DpStepTimeout(table.tuning()));
     if (!opened.ok()) return give_up(opened.status());
     region = std::move(*opened);
   }
   // Everyone mapped the region: its name can go.
   region->Publish(1);
-  if (auto st = region->WaitAll(1, broken, DpStepTimeout()); !st.ok()) return give_up(st);
+  if (auto st = region->WaitAll(1, broken, DpStepTimeout(table.tuning())); !st.ok()) return give_up(st);
   if (me == 0) region->Unlink();
   Log().info("engram: event=dp_group_formed group={} members={} edp_rank={} slot={} region_bytes={}", g.group,
              g.members.size(), me, g.slot, region->bytes());

@@ -1,6 +1,6 @@
-// DpDeviceEngine (client/dp/device_engine.h). One concern kept whole: the engine's creation (the group's agreed
-// facts, the exchange) and its steps with their watchdog share the same state and read best together.
-#include "client/dp/device_engine.h"
+// DpDeviceEngine (client/dp/dp_device_engine.h): its creation (the group, the agreed facts of client/dp/agreement.h,
+// the exchange) and its steps with their watchdog, which share the same state.
+#include "client/dp/dp_device_engine.h"
 
 #include <algorithm>
 #include <atomic>
@@ -15,25 +15,15 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "base/utf8.h"
+#include "client/dp/agreement.h"
 #include "client/dp/nccl_exchange.h"
+#include "client/dp/nccl_group.h"
 #include "client/dp/step_watch.h"
 #include "client/engine/device_engine.h"
-#include "client/environment.h"
 #include "client/log.h"
 
 namespace engram::client {
 namespace {
-
-// ENGRAM_DP_A2A: the all-to-all form (agreed group-wide: rank 0's). Unset (or unknown): auto, the CUDA-graph form
-// for group slots up to ENGRAM_DP_GRAPH_MAX_SLOT (also rank 0's), the pipelined form enqueued call by call above.
-constexpr int32_t kA2aPipelined = 0, kA2aSequential = 1, kA2aGraph = 2, kA2aAuto = 3;
-
-int32_t A2aForm(const std::string& s) {
-  if (s == "sequential") return kA2aSequential;
-  if (s == "pipelined") return kA2aPipelined;
-  if (s == "graph") return kA2aGraph;
-  return kA2aAuto;
-}
 
 class DpDeviceEngine final : public LookupEngine {
  public:
@@ -144,56 +134,23 @@ class DpDeviceEngine final : public LookupEngine {
   static absl::StatusOr<std::unique_ptr<LookupEngine>> Create(const Table& table, int32_t max_tokens,
                                                               cudaStream_t stream, Session& session,
                                                               const DpShardedPlan& plan, void* nccl_comm) {
-    std::unique_ptr<DpDeviceEngine> e(new DpDeviceEngine());
+    std::unique_ptr<DpDeviceEngine> e(new DpDeviceEngine(table));
     e->stream_ = stream;
-    e->table_ = &table;
     e->cols_ = table.n_cols();
     e->max_tokens_ = max_tokens;
     cudaGetDevice(&e->device_);
     ASSIGN_OR_RETURN(auto inner, DeviceEngine::Create(table, max_tokens, stream));
     e->inner_ = std::move(inner);
     const int64_t L = static_cast<int64_t>(table.layers().size()), D = table.head_dim();
-    for (int64_t l = 0; l < L; ++l) {
-      uint16_t* p = nullptr;
-      const size_t bytes = static_cast<size_t>(max_tokens) * e->cols_ * D * 2;
-      if (cudaMalloc(&p, bytes) != cudaSuccess || cudaMemset(p, 0, bytes) != cudaSuccess) {
-        return absl::ResourceExhaustedError("cannot allocate the DP staging buffers on the GPU");
-      }
-      e->staging_.push_back(p);  // columns outside the group's range stay zero
-    }
+    RETURN_IF_ERROR(e->AllocateStaging(L, D));
     const int32_t me = static_cast<int32_t>(plan.edp_rank);
-    // The group: rank 0's ncclUniqueId travels through engramd (or a placeholder when the engine brings its own).
     ASSIGN_OR_RETURN(const NcclApi* nccl, NcclApi::Get());
-    GroupJoinRequest join;
-    join.transport = "nccl";
-    join.max_tokens = max_tokens;
-    join.bytes_per_step = static_cast<uint64_t>(
-        DpShardedStepBytes(table.layout(), plan, std::vector<int64_t>(static_cast<size_t>(plan.edp), max_tokens), me)
-            .total());
-    ncclUniqueId id{};
-    if (me == 0) {
-      if (nccl_comm == nullptr) {
-        if (nccl->GetUniqueId(&id) != ncclSuccess) return absl::InternalError("ncclGetUniqueId failed");
-        join.rendezvous.assign(id.internal, sizeof(id.internal));
-      } else {
-        join.rendezvous = "engine-communicator";
-      }
-    }
-    ASSIGN_OR_RETURN(e->group_, DpGroup::Join(session, join, DpFormTimeout()));
+    ASSIGN_OR_RETURN(NcclGroup formed,
+                     FormNcclGroup(session, table.layout(), plan, max_tokens, *nccl, nccl_comm, e->form_timeout()));
+    e->group_ = std::move(formed.group);
+    ncclComm_t comm = formed.comm;
     const GroupEvent& g = e->group_->formed();
-    if (static_cast<int64_t>(g.members.size()) != plan.edp) {  // never an NCCL communicator of the wrong size
-      return absl::InternalError(
-          absl::StrCat("the daemon formed a group of ", g.members.size(), " members, expected ", plan.edp));
-    }
     auto broken = [grp = e->group_.get()] { return grp->Broken(); };
-    ncclComm_t comm = static_cast<ncclComm_t>(nccl_comm);
-    if (comm == nullptr) {
-      if (g.rendezvous.size() != sizeof(id.internal)) {
-        return absl::FailedPreconditionError("the DP group's rendezvous is not an ncclUniqueId");
-      }
-      std::memcpy(id.internal, g.rendezvous.data(), sizeof(id.internal));
-      ASSIGN_OR_RETURN(comm, DpNcclExchange::InitComm(id, static_cast<int32_t>(plan.edp), me, broken, DpFormTimeout()));
-    }
     DpExchangeShape shape;
     shape.members = static_cast<int32_t>(plan.edp);
     shape.me = me;
@@ -207,41 +164,23 @@ class DpDeviceEngine final : public LookupEngine {
     }
     shape.group_col_begin = static_cast<int32_t>(plan.group_col_begin);
     shape.group_col_end = static_cast<int32_t>(plan.group_col_end);
-    // Facts every member must share, agreed once through the communicator: whether every shard is in GPU memory
-    // (peer reads need it), and the knobs that decide which collectives a step runs (rank 0's win).
+    // Facts every member must share, agreed once through the communicator (client/dp/agreement.h).
     const bool on_gpu = table.records(0) == nullptr;  // a DEVICE shard has no host copy
-    const ClientEnvironment& env = Environment();
-    const int64_t chunk_kib = env.dp_chunk_kib.value_or(DpExchangeShape::kDefaultDpChunkBytes >> 10);
-    const std::vector<int32_t> mine = {
-        on_gpu ? 1 : 0,
-        static_cast<int32_t>(std::clamp<int64_t>(env.dp_peer_max_slot.value_or(kDefaultPeerMaxSlot), 0, INT32_MAX)),
-        static_cast<int32_t>(std::clamp<int64_t>(chunk_kib, 0, INT32_MAX)),
-        A2aForm(env.dp_a2a),
-        static_cast<int32_t>(
-            std::clamp<int64_t>(env.dp_graph_max_slot.value_or(DpExchangeShape::kDefaultGraphMaxSlot), 0, INT32_MAX)),
-        env.dp_nccl_blocking.value_or(0) != 0 ? 1 : 0,
-        DpNcclExchange::SplitSupported() ? 1 : 0};
-    auto agreed = e->AllGatherInts(comm, static_cast<int32_t>(plan.edp), mine);
+    auto agreed = e->AllGatherInts(comm, static_cast<int32_t>(plan.edp),
+                                   DpAgreementMine(table.tuning(), on_gpu, DpNcclExchange::SplitSupported()));
     if (!agreed.ok()) {
       if (nccl_comm == nullptr) nccl->CommAbort(comm);  // formed here, not yet owned by an exchange
       return agreed.status();
     }
-    const std::vector<int32_t>& all = *agreed;
-    bool all_on_gpu = true;
-    for (int64_t m = 0; m < plan.edp; ++m) all_on_gpu = all_on_gpu && all[static_cast<size_t>(m) * mine.size()] == 1;
-    const int32_t peer_max_slot = all[1];
-    shape.chunk_bytes = int64_t{all[2]} << 10;
-    // The form from group-wide facts only (rank 0's knobs, the group slot): every member takes the same.
-    const int32_t form = all[3] == kA2aAuto ? (g.slot <= all[4] ? kA2aGraph : kA2aPipelined) : all[3];
-    shape.sequential = form == kA2aSequential;
-    shape.graph = form == kA2aGraph;
+    const DpAgreement a = DecideDpAgreement(*agreed, plan.edp, g.slot);
+    shape.chunk_bytes = a.chunk_bytes;
+    shape.sequential = a.sequential;
+    shape.graph = a.graph;
     // Opt-in: the steps on a blocking twin of a communicator formed here (rank 0's choice, and only when every
     // member can split: so every member splits or none does); the engine's own communicator is used as it is.
     bool blocking = false;
-    bool all_split = true;
-    for (int64_t m = 0; m < plan.edp; ++m) all_split = all_split && all[static_cast<size_t>(m) * mine.size() + 6] == 1;
-    if (nccl_comm == nullptr && all[5] != 0 && all_split) {
-      auto twin = DpNcclExchange::BlockingTwin(comm, me, broken, DpFormTimeout());
+    if (nccl_comm == nullptr && a.blocking && a.all_split) {
+      auto twin = DpNcclExchange::BlockingTwin(comm, me, broken, e->form_timeout());
       if (twin.ok()) {
         comm = *twin;
         blocking = true;
@@ -255,38 +194,11 @@ class DpDeviceEngine final : public LookupEngine {
       shard.push_back({table.device_records(static_cast<int>(l)), li.row_begin, li.row_end});
     }
     ASSIGN_OR_RETURN(e->exchange_, DpNcclExchange::Create(shape, comm, /*own_comm=*/nccl_comm == nullptr, stream,
-                                                          std::move(shard), broken, DpStepTimeout()));
+                                                          std::move(shard), broken, e->watch_.timeout()));
     // Peer reads for small slots, when every member's shard is in GPU memory: all members decide alike, since the
     // facts (slot, every member's shard kind, the agreed threshold) are the group's.
-    // Every member leaves ExchangePeerShards with the same answer: where the GPUs cannot map each other's memory the
-    // whole group takes the all-to-all path instead.
-    if (g.slot <= peer_max_slot && all_on_gpu) {
-      const absl::Status peer = e->exchange_->ExchangePeerShards(table.device_records(0));
-      if (peer.ok()) {
-        e->peer_ = true;
-      } else if (absl::IsFailedPrecondition(peer)) {
-        Log().warn(
-            "engram: event=dp_peer_reads_unavailable group={} reason={} (the group uses the all-to-all "
-            "path)",
-            engram::LogValue(g.group), engram::LogQuoted(std::string(peer.message())));
-      } else {
-        return peer;
-      }
-    }
-    for (cudaEvent_t* ev : {&e->ids_ready_, &e->prefetched_event_}) {
-      if (cudaEventCreateWithFlags(ev, cudaEventDisableTiming) != cudaSuccess) {
-        return absl::InternalError("cudaEventCreate failed");
-      }
-    }
-    for (cudaEvent_t& ev : e->step_events_) {
-      if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
-        return absl::InternalError("cudaEventCreate failed");
-      }
-    }
-    if (cudaStreamCreateWithFlags(&e->side_, cudaStreamNonBlocking) != cudaSuccess ||
-        cudaMalloc(&e->d_ids_, static_cast<size_t>(max_tokens) * L * e->cols_ * 4) != cudaSuccess) {
-      return absl::ResourceExhaustedError("cannot create the DP prefetch stream and id buffer");
-    }
+    if (g.slot <= a.peer_max_slot && a.all_on_gpu) RETURN_IF_ERROR(e->TryPeerReads());
+    RETURN_IF_ERROR(e->CreateStepResources(max_tokens, L));
     e->watchdog_ = std::thread([raw = e.get()] { raw->Watch(); });
     Log().info(
         "engram: event=dp_group_formed transport=nccl group={} members={} edp_rank={} slot={} path={} "
@@ -303,7 +215,57 @@ class DpDeviceEngine final : public LookupEngine {
   }
 
  private:
-  DpDeviceEngine() = default;
+  explicit DpDeviceEngine(const Table& table) : table_(&table), watch_(DpStepTimeout(table.tuning())) {}
+
+  std::chrono::milliseconds form_timeout() const { return DpFormTimeout(table_->tuning()); }
+
+  // The staging the exchange writes: every layer's bf16 rows of the whole TP shard's columns; columns outside the
+  // group's range stay zero.
+  absl::Status AllocateStaging(int64_t L, int64_t D) {
+    for (int64_t l = 0; l < L; ++l) {
+      uint16_t* p = nullptr;
+      const size_t bytes = static_cast<size_t>(max_tokens_) * cols_ * D * 2;
+      if (cudaMalloc(&p, bytes) != cudaSuccess || cudaMemset(p, 0, bytes) != cudaSuccess) {
+        return absl::ResourceExhaustedError("cannot allocate the DP staging buffers on the GPU");
+      }
+      staging_.push_back(p);
+    }
+    return absl::OkStatus();
+  }
+
+  // Every member leaves ExchangePeerShards with the same answer: where the GPUs cannot map each other's memory the
+  // whole group takes the all-to-all path instead.
+  absl::Status TryPeerReads() {
+    const absl::Status peer = exchange_->ExchangePeerShards(table_->device_records(0));
+    if (peer.ok()) {
+      peer_ = true;
+    } else if (absl::IsFailedPrecondition(peer)) {
+      Log().warn("engram: event=dp_peer_reads_unavailable group={} reason={} (the group uses the all-to-all path)",
+                 engram::LogValue(group_->formed().group), engram::LogQuoted(std::string(peer.message())));
+    } else {
+      return peer;
+    }
+    return absl::OkStatus();
+  }
+
+  // The events, the prefetch stream and the device copy of host hash ids that the steps use.
+  absl::Status CreateStepResources(int32_t max_tokens, int64_t L) {
+    for (cudaEvent_t* ev : {&ids_ready_, &prefetched_event_}) {
+      if (cudaEventCreateWithFlags(ev, cudaEventDisableTiming) != cudaSuccess) {
+        return absl::InternalError("cudaEventCreate failed");
+      }
+    }
+    for (cudaEvent_t& ev : step_events_) {
+      if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
+        return absl::InternalError("cudaEventCreate failed");
+      }
+    }
+    if (cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaMalloc(&d_ids_, static_cast<size_t>(max_tokens) * L * cols_ * 4) != cudaSuccess) {
+      return absl::ResourceExhaustedError("cannot create the DP prefetch stream and id buffer");
+    }
+    return absl::OkStatus();
+  }
 
   // Every member's `mine` (the same length on each), member m's at [m * mine.size(), ...): one all-gather through
   // the communicator, polled with the group's broken check.
@@ -311,7 +273,7 @@ class DpDeviceEngine final : public LookupEngine {
     std::vector<int32_t> got(static_cast<size_t>(n) * mine.size());
     RETURN_IF_ERROR(DpNcclExchange::AllGather(
         comm, stream_, n, mine.data(), mine.size() * 4, got.data(), [this] { return group_->Broken(); },
-        std::chrono::steady_clock::now() + DpFormTimeout(), "the group's first all-gather"));
+        std::chrono::steady_clock::now() + form_timeout(), "the group's first all-gather"));
     return got;
   }
 
@@ -413,7 +375,7 @@ class DpDeviceEngine final : public LookupEngine {
   static constexpr int kStepEvents = 64;
   cudaEvent_t step_events_[kStepEvents] = {};  // a ring: queued_ steps' ends from oldest_ on
   int oldest_ = 0, queued_ = 0;
-  StepWatch watch_{DpStepTimeout()};
+  StepWatch watch_;
   bool aborted_in_flight_ = false;  // the abort cut a queued step short
   std::string abort_reason_;
   std::atomic<bool> stop_{false};

@@ -19,7 +19,7 @@
 // every later call returns the same error, and the member leaves the group (GroupLeave: the others stop at once,
 // told who left and why); destroying the engine leaves it too, after which its session may join a new group.
 // Transport: the host region (client/dp/host_transport.h) on the CPU backend; NCCL (and NVLink peer reads) on the
-// CUDA backend (client/dp/device_engine.h). One thread drives an engine; the Table must outlive it.
+// CUDA backend (client/dp/dp_device_engine.h). One thread drives an engine; the Table must outlive it.
 #pragma once
 
 #include <memory>

@@ -1,0 +1,162 @@
+// The lookup engines' tuning (engram/tuning.h, client/tuning.h): a program's Set is strict and names the key, a
+// record laid over another keeps its own knobs and takes the rest, the text lists exactly what is set, a client's
+// ClientOptions::tuning reaches the tables it attaches over the environment's knobs, and the DP group's agreement
+// (client/dp/agreement.h) reads every member's contribution alike. Oracles: the values and texts written here.
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "client/dp/agreement.h"
+#include "client/environment.h"
+#include "client/tuning.h"
+#include "engram/client.h"
+#include "gtest/gtest.h"
+#include "tests/test_util.h"
+#include "tools/synthetic.h"
+
+namespace engram::client {
+namespace {
+
+TEST(Tuning, SetParsesEachKindAndTheTextListsWhatIsSet) {
+  Tuning t;
+  EXPECT_EQ(TuningText(t), "");
+  ASSERT_TRUE(t.Set("host_gather_threads", " 12 ").ok());
+  ASSERT_TRUE(t.Set("host_gather_uva_share", "0.3").ok());
+  ASSERT_TRUE(t.Set("engine_calibrate", "Off").ok());
+  ASSERT_TRUE(t.Set("lookup_path", "HOST").ok());
+  ASSERT_TRUE(t.Set("dp_step_timeout_ms", "1500").ok());
+  ASSERT_TRUE(t.Set("host_gather_cpus", "8-15,24").ok());
+  EXPECT_EQ(t.host_gather_threads, 12);
+  EXPECT_DOUBLE_EQ(t.host_gather_uva_share.value_or(-1), 0.3);
+  EXPECT_EQ(t.engine_calibrate, false);
+  EXPECT_EQ(t.lookup_path, "host");
+  EXPECT_EQ(t.dp_step_timeout_ms, 1500);
+  EXPECT_EQ(TuningText(t),
+            "lookup_path=host,engine_calibrate=0,host_gather_threads=12,host_gather_cpus=8-15,24,"
+            "host_gather_uva_share=0.3,dp_step_timeout_ms=1500");
+}
+
+TEST(Tuning, SetRefusesUnknownKeysAndBadValuesAndKeepsTheRecord) {
+  Tuning t;
+  ASSERT_TRUE(t.Set("host_gather_threads", "4").ok());
+  const struct {
+    const char *key, *value;
+  } bad[] = {{"host_gather_dedup", "1"},       {"HOST_GATHER_THREADS", "4"},
+             {"host_gather_threads", "-1"},    {"host_gather_threads", "4x"},
+             {"host_gather_threads", ""},      {"host_gather_uva_share", "1.5"},
+             {"host_gather_uva_share", "nan"}, {"engine_calibrate", "maybe"},
+             {"lookup_path", "fastest"},       {"dp_a2a", "ring"},
+             {"dp_form_timeout_ms", "0"},      {"dp_step_timeout_ms", "86400001"},
+             {"lookup_path_table", "  "},      {"lookup_sort_variant", "-2"}};
+  for (const auto& b : bad) {
+    SCOPED_TRACE(std::string(b.key) + "=" + b.value);
+    const absl::Status st = t.Set(b.key, b.value);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find(b.key), std::string::npos) << st.message();
+  }
+  EXPECT_EQ(TuningText(t), "host_gather_threads=4") << "a refused value changes nothing";
+}
+
+TEST(Tuning, OverKeepsItsOwnKnobsAndTakesTheRest) {
+  Tuning mine, base;
+  ASSERT_TRUE(mine.Set("host_gather_threads", "3").ok());
+  ASSERT_TRUE(base.Set("host_gather_threads", "5").ok());
+  ASSERT_TRUE(base.Set("lookup_path", "uva").ok());
+  ASSERT_TRUE(base.Set("engine_calibrate", "0").ok());
+  const Tuning t = mine.Over(base);
+  EXPECT_EQ(t.host_gather_threads, 3);
+  EXPECT_EQ(t.lookup_path, "uva");
+  EXPECT_EQ(t.engine_calibrate, false);
+  EXPECT_EQ(TuningText(Tuning{}.Over(Tuning{})), "");
+}
+
+TEST(Tuning, KeysAreDistinctAndEachOneIsSettable) {
+  const std::vector<std::string>& keys = Tuning::Keys();
+  for (size_t i = 0; i < keys.size(); ++i) {
+    for (size_t j = i + 1; j < keys.size(); ++j) EXPECT_NE(keys[i], keys[j]);
+    Tuning t;
+    const std::string value = keys[i] == "lookup_path" ? "uva" : keys[i] == "dp_a2a" ? "graph" : "1";
+    EXPECT_TRUE(t.Set(keys[i], value).ok()) << keys[i];
+    EXPECT_EQ(TuningText(t), keys[i] + "=" + value);
+  }
+}
+
+// A real attach (no engramd: a private table on the CPU backend) carries the client's knobs over the environment's.
+TEST(Tuning, ClientOptionsReachTheAttachedTableOverTheEnvironment) {
+  testing::TempDir dir;
+  tools::SyntheticSpec spec;
+  spec.out_dir = dir / "ck";
+  spec.table_mib = 4;
+  ASSERT_TRUE(tools::WriteSyntheticCheckpoint(spec).ok());
+  ::setenv("ENGRAM_HOST_GATHER_THREADS", "5", 1);
+  ::setenv("ENGRAM_LOOKUP_PATH", "uva", 1);
+  ReloadEnvironment();
+  ClientOptions opts;
+  opts.socket = dir / "none.sock";
+  opts.timeout = std::chrono::milliseconds(100);
+  opts.use_gpu = false;
+  ASSERT_TRUE(opts.tuning.Set("host_gather_threads", "3").ok());
+  auto c = Client::Create(opts);
+  ASSERT_TRUE(c.ok());
+  AttachRequest req;
+  req.checkpoint = spec.out_dir;
+  auto table = (*c)->Attach(req);
+  ::unsetenv("ENGRAM_HOST_GATHER_THREADS");
+  ::unsetenv("ENGRAM_LOOKUP_PATH");
+  ReloadEnvironment();
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ((*table)->tuning().host_gather_threads, 3) << "the client's knob wins";
+  EXPECT_EQ((*table)->tuning().lookup_path, "uva") << "the environment fills what the client left unset";
+  EXPECT_EQ(TuningText((*table)->tuning()), "lookup_path=uva,host_gather_threads=3");
+}
+
+std::vector<int32_t> Concat(const std::vector<std::vector<int32_t>>& parts) {
+  std::vector<int32_t> all;
+  for (const auto& p : parts) all.insert(all.end(), p.begin(), p.end());
+  return all;
+}
+
+TEST(DpAgreement, ShardAndSplitFactsMustHoldForAllAndTheKnobsAreRankZeros) {
+  Tuning zero, one;
+  ASSERT_TRUE(zero.Set("dp_chunk_kib", "1024").ok());
+  ASSERT_TRUE(zero.Set("dp_peer_max_slot", "64").ok());
+  ASSERT_TRUE(one.Set("dp_chunk_kib", "8").ok());
+  ASSERT_TRUE(one.Set("dp_a2a", "sequential").ok());
+  ASSERT_TRUE(one.Set("dp_nccl_blocking", "1").ok());
+  const auto all = Concat({DpAgreementMine(zero, true, true), DpAgreementMine(one, false, true)});
+  const DpAgreement a = DecideDpAgreement(all, 2, 16);
+  EXPECT_FALSE(a.all_on_gpu) << "member 1's shard is on the host";
+  EXPECT_TRUE(a.all_split);
+  EXPECT_EQ(a.chunk_bytes, 1024 * 1024) << "rank 0's chunk";
+  EXPECT_EQ(a.peer_max_slot, 64);
+  EXPECT_FALSE(a.sequential) << "rank 1's dp_a2a is not the group's";
+  EXPECT_FALSE(a.blocking);
+  EXPECT_TRUE(a.graph) << "auto: a slot of 16 is within the default graph limit";
+  // Every member decides the same from the same contributions.
+  const DpAgreement b = DecideDpAgreement(all, 2, 16);
+  EXPECT_EQ(a.graph, b.graph);
+  EXPECT_EQ(a.chunk_bytes, b.chunk_bytes);
+}
+
+TEST(DpAgreement, TheFormFollowsTheSlotAndTheDefaults) {
+  const auto defaults = Concat({DpAgreementMine(Tuning{}, true, false), DpAgreementMine(Tuning{}, true, true)});
+  const DpAgreement small = DecideDpAgreement(defaults, 2, tuning_default::kDpGraphMaxSlot);
+  EXPECT_TRUE(small.graph);
+  EXPECT_TRUE(small.all_on_gpu);
+  EXPECT_FALSE(small.all_split) << "member 0 cannot split";
+  EXPECT_EQ(small.chunk_bytes, tuning_default::kDpChunkBytes);
+  EXPECT_EQ(small.peer_max_slot, tuning_default::kDpPeerMaxSlot);
+  const DpAgreement large = DecideDpAgreement(defaults, 2, tuning_default::kDpGraphMaxSlot + 1);
+  EXPECT_FALSE(large.graph);
+  EXPECT_FALSE(large.sequential);
+  Tuning seq;
+  ASSERT_TRUE(seq.Set("dp_a2a", "sequential").ok());
+  EXPECT_TRUE(DecideDpAgreement(DpAgreementMine(seq, true, true), 1, 1).sequential);
+  // A short or empty gather decides nothing rather than reading past it.
+  const DpAgreement none = DecideDpAgreement({1, 2}, 2, 1);
+  EXPECT_FALSE(none.all_on_gpu);
+  EXPECT_FALSE(none.graph);
+}
+
+}  // namespace
+}  // namespace engram::client
