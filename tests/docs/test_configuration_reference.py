@@ -26,6 +26,8 @@ ENV_PATTERNS = [
     re.compile(r"\bos\.getenv\(\s*[\"']([A-Za-z_][A-Za-z0-9_]*)[\"']"),        # os.getenv("X")
     re.compile(r"[\"'](ENGRAM_[A-Z0-9_]+)[\"']"),                             # any "ENGRAM_..." string literal
 ]
+# The client's tuning knobs are read as ENGRAM_<KEY> from a table of keys: {"host_gather_threads", &Tuning::...}.
+TUNING_KEY = re.compile(r"\{\s*\"([a-z][a-z0-9_]*)\"\s*,\s*&Tuning::")
 
 
 def product_files():
@@ -50,6 +52,8 @@ def env_vars():
         for pattern in ENV_PATTERNS:
             for m in pattern.finditer(text):
                 found.setdefault(m.group(1), set()).add(str(path.relative_to(REPO)))
+        for m in TUNING_KEY.finditer(text):
+            found.setdefault("ENGRAM_" + m.group(1).upper(), set()).add(str(path.relative_to(REPO)))
     return found
 
 
@@ -111,6 +115,8 @@ def test_extraction_finds_the_settings():
                                    "update tests/docs/test_configuration_reference.py's extraction")
     names = env_vars()
     assert any(n.startswith("ENGRAM_") for n in names), "found no ENGRAM_* environment variable in the sources"
+    assert "ENGRAM_HOST_GATHER_THREADS" in names, ("found no tuning knob (client/tuning.cc's table of keys); update "
+                                                   "tests/docs/test_configuration_reference.py's extraction")
 
 
 def test_every_environment_variable_is_documented():
