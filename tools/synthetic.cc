@@ -1,12 +1,12 @@
+// Synthetic checkpoints (tools/synthetic.h): the known model geometries, the regions of a sparse table, and the
+// checkpoint directory itself (config.json, the tokenizer files, the shards, the index and the pattern file).
 #include "tools/synthetic.h"
 
 #include <dirent.h>
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -22,222 +22,14 @@
 #include "model/token_map.h"
 #include "model/tokenizer.h"
 #include "nlohmann/json.hpp"
-#include "xxhash.h"
+#include "tools/synthetic_shard.h"
 
 namespace engram::tools {
-namespace {
 
 using nlohmann::json;
-
-uint64_t SplitMix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-enum class Kind { kE4M3, kScale, kBf16 };
-
-uint8_t Shape(uint8_t b, Kind kind, uint64_t offset) {
-  switch (kind) {
-    case Kind::kE4M3: return (b & 0x7F) == 0x7F ? static_cast<uint8_t>(b - 1) : b;  // no NaN encodings
-    case Kind::kScale: return static_cast<uint8_t>(115 + (b & 0x0F));               // 2^-12 .. 2^3
-    case Kind::kBf16:
-      // little-endian bf16: odd bytes hold sign + exponent: values of magnitude in [0.5, 2)
-      return (offset & 1) ? static_cast<uint8_t>((b & 0x80) | 0x3F) : b;
-  }
-  return b;
-}
-
-void Fill(uint64_t seed, uint64_t tensor_hash, uint64_t offset, uint64_t n, Kind kind, uint8_t* dst) {
-  uint64_t i = 0;
-  while (i < n) {
-    const uint64_t abs = offset + i;
-    const uint64_t word = SplitMix(seed ^ tensor_hash ^ SplitMix(abs >> 3));
-    for (uint64_t k = abs & 7; k < 8 && i < n; ++k, ++i) {
-      dst[i] = Shape(static_cast<uint8_t>(word >> (8 * k)), kind, offset + i);
-    }
-  }
-}
-
-uint64_t NameHash(const std::string& name) { return XXH3_64bits(name.data(), name.size()); }
-
-struct PlannedTensor {
-  std::string name;       // as written
-  std::string canonical;  // without "model."
-  std::string dtype;
-  std::vector<int64_t> shape;
-  Kind kind = Kind::kE4M3;
-  uint64_t bytes = 0;
-  uint64_t offset = 0;  // relative to the data start
-  // Sparse: only these byte ranges [begin, end) of the tensor are written, the rest is a hole; empty: all of it.
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
-};
-
-absl::Status WriteShard(const std::string& path, std::vector<PlannedTensor>& tensors, uint64_t seed, int threads,
-                        uint64_t* file_bytes, uint64_t* written_bytes) {
-  json header = json::object();
-  uint64_t off = 0;
-  for (auto& t : tensors) {
-    t.offset = off;
-    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {off, off + t.bytes}}};
-    off += t.bytes;
-  }
-  header["__metadata__"] = {{"format", "pt"}, {"generator", "engram-mkckpt"}};
-  std::string text = header.dump();
-  while ((text.size() + 8) % 8 != 0) text.push_back(' ');
-  const uint64_t data_start = 8 + text.size();
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return absl::PermissionDeniedError(absl::StrCat(path, ": cannot create: ", std::strerror(errno)));
-  std::string head(8, '\0');
-  for (int i = 0; i < 8; ++i) head[static_cast<size_t>(i)] = static_cast<char>((text.size() >> (8 * i)) & 0xFF);
-  head += text;
-  if (::pwrite(fd, head.data(), head.size(), 0) != static_cast<ssize_t>(head.size())) {
-    ::close(fd);
-    return absl::ResourceExhaustedError(absl::StrCat(path, ": write failed: ", std::strerror(errno)));
-  }
-  // Chunks of every tensor, filled and written by a pool of threads.
-  constexpr uint64_t kChunk = uint64_t{8} << 20;
-  struct Chunk {
-    const PlannedTensor* t;
-    uint64_t begin, n;
-  };
-  std::vector<Chunk> chunks;
-  for (const auto& t : tensors) {
-    const std::vector<std::pair<uint64_t, uint64_t>> whole = {{0, t.bytes}};
-    for (const auto& [begin, end] : t.ranges.empty() ? whole : t.ranges) {
-      for (uint64_t b = begin; b < end; b += kChunk) chunks.push_back({&t, b, std::min(kChunk, end - b)});
-    }
-  }
-  for (const auto& c : chunks) *written_bytes += c.n;
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::atomic<int> err{0};
-  auto worker = [&] {
-    std::vector<uint8_t> buf(kChunk);
-    for (size_t i = next++; i < chunks.size() && !failed; i = next++) {
-      const Chunk& c = chunks[i];
-      Fill(seed, NameHash(c.t->canonical), c.begin, c.n, c.t->kind, buf.data());
-      uint64_t done = 0;
-      while (done < c.n) {
-        ssize_t w =
-            ::pwrite(fd, buf.data() + done, c.n - done, static_cast<off_t>(data_start + c.t->offset + c.begin + done));
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) {
-          err = errno;
-          failed = true;
-          return;
-        }
-        done += static_cast<uint64_t>(w);
-      }
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int i = 0; i < threads; ++i) pool.emplace_back(worker);
-  for (auto& th : pool) th.join();
-  // A sparse tensor at the end of the file leaves it short of its header's claim: the size makes the holes.
-  if (!failed && ::ftruncate(fd, static_cast<off_t>(data_start + off)) != 0) {
-    err = errno;
-    failed = true;
-  }
-  if (::close(fd) != 0 || failed) {
-    return absl::ResourceExhaustedError(absl::StrCat(path, ": write failed: ", std::strerror(err ? err.load() : EIO)));
-  }
-  *file_bytes += data_start + off;
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-uint8_t SyntheticByte(uint64_t seed, const std::string& tensor, uint64_t offset, bool is_scale, bool is_bf16) {
-  uint8_t b;
-  Fill(seed, NameHash(tensor), offset, 1, is_scale ? Kind::kScale : is_bf16 ? Kind::kBf16 : Kind::kE4M3, &b);
-  return b;
-}
-
-std::string SyntheticTokenizerJson(uint64_t seed) {
-  // GPT-2 byte-level alphabet first (ids 0..255), then words in several spellings that compress together.
-  std::vector<std::string> bl(256);
-  {
-    int extra = 0;
-    for (int b = 0; b < 256; ++b) {
-      bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
-      int cp = printable ? b : 256 + extra++;
-      std::string s;
-      if (cp < 0x80) {
-        s.push_back(static_cast<char>(cp));
-      } else {
-        s.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-        s.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-      }
-      bl[static_cast<size_t>(b)] = s;
-    }
-  }
-  auto piece = [&](const std::string& utf8) {
-    std::string p;
-    for (unsigned char c : utf8) p += bl[c];
-    return p;
-  };
-  json vocab = json::object();
-  for (int b = 0; b < 256; ++b) vocab[bl[static_cast<size_t>(b)]] = b;
-  static const char* kWords[] = {"the",    "of",     "and",   "to",     "in",     "memory",   "engram",  "table",
-                                 "hash",   "token",  "model", "layer",  "share",  "node",     "replica", "segment",
-                                 "gate",   "lookup", "prime", "row",    "cache",  "host",     "device",  "page",
-                                 "shard",  "café",   "naïve", "résumé", "straße", "über",     "ﬁle",     "ｗｉｄｅ",
-                                 "한국어", "日本語", "中文",  "σοφία",  "ΣΟΦΙΑ",  "İstanbul", "déjà",    "coöperate",
-                                 "Ωmega",  "①",      "x²",    "\t",     "\n",     "\r\n",     "  ",      "\u00a0"};
-  int64_t id = 256;
-  uint64_t x = seed;
-  for (const char* w : kWords) {
-    std::string word = w;
-    std::string upper = word, title = word;
-    for (auto& c : upper) c = static_cast<char>(c >= 'a' && c <= 'z' ? c - 32 : c);
-    if (!title.empty() && title[0] >= 'a' && title[0] <= 'z') title[0] = static_cast<char>(title[0] - 32);
-    for (const std::string& v : {word, " " + word, title, " " + title, upper, " " + upper}) {
-      std::string p = piece(v);
-      if (!vocab.contains(p)) vocab[p] = id++;
-    }
-  }
-  // A seed-dependent tail of two-letter pieces, so different seeds give different vocabularies.
-  for (int i = 0; i < 64; ++i) {
-    x = SplitMix(x);
-    std::string v = {static_cast<char>('a' + x % 26), static_cast<char>('a' + (x >> 8) % 26)};
-    if (x & 0x10000) v = " " + v;
-    std::string p = piece(v);
-    if (!vocab.contains(p)) vocab[p] = id++;
-  }
-  json added = json::array();
-  for (const char* special : {"<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|image|>"}) {
-    added.push_back({{"id", id++},
-                     {"content", special},
-                     {"single_word", false},
-                     {"lstrip", false},
-                     {"rstrip", false},
-                     {"normalized", false},
-                     {"special", true}});
-  }
-  json tok = {
-      {"version", "1.0"},
-      {"truncation", nullptr},
-      {"padding", nullptr},
-      {"added_tokens", added},
-      {"normalizer", nullptr},
-      {"pre_tokenizer",
-       {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}},
-      {"post_processor", nullptr},
-      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
-      {"model",
-       {{"type", "BPE"},
-        {"dropout", nullptr},
-        {"unk_token", nullptr},
-        {"continuing_subword_prefix", nullptr},
-        {"end_of_word_suffix", nullptr},
-        {"fuse_unk", false},
-        {"byte_fallback", false},
-        {"vocab", vocab},
-        {"merges", json::array()}}}};
-  return tok.dump(1);
-}
+using synthetic_internal::Kind;
+using synthetic_internal::PlannedTensor;
+using synthetic_internal::WriteShard;
 
 std::vector<std::string> KnownModels() { return {"deepseek-v4.1-flash"}; }
 
