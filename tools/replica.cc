@@ -6,19 +6,16 @@
 // matched (and, with --write-probe, a write into the table faulted in a child process).
 #include <signal.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <fstream>
 #include <iostream>
 #include <random>
 #include <thread>
 
-#include "client/dp/plan.h"
 #include "engram/client.h"
 #include "engram/lookup_engine.h"
 #include "engram/version.h"
@@ -30,197 +27,16 @@
 #endif
 #include "nlohmann/json.hpp"
 #include "tools/args.h"
+#include "tools/replica.h"
 #include "tools/row_oracle.h"
 
 namespace {
 
+using engram::tools::replica::PatternRow;
+using engram::tools::replica::PatternRows;
+using engram::tools::replica::RowFromCheckpoint;
+using engram::tools::replica::RunDpSharded;
 using nlohmann::json;
-
-// The bf16 row of global row `id` of the layer with id `layer_id`, straight from the checkpoint files through the
-// independent oracle (0xFFFF-filled on a read error, which never equals a lookup's row: NaN is 0x7FFF).
-std::vector<uint16_t> RowFromCheckpoint(engram::oracle::RowOracle* oracle, int64_t layer_id, int32_t id, int64_t D) {
-  std::string error;
-  auto rec = oracle ? oracle->Record(layer_id, id, &error) : std::nullopt;
-  if (!rec || oracle->head_dim() != D) {
-    if (!error.empty()) std::cerr << "engram-replica: " << error << "\n";
-    return std::vector<uint16_t>(static_cast<size_t>(D), 0xFFFF);
-  }
-  return engram::oracle::DequantBf16Row(*rec, D);
-}
-
-// The rows a sparse checkpoint's pattern says to check (engram-mkckpt --sparse / --like writes engram-pattern.json):
-// per region of each layer, its first two rows, its middle and its last two, and the row just past it (a hole: it
-// must read as a zero row), each kept when this shard owns it. Empty when the checkpoint has no pattern file; a file
-// that is malformed, names a layer the table does not have, holds a region outside its layer or selects no row of
-// this shard sets *error (a check that checks nothing must not pass).
-struct PatternRow {
-  int layer = 0;  // index into the table's layers
-  int32_t row = 0;
-  bool in_region = false;
-};
-std::vector<PatternRow> PatternRows(const std::string& checkpoint, const engram::client::Table& t, std::string* error) {
-  auto bad = [&](const std::string& why) {
-    *error = "engram-pattern.json: " + why;
-    return std::vector<PatternRow>();
-  };
-  // Only a regular file of a sane size is read: a FIFO or a device there would block the read or never end.
-  constexpr off_t kMaxPatternBytes = 64 << 20;
-  const std::string path = checkpoint + "/engram-pattern.json";
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) return {};
-  if (!S_ISREG(st.st_mode)) return bad("not a regular file");
-  if (st.st_size > kMaxPatternBytes) return bad("larger than 64 MiB");
-  std::ifstream in(path);
-  if (!in) return bad("cannot be read");
-  const json p = json::parse(in, nullptr, false);
-  if (p.is_discarded() || !p.is_object() || !p.contains("layers") || !p["layers"].is_array()) {
-    return bad("not a pattern file");
-  }
-  auto integer = [](const json& o, const char* key) {
-    return o.is_object() && o.contains(key) && o[key].is_number_integer();
-  };
-  std::vector<PatternRow> out;
-  for (const auto& jl : p["layers"]) {
-    if (!integer(jl, "layer_id") || !jl.contains("regions") || !jl["regions"].is_array()) {
-      return bad("a layer without an integer layer_id and a regions array");
-    }
-    const int64_t layer_id = jl["layer_id"].get<int64_t>();
-    int l = -1;
-    for (size_t i = 0; i < t.layers().size(); ++i) {
-      if (t.layers()[i].layer_id == layer_id) l = static_cast<int>(i);
-    }
-    if (l < 0) return bad("layer " + std::to_string(layer_id) + " is not one of this table's layers");
-    const auto& li = t.layers()[static_cast<size_t>(l)];
-    const int64_t rows = t.layout().rows(l);
-    for (const auto& r : jl["regions"]) {
-      if (!integer(r, "row_begin") || !integer(r, "row_end")) return bad("a region without integer row_begin/row_end");
-      const int64_t b = r["row_begin"].get<int64_t>(), e = r["row_end"].get<int64_t>();
-      if (b < 0 || e <= b || e > rows) {
-        return bad("region [" + r["row_begin"].dump() + ", " + r["row_end"].dump() + ") is not inside layer " +
-                   std::to_string(layer_id) + "'s " + std::to_string(rows) + " rows");
-      }
-      for (int64_t row : {b, b + 1, b + (e - b) / 2, e - 2, e - 1, e}) {
-        if (row < b || row >= rows || row < li.row_begin || row >= li.row_end || row > INT32_MAX) continue;
-        out.push_back({l, static_cast<int32_t>(row), row < e});
-      }
-    }
-  }
-  if (out.empty()) return bad("selects no row of this shard");
-  return out;
-}
-
-// DP_SHARDED (--embedding-across-dp and no sharing): every batch is one group step through the table's engine
-// (Prefetch: all-gather of ids, lookup of the owned columns, all-to-all of records); the rows it returns are
-// checked against the checkpoint through the oracle: the group's columns carry the checkpoint's row, the others
-// (other TP positions') are zero. Every member must run the same number of batches; --tokens may differ (0 too).
-int RunDpSharded(const engram::client::Table& t, engram::oracle::RowOracle* oracle, int64_t T, int64_t batches,
-                 int64_t verify, const engram::client::AttachRequest& req, int64_t hold) {
-  const int64_t D = t.head_dim(), L = static_cast<int64_t>(t.layers().size()), C = t.n_cols();
-  auto fail = [](const std::string& what, const absl::Status& st) {
-    std::cout << json{{"error", what + ": " + std::string(st.message())}, {"code", absl::StatusCodeToString(st.code())}}
-                     .dump()
-              << std::endl;
-    return 1;
-  };
-  auto plan =
-      engram::client::PlanDpSharded(t.layout(), req.tp_size, req.tp_rank, req.dp_size, req.dp_rank, req.local_dp_size);
-  if (!plan.ok()) return fail("plan", plan.status());
-  const int32_t max_tokens = static_cast<int32_t>(std::max<int64_t>(T, 1));
-  auto host = engram::client::LookupEngine::CreateOnHost(t, max_tokens);
-  if (!host.ok()) return fail("host engine", host.status());
-  auto engine = engram::client::LookupEngine::Create(t, max_tokens, nullptr);
-  if (!engine.ok()) return fail("DP engine", engine.status());
-  std::cout << json{{"dp_group_formed", true}, {"edp", plan->edp}, {"edp_rank", plan->edp_rank}}.dump() << std::endl;
-  std::mt19937_64 rng(std::random_device{}());
-  std::vector<int32_t> tokens(static_cast<size_t>(T)), qsl = {0, static_cast<int32_t>(T)},
-                                                       ids(static_cast<size_t>(T * L * C));
-  std::vector<int64_t> pos(static_cast<size_t>(T));
-  int64_t verified = 0, mismatches = 0;
-  double busy = 0;
-  // CUDA backend: the ids go to the GPU, the exchange runs there (NCCL / NVLink), the rows come back to be checked.
-  const bool cuda = t.backend() == engram::client::Backend::kCuda;
-  int32_t* dev_ids = nullptr;
-  std::vector<uint16_t> dev_rows;
-#ifdef ENGRAM_HAVE_CUDA
-  if (cuda) {
-    cudaMalloc(reinterpret_cast<void**>(&dev_ids), std::max<size_t>(ids.size(), 1) * 4);
-    dev_rows.resize(static_cast<size_t>(T * C * D));
-  }
-#endif
-  for (int64_t b = 0; b < batches; ++b) {
-    for (int64_t i = 0; i < T; ++i) {
-      tokens[static_cast<size_t>(i)] = static_cast<int32_t>(rng() % static_cast<uint64_t>(t.token_map().raw_size()));
-      pos[static_cast<size_t>(i)] = i;
-    }
-    if (auto st = (*host)->Hash(tokens.data(), pos.data(), qsl.data(), nullptr, nullptr, static_cast<int32_t>(T), 1,
-                                ids.data());
-        !st.ok()) {
-      return fail("hash", st);
-    }
-    const auto t0 = std::chrono::steady_clock::now();
-#ifdef ENGRAM_HAVE_CUDA
-    if (cuda) cudaMemcpy(dev_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice);
-#endif
-    if (auto st = (*engine)->Prefetch(cuda ? dev_ids : ids.data(), static_cast<int32_t>(T)); !st.ok()) {
-      return fail("step", st);
-    }
-#ifdef ENGRAM_HAVE_CUDA
-    if (cuda) {
-      // Prefetch only enqueues on CUDA (the exchange runs on the engine's side stream): time until every layer's
-      // rows are in staging, i.e. Wait joins each layer into the engine's stream and that stream drains.
-      for (int64_t l = 0; l < L; ++l) {
-        if (auto st = (*engine)->Wait(static_cast<int>(l)); !st.ok()) return fail("wait", st);
-      }
-      cudaStreamSynchronize(nullptr);
-    }
-#endif
-    busy += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    // Every row when the budget allows, else a random sample of `verify` per batch and layer.
-    const int64_t n = T * C;
-    for (int64_t l = 0; l < L && n > 0; ++l) {
-      if (auto st = (*engine)->Wait(static_cast<int>(l)); !st.ok()) return fail("wait", st);
-      const uint16_t* rows = (*engine)->staging(static_cast<int>(l));
-#ifdef ENGRAM_HAVE_CUDA
-      if (cuda) {
-        if (cudaMemcpy(dev_rows.data(), rows, dev_rows.size() * 2, cudaMemcpyDeviceToHost) != cudaSuccess) {
-          return fail("copy back", absl::InternalError("cudaMemcpy of the staging rows failed"));
-        }
-        if (auto st = (*engine)->Wait(static_cast<int>(l)); !st.ok()) return fail("wait", st);
-        rows = dev_rows.data();
-      }
-#endif
-      const int64_t checks = verify >= n ? n : verify;
-      for (int64_t k = 0; k < checks; ++k) {
-        const int64_t idx = verify >= n ? k : static_cast<int64_t>(rng() % static_cast<uint64_t>(n));
-        const int64_t tok = idx / C, c = idx % C;
-        const int32_t id = ids[static_cast<size_t>((tok * L + l) * C + c)];
-        const bool in_group = c >= plan->group_col_begin && c < plan->group_col_end;
-        const std::vector<uint16_t> want =
-            in_group ? RowFromCheckpoint(oracle, t.layers()[static_cast<size_t>(l)].layer_id, id, D)
-                     : std::vector<uint16_t>(static_cast<size_t>(D), 0);
-        ++verified;
-        mismatches += !std::equal(want.begin(), want.end(), rows + idx * D);
-      }
-    }
-  }
-  json out = {{"mode", engram::client::ModeName(t.mode())},
-              {"backend", engram::client::BackendName(t.backend())},
-              {"reasons", json::array()},
-              {"edp", plan->edp},
-              {"edp_rank", plan->edp_rank},
-              {"columns", {t.col_begin(), t.col_end()}},
-              {"steps", batches},
-              {"verified", verified},
-              {"mismatches", mismatches},
-              {"tokens_per_s", busy > 0 ? static_cast<double>(T * batches) / busy : 0.0}};
-  for (const auto& r : t.reasons()) out["reasons"].push_back(engram::client::ReasonName(r.code));
-  if (hold > 0) {  // the group and its lease stay while the replica holds, as in the other modes
-    std::cout << json{{"attached", true}, {"mode", out["mode"]}}.dump() << std::endl;
-    std::this_thread::sleep_for(std::chrono::seconds(hold));
-  }
-  std::cout << out.dump() << std::endl;
-  return mismatches == 0 ? 0 : 1;
-}
 
 }  // namespace
 
