@@ -25,11 +25,9 @@ namespace engram::daemon {
 namespace {
 
 // The directory of this executable (where --prewarm-registration auto looks for engram-prewarm); "" when unknown.
-std::string SelfDirectory() {
-  char buf[PATH_MAX];
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) return "";
-  std::string exe(buf, static_cast<size_t>(n));
+std::string SelfDirectory(Env& env) {
+  std::string exe;
+  if (env.Readlink("/proc/self/exe", &exe) != 0 || exe.empty()) return "";
   const size_t slash = exe.rfind('/');
   return slash == std::string::npos ? "" : exe.substr(0, slash);
 }
@@ -62,7 +60,8 @@ Options Coordinator::options() const {
 
 absl::Status Coordinator::Start() {
   const Options o = options();
-  ASSIGN_OR_RETURN(PrewarmOptions po, ResolvePrewarmTool(o.prewarm_registration, SelfDirectory()));
+  ASSIGN_OR_RETURN(PrewarmOptions po,
+                   ResolvePrewarmTool(o.prewarm_registration, SelfDirectory(*Env::Default()), Env::Default()));
   if (!po.tool.empty()) {
     spdlog::info("event=registration_prewarm state=on tool={}", engram::LogValue(po.tool));
   } else {

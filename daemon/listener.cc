@@ -33,23 +33,26 @@ std::string DirectoryOf(const std::string& path) {
 }
 
 // The gid of `name` (-1 for an empty name), or InvalidArgument naming the option.
-absl::StatusOr<int> ResolveGroup(const std::string& name, const char* what) {
+absl::StatusOr<int> ResolveGroup(Env& env, const std::string& name, const char* what) {
   if (name.empty()) return -1;
-  struct group* g = ::getgrnam(name.c_str());
-  if (g == nullptr) return absl::InvalidArgumentError(absl::StrCat(what, " '", name, "' does not exist"));
-  return static_cast<int>(g->gr_gid);
+  gid_t gid = 0;
+  if (env.LookupGroup(name.c_str(), &gid) != 0) {
+    if (errno == ENOENT) return absl::InvalidArgumentError(absl::StrCat(what, " '", name, "' does not exist"));
+    return absl::UnavailableError(absl::StrCat("cannot look up the ", what, " '", name, "': ", std::strerror(errno)));
+  }
+  return static_cast<int>(gid);
 }
 
 }  // namespace
 
-absl::Status UdsListener::CheckGroups(const std::string& group, const std::string& admin_group) {
-  RETURN_IF_ERROR(ResolveGroup(group, "group").status());
-  return ResolveGroup(admin_group, "admin group").status();
+absl::Status UdsListener::CheckGroups(const std::string& group, const std::string& admin_group) const {
+  RETURN_IF_ERROR(ResolveGroup(*env_, group, "group").status());
+  return ResolveGroup(*env_, admin_group, "admin group").status();
 }
 
 absl::Status UdsListener::SetGroups(const std::string& group, const std::string& admin_group) {
-  ASSIGN_OR_RETURN(const int gid, ResolveGroup(group, "group"));
-  ASSIGN_OR_RETURN(const int admin_gid, ResolveGroup(admin_group, "admin group"));
+  ASSIGN_OR_RETURN(const int gid, ResolveGroup(*env_, group, "group"));
+  ASSIGN_OR_RETURN(const int admin_gid, ResolveGroup(*env_, admin_group, "admin group"));
   admin_gid_ = admin_gid;
   if (gid != group_gid_.exchange(gid)) {
     // Root or the daemon's gid without a --group: the files keep the daemon's own group.
@@ -95,9 +98,9 @@ void UdsListener::ShareWithAdmins() {
 
 absl::Status UdsListener::Bind(const std::string& path, const std::string& group, const std::string& admin_group) {
   path_ = path;
-  ASSIGN_OR_RETURN(admin_gid_, ResolveGroup(admin_group, "admin group"));
+  ASSIGN_OR_RETURN(admin_gid_, ResolveGroup(*env_, admin_group, "admin group"));
   RETURN_IF_ERROR(net::CheckSocketPath(path));
-  ASSIGN_OR_RETURN(group_gid_, ResolveGroup(group, "group"));
+  ASSIGN_OR_RETURN(group_gid_, ResolveGroup(*env_, group, "group"));
   const std::string dir = DirectoryOf(path);
   if (!dir.empty() && env_->Mkdir(dir.c_str(), 0750) == 0 && group_gid_ >= 0) {
     if (env_->Chown(dir.c_str(), static_cast<uid_t>(-1), static_cast<gid_t>(group_gid_)) != 0) {

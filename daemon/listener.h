@@ -59,8 +59,11 @@ class UdsListener {
   // Serve with these groups from now on (a reload): InvalidArgument naming the group when one does not exist, and
   // then nothing changes. The sockets (this one and `<path>.fds`) are given the new --group.
   absl::Status SetGroups(const std::string& group, const std::string& admin_group);
-  // Whether SetGroups would succeed: InvalidArgument naming a group that does not exist.
-  static absl::Status CheckGroups(const std::string& group, const std::string& admin_group);
+  // Whether SetGroups would succeed: InvalidArgument naming a group that does not exist (Unavailable when the group
+  // database cannot be read).
+  absl::Status CheckGroups(const std::string& group, const std::string& admin_group) const;
+  // The gid of --group (-1 when none is given or it cannot be resolved), for the descriptor socket beside this one.
+  int group_gid() const { return group_gid_; }
   // At most `n` (>= 1) connections open at once per uid from now on (a reload lowers it for new connections only).
   void SetMaxConnectionsPerUid(int n) { max_per_uid_ = n; }
 

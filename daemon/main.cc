@@ -138,9 +138,8 @@ int main(int argc, char** argv) {
   // Descriptor passing: a side socket next to the gRPC one, same mode and group, same authorisation.
   DescriptorChannel descriptors([&listener](const PeerCred& p) { return listener.Allowed(p); });
   {
-    const struct group* g = opts->group.empty() ? nullptr : ::getgrnam(opts->group.c_str());
     // Without it replicas in containers could only fall back: a startup error, not a silent degradation.
-    if (auto st = descriptors.Bind(opts->socket, g != nullptr ? static_cast<int>(g->gr_gid) : -1); !st.ok()) {
+    if (auto st = descriptors.Bind(opts->socket, listener.group_gid()); !st.ok()) {
       std::fprintf(stderr, "engramd: the descriptor socket next to %s: %s\n", opts->socket.c_str(),
                    std::string(st.message()).c_str());
       return 1;
@@ -213,7 +212,7 @@ int main(int argc, char** argv) {
       sd_notify(0, "RELOADING=1");
       // The socket side first checks its groups (a missing group refuses the whole reload), then applies them once
       // the segments' part succeeded: all or nothing.
-      absl::Status st = UdsListener::CheckGroups(fresh->group, fresh->admin_group);
+      absl::Status st = listener.CheckGroups(fresh->group, fresh->admin_group);
       if (st.ok() && spdlog::level::from_str(fresh->log_level) == spdlog::level::off && fresh->log_level != "off") {
         st = absl::InvalidArgumentError("log_level '" + fresh->log_level + "' is not a level");
       }

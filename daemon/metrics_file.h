@@ -13,9 +13,11 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "shm/env.h"
 
 namespace engram::daemon {
 
-absl::Status WriteMetricsFile(const std::string& path, const std::string& text);
+// `env`: the OS calls (shm/env.h); null = Env::Default().
+absl::Status WriteMetricsFile(const std::string& path, const std::string& text, Env* env = nullptr);
 
 }  // namespace engram::daemon

@@ -35,9 +35,9 @@ int64_t NowUnixMs() {
       .count();
 }
 
-bool IsExecutableFile(const std::string& path) {
+bool IsExecutableFile(Env& env, const std::string& path) {
   struct stat s {};
-  return ::stat(path.c_str(), &s) == 0 && S_ISREG(s.st_mode) && ::access(path.c_str(), X_OK) == 0;
+  return env.Stat(path.c_str(), &s) == 0 && S_ISREG(s.st_mode) && env.Access(path.c_str(), X_OK) == 0;
 }
 
 // The child's last non-empty line, printable.
@@ -65,7 +65,9 @@ std::string_view Name(PrewarmState s) {
   return "off";
 }
 
-absl::StatusOr<PrewarmOptions> ResolvePrewarmTool(const std::string& setting, const std::string& self_dir) {
+absl::StatusOr<PrewarmOptions> ResolvePrewarmTool(const std::string& setting, const std::string& self_dir,
+                                                  Env* env_or_null) {
+  Env& env = env_or_null != nullptr ? *env_or_null : *Env::Default();
   PrewarmOptions o;
   if (setting == "off") {
     o.off_reason = "prewarm_registration is off";
@@ -73,7 +75,7 @@ absl::StatusOr<PrewarmOptions> ResolvePrewarmTool(const std::string& setting, co
   }
   if (setting == "auto" || setting.empty()) {
     const std::string tool = absl::StrCat(self_dir, "/engram-prewarm");
-    if (IsExecutableFile(tool)) {
+    if (IsExecutableFile(env, tool)) {
       o.tool = tool;
     } else {
       o.off_reason = absl::StrCat("engram-prewarm is not installed next to engramd (", tool,
@@ -81,7 +83,7 @@ absl::StatusOr<PrewarmOptions> ResolvePrewarmTool(const std::string& setting, co
     }
     return o;
   }
-  if (!IsExecutableFile(setting)) {
+  if (!IsExecutableFile(env, setting)) {
     return absl::InvalidArgumentError(absl::StrCat("prewarm_registration: '", setting,
                                                    "' is not an executable file (auto, off, or the tool's path)"));
   }

@@ -25,6 +25,7 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "shm/env.h"
 
 namespace engram::daemon {
 
@@ -48,8 +49,9 @@ struct PrewarmOptions {
 
 // The tool `--prewarm-registration` names: "off" (empty, with a reason), "auto" (engram-prewarm in `self_dir`, when
 // it is there and executable; else empty, with a reason), or the path of the tool (an error when it is not an
-// executable file).
-absl::StatusOr<PrewarmOptions> ResolvePrewarmTool(const std::string& setting, const std::string& self_dir);
+// executable file). `env`: the file checks (null = Env::Default()).
+absl::StatusOr<PrewarmOptions> ResolvePrewarmTool(const std::string& setting, const std::string& self_dir,
+                                                  Env* env = nullptr);
 
 class RegistrationPrewarm {
  public:

@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -14,6 +15,7 @@
 #include <cstdlib>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "base/worker_threads.h"
 #include "model/file_util.h"
@@ -97,6 +99,63 @@ int PosixEnv::ReadSmallFile(const char* path, size_t max_bytes, std::string* out
 }
 
 int PosixEnv::Mkdir(const char* path, mode_t mode) { return ::mkdir(path, mode); }
+int PosixEnv::Access(const char* path, int mode) { return ::access(path, mode); }
+
+namespace {
+// readlink(2) / readlinkat(2) into a string, growing the buffer until the target fits.
+template <typename Read>
+int ReadLinkInto(Read&& read, std::string* out) {
+  for (size_t cap = 256; cap <= (size_t{1} << 20); cap *= 4) {
+    std::string buf(cap, '\0');
+    const ssize_t n = read(buf.data(), cap);
+    if (n < 0) return -1;
+    if (static_cast<size_t>(n) < cap) {
+      buf.resize(static_cast<size_t>(n));
+      *out = std::move(buf);
+      return 0;
+    }
+  }
+  errno = ENAMETOOLONG;
+  return -1;
+}
+}  // namespace
+
+int PosixEnv::Readlink(const char* path, std::string* out) {
+  return ReadLinkInto([&](char* b, size_t n) { return ::readlink(path, b, n); }, out);
+}
+int PosixEnv::Openat(int dirfd, const char* name, int flags, mode_t mode) {
+  return RetryEintr([&] { return ::openat(dirfd, name, flags, mode); });
+}
+int PosixEnv::Fstatat(int dirfd, const char* name, struct stat* st, int flags) {
+  return ::fstatat(dirfd, name, st, flags);
+}
+int PosixEnv::Readlinkat(int dirfd, const char* name, std::string* out) {
+  return ReadLinkInto([&](char* b, size_t n) { return ::readlinkat(dirfd, name, b, n); }, out);
+}
+int PosixEnv::Renameat(int old_dirfd, const char* old_name, int new_dirfd, const char* new_name) {
+  return ::renameat(old_dirfd, old_name, new_dirfd, new_name);
+}
+int PosixEnv::Unlinkat(int dirfd, const char* name, int flags) { return ::unlinkat(dirfd, name, flags); }
+ssize_t PosixEnv::Write(int fd, const void* buf, size_t n) { return ::write(fd, buf, n); }
+int PosixEnv::LookupGroup(const char* name, gid_t* gid) {
+  struct group g {};
+  struct group* found = nullptr;
+  std::vector<char> buf(16384);
+  int rc = 0;
+  while ((rc = ::getgrnam_r(name, &g, buf.data(), buf.size(), &found)) == ERANGE && buf.size() < (size_t{1} << 24)) {
+    buf.resize(buf.size() * 4);
+  }
+  if (rc != 0) {
+    errno = rc;
+    return -1;
+  }
+  if (found == nullptr) {
+    errno = ENOENT;
+    return -1;
+  }
+  *gid = g.gr_gid;
+  return 0;
+}
 int PosixEnv::Chown(const char* path, uid_t uid, gid_t gid) { return ::chown(path, uid, gid); }
 
 int PosixEnv::Realpath(const char* path, std::string* out) {

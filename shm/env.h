@@ -1,13 +1,13 @@
 // Env: the seam between engram and the operating system for segments and tables (LevelDB's Env is the model).
-// The OS calls of shm/ and daemon/ on files, directories and shared memory go through an Env: the daemon's
-// publisher, its shm-directory scan and lock, its segment registry and DP regions, the capacity probe with its /proc
-// and /sys reads (shm/capacity.h), the descriptor channel, the listener's socket files, checkpoint paths'
-// realpath, and the client's tables (client/table/tables.h). Not yet: the metrics file's directory walk
-// (daemon/metrics_file.cc, openat/renameat relative to a checked directory) and the config file's read (model's
-// ReadSmallFile, which refuses anything but a regular file). The
-// default, Env::Default(), makes the system calls; a test derives from PosixEnv and overrides one call to inject a
-// fault (ENOSPC from fallocate after the capacity probe passed, EINTR, a failed mlock, a small statvfs) without
-// root and without filling a real filesystem.
+// The OS calls of shm/ and daemon/ on files, directories, shared memory and the group database go through an Env:
+// the daemon's publisher, its shm-directory scan and lock, its segment registry and DP regions, the capacity probe
+// with its /proc and /sys reads (shm/capacity.h), the descriptor channel, the listener's socket files and group,
+// the metrics file's checked directory walk, the prewarm tool's lookup, checkpoint paths' realpath, and the
+// client's tables (client/table/tables.h). Direct on purpose: process control (the prewarm child's spawn, its pipe
+// and signals), and the files model/ reads for the daemon (the checkpoint, the config file: model/ sits below shm/
+// and has no Env). The default, Env::Default(), makes the system calls; a test derives from PosixEnv and overrides one
+// call to inject a fault (ENOSPC from fallocate after the capacity probe passed, EINTR, a failed mlock, a small
+// statvfs) without root and without filling a real filesystem.
 //
 // Calls keep the POSIX convention (a result of -1 or MAP_FAILED with the cause in errno; PosixFallocate returns the
 // error number like posix_fallocate), so callers handle a real failure and an injected one the same way. Callers
@@ -70,6 +70,18 @@ class Env {
   virtual int Realpath(const char* path, std::string* out) = 0;
   virtual int Mkdir(const char* path, mode_t mode) = 0;
   virtual int Chown(const char* path, uid_t uid, gid_t gid) = 0;
+  virtual int Access(const char* path, int mode) = 0;
+  // readlink(2) into *out (the whole target): 0, or -1 with errno.
+  virtual int Readlink(const char* path, std::string* out) = 0;
+  // Calls relative to an open directory (the metrics file's checked walk).
+  virtual int Openat(int dirfd, const char* name, int flags, mode_t mode) = 0;
+  virtual int Fstatat(int dirfd, const char* name, struct stat* st, int flags) = 0;
+  virtual int Readlinkat(int dirfd, const char* name, std::string* out) = 0;  // 0, or -1 with errno
+  virtual int Renameat(int old_dirfd, const char* old_name, int new_dirfd, const char* new_name) = 0;
+  virtual int Unlinkat(int dirfd, const char* name, int flags) = 0;
+  virtual ssize_t Write(int fd, const void* buf, size_t n) = 0;
+  // The group named `name` (getgrnam_r): 0 with *gid, or -1 with errno (ENOENT when there is no such group).
+  virtual int LookupGroup(const char* name, gid_t* gid) = 0;
 };
 
 // The system calls themselves. Derive from it to override one call in a test.
@@ -103,6 +115,15 @@ class PosixEnv : public Env {
   int Realpath(const char* path, std::string* out) override;
   int Mkdir(const char* path, mode_t mode) override;
   int Chown(const char* path, uid_t uid, gid_t gid) override;
+  int Access(const char* path, int mode) override;
+  int Readlink(const char* path, std::string* out) override;
+  int Openat(int dirfd, const char* name, int flags, mode_t mode) override;
+  int Fstatat(int dirfd, const char* name, struct stat* st, int flags) override;
+  int Readlinkat(int dirfd, const char* name, std::string* out) override;
+  int Renameat(int old_dirfd, const char* old_name, int new_dirfd, const char* new_name) override;
+  int Unlinkat(int dirfd, const char* name, int flags) override;
+  ssize_t Write(int fd, const void* buf, size_t n) override;
+  int LookupGroup(const char* name, gid_t* gid) override;
 };
 
 // Repeats `call` while it fails with EINTR (for calls whose result is -1 + errno).
