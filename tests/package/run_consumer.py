@@ -1,9 +1,10 @@
 """The installed package, from outside: `cmake --install` of the build's engram_dev component into a fresh prefix,
 then an external project (tests/package/consumer) configured with find_package(engram) against that prefix alone and
 built: every installed header compiled on its own, a C++ and a C program run, and the ```cpp snippets of README.md
-and docs/*.md compiled and linked (a stale call or a header outside include/engram fails here).
+and docs/*.md compiled, linked and, given --engramd and --mkckpt, run against a real engramd serving a test checkpoint
+(the CPU backend; a stale call, a failing `.value()` or a header outside include/engram fails here).
 
-    python3 tests/package/run_consumer.py --build BUILD_DIR --work SCRATCH_DIR
+    python3 tests/package/run_consumer.py --build BUILD_DIR --work SCRATCH_DIR [--engramd BIN --mkckpt BIN]
 """
 import argparse
 import os
@@ -12,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -42,14 +44,23 @@ def write_snippets(dest):
             includes = [x for x in body.splitlines() if x.startswith("#include")]
             code = [x for x in body.splitlines() if not x.startswith("#include")]
             where = f"{doc.relative_to(REPO)}:{line}"
+            code = [x.replace('"/run/engramd/engramd.sock"', SOCKET_MARK).replace('"/models/DeepSeek-V4.1-Flash"',
+                                                                                   CHECKPOINT_MARK) for x in code]
+            includes = includes + ["#include <cstdlib>"]
             src = [f"// {where}"] + includes + ['#include "snippet_prelude.h"', f"void Snippet{i}() {{",
                                                  "  using namespace snippet_names;", f'#line {line} "{doc.relative_to(REPO)}"'] + code
             (dest / f"snippet{i}.cc").write_text("\n".join(src + ["}", ""]))
             names.append(f"Snippet{i}")
     header = ["#pragma once"] + [f"void {n}();" for n in names]
     header.append("inline void RunSnippets() {" + "".join(f" {n}();" for n in names) + " }")
+    header.append(f"inline int SnippetCount() {{ return {len(names)}; }}")
     (dest / "snippets.h").write_text("\n".join(header) + "\n")
     return names
+
+
+# What the snippets' socket and checkpoint become: the driver's, read from the environment when they run.
+SOCKET_MARK = 'std::getenv("ENGRAM_SNIPPET_SOCKET")'
+CHECKPOINT_MARK = 'std::getenv("ENGRAM_SNIPPET_CHECKPOINT")'
 
 
 def run(cmd, **kw):
@@ -66,6 +77,8 @@ def main():
     ap.add_argument("--cmake", default="cmake")
     # A sanitized build's library needs its runtime first in the process: the consumer is built with it too.
     ap.add_argument("--sanitize", default="")
+    ap.add_argument("--engramd", default="")
+    ap.add_argument("--mkckpt", default="")
     a = ap.parse_args()
     work = pathlib.Path(a.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -89,7 +102,29 @@ def main():
     run([a.cmake, "--build", build], env=env)
     print(run([build / "consumer"]).strip())
     print(run([build / "consumer_c"]).strip())
-    print(f"{len(headers)} headers compiled alone, {len(names)} C++ snippets compiled and linked")
+    ran = run_snippets(a, work, build / "snippets") if a.engramd and a.mkckpt else "not run (no --engramd)"
+    print(f"{len(headers)} headers compiled alone, {len(names)} C++ snippets compiled and linked; {ran}")
+
+
+def run_snippets(a, work, binary):
+    """Starts engramd on a fresh test checkpoint (TP 1 and 2, as the snippets ask) and runs the snippets there."""
+    ck, shm, sock = work / "ck", work / "shm", work / "run" / "engramd.sock"
+    shm.mkdir(parents=True)
+    run([a.mkckpt, "--out", ck])
+    daemon = subprocess.Popen([a.engramd, "--checkpoint", ck, "--tp", "1,2", "--shm-dir", shm, "--socket", sock,
+                               "--log-level", "warn"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(300):
+            if sock.exists() or daemon.poll() is not None:
+                break
+            time.sleep(0.05)
+        if daemon.poll() is not None:
+            sys.exit(f"engramd exited at start: {daemon.stderr.read()[-4000:]}")
+        env = dict(os.environ, ENGRAM_SNIPPET_SOCKET=str(sock), ENGRAM_SNIPPET_CHECKPOINT=str(ck))
+        return run([binary, "--run"], env=env).strip()
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
 
 
 if __name__ == "__main__":

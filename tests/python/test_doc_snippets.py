@@ -1,7 +1,7 @@
 """The ```python snippets of README.md, docs/*.md and python/README.md run, against a real engramd serving the test
 checkpoint: the socket and checkpoint they name are the test's, the arrays they take as given are small NumPy arrays
 of the checkpoint's shapes (the CPU backend), and any call, argument or key that is not the package's fails here.
-The C++ snippets are compiled and linked by tests/package/run_consumer.py."""
+The C++ snippets are compiled, linked and run by tests/package/run_consumer.py."""
 import os
 import re
 
