@@ -176,7 +176,7 @@ std::string TuningText(const Tuning& tuning) {
           } else if constexpr (std::is_same_v<F, std::optional<double>>) {
             if (f) v = absl::StrCat(*f);
           } else if constexpr (std::is_same_v<F, std::optional<bool>>) {
-            if (f) v = *f ? "1" : "0";
+            if (f) v.push_back(*f ? '1' : '0');
           } else {
             if (f) v = absl::StrCat(*f);
           }
