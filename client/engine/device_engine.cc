@@ -5,10 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <iterator>
 #include <limits>
 #include <string>
 #include <thread>
@@ -22,45 +18,12 @@
 namespace engram::client {
 namespace {
 
-// kAuto's choice, measured by bench_kernels on the H200 (bench/RESULTS.md, 2026-11-30): per batch size (items per
-// layer, random rows of a 16 GiB table, fresh ids per batch), whether the host-gather path (the engine's
-// configuration: every row, a share of the tokens on the UVA row-order kernel) beat the UVA path. A batch takes
-// the choice of the nearest measured size (on a log scale).
-// 1536 items (64 decode tokens x 24 columns) stays on UVA: 14 us in a graph, below the host path's ~90 us fixed cost.
-constexpr PathPoint kDefaultPathTable[] = {
-    {1536, false}, {6144, true}, {24576, true}, {196608, true}, {1048560, false}};
-
-// host_gather_min_items=N: host gather from N items (a plain threshold, a single point marked `threshold`); else
-// the table bench_kernels writes (lookup_path_table: lines "ITEMS host|uva"); else the measured default.
-std::vector<PathPoint> PathTable(const Tuning& tuning) {
-  if (tuning.host_gather_min_items.value_or(0) > 0) return {{*tuning.host_gather_min_items, true, true}};
-  if (!tuning.lookup_path_table.empty()) {
-    std::vector<PathPoint> table;
-    if (FILE* f = std::fopen(tuning.lookup_path_table.c_str(), "r")) {
-      long long n = 0;
-      char what[16] = {};
-      while (std::fscanf(f, "%lld %15s", &n, what) == 2) {
-        if (n > 0) table.push_back({n, std::strcmp(what, "host") == 0});
-      }
-      std::fclose(f);
-    }
-    if (!table.empty()) return table;
-  }
-  return std::vector<PathPoint>(std::begin(kDefaultPathTable), std::end(kDefaultPathTable));
-}
-
 // The CPUs this process may run on (its affinity: a container's cpuset), at least 1.
 int AllowedCpus() {
   cpu_set_t set;
   CPU_ZERO(&set);
   if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-}
-
-LookupPath PathFromTuning(const Tuning& tuning) {
-  if (tuning.lookup_path == "uva") return LookupPath::kUva;
-  if (tuning.lookup_path == "host" || tuning.lookup_path == "host_gather") return LookupPath::kHostGather;
-  return LookupPath::kAuto;
 }
 
 // The row-order gather's variant and grid are the kernels' process-wide state: set when a table's tuning names

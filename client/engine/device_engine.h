@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "client/engine/calibration.h"
 #include "client/engine/host_gather.h"
+#include "client/engine/path_table.h"
 #include "client/engine/prefetch.h"
 #include "engram/client.h"
 #include "engram/lookup_engine.h"
@@ -23,14 +24,6 @@
 #include "kernels/engram_kernels.h"
 
 namespace engram::client {
-
-// One measured point of the automatic path choice: at `items` per layer, did the host-gather path win?
-struct PathPoint {
-  int64_t items = 0;
-  bool host = false;
-  bool threshold = false;  // the only point: host gather from `items` on
-  double share = -1;       // the host path's UVA share at this size (timed at creation); -1: the engine's option
-};
 
 class DeviceEngine final : public LookupEngine {
  public:

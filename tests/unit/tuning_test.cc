@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "client/dp/agreement.h"
+#include "client/engine/path_table.h"
 #include "client/environment.h"
 #include "client/tuning.h"
 #include "engram/client.h"
@@ -108,6 +109,42 @@ TEST(Tuning, ClientOptionsReachTheAttachedTableOverTheEnvironment) {
   EXPECT_EQ((*table)->tuning().host_gather_threads, 3) << "the client's knob wins";
   EXPECT_EQ((*table)->tuning().lookup_path, "uva") << "the environment fills what the client left unset";
   EXPECT_EQ(TuningText((*table)->tuning()), "lookup_path=uva,host_gather_threads=3");
+}
+
+// The lookup path's choice from the tuning: a threshold, a table file, the built-in points; the forced path.
+TEST(PathTableFromTuning, ThresholdThenFileThenBuiltIn) {
+  Tuning t;
+  const std::vector<PathPoint> built_in = PathTable(t);
+  ASSERT_FALSE(built_in.empty());
+  EXPECT_EQ(built_in.front().items, 1536);
+  EXPECT_FALSE(built_in.front().host) << "decode sizes stay on the UVA kernels";
+  testing::TempDir dir;
+  const std::string file = dir / "paths.txt";
+  testing::WriteFile(file, "2048 uva\n8192 host\n-5 host\n");
+  ASSERT_TRUE(t.Set("lookup_path_table", file).ok());
+  const std::vector<PathPoint> from_file = PathTable(t);
+  ASSERT_EQ(from_file.size(), 2u) << "a non-positive size is skipped";
+  EXPECT_EQ(from_file[0].items, 2048);
+  EXPECT_FALSE(from_file[0].host);
+  EXPECT_EQ(from_file[1].items, 8192);
+  EXPECT_TRUE(from_file[1].host);
+  Tuning missing;
+  ASSERT_TRUE(missing.Set("lookup_path_table", dir / "none.txt").ok());
+  EXPECT_EQ(PathTable(missing).size(), built_in.size()) << "an unreadable file gives the built-in points";
+  ASSERT_TRUE(t.Set("host_gather_min_items", "100").ok());
+  const std::vector<PathPoint> threshold = PathTable(t);
+  ASSERT_EQ(threshold.size(), 1u) << "the threshold wins over the file";
+  EXPECT_TRUE(threshold[0].threshold);
+  EXPECT_EQ(threshold[0].items, 100);
+  EXPECT_EQ(PathFromTuning(Tuning{}), LookupPath::kAuto);
+  for (const char* host : {"host", "host_gather"}) {
+    Tuning h;
+    ASSERT_TRUE(h.Set("lookup_path", host).ok());
+    EXPECT_EQ(PathFromTuning(h), LookupPath::kHostGather);
+  }
+  Tuning u;
+  ASSERT_TRUE(u.Set("lookup_path", "uva").ok());
+  EXPECT_EQ(PathFromTuning(u), LookupPath::kUva);
 }
 
 std::vector<int32_t> Concat(const std::vector<std::vector<int32_t>>& parts) {
