@@ -1,7 +1,7 @@
 // The lookup engines' tuning in one place: the measured default of every knob of engram::client::Tuning
 // (include/engram/tuning.h), with the measurement it comes from, and how a knob's value is found: the table's
 // Tuning (ClientOptions::tuning over the environment's ENGRAM_<KEY>, merged once when Client attaches it), then
-// the default here. The kernels' own defaults (kernels::LookupTuning, kernels/lookup_kernels.cu) and the publish
+// the default here. The kernels' own defaults (kernels::LookupTuning, kernels/lookup_tuning.cc) and the publish
 // tuning of engramd (daemon/publisher.h) are another layer's and stay there.
 // Pure values and functions; thread-safe.
 #pragma once

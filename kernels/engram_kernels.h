@@ -7,7 +7,8 @@
 //
 // One piece of process-wide state: the row-order gather's tuning (LookupTuning below: atomics, set by the engine
 // from its configuration and by benchmarks; a launch reads it once). Otherwise stateless; thread-safe as far as the
-// CUDA runtime is. The kernels live in hash_kernels.cu, lookup_kernels.cu and gate_kernels.cu.
+// CUDA runtime is. The kernels live in hash_kernels.cu, lookup_kernels.cu (with lookup_gather.cuh) and
+// gate_kernels.cu; the tuning state in lookup_tuning.cc.
 #pragma once
 
 #include <cuda_runtime_api.h>

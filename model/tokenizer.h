@@ -25,8 +25,8 @@
 
 namespace engram {
 
-struct DecoderStep;  // one step of the decoder pipeline (tokenizer.cc)
-struct RegexBudget;  // regex work left for a sequence of decodes (tokenizer.cc)
+struct DecoderStep;  // one step of the decoder pipeline (tokenizer_decoder.h)
+struct RegexBudget;  // regex work left for a sequence of decodes (tokenizer_decoder.h)
 
 // What decoding one id produced: UTF-8 bytes, and whether they were lossy (invalid UTF-8 replaced by U+FFFD in the
 // reference library). `text` holds the bytes as produced; when `lossy` the reference's text contains U+FFFD.
