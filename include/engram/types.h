@@ -1,8 +1,8 @@
 // The client's vocabulary, shared by the library, its C ABI (engram_c.h) and engramctl: where a
 // table lives (Mode), what runs the lookups (Backend), a tri-state config value (Choice) and why a table is not
 // shared (ReasonCode + hint). The numbers of Mode and ReasonCode are the wire protocol's (engram.v1.Mode,
-// engram.v1.FallbackReason; static_asserts in client/session/connection.cc and a test hold them equal) and the C API's, so
-// every layer names the same thing the same way. Plain values; the name functions return static strings.
+// engram.v1.FallbackReason; static_asserts in client/session/connection.cc and a test hold them equal) and the C API's,
+// so every layer names the same thing the same way. Plain values; the name functions return static strings.
 #pragma once
 
 #include <string>
