@@ -162,7 +162,15 @@ const Tuning& Table::tuning() const { return Environment().tuning; }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& options) {
   if (options.socket.empty()) return absl::InvalidArgumentError("no daemon socket given");
-  return std::unique_ptr<Client>(new Client(options));
+  ClientOptions checked = options;
+  RETURN_IF_ERROR(checked.tuning.Normalize());  // a knob assigned directly is checked as Set checks it
+  for (const std::string& name : Environment().removed) {
+    Log().warn(
+        "engram: event=removed_variable name={} detail=\"the library no longer reads it (CHANGELOG.md): "
+        "ignored\"",
+        name);
+  }
+  return std::unique_ptr<Client>(new Client(checked));
 }
 
 absl::StatusOr<std::unique_ptr<Table>> Client::Attach(const AttachRequest& req) {

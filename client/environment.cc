@@ -46,6 +46,9 @@ ClientEnvironment ParseClientEnvironment(const std::function<const char*(const c
   e.vllm_ple_cpu_offload = r.Flag("VLLM_PLE_CPU_OFFLOAD");
   const std::optional<int64_t> share = r.Int("NCCL_COMM_SPLIT_SHARE_RESOURCES");
   e.nccl_split_shares_resources = share.has_value() && *share != 0;
+  for (const char* gone : {"ENGRAM_HOST_GATHER_DEDUP", "ENGRAM_HOST_GATHER_STREAM_UNPACK"}) {
+    if (!r.Text(gone).empty()) e.removed.push_back(gone);
+  }
   return e;
 }
 

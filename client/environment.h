@@ -11,6 +11,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "engram/tuning.h"
 
@@ -26,13 +27,17 @@ struct ClientEnvironment {
   // Variables of the engines and libraries we work with, read for their meaning to us.
   std::optional<bool> vllm_ple_cpu_offload;  // VLLM_PLE_CPU_OFFLOAD (vLLM's: 0/false/no/off = false)
   bool nccl_split_shares_resources = false;  // NCCL_COMM_SPLIT_SHARE_RESOURCES != 0 (NCCL's)
+  // Variables that are set but no longer read (ENGRAM_HOST_GATHER_DEDUP, ENGRAM_HOST_GATHER_STREAM_UNPACK: removed
+  // having lost where measured); Client::Create warns about each, so that a setting is not dropped silently.
+  std::vector<std::string> removed;
 };
 
 // The process's environment, parsed on the first call.
 const ClientEnvironment& Environment();
 
-// Parses the process's environment again, for a process that changed it on purpose before creating engines (a
-// test, a host configuring the library in-process). Engines created earlier keep what they read.
+// Parses the process's environment again, for a process that changed it on purpose before attaching (a test, a
+// host configuring the library in-process). A table merges the environment's knobs into its Tuning when it is
+// attached: tables attached earlier, and the engines made from them, keep what they took.
 void ReloadEnvironment();
 
 // Parses from `lookup` (name -> value or null) instead of the process environment: for tests.

@@ -45,18 +45,25 @@ absl::StatusOr<int> ResolveGroup(Env& env, const std::string& name, const char* 
 
 }  // namespace
 
-absl::Status UdsListener::CheckGroups(const std::string& group, const std::string& admin_group) const {
-  RETURN_IF_ERROR(ResolveGroup(*env_, group, "group").status());
-  return ResolveGroup(*env_, admin_group, "admin group").status();
+absl::StatusOr<UdsListener::Groups> UdsListener::ResolveGroups(const std::string& group,
+                                                               const std::string& admin_group) const {
+  Groups g;
+  ASSIGN_OR_RETURN(g.gid, ResolveGroup(*env_, group, "group"));
+  ASSIGN_OR_RETURN(g.admin_gid, ResolveGroup(*env_, admin_group, "admin group"));
+  return g;
 }
 
 absl::Status UdsListener::SetGroups(const std::string& group, const std::string& admin_group) {
-  ASSIGN_OR_RETURN(const int gid, ResolveGroup(*env_, group, "group"));
-  ASSIGN_OR_RETURN(const int admin_gid, ResolveGroup(*env_, admin_group, "admin group"));
-  admin_gid_ = admin_gid;
-  if (gid != group_gid_.exchange(gid)) {
+  ASSIGN_OR_RETURN(const Groups g, ResolveGroups(group, admin_group));
+  ApplyGroups(g);
+  return absl::OkStatus();
+}
+
+void UdsListener::ApplyGroups(const Groups& g) {
+  admin_gid_ = g.admin_gid;
+  if (g.gid != group_gid_.exchange(g.gid)) {
     // Root or the daemon's gid without a --group: the files keep the daemon's own group.
-    const gid_t file_gid = gid >= 0 ? static_cast<gid_t>(gid) : ::getegid();
+    const gid_t file_gid = g.gid >= 0 ? static_cast<gid_t>(g.gid) : ::getegid();
     for (const std::string& p : {path_, path_ + ".fds"}) {
       if (env_->Chown(p.c_str(), static_cast<uid_t>(-1), file_gid) != 0) {
         spdlog::warn("event=chown_failed path={} errno={}", engram::LogValue(p), errno);
@@ -64,7 +71,6 @@ absl::Status UdsListener::SetGroups(const std::string& group, const std::string&
     }
   }
   ShareWithAdmins();
-  return absl::OkStatus();
 }
 
 void UdsListener::ShareWithAdmins() {

@@ -35,6 +35,7 @@
 #include <thread>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "net/peer_cred.h"
 #include "shm/env.h"
 
@@ -59,9 +60,15 @@ class UdsListener {
   // Serve with these groups from now on (a reload): InvalidArgument naming the group when one does not exist, and
   // then nothing changes. The sockets (this one and `<path>.fds`) are given the new --group.
   absl::Status SetGroups(const std::string& group, const std::string& admin_group);
-  // Whether SetGroups would succeed: InvalidArgument naming a group that does not exist (Unavailable when the group
-  // database cannot be read).
-  absl::Status CheckGroups(const std::string& group, const std::string& admin_group) const;
+  // SetGroups in two steps, for a reload that must check everything before it changes anything: ResolveGroups looks
+  // the groups up (InvalidArgument naming a group that does not exist, Unavailable when the group database cannot
+  // be read) and changes nothing; ApplyGroups serves with what it resolved, looking nothing up again.
+  struct Groups {
+    int gid = -1;        // --group's gid (-1: none)
+    int admin_gid = -1;  // --admin-group's gid (-1: none)
+  };
+  absl::StatusOr<Groups> ResolveGroups(const std::string& group, const std::string& admin_group) const;
+  void ApplyGroups(const Groups& groups);
   // The gid of --group (-1 when none is given or it cannot be resolved), for the descriptor socket beside this one.
   int group_gid() const { return group_gid_; }
   // At most `n` (>= 1) connections open at once per uid from now on (a reload lowers it for new connections only).

@@ -62,6 +62,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   opts->publish_tuning = engram::daemon::PublishTuning::FromEnvironment();  // the environment, read once
+  for (const std::string& name : opts->publish_tuning.removed) {
+    spdlog::warn("event=removed_variable name={} detail=\"engramd no longer reads it (CHANGELOG.md): ignored\"", name);
+  }
   // One event per line, whatever text a checkpoint or client brought (daemon/log_sink.h).
   auto logger = std::make_shared<spdlog::logger>(
       "engramd", std::make_shared<PrintableSink>(std::make_shared<spdlog::sinks::stderr_color_sink_mt>()));
@@ -212,7 +215,8 @@ int main(int argc, char** argv) {
       sd_notify(0, "RELOADING=1");
       // The socket side first checks its groups (a missing group refuses the whole reload), then applies them once
       // the segments' part succeeded: all or nothing.
-      absl::Status st = listener.CheckGroups(fresh->group, fresh->admin_group);
+      const absl::StatusOr<UdsListener::Groups> groups = listener.ResolveGroups(fresh->group, fresh->admin_group);
+      absl::Status st = groups.status();
       if (st.ok() && spdlog::level::from_str(fresh->log_level) == spdlog::level::off && fresh->log_level != "off") {
         st = absl::InvalidArgumentError("log_level '" + fresh->log_level + "' is not a level");
       }
@@ -223,7 +227,7 @@ int main(int argc, char** argv) {
       } else if (st = state.Reload(*fresh); !st.ok()) {
         spdlog::error("event=reload_failed detail={}", engram::LogQuoted(std::string(st.message())));
       } else {
-        (void)listener.SetGroups(fresh->group, fresh->admin_group);  // validated above
+        listener.ApplyGroups(*groups);  // resolved above: the groups the check saw are the ones applied
         service.SetSessionBounds(fresh->max_sessions, fresh->max_sessions_per_uid);
         stream_counts.set_max_per_uid(fresh->max_streams_per_uid);
         listener.SetMaxConnectionsPerUid(fresh->max_connections_per_uid);

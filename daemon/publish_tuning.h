@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "shm/segment.h"
 
@@ -34,6 +36,10 @@ struct PublishTuning {
   // (3.43 vs 2.55 s, 3.24 vs 4.05 s per 16 GiB), so plain stores stay there.
   int stream_stores = -1;
   std::optional<int> cold_readers;  // unset: ShardFillOptions' default
+  // Variables set in the environment that engramd no longer reads (ENGRAM_PUBLISH_DIRECT_READ: the direct read
+  // lost where measured, above): engramd warns about each at start, so that an operator's setting is not silently
+  // dropped.
+  std::vector<std::string> removed;
 
   static PublishTuning FromEnvironment();
 };

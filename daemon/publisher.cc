@@ -82,6 +82,9 @@ PublishTuning PublishTuning::FromEnvironment() {
   if (const char* v = std::getenv("ENGRAM_PUBLISH_NT"); v != nullptr && *v != '\0') {
     t.stream_stores = std::clamp(std::atoi(v), -1, 1);
   }
+  for (const char* gone : {"ENGRAM_PUBLISH_DIRECT_READ"}) {
+    if (const char* v = std::getenv(gone); v != nullptr && *v != '\0') t.removed.push_back(gone);
+  }
   return t;
 }
 

@@ -27,7 +27,9 @@ Env* Env::Default() {
   return env;
 }
 
-int PosixEnv::Open(const char* path, int flags, mode_t mode) { return ::open(path, flags, mode); }
+int PosixEnv::Open(const char* path, int flags, mode_t mode) {
+  return RetryEintr([&] { return ::open(path, flags, mode); });
+}
 int PosixEnv::Close(int fd) { return ::close(fd); }
 int PosixEnv::Unlink(const char* path) { return ::unlink(path); }
 int PosixEnv::ShmUnlink(const char* name) { return ::shm_unlink(name); }
@@ -145,6 +147,9 @@ int PosixEnv::LookupGroup(const char* name, gid_t* gid) {
   while ((rc = ::getgrnam_r(name, &g, buf.data(), buf.size(), &found)) == ERANGE && buf.size() < (size_t{1} << 24)) {
     buf.resize(buf.size() * 4);
   }
+  // getgrnam_r(3) lists ENOENT, ESRCH, EBADF and EPERM (and 0 with no entry) as "the name was not found", as the
+  // NSS modules report it; any other error means the database could not be read.
+  if (rc == ESRCH || rc == EBADF || rc == EPERM) rc = ENOENT;
   if (rc != 0) {
     errno = rc;
     return -1;

@@ -72,6 +72,10 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
     for (auto& by_background : e->sort_min_items_) {
       for (int64_t& from : by_background) from = *tuning.lookup_sort_min_items;
     }
+    // The side-stream prefetch and the host gather's UVA share run a few blocks, a grid the calibration does not
+    // time: they take the threshold only when it is fixed, else the process-wide one (the measured default).
+    e->fixed_sort_min_items_ = *tuning.lookup_sort_min_items;
+    e->prefetcher_.set_sort_min_items(e->fixed_sort_min_items_);
   }
   e->path_ = PathFromTuning(tuning);
   e->path_table_ = PathTable(tuning);
@@ -96,14 +100,18 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
                                p.threshold ? "host_from"
                                : p.host    ? "host"
                                            : "uva");
+  // The knobs set by the program or the environment (none: every choice is the default or the calibration's).
+  const std::string set = TuningText(tuning);
   Log().info(
       "engram: event=lookup_engine backend=cuda lookup_path={} path_table={} host_gather_threads={} "
-      "host_gather_uva_share={:.2f} host_records={} (uva under CUDA graph capture and for device ids)",
-      LookupPathName(e->path_), table_text, e->host_options_.threads, e->host_options_.uva_share, host_records);
-  e->choice_ = absl::StrCat("backend=cuda lookup_path=", LookupPathName(e->path_), " path_table=", table_text,
-                            " host_gather_threads=", e->host_options_.threads,
-                            absl::StrFormat(" host_gather_uva_share=%.2f", e->host_options_.uva_share),
-                            e->calibration_.empty() ? "" : " ", e->calibration_);
+      "host_gather_uva_share={:.2f} host_records={} tuning={} (uva under CUDA graph capture and for device ids)",
+      LookupPathName(e->path_), table_text, e->host_options_.threads, e->host_options_.uva_share, host_records,
+      set.empty() ? "none" : set);
+  e->choice_ =
+      absl::StrCat("backend=cuda lookup_path=", LookupPathName(e->path_), " path_table=", table_text,
+                   " host_gather_threads=", e->host_options_.threads,
+                   absl::StrFormat(" host_gather_uva_share=%.2f", e->host_options_.uva_share),
+                   " tuning=", set.empty() ? "none" : set, e->calibration_.empty() ? "" : " ", e->calibration_);
   return e;
 }
 
@@ -118,6 +126,7 @@ absl::StatusOr<std::unique_ptr<HostGather>> DeviceEngine::MakeHostGather(int thr
   }
   HostGatherOptions o = host_options_;
   if (threads > 0) o.threads = threads;
+  o.uva_sort_min_items = fixed_sort_min_items_;
   return HostGather::Create(std::move(layers), std::move(out), max_tokens_, static_cast<int32_t>(table_->n_cols()),
                             static_cast<int32_t>(table_->head_dim()), o);
 }

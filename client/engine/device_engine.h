@@ -61,6 +61,10 @@ class DeviceEngine final : public LookupEngine {
   // plain and the row-order gather on this table (its size and pages decide which wins): [packed][background].
   // INT64_MAX: never sorted.
   int64_t sort_min_items(bool packed, bool background) const { return sort_min_items_[packed][background]; }
+  // The threshold of the side-stream prefetch's launches (-1: the process-wide one).
+  int64_t prefetch_sort_min_items() const { return prefetcher_.sort_min_items(); }
+  // The host gather, once created (by the calibration or the first host-gather Prefetch); else null.
+  const HostGather* host_gather() const { return host_.get(); }
 
  private:
   std::string calibration_;  // what Calibrate chose, for choice()
@@ -82,7 +86,8 @@ class DeviceEngine final : public LookupEngine {
   unsigned paths_logged_ = 0;
   HostGatherOptions host_options_;
   int64_t sort_min_items_[2][2] = {{-1, -1}, {-1, -1}};  // [packed][background]; -1: the process-wide tuning
-  DecodeShapes decode_;                                  // the plain gather's shape at decode sizes
+  int64_t fixed_sort_min_items_ = -1;  // the tuning's fixed threshold (-1: none), for the few-block grids
+  DecodeShapes decode_;                // the plain gather's shape at decode sizes
   // Times the row-order threshold, the decode shapes and the host-gather plan on this table (calibration.h), as
   // the environment allows, and logs what was chosen and why.
   absl::Status Calibrate(const Tuning& tuning);

@@ -52,6 +52,9 @@ struct HostGatherOptions {
   // Grid of the UVA share's kernel: few blocks, so that it disturbs the main stream little (the row-order gather
   // is as fast on 8 blocks of 8 rows per warp as on 16-32 at these sizes).
   int32_t uva_blocks = 8;
+  // Row-order threshold of the UVA share's kernel (items per launch); -1: the process-wide
+  // LookupTuning::sort_min_items. An engine passes its own (the one it calibrated, or its tuning's).
+  int64_t uva_sort_min_items = -1;
 
   // How the batch reaches the copy engine (what closes the gap between the pipeline and the CPU gather ceiling). Each
   // field left at -1 is taken from its tuning knob when set (ENGRAM_<KNOB>, or the table's Tuning for an engine's

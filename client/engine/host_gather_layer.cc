@@ -72,6 +72,7 @@ absl::Status HostGather::LaunchUvaShare(const LayerBatch& b, bool serial) {
     u.out = out_[b.li] + b.host_items * head_dim_;
     u.sort_scratch = sort_scratch_;
     u.sort_scratch_bytes = sort_bytes_;
+    u.sort_min_items = opt_.uva_sort_min_items;
     u.max_blocks = opt_.uva_blocks;
     RETURN_IF_ERROR(CudaStatus(kernels::LaunchLookup(u, uva_), "uva share lookup"));
   }

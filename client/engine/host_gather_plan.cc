@@ -14,30 +14,6 @@ namespace engram::client {
 
 int DefaultGatherThreads(int cores) { return std::clamp(cores / 2, 1, 16); }
 
-absl::StatusOr<std::vector<int>> ParseCpuList(const std::string& text) {
-  std::vector<int> cpus;
-  size_t pos = 0;
-  while (pos <= text.size()) {
-    const size_t comma = std::min(text.find(',', pos), text.size());
-    const std::string part = text.substr(pos, comma - pos);
-    const size_t dash = part.find('-');
-    auto number = [&](const std::string& n, int* out) {
-      if (n.empty() || n.size() > 6 || n.find_first_not_of("0123456789") != std::string::npos) return false;
-      *out = std::stoi(n);
-      return true;
-    };
-    int lo = 0, hi = 0;
-    const bool ok = dash == std::string::npos ? number(part, &lo) && number(part, &hi)
-                                              : number(part.substr(0, dash), &lo) && number(part.substr(dash + 1), &hi);
-    if (!ok || hi < lo || hi >= CPU_SETSIZE) {
-      return absl::InvalidArgumentError(absl::StrCat("bad CPU list \"", text, "\" at \"", part, "\""));
-    }
-    for (int c = lo; c <= hi; ++c) cpus.push_back(c);
-    pos = comma + 1;
-  }
-  return cpus;
-}
-
 int64_t PlanChunkRows(int64_t rows, int threads, int64_t min_rows, int64_t max_rows) {
   if (rows <= 0) return 0;
   min_rows = std::max<int64_t>(min_rows, 1);

@@ -23,15 +23,13 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/cpu_list.h"  // ParseCpuList: the gather threads' affinity
 
 namespace engram::client {
 
 // The default number of gather threads on a machine with `cores` cores: a share of them (half, at most 16, at
 // least 1), the rest left to the serving engine.
 int DefaultGatherThreads(int cores);
-
-// A CPU list such as "0-7,16,18-19" (the gather threads' affinity, e.g. from ENGRAM_HOST_GATHER_CPUS).
-absl::StatusOr<std::vector<int>> ParseCpuList(const std::string& text);
 
 // Rows per chunk (per H2D copy) for `rows` rows gathered by `threads` threads: enough chunks that every thread has
 // several (the copy of one chunk overlaps the gather of the next), never fewer than `min_rows` nor more than

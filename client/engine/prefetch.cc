@@ -66,6 +66,7 @@ absl::Status Prefetcher::Prefetch(const int32_t* ids, int32_t num_tokens, cudaSt
     a.max_blocks = max_blocks_;
     a.sort_scratch = sort_scratch_;  // layers run one after another on the side stream: one scratch serves all
     a.sort_scratch_bytes = sort_bytes_;
+    a.sort_min_items = sort_min_items_;
     if (auto st = CudaStatus(LaunchLookup(a, side_), "lookup launch"); !st.ok()) return st;
     if (auto st = CudaStatus(cudaEventRecord(done_[static_cast<size_t>(l)], side_), "record layer event"); !st.ok()) {
       return st;

@@ -41,6 +41,10 @@ class Prefetcher {
   // ids: device [T, L, C] hash ids (layer l's columns at ids + l * n_cols, stride L * C).
   absl::Status Prefetch(const int32_t* ids, int32_t num_tokens, cudaStream_t main_stream);
   absl::Status Wait(int32_t layer, cudaStream_t main_stream);
+  // The row-order threshold (items per launch) of every layer's lookup: an engine passes the one it calibrated on
+  // its table or took from its tuning; -1 (the default): the process-wide LookupTuning::sort_min_items.
+  void set_sort_min_items(int64_t items) { sort_min_items_ = items; }
+  int64_t sort_min_items() const { return sort_min_items_; }
   // bf16 [max_tokens, n_cols, head_dim] per layer; fixed for the Prefetcher's life.
   uint16_t* staging(int32_t layer) const { return staging_[static_cast<size_t>(layer)]; }
   cudaEvent_t layer_event(int32_t layer) const { return done_[static_cast<size_t>(layer)]; }
@@ -55,6 +59,7 @@ class Prefetcher {
   std::vector<uint16_t*> staging_;
   void* sort_scratch_ = nullptr;  // row-order gather of large batches (engram_kernels.h)
   size_t sort_bytes_ = 0;
+  int64_t sort_min_items_ = -1;
 };
 
 }  // namespace engram::kernels

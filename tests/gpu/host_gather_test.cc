@@ -268,6 +268,8 @@ TEST(GpuHostGatherTest, EngineTakesTheChosenPathAndEveryPathServesTheReferenceRo
   opts.timeout = std::chrono::milliseconds(200);
   // The automatic choice takes the host path for this batch: a knob set on the client, not in the environment.
   ASSERT_TRUE(opts.tuning.Set("host_gather_min_items", "100").ok());
+  // A fixed row-order threshold reaches every launch: the direct lookups, the side-stream prefetch, the UVA share.
+  ASSERT_TRUE(opts.tuning.Set("lookup_sort_min_items", "777").ok());
   auto c = client::Client::Create(opts);
   ASSERT_TRUE(c.ok());
   client::AttachRequest req;
@@ -330,6 +332,13 @@ TEST(GpuHostGatherTest, EngineTakesTheChosenPathAndEveryPathServesTheReferenceRo
   // Forced host gather under graph capture is refused; the automatic choice captures the UVA kernel.
   auto* dev = dynamic_cast<client::DeviceEngine*>(engine->get());
   ASSERT_NE(dev, nullptr);
+  EXPECT_EQ(dev->sort_min_items(false, false), 777);
+  EXPECT_EQ(dev->sort_min_items(true, true), 777);
+  EXPECT_EQ(dev->prefetch_sort_min_items(), 777);
+  ASSERT_NE(dev->host_gather(), nullptr);
+  EXPECT_EQ(dev->host_gather()->options().uva_sort_min_items, 777);
+  EXPECT_NE(dev->choice().find(" tuning=host_gather_min_items=100,lookup_sort_min_items=777"), std::string::npos)
+      << dev->choice();
   cudaStream_t s;
   CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   auto captured = client::LookupEngine::Create(t, T, s);

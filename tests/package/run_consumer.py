@@ -44,8 +44,10 @@ def write_snippets(dest):
             includes = [x for x in body.splitlines() if x.startswith("#include")]
             code = [x for x in body.splitlines() if not x.startswith("#include")]
             where = f"{doc.relative_to(REPO)}:{line}"
-            code = [x.replace('"/run/engramd/engramd.sock"', SOCKET_MARK).replace('"/models/DeepSeek-V4.1-Flash"',
-                                                                                   CHECKPOINT_MARK) for x in code]
+            code = [checked_calls(x.replace('"/run/engramd/engramd.sock"', SOCKET_MARK)
+                                  .replace('"/models/DeepSeek-V4.1-Flash"', CHECKPOINT_MARK)) for x in code]
+            if any(re.search(r"\bauto table = client->Attach\(", x) for x in code):
+                code.append("expect_shared(*table);")
             includes = includes + ["#include <cstdlib>"]
             src = [f"// {where}"] + includes + ['#include "snippet_prelude.h"', f"void Snippet{i}() {{",
                                                  "  using namespace snippet_names;", f'#line {line} "{doc.relative_to(REPO)}"'] + code
@@ -56,6 +58,35 @@ def write_snippets(dest):
     header.append(f"inline int SnippetCount() {{ return {len(names)}; }}")
     (dest / "snippets.h").write_text("\n".join(header) + "\n")
     return names
+
+
+def checked_calls(line):
+    """The line with each statement that is a bare `engine->F(...)` or `client->F(...)` call (its result dropped)
+    wrapped in check(), so that a snippet's call that fails fails the run."""
+    out, i = [], 0
+    pat = re.compile(r"(^|;)(\s*)((?:engine|client)->\w+\()")
+    while True:
+        m = pat.search(line, i)
+        if not m:
+            out.append(line[i:])
+            return "".join(out)
+        start = m.start(3)
+        depth, j = 0, start
+        while j < len(line):  # the call's closing parenthesis
+            if line[j] == "(":
+                depth += 1
+            elif line[j] == ")":
+                depth -= 1
+                if depth == 0:
+                    break
+            j += 1
+        call = line[start:j + 1]
+        if depth != 0 or not line[j + 1:].lstrip().startswith(";"):  # not a whole statement: left as written
+            out.append(line[i:j + 1])
+        else:
+            name = call[:call.index("(")]
+            out.append(line[i:start] + f'check({call}, "{name}")')
+        i = j + 1
 
 
 # What the snippets' socket and checkpoint become: the driver's, read from the environment when they run.
@@ -107,24 +138,39 @@ def main():
 
 
 def run_snippets(a, work, binary):
-    """Starts engramd on a fresh test checkpoint (TP 1 and 2, as the snippets ask) and runs the snippets there."""
+    """Starts engramd on a fresh test checkpoint (TP 1 and 2, as the snippets ask) and runs the snippets there, on
+    the CPU backend (no GPU is visible to them)."""
     ck, shm, sock = work / "ck", work / "shm", work / "run" / "engramd.sock"
     shm.mkdir(parents=True)
     run([a.mkckpt, "--out", ck])
-    daemon = subprocess.Popen([a.engramd, "--checkpoint", ck, "--tp", "1,2", "--shm-dir", shm, "--socket", sock,
-                               "--log-level", "warn"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log_path = work / "engramd.log"
+    with open(log_path, "w") as log:
+        daemon = subprocess.Popen([a.engramd, "--checkpoint", ck, "--tp", "1,2", "--shm-dir", shm, "--socket", sock,
+                                   "--log-level", "warn"], stdout=subprocess.DEVNULL, stderr=log)
+    tail = lambda: log_path.read_text(errors="replace")[-4000:]
     try:
-        for _ in range(300):
+        for _ in range(600):
             if sock.exists() or daemon.poll() is not None:
                 break
             time.sleep(0.05)
         if daemon.poll() is not None:
-            sys.exit(f"engramd exited at start: {daemon.stderr.read()[-4000:]}")
-        env = dict(os.environ, ENGRAM_SNIPPET_SOCKET=str(sock), ENGRAM_SNIPPET_CHECKPOINT=str(ck))
-        return run([binary, "--run"], env=env).strip()
+            sys.exit(f"engramd exited at start: {tail()}")
+        if not sock.exists():
+            sys.exit(f"engramd made no socket in 30 s: {tail()}")
+        env = dict(os.environ, ENGRAM_SNIPPET_SOCKET=str(sock), ENGRAM_SNIPPET_CHECKPOINT=str(ck),
+                   CUDA_VISIBLE_DEVICES="")
+        r = subprocess.run([binary, "--run"], capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            sys.exit(f"FAILED: the snippets (exit {r.returncode})\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}\n"
+                     f"engramd's log:\n{tail()}")
+        return r.stdout.strip()
     finally:
         daemon.terminate()
-        daemon.wait(timeout=30)
+        try:
+            daemon.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
 
 
 if __name__ == "__main__":

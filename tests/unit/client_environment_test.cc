@@ -104,6 +104,18 @@ TEST(ClientEnvironment, NonFiniteNumbersOddFlagsAndOutOfRangeDurationsAreIgnored
   EXPECT_FALSE(e.tuning.dp_form_timeout_ms.has_value());
   EXPECT_FALSE(From({{"ENGRAM_HOST_GATHER_UVA_SHARE", "inf"}}).tuning.host_gather_uva_share.has_value());
   EXPECT_FALSE(From({{"ENGRAM_HOST_GATHER_UVA_SHARE", "1.5"}}).tuning.host_gather_uva_share.has_value());
+  // A malformed CPU list leaves the gather threads unpinned (no engine creation fails on it); a 0/1 knob's words.
+  EXPECT_TRUE(From({{"ENGRAM_HOST_GATHER_CPUS", "8-x"}}).tuning.host_gather_cpus.empty());
+  EXPECT_FALSE(From({{"ENGRAM_LOOKUP_SORT_MIN_ITEMS", "-1"}}).tuning.lookup_sort_min_items.has_value());
+  EXPECT_FALSE(From({{"ENGRAM_HOST_GATHER_NT", "2"}}).tuning.host_gather_nt.has_value());
+  EXPECT_EQ(From({{"ENGRAM_HOST_GATHER_NT", "off"}}).tuning.host_gather_nt, 0);
+}
+
+TEST(ClientEnvironment, RemovedVariablesAreNamedNotRead) {
+  EXPECT_TRUE(From({}).removed.empty());
+  EXPECT_EQ(From({{"ENGRAM_HOST_GATHER_DEDUP", "1"}, {"ENGRAM_HOST_GATHER_STREAM_UNPACK", "0"}}).removed,
+            (std::vector<std::string>{"ENGRAM_HOST_GATHER_DEDUP", "ENGRAM_HOST_GATHER_STREAM_UNPACK"}));
+  EXPECT_TRUE(From({{"ENGRAM_HOST_GATHER_DEDUP", ""}}).removed.empty()) << "an empty variable is unset";
 }
 
 TEST(ClientEnvironment, ReloadReadsTheProcessEnvironmentAgainAndKeepsEarlierReferencesValid) {

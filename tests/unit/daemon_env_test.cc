@@ -129,12 +129,70 @@ TEST(DaemonEnv, AFailedWriteOrRenameOfTheMetricsFileSaysSoAndLeavesTheOldFile) {
   EXPECT_EQ(Listing(dir.path()), std::vector<std::string>{"engram.prom"}) << "no temporary file is left";
 }
 
+// Fails one call of the metrics file's directory walk (shm/env.h's Open, Fstat, Fstatat, Readlinkat, or a
+// directory's Openat) with EIO; every other call is the real one.
+class WalkFaultEnv : public PosixEnv {
+ public:
+  enum What { kOpen, kFstat, kFstatat, kReadlinkat, kDirOpenat } what;
+  explicit WalkFaultEnv(What w) : what(w) {}
+  int Open(const char* path, int flags, mode_t mode) override {
+    return what == kOpen ? Fail() : PosixEnv::Open(path, flags, mode);
+  }
+  int Fstat(int fd, struct stat* st) override { return what == kFstat ? Fail() : PosixEnv::Fstat(fd, st); }
+  int Fstatat(int dirfd, const char* name, struct stat* st, int flags) override {
+    return what == kFstatat ? Fail() : PosixEnv::Fstatat(dirfd, name, st, flags);
+  }
+  int Readlinkat(int dirfd, const char* name, std::string* out) override {
+    return what == kReadlinkat ? Fail() : PosixEnv::Readlinkat(dirfd, name, out);
+  }
+  int Openat(int dirfd, const char* name, int flags, mode_t mode) override {
+    return what == kDirOpenat && (flags & O_DIRECTORY) != 0 ? Fail() : PosixEnv::Openat(dirfd, name, flags, mode);
+  }
+
+ private:
+  static int Fail() {
+    errno = EIO;
+    return -1;
+  }
+};
+
+int OpenDescriptors() {
+  std::vector<std::string> fds = Listing("/proc/self/fd");
+  return static_cast<int>(fds.size());
+}
+
+TEST(DaemonEnv, EveryCallOfTheMetricsFilesWalkFailsCleanly) {
+  testing::TempDir dir;
+  ::chmod(dir.path().c_str(), 0755);
+  const std::string real = dir / "real";
+  ASSERT_EQ(::mkdir(real.c_str(), 0755), 0);
+  ASSERT_EQ(::symlink(real.c_str(), (dir / "link").c_str()), 0);  // ours: the walk follows it, through Readlinkat
+  const std::string path = dir / "link/engram.prom";
+  ASSERT_TRUE(WriteMetricsFile(path, "old\n").ok());
+  for (auto what : {WalkFaultEnv::kOpen, WalkFaultEnv::kFstat, WalkFaultEnv::kFstatat, WalkFaultEnv::kReadlinkat,
+                    WalkFaultEnv::kDirOpenat}) {
+    WalkFaultEnv env(what);
+    const int fds = OpenDescriptors();
+    const absl::Status st = WriteMetricsFile(path, "new\n", &env);
+    EXPECT_FALSE(st.ok()) << "fault " << what;
+    EXPECT_FALSE(st.message().empty());
+    if (what != WalkFaultEnv::kFstatat) {  // a failed Fstatat reads as "not a link": the O_NOFOLLOW open refuses it
+      EXPECT_NE(st.message().find(std::strerror(EIO)), std::string::npos) << "fault " << what << ": " << st;
+    }
+    EXPECT_EQ(OpenDescriptors(), fds) << "fault " << what << " leaked a descriptor";
+    EXPECT_EQ(Slurp(real + "/engram.prom"), "old\n") << "fault " << what;
+    EXPECT_EQ(Listing(real), std::vector<std::string>{"engram.prom"}) << "fault " << what;
+  }
+}
+
 class GroupEnv : public PosixEnv {
  public:
   int err = 0;  // errno LookupGroup fails with
   gid_t gid = 4242;
+  int lookups = 0;
   int LookupGroup(const char* name, gid_t* out) override {
     (void)name;
+    ++lookups;
     if (err != 0) {
       errno = err;
       return -1;
@@ -147,17 +205,27 @@ class GroupEnv : public PosixEnv {
 TEST(DaemonEnv, GroupLookupsGoThroughTheEnvAndAnUnreadableDatabaseIsNotAMissingGroup) {
   GroupEnv env;
   UdsListener listener(&env);
-  EXPECT_TRUE(listener.CheckGroups("engram", "engram-admin").ok());
-  EXPECT_TRUE(listener.CheckGroups("", "").ok()) << "no group named: nothing to look up";
+  auto groups = listener.ResolveGroups("engram", "engram-admin");
+  ASSERT_TRUE(groups.ok()) << groups.status();
+  EXPECT_EQ(groups->gid, 4242);
+  EXPECT_EQ(groups->admin_gid, 4242);
+  EXPECT_EQ(env.lookups, 2);
+  EXPECT_EQ(listener.group_gid(), -1) << "resolving changes nothing";
+  listener.ApplyGroups(*groups);  // a reload applies what it checked, looking nothing up again
+  EXPECT_EQ(env.lookups, 2);
+  EXPECT_EQ(listener.group_gid(), 4242);
+  EXPECT_TRUE(listener.ResolveGroups("", "").ok()) << "no group named: nothing to look up";
+  EXPECT_EQ(env.lookups, 2);
   env.err = ENOENT;
-  absl::Status st = listener.CheckGroups("engram", "");
+  absl::Status st = listener.ResolveGroups("engram", "").status();
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("'engram' does not exist"), std::string::npos) << st;
   env.err = EIO;
-  st = listener.CheckGroups("", "engram-admin");
+  st = listener.ResolveGroups("", "engram-admin").status();
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(st.message().find("engram-admin"), std::string::npos) << st;
   EXPECT_NE(st.message().find(std::strerror(EIO)), std::string::npos) << st;
+  EXPECT_EQ(listener.group_gid(), 4242) << "a failed resolve leaves the groups served";
 }
 
 TEST(DaemonEnv, TheRealGroupDatabaseAnswers) {

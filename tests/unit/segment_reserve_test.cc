@@ -391,6 +391,10 @@ TEST(PublishTuningTest, FromEnvReadsEachKnob) {
   EXPECT_FALSE(t.sub_rows.has_value());
   EXPECT_EQ(t.stream_stores, -1);
   EXPECT_FALSE(t.cold_readers.has_value());
+  EXPECT_TRUE(t.removed.empty());
+  ::setenv("ENGRAM_PUBLISH_DIRECT_READ", "1", 1);
+  EXPECT_EQ(daemon::PublishTuning::FromEnvironment().removed, std::vector<std::string>{"ENGRAM_PUBLISH_DIRECT_READ"});
+  ::unsetenv("ENGRAM_PUBLISH_DIRECT_READ");
   ::setenv("ENGRAM_PUBLISH_COLD_READERS", "0", 1);
   EXPECT_EQ(daemon::PublishTuning::FromEnvironment().cold_readers.value_or(-1), 0);
   ::setenv("ENGRAM_PUBLISH_COLD_READERS", "4", 1);

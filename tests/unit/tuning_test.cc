@@ -48,7 +48,10 @@ TEST(Tuning, SetRefusesUnknownKeysAndBadValuesAndKeepsTheRecord) {
              {"host_gather_uva_share", "nan"}, {"engine_calibrate", "maybe"},
              {"lookup_path", "fastest"},       {"dp_a2a", "ring"},
              {"dp_form_timeout_ms", "0"},      {"dp_step_timeout_ms", "86400001"},
-             {"lookup_path_table", "  "},      {"lookup_sort_variant", "-2"}};
+             {"lookup_path_table", "  "},      {"lookup_sort_variant", "-2"},
+             {"lookup_sort_min_items", "-1"},  {"host_gather_cpus", "8-"},
+             {"host_gather_cpus", "15-8"},     {"host_gather_cpus", "a,b"},
+             {"host_gather_nt", "2"},          {"dp_nccl_blocking", "-1"}};
   for (const auto& b : bad) {
     SCOPED_TRACE(std::string(b.key) + "=" + b.value);
     const absl::Status st = t.Set(b.key, b.value);
@@ -56,6 +59,60 @@ TEST(Tuning, SetRefusesUnknownKeysAndBadValuesAndKeepsTheRecord) {
     EXPECT_NE(st.message().find(b.key), std::string::npos) << st.message();
   }
   EXPECT_EQ(TuningText(t), "host_gather_threads=4") << "a refused value changes nothing";
+}
+
+TEST(Tuning, TheZeroOneKnobsTakeFlagWords) {
+  Tuning t;
+  ASSERT_TRUE(t.Set("host_gather_nt", "off").ok());
+  ASSERT_TRUE(t.Set("host_gather_fused", "Yes").ok());
+  ASSERT_TRUE(t.Set("host_gather_issuer", "0").ok());
+  ASSERT_TRUE(t.Set("host_gather_prewake", "true").ok());
+  ASSERT_TRUE(t.Set("dp_nccl_blocking", "ON").ok());
+  EXPECT_EQ(t.host_gather_nt, 0);
+  EXPECT_EQ(t.host_gather_fused, 1);
+  EXPECT_EQ(t.host_gather_issuer, 0);
+  EXPECT_EQ(t.host_gather_prewake, 1);
+  EXPECT_EQ(t.dp_nccl_blocking, 1);
+}
+
+// A program may assign the fields directly: Normalize (run by Client::Create) checks them as Set would.
+TEST(Tuning, NormalizeChecksDirectAssignmentsAndLowersTheWords) {
+  Tuning t;
+  t.lookup_path = " HOST ";
+  t.dp_a2a = "Graph";
+  t.host_gather_threads = 8;
+  t.host_gather_uva_share = 0.5;
+  ASSERT_TRUE(t.Normalize().ok());
+  EXPECT_EQ(t.lookup_path, "host");
+  EXPECT_EQ(t.dp_a2a, "graph");
+  EXPECT_EQ(t.host_gather_threads, 8);
+  const struct {
+    const char* key;
+    void (*spoil)(Tuning&);
+  } bad[] = {
+      {"lookup_path", [](Tuning& x) { x.lookup_path = "fastest"; }},
+      {"host_gather_uva_share", [](Tuning& x) { x.host_gather_uva_share = 1.5; }},
+      {"host_gather_threads", [](Tuning& x) { x.host_gather_threads = -3; }},
+      {"dp_step_timeout_ms", [](Tuning& x) { x.dp_step_timeout_ms = 0; }},
+      {"host_gather_nt", [](Tuning& x) { x.host_gather_nt = 7; }},
+      {"host_gather_cpus", [](Tuning& x) { x.host_gather_cpus = "1-"; }},
+      {"lookup_path_table", [](Tuning& x) { x.lookup_path_table = " "; }},
+  };
+  for (const auto& b : bad) {
+    Tuning u = t;
+    b.spoil(u);
+    const Tuning before = u;
+    const absl::Status st = u.Normalize();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << b.key;
+    EXPECT_NE(st.message().find(b.key), std::string::npos) << st.message();
+    EXPECT_EQ(TuningText(u), TuningText(before)) << "a refused record is unchanged";
+  }
+  ClientOptions opts;
+  opts.socket = "/nonexistent/engramd.sock";
+  opts.tuning.host_gather_uva_share = -0.1;
+  const auto c = Client::Create(opts);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("host_gather_uva_share"), std::string::npos) << c.status();
 }
 
 TEST(Tuning, OverKeepsItsOwnKnobsAndTakesTheRest) {
@@ -69,6 +126,39 @@ TEST(Tuning, OverKeepsItsOwnKnobsAndTakesTheRest) {
   EXPECT_EQ(t.lookup_path, "uva");
   EXPECT_EQ(t.engine_calibrate, false);
   EXPECT_EQ(TuningText(Tuning{}.Over(Tuning{})), "");
+}
+
+// The keys as the documentation and the environment name them (written out here, not read from the code).
+TEST(Tuning, TheKeysAreTheDocumentedOnes) {
+  const std::vector<std::string> want = {
+      "lookup_path",
+      "lookup_path_table",
+      "host_gather_min_items",
+      "lookup_sort_min_items",
+      "lookup_sort_variant",
+      "lookup_sort_blocks",
+      "engine_calibrate",
+      "host_gather_threads",
+      "host_gather_cpus",
+      "host_gather_uva_share",
+      "host_gather_prefetch",
+      "host_gather_nt",
+      "host_gather_fused",
+      "host_gather_issuer",
+      "host_gather_spin_us",
+      "host_gather_dispatch_spin_us",
+      "host_gather_pass_spin_us",
+      "host_gather_prewake",
+      "host_gather_issue_min_rows",
+      "dp_form_timeout_ms",
+      "dp_step_timeout_ms",
+      "dp_chunk_kib",
+      "dp_peer_max_slot",
+      "dp_graph_max_slot",
+      "dp_nccl_blocking",
+      "dp_a2a",
+  };
+  EXPECT_EQ(Tuning::Keys(), want);
 }
 
 TEST(Tuning, KeysAreDistinctAndEachOneIsSettable) {
@@ -160,6 +250,7 @@ TEST(DpAgreement, ShardAndSplitFactsMustHoldForAllAndTheKnobsAreRankZeros) {
   ASSERT_TRUE(one.Set("dp_chunk_kib", "8").ok());
   ASSERT_TRUE(one.Set("dp_a2a", "sequential").ok());
   ASSERT_TRUE(one.Set("dp_nccl_blocking", "1").ok());
+  ASSERT_TRUE(one.Set("dp_graph_max_slot", "4").ok());  // rank 1 alone would not capture a slot of 16
   const auto all = Concat({DpAgreementMine(zero, true, true), DpAgreementMine(one, false, true)});
   const DpAgreement a = DecideDpAgreement(all, 2, 16);
   EXPECT_FALSE(a.all_on_gpu) << "member 1's shard is on the host";
@@ -168,11 +259,19 @@ TEST(DpAgreement, ShardAndSplitFactsMustHoldForAllAndTheKnobsAreRankZeros) {
   EXPECT_EQ(a.peer_max_slot, 64);
   EXPECT_FALSE(a.sequential) << "rank 1's dp_a2a is not the group's";
   EXPECT_FALSE(a.blocking);
-  EXPECT_TRUE(a.graph) << "auto: a slot of 16 is within the default graph limit";
-  // Every member decides the same from the same contributions.
-  const DpAgreement b = DecideDpAgreement(all, 2, 16);
-  EXPECT_EQ(a.graph, b.graph);
-  EXPECT_EQ(a.chunk_bytes, b.chunk_bytes);
+  EXPECT_TRUE(a.graph) << "auto: a slot of 16 is within rank 0's (default) graph limit, not rank 1's 4";
+  // Rank 0's knob decides: with the members swapped, rank 1's 4 is now rank 0's.
+  const DpAgreement b =
+      DecideDpAgreement(Concat({DpAgreementMine(one, true, true), DpAgreementMine(zero, true, true)}), 2, 16);
+  EXPECT_TRUE(b.sequential);
+  EXPECT_TRUE(b.blocking);
+  EXPECT_EQ(b.chunk_bytes, 8 * 1024);
+  Tuning small_graphs;
+  ASSERT_TRUE(small_graphs.Set("dp_graph_max_slot", "4").ok());
+  EXPECT_FALSE(
+      DecideDpAgreement(Concat({DpAgreementMine(small_graphs, true, true), DpAgreementMine(zero, true, true)}), 2, 16)
+          .graph)
+      << "rank 0 captures slots up to 4 only";
 }
 
 TEST(DpAgreement, TheFormFollowsTheSlotAndTheDefaults) {

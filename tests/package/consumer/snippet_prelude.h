@@ -7,9 +7,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <type_traits>
 #include <vector>
 
+#include "engram/client.h"
 #include "engram/lookup_engine.h"
+#include "engram/types.h"
 
 namespace snippet_names {
 inline constexpr int32_t kT = 5, kLayers = 2, kCols = 8, kHeadDim = 256, kHidden = 256, kHc = 4, kMaxNgram = 3;
@@ -39,6 +42,28 @@ void use(const V& v) {
     }
   }
   ++used;
+}
+
+// A status a snippet's call returned (the driver wraps each `engine->` and `client->` call statement in it): it must
+// be OK.
+template <class S>
+void check(const S& status, const char* call) {
+  if (!status.ok()) {
+    std::fprintf(stderr, "a snippet's call %s failed: %s\n", call, status.ToString().c_str());
+    std::abort();
+  }
+}
+
+// The driver appends this to every snippet that attaches a table: engramd serves the snippets' checkpoint at both
+// of their TP sizes, so each table must be a share of its segment.
+template <class T>
+void expect_shared(const T& table) {
+  if (table.mode() != engram::client::Mode::kShared) {
+    std::fprintf(stderr, "a snippet's table is %s, not SHARED:", engram::client::ModeName(table.mode()));
+    for (const auto& r : table.reasons()) std::fprintf(stderr, " %s", engram::client::ReasonName(r.code));
+    std::fprintf(stderr, "\n");
+    std::abort();
+  }
 }
 
 inline void Init() {
