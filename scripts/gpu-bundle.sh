@@ -84,6 +84,8 @@ if [ "${1:-}" = python ]; then
     mkdir -p "$out/pybuild/python/engram" && cp "$build/python/engram/_version.py" "$out/pybuild/python/engram/"
   fi
   cp -r "$root/tests/python" "$out/py/tests/python"
+  # What the documentation tests read from the repository (the tests find it two levels above tests/python).
+  cp -r "$root/docs" "$root/include" "$root/README.md" "$out/py/"
   cp "$root/bench/decode_step.py" "$root/bench/vllm_lookup.py" "$root/bench/sglang_lookup.py" "$out/py/bench/"
   # vLLM's own source files for the plugin's tests and benchmark (git-ignored, never committed): ENGRAM_VLLM_SRC,
   # else .cache/vllm-src of this checkout, when present.
