@@ -22,6 +22,10 @@ namespace engram::client::tuning_default {
 // side by side in four runs: 0.2 and 0.3 won some runs by 1-3% and lost others by as much). The engine's
 // calibration replaces it with the best of the shares it times on its own table.
 inline constexpr double kHostGatherUvaShare = 0.25;
+// The shares the engine's calibration times on its own table. On an H100 host (bench/RESULTS.md, 2026-12-07) 0.40
+// was the fastest share measured at 6K-1M rows, fresh ids and repeats alike (196608 rows: 1.95 ms against 2.19 at
+// 0.25), so the candidates reach past it.
+inline constexpr double kHostGatherCalibrationShares[] = {0.15, 0.25, 0.35, 0.45};
 // How a batch reaches the copy engine: bench_kernels' fastest "host gather variant" at 196K rows with the engine's
 // UVA share (2 x H200, bench/RESULTS.md 2026-11-30: non-temporal stores, fused plan + gather, the dispatcher
 // issuing merged copies of >= 4096 rows, pre-wake, spins of 200 us).

@@ -166,8 +166,10 @@ absl::Status DeviceEngine::Calibrate(const Tuning& tuning) {
     const int cpus = AllowedCpus();
     const int more = std::min(cpus * 3 / 4, 24);
     if (!tuning.host_gather_threads && more > host_options_.threads) threads.push_back(more);
+    const std::vector<double> shares(std::begin(tuning_default::kHostGatherCalibrationShares),
+                                     std::end(tuning_default::kHostGatherCalibrationShares));
     ASSIGN_OR_RETURN(const HostPlan plan, CalibrateHostGather(
-                                              t, threads, {0.15, 0.25, 0.35},
+                                              t, threads, shares,
                                               [this](int th) { return MakeHostGather(th); }, stream_, &host_));
     if (!plan.points.empty()) {
       host_options_.threads = plan.threads;
