@@ -36,8 +36,8 @@ inline absl::StatusOr<std::vector<int>> ParseCpuList(std::string_view text) {
                         ? number(part, &lo) && number(part, &hi)
                         : number(part.substr(0, dash), &lo) && number(part.substr(dash + 1), &hi);
     if (!ok || hi < lo || hi >= CPU_SETSIZE) {
-      return absl::InvalidArgumentError(absl::StrCat("bad CPU list \"", std::string(text), "\" at \"",
-                                                     std::string(part), "\""));
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad CPU list \"", std::string(text), "\" at \"", std::string(part), "\""));
     }
     for (int c = lo; c <= hi; ++c) cpus.push_back(c);
     pos = comma + 1;

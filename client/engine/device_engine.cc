@@ -168,9 +168,9 @@ absl::Status DeviceEngine::Calibrate(const Tuning& tuning) {
     if (!tuning.host_gather_threads && more > host_options_.threads) threads.push_back(more);
     const std::vector<double> shares(std::begin(tuning_default::kHostGatherCalibrationShares),
                                      std::end(tuning_default::kHostGatherCalibrationShares));
-    ASSIGN_OR_RETURN(const HostPlan plan, CalibrateHostGather(
-                                              t, threads, shares,
-                                              [this](int th) { return MakeHostGather(th); }, stream_, &host_));
+    ASSIGN_OR_RETURN(const HostPlan plan,
+                     CalibrateHostGather(
+                         t, threads, shares, [this](int th) { return MakeHostGather(th); }, stream_, &host_));
     if (!plan.points.empty()) {
       host_options_.threads = plan.threads;
       path_table_.clear();
