@@ -8,8 +8,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <thread>
@@ -19,6 +21,7 @@
 #include "bench/bench_kernels.h"
 #include "bench/cuda_check.h"
 #include "bench/gpu_timing.h"
+#include "client/engine/calibration.h"
 #include "client/engine/host_gather.h"
 #include "client/tuning.h"
 #include "kernels/engram_kernels.h"
@@ -51,8 +54,32 @@ void KernelBench::LookupPaths() {
   std::unique_ptr<engram::client::HostGather> hg = make_hg(default_threads);
   std::printf("host gather: %d threads (default share of %d cores); engine default: UVA share %.2f\n", hg->threads(),
               cores, engram::client::tuning_default::kHostGatherUvaShare);
-  // The engine's built-in share and its neighbours (the engine's calibration picks among 0.15-0.35).
+  // The engine's built-in share and its neighbours.
   const std::vector<double> shares = {0.0, 0.15, 0.2, 0.25, 0.3, 0.4};
+  // The plan an engine over this table would calibrate at creation (the same call, thread counts and shares as
+  // DeviceEngine's), timed below beside the fixed configurations.
+  engram::client::CalibrationTarget target;
+  target.layers.push_back({static_cast<const uint8_t*>(dseg), 0, rows, d_out});
+  target.head_dim = static_cast<int32_t>(D);
+  target.n_cols = C;
+  target.max_tokens = static_cast<int32_t>(max_items / C);
+  target.sort_scratch = paths_scratch;
+  target.sort_bytes = paths_scratch_bytes;
+  std::vector<int> cal_threads = {default_threads};
+  if (std::min(cores * 3 / 4, 24) > default_threads) cal_threads.push_back(std::min(cores * 3 / 4, 24));
+  const std::vector<double> cal_shares(std::begin(engram::client::tuning_default::kHostGatherCalibrationShares),
+                                       std::end(engram::client::tuning_default::kHostGatherCalibrationShares));
+  std::unique_ptr<engram::client::HostGather> calibrated;
+  auto plan = engram::client::CalibrateHostGather(
+      target, cal_threads, cal_shares,
+      [&](int th) -> absl::StatusOr<std::unique_ptr<engram::client::HostGather>> { return make_hg(th); }, s,
+      &calibrated);
+  if (!plan.ok()) {
+    std::printf("engine calibration: %s\n", std::string(plan.status().message()).c_str());
+    std::exit(1);
+  }
+  std::printf("engine calibration of this table: %s\n", plan->text.c_str());
+  if (calibrated == nullptr) calibrated = make_hg(plan->threads);
   for (double repeat : {0.0, 0.45}) {
     for (int64_t n_rows : {int64_t{6144}, int64_t{24576}, int64_t{196608}, int64_t{1} << 20}) {
       const int64_t items = n_rows / C * C;
@@ -103,6 +130,34 @@ void KernelBench::LookupPaths() {
       }
       hg->set_uva_share(0);
       if (host_engine > 1e29) host_engine = host_best;
+      // The calibrated plan's point nearest this size (on a log scale), as the engine's automatic choice reads it.
+      const engram::client::HostPoint* near = nullptr;
+      for (const auto& p : plan->points) {
+        if (near == nullptr || std::abs(std::log(static_cast<double>(p.items) / items)) <
+                                   std::abs(std::log(static_cast<double>(near->items) / items))) {
+          near = &p;
+        }
+      }
+      if (near != nullptr) {
+        double cal_ms = uva_engine;
+        if (near->host) {
+          calibrated->set_uva_share(near->share);
+          cal_ms = MedianMs(
+              [&] {
+                if (!calibrated->Prefetch(ids.data() + (k++ % sets) * items, tokens, C, s).ok() ||
+                    !calibrated->Wait(0, s).ok()) {
+                  std::exit(1);
+                }
+              },
+              s, 10, 2);
+        }
+        const double best_ms = std::min({plain, sorted, host_best});
+        std::printf(
+            "%-7lld rows, %2.0f%% repeats: engine's calibrated plan: %s (%d threads, share %.2f) %.3f ms, %.3f of H2D, "
+            "%.2f of the fastest configuration here\n",
+            static_cast<long long>(items), repeat * 100, near->host ? "host gather" : "UVA", calibrated->threads(),
+            near->share, cal_ms, items * rb / cal_ms / 1e6 / h2d, cal_ms / best_ms);
+      }
       std::printf(
           "%-7lld rows, %2.0f%% repeats: fastest UVA %.3f ms, fastest host %.3f ms (%s); engine: UVA %.3f ms, "
           "host %.3f ms\n",
@@ -112,6 +167,7 @@ void KernelBench::LookupPaths() {
     }
   }
   hg.reset();
+  calibrated.reset();
 }
 
 // Threads and chunk sizes: how the host gather scales (random rows, fresh ids; every row; the engine's share).
