@@ -53,12 +53,6 @@ absl::StatusOr<UdsListener::Groups> UdsListener::ResolveGroups(const std::string
   return g;
 }
 
-absl::Status UdsListener::SetGroups(const std::string& group, const std::string& admin_group) {
-  ASSIGN_OR_RETURN(const Groups g, ResolveGroups(group, admin_group));
-  ApplyGroups(g);
-  return absl::OkStatus();
-}
-
 void UdsListener::ApplyGroups(const Groups& g) {
   admin_gid_ = g.admin_gid;
   if (g.gid != group_gid_.exchange(g.gid)) {

@@ -12,16 +12,15 @@
 // Running out of descriptors (EMFILE/ENFILE) or kernel memory (ENOBUFS/ENOMEM) in accept does not spin: the loop
 // backs off (50 ms doubling to 400 ms), logs `event=accept_backoff` once per episode and `event=accept_resumed` when
 // accept works again; established connections keep being served meanwhile.
-// Groups change at run time (SetGroups, on SIGHUP): the next connection and the next call are checked against the
-// new ones, and the socket files change group with them.
-// Connections are bounded per uid (SetMaxConnectionsPerUid; root and the daemon's uid are exempt), refused or not, so
-// that no uid can take the daemon's descriptors or server threads from the others: one more is closed at accept and
-// logged (`event=connection_refused reason=TOO_MANY_CONNECTIONS`, at most once a second per uid, with how many were
-// closed since). gRPC owns a connection's fd once handed on and closes it when the peer goes; the listener remembers
-// each fd with the socket's inode and, when a uid reaches its bound (at most every 50 ms), drops the fds that are
-// closed or now name another file.
-// Thread-safe: the accept loop runs on its own thread; PeerOf, Allowed, Operator and SetGroups may be called from any
-// thread.
+// Groups change at run time (ResolveGroups + ApplyGroups, on SIGHUP): the next connection and the next call are checked
+// against the new ones, and the socket files change group with them. Connections are bounded per uid
+// (SetMaxConnectionsPerUid; root and the daemon's uid are exempt), refused or not, so that no uid can take the daemon's
+// descriptors or server threads from the others: one more is closed at accept and logged (`event=connection_refused
+// reason=TOO_MANY_CONNECTIONS`, at most once a second per uid, with how many were closed since). gRPC owns a
+// connection's fd once handed on and closes it when the peer goes; the listener remembers each fd with the socket's
+// inode and, when a uid reaches its bound (at most every 50 ms), drops the fds that are closed or now name another
+// file. Thread-safe: the accept loop runs on its own thread; PeerOf, Allowed, Operator and ApplyGroups may be called
+// from any thread.
 #pragma once
 
 #include <atomic>
@@ -57,12 +56,10 @@ class UdsListener {
   // Whether a peer may run the operator calls: root, the daemon's own uid, or a member of the admin group (an
   // allowed peer that is not one attaches and reads status only).
   bool Operator(const PeerCred& p) const;
-  // Serve with these groups from now on (a reload): InvalidArgument naming the group when one does not exist, and
-  // then nothing changes. The sockets (this one and `<path>.fds`) are given the new --group.
-  absl::Status SetGroups(const std::string& group, const std::string& admin_group);
-  // SetGroups in two steps, for a reload that must check everything before it changes anything: ResolveGroups looks
-  // the groups up (InvalidArgument naming a group that does not exist, Unavailable when the group database cannot
-  // be read) and changes nothing; ApplyGroups serves with what it resolved, looking nothing up again.
+  // New groups (a reload), in two steps so that the reload checks everything before it changes anything:
+  // ResolveGroups looks them up (InvalidArgument naming a group that does not exist, Unavailable when the group
+  // database cannot be read) and changes nothing; ApplyGroups serves with what it resolved, looking nothing up again,
+  // and gives the sockets (this one and `<path>.fds`) the new --group.
   struct Groups {
     int gid = -1;        // --group's gid (-1: none)
     int admin_gid = -1;  // --admin-group's gid (-1: none)

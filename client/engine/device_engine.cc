@@ -74,8 +74,7 @@ absl::StatusOr<std::unique_ptr<DeviceEngine>> DeviceEngine::Create(const Table& 
     }
     // The side-stream prefetch and the host gather's UVA share run a few blocks, a grid the calibration does not
     // time: they take the threshold only when it is fixed, else the process-wide one (the measured default).
-    e->fixed_sort_min_items_ = *tuning.lookup_sort_min_items;
-    e->prefetcher_.set_sort_min_items(e->fixed_sort_min_items_);
+    e->prefetcher_.set_sort_min_items(*tuning.lookup_sort_min_items);
   }
   e->path_ = PathFromTuning(tuning);
   e->path_table_ = PathTable(tuning);
@@ -126,7 +125,7 @@ absl::StatusOr<std::unique_ptr<HostGather>> DeviceEngine::MakeHostGather(int thr
   }
   HostGatherOptions o = host_options_;
   if (threads > 0) o.threads = threads;
-  o.uva_sort_min_items = fixed_sort_min_items_;
+  o.uva_sort_min_items = prefetcher_.sort_min_items();  // the few-block grids' threshold, as the prefetch's
   return HostGather::Create(std::move(layers), std::move(out), max_tokens_, static_cast<int32_t>(table_->n_cols()),
                             static_cast<int32_t>(table_->head_dim()), o);
 }

@@ -86,8 +86,7 @@ class DeviceEngine final : public LookupEngine {
   unsigned paths_logged_ = 0;
   HostGatherOptions host_options_;
   int64_t sort_min_items_[2][2] = {{-1, -1}, {-1, -1}};  // [packed][background]; -1: the process-wide tuning
-  int64_t fixed_sort_min_items_ = -1;  // the tuning's fixed threshold (-1: none), for the few-block grids
-  DecodeShapes decode_;                // the plain gather's shape at decode sizes
+  DecodeShapes decode_;                                  // the plain gather's shape at decode sizes
   // Times the row-order threshold, the decode shapes and the host-gather plan on this table (calibration.h), as
   // the environment allows, and logs what was chosen and why.
   absl::Status Calibrate(const Tuning& tuning);
