@@ -11,6 +11,7 @@
 //              crossover the engine's automatic choice uses (written to $ENGRAM_LOOKUP_PATH_TABLE when set); the
 //              host gather's pipeline variants (prefetch distance, non-temporal stores, fused plan, copy issuer,
 //              wake-up) side by side, batches back to back and after an idle gap ("host gather variant" lines)
+//              (ENGRAM_BENCH_PATHS_ONLY=1: the ceilings and the every-path lookups alone)
 // Usage: bench_kernels FLASH_CONFIG_JSON [TABLE_GIB]   (prints a table; times are medians of CUDA-event timings)
 // main (below) runs the sections in the order they print; bench/bench_kernels.h holds the state they share (set up
 // here), the other bench_kernels_*.cc files the sections.
@@ -62,6 +63,9 @@ bool KernelBench::MapSegment(double table_gib) {
   // ENGRAM_BENCH_HG_VARIANTS_ONLY=1: the ceilings, then only the host-gather variants (a short run for tuning).
   const char* variants_env = std::getenv("ENGRAM_BENCH_HG_VARIANTS_ONLY");
   variants_only = variants_env != nullptr && std::string(variants_env) == "1";
+  // ENGRAM_BENCH_PATHS_ONLY=1: the ceilings, then only the every-path lookups beside the engine's calibrated plan.
+  const char* paths_env = std::getenv("ENGRAM_BENCH_PATHS_ONLY");
+  paths_only = paths_env != nullptr && std::string(paths_env) == "1";
   path = shm_dir + "/engram-bench-" + std::to_string(::getpid());
   int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
   if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(seg_bytes)) != 0) {
@@ -180,6 +184,13 @@ int main(int argc, char** argv) {
   b.Ceilings();
   if (!b.MapSegment(table_gib)) return 1;
   b.AllocLookupBuffers();
+  if (b.paths_only) {
+    b.BeginPaths();
+    b.LookupPaths();
+    b.EndPaths();
+    b.Unmap();
+    return 0;
+  }
   if (!b.variants_only) {
     b.UvaLookup();
     b.UvaRowOrder();

@@ -34,6 +34,7 @@ struct KernelBench {
   void *d0 = nullptr, *d1 = nullptr;  // the ceiling copies' device buffers (random bytes in d0)
   double h2d = 0, d2d = 0;            // ceilings, GB/s
   bool variants_only = false;         // ENGRAM_BENCH_HG_VARIANTS_ONLY=1
+  bool paths_only = false;            // ENGRAM_BENCH_PATHS_ONLY=1
   std::string shm_dir, path;          // the segment's directory and file
   size_t seg_bytes = 0;
   int64_t rows = 0;  // records in the segment

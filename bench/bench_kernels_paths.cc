@@ -157,6 +157,38 @@ void KernelBench::LookupPaths() {
             "%.2f of the fastest configuration here\n",
             static_cast<long long>(items), repeat * 100, near->host ? "host gather" : "UVA", calibrated->threads(),
             near->share, cal_ms, items * rb / cal_ms / 1e6 / h2d, cal_ms / best_ms);
+        if (near->host) {
+          // Where a gap between the calibration's time and this one comes from: the calibration's own measure
+          // (wall clock from Prefetch to a synchronized stream, the best of 2 fresh batches) against its median over
+          // 10; the same plan on a gather created just now; the default gather at the same share.
+          auto wall = [&](engram::client::HostGather& g, int n, bool best_of) {
+            std::vector<double> v;
+            for (int i = 0; i < n; ++i) {
+              const auto t0 = std::chrono::steady_clock::now();
+              if (!g.Prefetch(ids.data() + (k++ % sets) * items, tokens, C, s).ok() || !g.Wait(0, s).ok()) {
+                std::exit(1);
+              }
+              CUDA_CHECK(cudaStreamSynchronize(s));
+              v.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+            }
+            std::sort(v.begin(), v.end());
+            return best_of ? v.front() : v[v.size() / 2];
+          };
+          const double wall_best2 = wall(*calibrated, 2, true), wall_median = wall(*calibrated, 10, false);
+          auto fresh = make_hg(calibrated->threads());
+          fresh->set_uva_share(near->share);
+          (void)wall(*fresh, 1, true);  // wakes its threads, touches its staging
+          const double fresh_median = wall(*fresh, 10, false);
+          fresh.reset();
+          hg->set_uva_share(near->share);
+          const double default_median = wall(*hg, 10, false);
+          hg->set_uva_share(0);
+          std::printf(
+              "%-7lld rows, %2.0f%% repeats: calibrated plan by wall clock: best of 2 %.3f ms, median of 10 %.3f ms "
+              "(calibration timed %.3f ms); a fresh %d-thread gather %.3f ms; the %d-thread default gather %.3f ms\n",
+              static_cast<long long>(items), repeat * 100, wall_best2, wall_median, near->host_ms,
+              calibrated->threads(), fresh_median, hg->threads(), default_median);
+        }
       }
       std::printf(
           "%-7lld rows, %2.0f%% repeats: fastest UVA %.3f ms, fastest host %.3f ms (%s); engine: UVA %.3f ms, "
