@@ -55,7 +55,18 @@ std::string DiagnoseSocket(const std::string& socket) {
   if (rc == 0) return "";
   switch (err) {
     case ENOENT: return "engramd is not running (no socket at " + socket + ")";
-    case ECONNREFUSED: return "engramd is not running (nothing listens on " + socket + ")";
+    case ECONNREFUSED: {
+      // A path that is not a socket at all (a FIFO, a file, a directory) refuses the same way: name what it is.
+      struct stat st {};
+      if (::stat(socket.c_str(), &st) == 0 && !S_ISSOCK(st.st_mode)) {
+        const char* kind = S_ISFIFO(st.st_mode)  ? "a FIFO"
+                           : S_ISDIR(st.st_mode) ? "a directory"
+                           : S_ISREG(st.st_mode) ? "a regular file"
+                                                 : "not a socket";
+        return socket + " is " + kind + ", not engramd's socket (--socket names the socket engramd listens on)";
+      }
+      return "engramd is not running (nothing listens on " + socket + ")";
+    }
     case EACCES:
     case EPERM:
       return "permission denied on " + socket + ": this user may not use engramd (add it to the daemon's group)";

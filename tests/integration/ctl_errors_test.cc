@@ -7,6 +7,9 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "tests/test_util.h"
@@ -53,6 +56,35 @@ TEST(CtlErrorsTest, NotRunningIsOnlySaidWhenNothingListens) {
   auto r = RunCmd(BinPath("engramctl") + " status --socket " + (dir / "none.sock"));
   EXPECT_EQ(r.exit_code, 3);
   EXPECT_NE(r.err.find("not running"), std::string::npos) << r.err;
+}
+
+// A --socket that names a FIFO, a regular file or a directory is said to be that, not a daemon that is not running;
+// a socket nobody listens on (a dead engramd's leftover) is "not running".
+TEST(CtlErrorsTest, APathThatIsNotASocketIsNamedForWhatItIs) {
+  TempDir dir;
+  const std::string ctl = BinPath("engramctl");
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0600), 0);
+  testing::WriteFile(dir / "file", "x");
+  ASSERT_EQ(::mkdir((dir / "dir").c_str(), 0700), 0);
+  for (const auto& [name, kind] : std::vector<std::pair<std::string, std::string>>{
+           {"fifo", "is a FIFO"}, {"file", "is a regular file"}, {"dir", "is a directory"}}) {
+    auto r = RunCmd(ctl + " status --socket " + (dir / name));
+    EXPECT_EQ(r.exit_code, 3) << name << ": " << r.err;
+    EXPECT_NE(r.err.find(kind + ", not engramd's socket"), std::string::npos) << name << ": " << r.err;
+    EXPECT_EQ(r.err.find("not running"), std::string::npos) << name << ": " << r.err;
+  }
+  // A bound socket with no listener left (what a killed engramd leaves behind).
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string path = dir / "dead.sock";
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ::close(fd);
+  auto r = RunCmd(ctl + " status --socket " + path);
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_NE(r.err.find("not running (nothing listens on"), std::string::npos) << r.err;
 }
 
 TEST(CtlErrorsTest, APermissionRefusalIsNotNotRunning) {
