@@ -167,6 +167,7 @@ void Coordinator::Detach(const std::string& lease_id) {
 }
 
 engram::v1::StatusReply Coordinator::Status() {
+  replicas_.ReclaimExpiredTickets();  // what status and the metrics show of the tickets is not past its limit
   engram::v1::StatusReply reply = BuildStatus(segments_, replicas_, draining_, prewarm_.get());
   for (auto& g : groups_.Groups()) *reply.add_groups() = std::move(g);
   if (descriptors_ != nullptr) {

@@ -110,6 +110,10 @@ class ReplicaRegistry {
   bool ReplicaWaiting() const;
   // How long a ticket may be held before it is reclaimed (at least 1 ms).
   void SetTicketHoldLimit(std::chrono::milliseconds limit);
+  // Reclaims the tickets held past the hold limit now (a waiter or the daemon's own registration also does, before
+  // it takes one): the status and metrics paths call it, so that a ticket that nobody waits for is not shown held
+  // past its limit.
+  void ReclaimExpiredTickets();
   // Registration result: frees the replica's ticket; on failure the replica falls back (REGISTER_FAILED), its
   // lease is released and the fallback recorded.
   void ReportRegistration(const std::string& lease_id, const engram::v1::RegisterResult& result);

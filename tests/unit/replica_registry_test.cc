@@ -3,6 +3,7 @@
 // SIGHUP path), outcomes recorded and validated, recent fallbacks bounded, the versions in status. Threads wait on
 // conditions, not sleeps.
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <string>
 #include <thread>
@@ -285,6 +286,30 @@ TEST(ReplicaRegistryTest, StatusShowsRegisteringWhileATicketIsHeld) {
   EXPECT_EQ(s.replicas(0).mode(), "SHARED");
   EXPECT_EQ(s.replicas(0).pid(), 55);
   EXPECT_TRUE(s.draining());
+}
+
+// A ticket held past --ticket-hold-ms is reclaimed when status (or a metrics scrape) is read, not only when another
+// replica waits: status then shows the holder no longer registering, and the expiry among the recent fallbacks.
+TEST(ReplicaRegistryTest, AnExpiredTicketIsReclaimedByStatusWithNobodyWaiting) {
+  testing::TempDir dir;
+  Options opts;
+  opts.shm_dir = dir.path();
+  opts.tickets = 1;
+  opts.ticket_hold_ms = 1;
+  Coordinator state(opts);
+  ASSERT_TRUE(state.Start().ok());
+  std::string lease;
+  auto m = state.Attach(
+      MakeHello(), PeerCred{77, 0, 0}, [] { return false; }, nullptr, &lease);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_TRUE(state.AcquireTicket(lease, [] { return false; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // past the 1 ms hold limit
+  const engram::v1::StatusReply s = state.Status();
+  ASSERT_EQ(s.replicas_size(), 1);
+  EXPECT_NE(s.replicas(0).backend(), "registering") << "the expired ticket is still shown held";
+  bool named = false;
+  for (const auto& f : s.recent_fallbacks()) named |= f.find("ticket_expired pid 77") != std::string::npos;
+  EXPECT_TRUE(named) << "the expiry is not among the recent fallbacks";
 }
 
 // Status carries the daemon's version and, per replica, the client_version its hello said ("" when none), through
