@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <climits>
 #include <cstring>
 #include <vector>
 
@@ -205,41 +204,6 @@ absl::Status SafetensorsFile::ReadRange(const TensorInfo& tensor, uint64_t offse
   uint64_t done = 0;
   while (done < n) {
     ssize_t r = ::pread(fd_, out + done, n - done, static_cast<off_t>(tensor.begin + offset + done));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return ReadFailed(tensor, tensor.begin + offset + done, r);
-    done += static_cast<uint64_t>(r);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status SafetensorsFile::ReadRows(const TensorInfo& tensor, uint64_t offset, uint64_t row_bytes, uint64_t rows,
-                                       void* dst, uint64_t dst_stride) const {
-  if (row_bytes == 0 || rows == 0) {  // nothing to read: the same answer as ReadRange(tensor, offset, ., 0)
-    return ReadRange(tensor, offset, dst, 0);
-  }
-  if (dst_stride < row_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(path_, ": tensor `", tensor.name, "`: rows of ", row_bytes,
-                                                   " bytes cannot land ", dst_stride, " bytes apart"));
-  }
-  if (rows > tensor.bytes() / row_bytes || offset > tensor.bytes() || rows * row_bytes > tensor.bytes() - offset) {
-    return absl::OutOfRangeError(absl::StrCat(path_, ": tensor `", tensor.name, "`: read of ", rows, " rows of ",
-                                              row_bytes, " bytes at ", offset, " is outside its ", tensor.bytes(),
-                                              " bytes"));
-  }
-  char* const out = static_cast<char*>(dst);
-  const uint64_t total = rows * row_bytes;
-  constexpr uint64_t kMaxIov = IOV_MAX < 1024 ? IOV_MAX : 1024;
-  thread_local std::vector<iovec> iov;
-  iov.resize(kMaxIov);
-  uint64_t done = 0;  // bytes of the range read so far
-  while (done < total) {
-    // Vectors from `done` on: the rest of the current row, then whole rows.
-    uint64_t row = done / row_bytes, in_row = done % row_bytes, k = 0;
-    for (; k < kMaxIov && row < rows; ++k, ++row, in_row = 0) {
-      iov[k].iov_base = out + row * dst_stride + in_row;
-      iov[k].iov_len = row_bytes - in_row;
-    }
-    const ssize_t r = ::preadv(fd_, iov.data(), static_cast<int>(k), static_cast<off_t>(tensor.begin + offset + done));
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0) return ReadFailed(tensor, tensor.begin + offset + done, r);
     done += static_cast<uint64_t>(r);

@@ -50,11 +50,6 @@ class SafetensorsFile {
   // Reads `n` bytes starting `offset` bytes into `tensor`'s data. Fails on ranges outside the tensor and on short
   // reads (the file shrank since Open), naming file and tensor.
   absl::Status ReadRange(const TensorInfo& tensor, uint64_t offset, void* dst, uint64_t n) const;
-  // The same bytes as ReadRange(tensor, offset, ., rows * row_bytes), scattered: row i lands at dst + i * dst_stride
-  // (dst_stride >= row_bytes). One copy from the page cache straight into place (preadv, up to IOV_MAX rows per
-  // call); the same errors as ReadRange.
-  absl::Status ReadRows(const TensorInfo& tensor, uint64_t offset, uint64_t row_bytes, uint64_t rows, void* dst,
-                        uint64_t dst_stride) const;
   // Advises the kernel that the range will not be needed again (drops page cache behind a streaming reader).
   void DropCache(const TensorInfo& tensor, uint64_t offset, uint64_t n) const;
   // Reads what the page cache holds of the range without waiting for the disk (preadv2 RWF_NOWAIT): returns how many

@@ -116,45 +116,6 @@ TEST(SafetensorsTest, FileTruncatedAfterOpenIsDataLoss) {
   EXPECT_NE(st.message().find("truncated"), std::string::npos) << st;
 }
 
-// ReadRows scatters the same bytes a plain read of the range gives (the oracle: the file's bytes, read back with
-// std::ifstream-free POSIX pread here), row i at i * stride, leaving the gaps alone; more rows than one preadv takes
-// (IOV_MAX); the same range checks and truncation error as ReadRange.
-TEST(SafetensorsTest, ReadRowsScattersTheRangeIntoStridedRows) {
-  TempDir dir;
-  constexpr uint64_t kRowBytes = 7, kRows = 3000, kStride = 11;
-  json h = {{"w", {{"dtype", "U8"}, {"shape", {kRows * kRowBytes}}, {"data_offsets", {0, kRows * kRowBytes}}}}};
-  std::string data(kRows * kRowBytes, '\0');
-  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>((i * 131 + 7) & 0xFF);
-  const std::string path = dir / "rows.safetensors";
-  testing::WriteFile(path, Le64(h.dump().size()) + h.dump() + data);
-  auto f = SafetensorsFile::Open(path);
-  ASSERT_TRUE(f.ok()) << f.status();
-  const TensorInfo& w = *(*f)->Find("w");
-  for (uint64_t first : {uint64_t{0}, uint64_t{5}}) {
-    const uint64_t rows = kRows - first;
-    std::vector<char> out(rows * kStride, '\x5A');
-    ASSERT_TRUE((*f)->ReadRows(w, first * kRowBytes, kRowBytes, rows, out.data(), kStride).ok());
-    for (uint64_t r = 0; r < rows; ++r) {
-      ASSERT_EQ(std::string(out.data() + r * kStride, kRowBytes), data.substr((first + r) * kRowBytes, kRowBytes))
-          << "row " << r;
-      ASSERT_EQ(std::string(out.data() + r * kStride + kRowBytes, kStride - kRowBytes),
-                std::string(kStride - kRowBytes, '\x5A'))
-          << "gap after row " << r << " was written";
-    }
-  }
-  std::vector<char> out(kRows * kStride);
-  auto oob = (*f)->ReadRows(w, kRowBytes, kRowBytes, kRows, out.data(), kStride);
-  EXPECT_EQ(oob.code(), absl::StatusCode::kOutOfRange) << oob;
-  EXPECT_NE(oob.message().find("`w`"), std::string::npos);
-  EXPECT_EQ((*f)->ReadRows(w, 0, kRowBytes, uint64_t{1} << 62, out.data(), kStride).code(),
-            absl::StatusCode::kOutOfRange);  // rows * row_bytes would wrap
-  EXPECT_EQ((*f)->ReadRows(w, 0, kRowBytes, 2, out.data(), kRowBytes - 1).code(), absl::StatusCode::kInvalidArgument);
-  ASSERT_EQ(::truncate(path.c_str(), 8 + static_cast<off_t>(h.dump().size()) + 100 * kRowBytes + 3), 0);
-  auto st = (*f)->ReadRows(w, 0, kRowBytes, kRows, out.data(), kStride);
-  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss);
-  EXPECT_NE(st.message().find("truncated"), std::string::npos) << st;
-}
-
 tools::SyntheticSpec SmallSpec(const std::string& dir) {
   tools::SyntheticSpec s;
   s.out_dir = dir;
