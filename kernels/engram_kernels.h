@@ -14,6 +14,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace engram::kernels {
 
@@ -119,6 +120,10 @@ struct LookupTuning {
 };
 LookupTuning GetLookupTuning();
 void SetLookupTuning(const LookupTuning& tuning);
+// Sets only the row-order gather's variant (clamped to 0..3) and/or grid (at least 0), each where given, leaving
+// every other field as it is: two engines created at once, each naming one, both take effect (a get-then-set of the
+// whole record could write back the other's old value).
+void SetLookupSortShape(std::optional<int32_t> variant, std::optional<int32_t> blocks);
 
 cudaError_t LaunchLookup(const LookupArgs& args, cudaStream_t stream);
 

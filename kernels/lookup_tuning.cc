@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <optional>
 
 #include "kernels/engram_kernels.h"
 #include "kernels/lookup_shape.h"
@@ -56,6 +57,11 @@ void SetLookupTuning(const LookupTuning& t) {
   Tuning().decode_items.store(std::max<int64_t>(t.decode_items, 0));
   if (Pow2UpTo8(t.decode_rows)) Tuning().decode_rows.store(t.decode_rows);
   if (Pow2UpTo8(t.decode_block_warps)) Tuning().decode_block_warps.store(t.decode_block_warps);
+}
+
+void SetLookupSortShape(std::optional<int32_t> variant, std::optional<int32_t> blocks) {
+  if (variant) Tuning().sort_variant.store(std::clamp(*variant, 0, 3));
+  if (blocks) Tuning().sort_blocks.store(std::max(*blocks, 0));
 }
 
 bool ValidPlainShape(int32_t rows, int32_t block_warps) {

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -27,17 +28,16 @@ int AllowedCpus() {
 }
 
 // The row-order gather's variant and grid are the kernels' process-wide state: set when a table's tuning names
-// them (the last engine created with them decides), left at the kernels' defaults otherwise.
+// them (field by field: the last engine created naming a field decides it), left at the kernels' defaults otherwise.
 void ApplyProcessWideLookupTuning(const Tuning& tuning) {
-  if (!tuning.lookup_sort_variant && !tuning.lookup_sort_blocks) return;
-  kernels::LookupTuning t = kernels::GetLookupTuning();
+  std::optional<int32_t> variant, blocks;
   if (tuning.lookup_sort_variant) {
-    t.sort_variant = static_cast<int32_t>(std::clamp<int64_t>(*tuning.lookup_sort_variant, 0, 3));
+    variant = static_cast<int32_t>(std::clamp<int64_t>(*tuning.lookup_sort_variant, 0, 3));
   }
   if (tuning.lookup_sort_blocks) {
-    t.sort_blocks = static_cast<int32_t>(std::clamp<int64_t>(*tuning.lookup_sort_blocks, 0, 1 << 20));
+    blocks = static_cast<int32_t>(std::clamp<int64_t>(*tuning.lookup_sort_blocks, 0, 1 << 20));
   }
-  kernels::SetLookupTuning(t);
+  if (variant || blocks) kernels::SetLookupSortShape(variant, blocks);
 }
 
 }  // namespace
