@@ -42,6 +42,23 @@ std::unique_ptr<engram::v1::Engram::Stub> Connect(const std::string& socket) {
   return engram::v1::Engram::NewStub(grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
 }
 
+namespace {
+
+// What `socket` is when it exists and is not a socket ("" otherwise: a socket, or nothing stat can see).
+std::string NotASocket(const std::string& socket) {
+  struct stat st {};
+  if (::stat(socket.c_str(), &st) != 0 || S_ISSOCK(st.st_mode)) return "";
+  const char* kind = S_ISFIFO(st.st_mode)  ? "a FIFO"
+                     : S_ISDIR(st.st_mode) ? "a directory"
+                     : S_ISREG(st.st_mode) ? "a regular file"
+                     : S_ISCHR(st.st_mode) ? "a character device"
+                     : S_ISBLK(st.st_mode) ? "a block device"
+                                           : "something other than a socket";
+  return socket + " is " + kind + ", not engramd's socket (--socket names the socket engramd listens on)";
+}
+
+}  // namespace
+
 std::string DiagnoseSocket(const std::string& socket) {
   sockaddr_un addr{};
   if (socket.size() >= sizeof(addr.sun_path)) return socket + ": socket path too long";
@@ -53,20 +70,14 @@ std::string DiagnoseSocket(const std::string& socket) {
   const int err = errno;
   ::close(fd);
   if (rc == 0) return "";
+  // A path that is not a socket at all (a FIFO, a file, a directory) is refused as a stale socket is, or, when this
+  // user may not write it, as a permission refusal: name what it is instead.
+  if (err == ECONNREFUSED || err == EACCES || err == EPERM) {
+    if (std::string what = NotASocket(socket); !what.empty()) return what;
+  }
   switch (err) {
     case ENOENT: return "engramd is not running (no socket at " + socket + ")";
-    case ECONNREFUSED: {
-      // A path that is not a socket at all (a FIFO, a file, a directory) refuses the same way: name what it is.
-      struct stat st {};
-      if (::stat(socket.c_str(), &st) == 0 && !S_ISSOCK(st.st_mode)) {
-        const char* kind = S_ISFIFO(st.st_mode)  ? "a FIFO"
-                           : S_ISDIR(st.st_mode) ? "a directory"
-                           : S_ISREG(st.st_mode) ? "a regular file"
-                                                 : "not a socket";
-        return socket + " is " + kind + ", not engramd's socket (--socket names the socket engramd listens on)";
-      }
-      return "engramd is not running (nothing listens on " + socket + ")";
-    }
+    case ECONNREFUSED: return "engramd is not running (nothing listens on " + socket + ")";
     case EACCES:
     case EPERM:
       return "permission denied on " + socket + ": this user may not use engramd (add it to the daemon's group)";

@@ -21,8 +21,9 @@ inline constexpr const char* kDefaultSocket = "/run/engramd/engramd.sock";
 // Prints `msg` and the usage to stderr; returns 2.
 int Usage(const std::string& msg);
 std::unique_ptr<engram::v1::Engram::Stub> Connect(const std::string& socket);
-// Why nothing answered on `socket`, from a plain connect(2): no socket, a stale one, or a permission refusal
-// (which is not "engramd is not running"). Empty when the connect succeeds.
+// Why nothing answered on `socket`, from a plain connect(2): no socket, a stale one, a path that is not a socket at
+// all (named for what it is: a FIFO, a file, a directory, a device), or a permission refusal (which is not "engramd
+// is not running"). Empty when the connect succeeds.
 std::string DiagnoseSocket(const std::string& socket);
 // Exit code and message for a failed RPC: 3 when nothing answers on the socket, 4 when this user may not use it.
 int RpcFailure(const grpc::Status& st, const std::string& socket);

@@ -85,6 +85,30 @@ TEST(CtlErrorsTest, APathThatIsNotASocketIsNamedForWhatItIs) {
   auto r = RunCmd(ctl + " status --socket " + path);
   EXPECT_EQ(r.exit_code, 3) << r.err;
   EXPECT_NE(r.err.find("not running (nothing listens on"), std::string::npos) << r.err;
+  r = RunCmd(ctl + " status --socket /dev/null");
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_NE(r.err.find("/dev/null is a character device, not engramd's socket"), std::string::npos) << r.err;
+}
+
+// The same for a user who may not write the path (connect(2) then fails with EACCES, not ECONNREFUSED): a root-owned
+// configuration file or the socket's directory given as --socket is named for what it is, not a permission refusal.
+TEST(CtlErrorsTest, APathThatIsNotASocketIsNamedForWhatItIsToAnotherUser) {
+  if (::geteuid() != 0 || RunCmd("setpriv --reuid 65534 --regid 65534 --clear-groups true").exit_code != 0) {
+    GTEST_SKIP() << "needs root and setpriv to run engramctl as another user";
+  }
+  TempDir dir;
+  ASSERT_EQ(::chmod(dir.path().c_str(), 0755), 0);
+  testing::WriteFile(dir / "engramd.conf", "tickets = 1\n");
+  ASSERT_EQ(::chmod((dir / "engramd.conf").c_str(), 0644), 0);
+  ASSERT_EQ(::mkdir((dir / "run").c_str(), 0755), 0);
+  for (const auto& [name, kind] : std::vector<std::pair<std::string, std::string>>{
+           {"engramd.conf", "is a regular file"}, {"run", "is a directory"}}) {
+    auto r = RunCmd("setpriv --reuid 65534 --regid 65534 --clear-groups " + BinPath("engramctl") + " status --socket " +
+                    (dir / name));
+    EXPECT_EQ(r.exit_code, 3) << name << ": " << r.err;
+    EXPECT_NE(r.err.find(kind + ", not engramd's socket"), std::string::npos) << name << ": " << r.err;
+    EXPECT_EQ(r.err.find("permission denied"), std::string::npos) << name << ": " << r.err;
+  }
 }
 
 TEST(CtlErrorsTest, APermissionRefusalIsNotNotRunning) {
