@@ -183,14 +183,8 @@ void ReplicaRegistry::ExpireTicketsLocked() {
 }
 
 void ReplicaRegistry::ReclaimExpiredTickets() {
-  int before = 0, after = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    before = tickets_held_;
-    ExpireTicketsLocked();
-    after = tickets_held_;
-  }
-  if (after < before) cv_.notify_all();  // a ticket is free: a waiter that polls may take it
+  std::lock_guard<std::mutex> lock(mu_);
+  ExpireTicketsLocked();  // a ticket given back wakes the waiters (ReleaseTicketLocked)
 }
 
 void ReplicaRegistry::RecordEngineChoice(const std::string& lease_id, const std::string& text) {

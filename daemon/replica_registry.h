@@ -16,7 +16,8 @@
 //
 // A ticket is held at most the hold limit (SetTicketHoldLimit, --ticket-hold-ms): a replica that takes one and never
 // reports its registration loses it; the registry reclaims it (`event=ticket_expired` naming the holder's pid, uid
-// and lease, and a line in the recent fallbacks) while others wait, and the next in the queue gets it. The notify
+// and lease, and a line in the recent fallbacks) when a waiter, the daemon's own registration or a reader of status
+// (ReclaimExpiredTickets) next looks, and the next in the queue gets it. The notify
 // callbacks run under the mutex (they only queue a write on their session's stream) and must not call back into the
 // registry. The registry never calls SegmentRegistry, so the two locks are never held together.
 #pragma once

@@ -303,7 +303,8 @@ TEST(ReplicaRegistryTest, AnExpiredTicketIsReclaimedByStatusWithNobodyWaiting) {
       MakeHello(), PeerCred{77, 0, 0}, [] { return false; }, nullptr, &lease);
   ASSERT_TRUE(m.ok()) << m.status();
   ASSERT_TRUE(state.AcquireTicket(lease, [] { return false; }));
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // past the 1 ms hold limit
+  const auto taken = std::chrono::steady_clock::now();
+  WaitUntil([&] { return std::chrono::steady_clock::now() - taken > std::chrono::milliseconds(2); });  // past 1 ms
   const engram::v1::StatusReply s = state.Status();
   ASSERT_EQ(s.replicas_size(), 1);
   EXPECT_NE(s.replicas(0).backend(), "registering") << "the expired ticket is still shown held";
