@@ -11,7 +11,7 @@
 //              crossover the engine's automatic choice uses (written to $ENGRAM_LOOKUP_PATH_TABLE when set); the
 //              host gather's pipeline variants (prefetch distance, non-temporal stores, fused plan, copy issuer,
 //              wake-up) side by side, batches back to back and after an idle gap ("host gather variant" lines)
-//              (ENGRAM_BENCH_PATHS_ONLY=1: the ceilings and the every-path lookups alone)
+//              (ENGRAM_BENCH_PATHS_ONLY=1: the ceilings, the every-path lookups and the crossover alone)
 // Usage: bench_kernels FLASH_CONFIG_JSON [TABLE_GIB]   (prints a table; times are medians of CUDA-event timings)
 // main (below) runs the sections in the order they print; bench/bench_kernels.h holds the state they share (set up
 // here), the other bench_kernels_*.cc files the sections.
@@ -187,6 +187,7 @@ int main(int argc, char** argv) {
   if (b.paths_only) {
     b.BeginPaths();
     b.LookupPaths();
+    b.ChoiceTable();
     b.EndPaths();
     b.Unmap();
     return 0;
