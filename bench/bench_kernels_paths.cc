@@ -8,10 +8,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <iterator>
 #include <memory>
 #include <string>
 #include <thread>
@@ -23,6 +21,7 @@
 #include "bench/gpu_timing.h"
 #include "client/engine/calibration.h"
 #include "client/engine/host_gather.h"
+#include "client/engine/path_table.h"
 #include "client/tuning.h"
 #include "kernels/engram_kernels.h"
 
@@ -65,13 +64,10 @@ void KernelBench::LookupPaths() {
   target.max_tokens = static_cast<int32_t>(max_items / C);
   target.sort_scratch = paths_scratch;
   target.sort_bytes = paths_scratch_bytes;
-  std::vector<int> cal_threads = {default_threads};
-  if (std::min(cores * 3 / 4, 24) > default_threads) cal_threads.push_back(std::min(cores * 3 / 4, 24));
-  const std::vector<double> cal_shares(std::begin(engram::client::tuning_default::kHostGatherCalibrationShares),
-                                       std::end(engram::client::tuning_default::kHostGatherCalibrationShares));
   std::unique_ptr<engram::client::HostGather> calibrated;
   auto plan = engram::client::CalibrateHostGather(
-      target, cal_threads, cal_shares,
+      target, engram::client::HostGatherCalibrationThreads(cores, default_threads, false),
+      engram::client::HostGatherCalibrationShares(),
       [&](int th) -> absl::StatusOr<std::unique_ptr<engram::client::HostGather>> { return make_hg(th); }, s,
       &calibrated);
   if (!plan.ok()) {
@@ -130,14 +126,8 @@ void KernelBench::LookupPaths() {
       }
       hg->set_uva_share(0);
       if (host_engine > 1e29) host_engine = host_best;
-      // The calibrated plan's point nearest this size (on a log scale), as the engine's automatic choice reads it.
-      const engram::client::HostPoint* near = nullptr;
-      for (const auto& p : plan->points) {
-        if (near == nullptr || std::abs(std::log(static_cast<double>(p.items) / items)) <
-                                   std::abs(std::log(static_cast<double>(near->items) / items))) {
-          near = &p;
-        }
-      }
+      // The calibrated plan's point nearest this size, as the engine's automatic choice reads it.
+      const engram::client::HostPoint* near = engram::client::NearestPoint(plan->points, items);
       if (near != nullptr) {
         double cal_ms = uva_engine;
         if (near->host) {

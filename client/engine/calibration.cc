@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <iterator>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status_macros.h"
+#include "client/tuning.h"
 #include "kernels/device_layout.h"
 #include "kernels/engram_kernels.h"
 
@@ -251,6 +253,18 @@ absl::StatusOr<DecodeShapes> CalibrateDecode(const CalibrationTarget& t) {
     }
   }
   return shapes;
+}
+
+std::vector<int> HostGatherCalibrationThreads(int cpus, int base, bool fixed) {
+  std::vector<int> threads = {base};
+  const int more = std::min(cpus * 3 / 4, 24);
+  if (!fixed && more > base) threads.push_back(more);
+  return threads;
+}
+
+std::vector<double> HostGatherCalibrationShares() {
+  return {std::begin(tuning_default::kHostGatherCalibrationShares),
+          std::end(tuning_default::kHostGatherCalibrationShares)};
 }
 
 absl::StatusOr<HostPlan> CalibrateHostGather(

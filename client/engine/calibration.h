@@ -75,6 +75,11 @@ struct HostPlan {
   std::vector<HostPoint> points;
   std::string text;  // "threads=8(tried 8:1.210 12:1.180ms) 24576:host@0.25(host 0.15:0.32,0.25:0.31ms;uva 0.44ms) ..."
 };
+// The gather thread counts the host-gather calibration tries: `base` (the default), and three quarters of `cpus`
+// (at most 24) when that is more and the count is not fixed by hand.
+std::vector<int> HostGatherCalibrationThreads(int cpus, int base, bool fixed);
+// The UVA shares it tries (tuning_default::kHostGatherCalibrationShares).
+std::vector<double> HostGatherCalibrationShares();
 // `make(threads)` creates a host gather over every layer of the table, writing the layers' staging (the engine's
 // own options with `threads`); the one of the chosen thread count is handed back in *kept. `threads` lists the
 // counts to try (the first is the default, kept on a tie within 3%); `shares` the UVA shares. Sizes from 6144 items

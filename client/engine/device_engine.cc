@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <limits>
 #include <optional>
 #include <string>
@@ -161,15 +160,11 @@ absl::Status DeviceEngine::Calibrate(const Tuning& tuning) {
   const bool host_records = table_->records(0) != nullptr && table_->device_records(0) != nullptr;
   if (calibrate && has_staging_ && host_records && path_ == LookupPath::kAuto && tuning.lookup_path_table.empty() &&
       !tuning.host_gather_min_items && !tuning.host_gather_uva_share) {
-    std::vector<int> threads = {host_options_.threads};
-    const int cpus = AllowedCpus();
-    const int more = std::min(cpus * 3 / 4, 24);
-    if (!tuning.host_gather_threads && more > host_options_.threads) threads.push_back(more);
-    const std::vector<double> shares(std::begin(tuning_default::kHostGatherCalibrationShares),
-                                     std::end(tuning_default::kHostGatherCalibrationShares));
-    ASSIGN_OR_RETURN(const HostPlan plan,
-                     CalibrateHostGather(
-                         t, threads, shares, [this](int th) { return MakeHostGather(th); }, stream_, &host_));
+    const std::vector<int> threads =
+        HostGatherCalibrationThreads(AllowedCpus(), host_options_.threads, tuning.host_gather_threads.has_value());
+    ASSIGN_OR_RETURN(const HostPlan plan, CalibrateHostGather(
+                                              t, threads, HostGatherCalibrationShares(),
+                                              [this](int th) { return MakeHostGather(th); }, stream_, &host_));
     if (!plan.points.empty()) {
       host_options_.threads = plan.threads;
       path_table_.clear();
@@ -196,27 +191,14 @@ void DeviceEngine::NotePath(LookupPath path, int64_t items) {
   Log().info("engram: event=lookup_path_used lookup_path={} items_per_layer={}", LookupPathName(path), items);
 }
 
-const PathPoint* DeviceEngine::NearestPoint(int64_t items) const {
-  const PathPoint* best = nullptr;
-  double best_d = 0;
-  for (const auto& p : path_table_) {
-    const double d = std::fabs(std::log(static_cast<double>(items)) - std::log(static_cast<double>(p.items)));
-    if (best == nullptr || d < best_d) {
-      best = &p;
-      best_d = d;
-    }
-  }
-  return best;
-}
-
 bool DeviceEngine::HostWins(int64_t items) const {
   if (path_table_.size() == 1 && path_table_[0].threshold) return items >= path_table_[0].items;
-  const PathPoint* p = NearestPoint(items);
+  const PathPoint* p = NearestPoint(path_table_, items);
   return p != nullptr && p->host;
 }
 
 double DeviceEngine::ShareAt(int64_t items) const {
-  const PathPoint* p = NearestPoint(items);
+  const PathPoint* p = NearestPoint(path_table_, items);
   return p != nullptr ? p->share : -1;
 }
 

@@ -70,8 +70,7 @@ class DeviceEngine final : public LookupEngine {
   std::string calibration_;  // what Calibrate chose, for choice()
   std::string choice_;
   DeviceEngine() = default;
-  void NotePath(LookupPath path, int64_t items);
-  const PathPoint* NearestPoint(int64_t items) const;  // last_path_, and a log line the first time a path is taken
+  void NotePath(LookupPath path, int64_t items);  // last_path_, and a log line the first time a path is taken
   const Table* table_ = nullptr;
   cudaStream_t stream_ = nullptr;
   int32_t max_tokens_ = 0;

@@ -4,6 +4,7 @@
 // batch's choice from the nearest point on a log scale. Pure functions over values; thread-safe.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -23,6 +24,22 @@ struct PathPoint {
 // host_gather_min_items=N: one threshold point; else the points of the lookup_path_table file (lines "ITEMS
 // host|uva"; a missing, unreadable or empty file gives the built-in points); else the built-in points.
 std::vector<PathPoint> PathTable(const Tuning& tuning);
+
+// The point of `points` (anything with an `items` field) nearest `items` on a log scale, the first of equals; null
+// when there is none. The engine's automatic choice reads its path table this way.
+template <typename Point>
+const Point* NearestPoint(const std::vector<Point>& points, int64_t items) {
+  const Point* best = nullptr;
+  double best_d = 0;
+  for (const Point& p : points) {
+    const double d = std::fabs(std::log(static_cast<double>(items)) - std::log(static_cast<double>(p.items)));
+    if (best == nullptr || d < best_d) {
+      best = &p;
+      best_d = d;
+    }
+  }
+  return best;
+}
 
 // The path lookup_path forces: "uva", "host" or "host_gather"; anything else (unset, "auto") is kAuto.
 LookupPath PathFromTuning(const Tuning& tuning);

@@ -202,6 +202,19 @@ TEST(Tuning, ClientOptionsReachTheAttachedTableOverTheEnvironment) {
 }
 
 // The lookup path's choice from the tuning: a threshold, a table file, the built-in points; the forced path.
+// The automatic choice reads the point nearest a batch on a log scale (ratios, not differences), the first of two
+// equally near points, and none from an empty table.
+TEST(PathTableFromTuning, TheNearestPointIsTakenOnALogScale) {
+  const std::vector<PathPoint> points = {{1536, false}, {4096, true}, {9000, false}, {196608, true}};
+  EXPECT_EQ(NearestPoint(points, 1)->items, 1536);
+  EXPECT_EQ(NearestPoint(points, 6144)->items, 9000) << "9000/6144 = 1.46 is nearer than 6144/4096 = 1.5";
+  EXPECT_EQ(NearestPoint(points, 5000)->items, 4096) << "5000/4096 = 1.22 against 9000/5000 = 1.8";
+  EXPECT_EQ(NearestPoint(points, 1 << 30)->items, 196608);
+  const std::vector<PathPoint> twice = {{2000, false}, {2000, true}};
+  EXPECT_FALSE(NearestPoint(twice, 3000)->host) << "two points at one size: the first wins";
+  EXPECT_EQ(NearestPoint(std::vector<PathPoint>{}, 2000), nullptr);
+}
+
 TEST(PathTableFromTuning, ThresholdThenFileThenBuiltIn) {
   Tuning t;
   const std::vector<PathPoint> built_in = PathTable(t);
